@@ -1,0 +1,289 @@
+"""transformers integration: a Cache subclass with typed per-layer policy state and an
+attention function registered through transformers' ``AttentionInterface``.
+
+Nothing is patched at import. ``policy.apply(model)`` returns a :class:`PolicySession`;
+inside its ``with`` block the model's attention implementation is "kvpolicy" and
+``model.generate`` gets a :class:`PolicyCache` unless one is passed; on exit both are
+restored. Layers the policy does not serve (sliding-window layers of hybrid models) keep
+transformers' own cache layers and SDPA attention.
+
+Works with transformers 5.17 (``past_key_values.update(k, v, idx, cache_kwargs)``) through
+5.24 (``cache.update(k, v, idx, kwargs=...)``): both reach ``Cache.update``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..errors import KVPolicyError, UnsupportedModelError
+from ..kernels import dispatch
+from ..layer import PolicyLayerState
+
+ATTENTION_NAME = "kvpolicy"
+
+# The cache whose ``update`` ran last on this thread; the attention function that follows
+# in the same layer finds its layer state here (transformers passes it no cache).
+_active = threading.local()
+
+
+def _register() -> None:
+    """Make "kvpolicy" a known attention implementation (idempotent, done on first apply)."""
+    AttentionInterface.register(ATTENTION_NAME, kvpolicy_attention)
+    # prefill runs SDPA, so it wants SDPA's mask
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+class PolicyCacheLayer(DynamicLayer):
+    """A full-attention layer served by the policy. Holds a :class:`PolicyLayerState`."""
+
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, state: PolicyLayerState):
+        super().__init__()
+        self.state = state
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.state.store is not None and key_states.shape[2] != 1:
+            raise KVPolicyError(
+                f"layer {self.state.layer_idx}: a forward of {key_states.shape[2]} tokens after prefill is not "
+                "supported (chunked prefill, assisted or speculative decoding); decode one token per step"
+            )
+        # the attention function consumes these; they are the prompt's KV or this step's token
+        self.pending = (key_states, value_states)
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.state.seq_length
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise KVPolicyError("a PolicyCache cannot be reset; make a new one with session.new_cache()")
+
+    def _unsupported(self, *args, **kwargs):
+        raise KVPolicyError("PolicyCache does not support beam search, cropping or batch reordering")
+
+    crop = batch_repeat_interleave = batch_select_indices = reorder_cache = _unsupported
+
+
+class PolicyCache(DynamicCache):
+    """transformers' DynamicCache with the policy serving every full-attention layer."""
+
+    def __init__(self, policy, config, pool_device: torch.device | None):
+        super().__init__(config=config)
+        if not self.layers:
+            raise UnsupportedModelError(
+                f"{type(config).__name__}: transformers builds no per-layer cache structure for this model, "
+                "so kvpolicy cannot tell its full-attention layers apart"
+            )
+        self.policy = policy
+        self.served: list[int] = []
+        for idx, layer in enumerate(self.layers):
+            # exact type: sliding-window, linear-attention and other special layers keep their own cache
+            if type(layer) is DynamicLayer:
+                self.layers[idx] = PolicyCacheLayer(PolicyLayerState(policy, idx, pool_device))
+                self.served.append(idx)
+        if not self.served:
+            raise UnsupportedModelError(
+                f"{type(config).__name__} has no full-attention layers (all {len(self.layers)} are "
+                f"{sorted({type(l).__name__ for l in self.layers})}); kvpolicy serves full-attention layers only"
+            )
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        _active.cache = self
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def policy_layers(self) -> list[PolicyLayerState]:
+        return [self.layers[i].state for i in self.served]
+
+
+def _token_valid(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
+    """``(batch, length)`` True for real (non-padding) prompt tokens, read off the 4D mask's last row."""
+    if attention_mask is None:
+        return torch.ones(batch, length, dtype=torch.bool, device=device)
+    last_row = attention_mask[:, 0, -1, -length:]
+    if last_row.dtype != torch.bool:
+        last_row = last_row > torch.finfo(last_row.dtype).min / 2
+    return last_row.expand(batch, length).to(device)
+
+
+def kvpolicy_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """The registered attention function: dense prefill, policy decode."""
+    cache = getattr(_active, "cache", None)
+    layer = None
+    if cache is not None:
+        candidate = cache.layers[module.layer_idx] if module.layer_idx < len(cache.layers) else None
+        if isinstance(candidate, PolicyCacheLayer) and candidate.pending is not None and candidate.pending[0] is key:
+            layer = candidate
+    if layer is None:  # a layer the policy does not serve, or a forward without our cache
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    layer.pending = None
+    state = layer.state
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if state.store is None:
+        out, weights = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+        valid = _token_valid(attention_mask, key.shape[0], key.shape[2], key.device)
+        state.prefill(key, value, valid, num_q_heads=query.shape[1])
+        return out, weights
+    out = state.decode(query[:, :, 0], key[:, :, 0], value[:, :, 0], scale)
+    return out.unsqueeze(1), None  # (B, 1, Hq, D), as transformers' attention functions return
+
+
+def cache_argument_name(model) -> str:
+    """The keyword a model's forward takes its cache by: "cache" from transformers 5.24, else "past_key_values"."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@dataclass
+class RunStats:
+    """What one generation did, summed over the served layers."""
+
+    context_tokens: int
+    decode_steps: int
+    budget: int | None
+    reselect_share: float | None  # of (layer, sequence, step) triples that re-selected
+    device_kv_bytes: int
+    full_kv_bytes: int
+    served_layers: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class PolicySession:
+    """The scope of ``policy.apply(model)``. See :meth:`kvpolicy.Policy.apply`."""
+
+    def __init__(self, policy, model):
+        self.policy = policy
+        self.model = model
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.cache: PolicyCache | DynamicCache | None = None
+        self._saved_attn: str | None = None
+        self._check_model()
+        if not policy.is_dense:
+            dispatch.check(policy.backend, self.device)
+            if policy.placement == "gpu" and self.device.type != "cuda":
+                raise KVPolicyError(
+                    f"placement='gpu' keeps the full KV in GPU memory, but the model is on {self.device.type}; "
+                    "use placement='cpu' or move the model to a CUDA device"
+                )
+
+    def _check_model(self) -> None:
+        config = self.config.get_text_config(decoder=True) if hasattr(self.config, "get_text_config") else self.config
+        if getattr(self.config, "is_encoder_decoder", False):
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} is an encoder-decoder model; kvpolicy serves decoder-only models"
+            )
+        if not getattr(self.model, "_supports_attention_backend", False):
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} does not route attention through transformers' AttentionInterface, "
+                "so kvpolicy cannot serve it"
+            )
+        for attr in ("num_attention_heads", "num_hidden_layers"):
+            if not hasattr(config, attr):
+                raise UnsupportedModelError(f"{type(config).__name__} has no {attr}; not a decoder kvpolicy can serve")
+
+    @property
+    def pool_device(self) -> torch.device:
+        if self.policy.placement == "cpu":
+            return torch.device("cpu")
+        return self.device
+
+    def new_cache(self) -> PolicyCache | DynamicCache:
+        """A fresh cache for one generation (``model(..., past_key_values=session.new_cache())``)."""
+        if self.policy.is_dense:
+            self.cache = DynamicCache(config=self.config)
+        else:
+            self.cache = PolicyCache(self.policy, self.config, self.pool_device)
+        return self.cache
+
+    def __enter__(self) -> "PolicySession":
+        if not self.policy.is_dense:
+            # fail now, not mid-generate, if the model has nothing to serve
+            PolicyCache(self.policy, self.config, self.pool_device)
+            _register()
+            self._saved_attn = self.config._attn_implementation
+            self._set_attn(ATTENTION_NAME)
+        original_generate = self.model.generate
+        session = self
+
+        cache_arg = cache_argument_name(self.model)
+
+        def generate(*args, **kwargs):
+            if kwargs.get("past_key_values") is None and kwargs.get("cache") is None:
+                kwargs[cache_arg] = session.new_cache()
+            session._started = time.perf_counter()
+            return original_generate(*args, **kwargs)
+
+        self.model.generate = generate  # instance attribute, removed on exit
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.model.__dict__.pop("generate", None)
+        if self._saved_attn is not None:
+            self._set_attn(self._saved_attn)
+            self._saved_attn = None
+
+    def _set_attn(self, name: str) -> None:
+        # set on every sub-config so that composite models route their decoder through us
+        for module in self.model.modules():
+            config = getattr(module, "config", None)
+            if config is not None and hasattr(config, "_attn_implementation"):
+                config._attn_implementation = name
+
+    def stats(self) -> RunStats:
+        """Figures of the last generation in this session."""
+        cache = self.cache
+        if cache is None:
+            raise KVPolicyError("no generation has run in this session yet")
+        if isinstance(cache, PolicyCache):
+            states = cache.policy_layers()
+            steps = states[0].decode_steps
+            batch = states[0].reselections.shape[0]
+            total = sum(int(s.reselections.sum()) for s in states)
+            share = total / (len(states) * steps * batch) if steps else None
+            device_bytes = sum(s.store.device_bytes() for s in states)
+            full_bytes = sum(s.store.full_bytes() for s in states)
+            context = states[0].store.length - steps
+            served = len(states)
+        else:
+            layers = [l for l in cache.layers if l.keys is not None and l.keys.numel()]
+            full_bytes = sum(2 * l.keys.numel() * l.keys.element_size() for l in layers)
+            device_bytes = full_bytes
+            length = cache.get_seq_length()
+            steps = getattr(self, "_steps_hint", 0)
+            context, share, served = length, None, len(layers)
+        return RunStats(
+            context_tokens=context,
+            decode_steps=steps,
+            budget=self.policy.budget,
+            reselect_share=share,
+            device_kv_bytes=device_bytes,
+            full_kv_bytes=full_bytes,
+            served_layers=served,
+        )

@@ -1,0 +1,101 @@
+"""Kernel dispatch: one name per op, one implementation per backend.
+
+``backend="reference"`` is the pure-PyTorch path, always available. Fast backends
+(``triton``; CUDA where Triton cannot) register implementations with ``implement`` and a
+capability check; ``backend="auto"`` takes the fastest that supports the call and logs the
+choice once. Asking explicitly for a backend that cannot serve is an error, never a
+silent fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..errors import BackendUnavailableError, ConfigError
+from . import reference
+
+log = logging.getLogger("kvpolicy")
+
+OPS = ("kmeans", "select_budget", "gather_rows", "sparse_decode_attention")
+BACKENDS = ("auto", "reference", "triton")
+# auto tries these in order
+_PREFERENCE = ("triton", "reference")
+
+
+@dataclass(frozen=True)
+class Implementation:
+    fn: Callable
+    supports: Callable[[torch.device], bool]
+
+
+_IMPLEMENTATIONS: dict[str, dict[str, Implementation]] = {
+    "reference": {op: Implementation(getattr(reference, op), lambda device: True) for op in OPS},
+    "triton": {},
+}
+_logged: set[tuple[str, str, str]] = set()
+
+
+def implement(backend: str, op: str, supports: Callable[[torch.device], bool]) -> Callable[[Callable], Callable]:
+    """Decorator a fast backend uses to provide ``op``."""
+    if backend not in _IMPLEMENTATIONS or op not in OPS:
+        raise ConfigError(f"unknown backend {backend!r} or op {op!r}; backends: {BACKENDS[1:]}, ops: {OPS}")
+
+    def decorate(fn: Callable) -> Callable:
+        _IMPLEMENTATIONS[backend][op] = Implementation(fn, supports)
+        return fn
+
+    return decorate
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def why_unavailable(backend: str, op: str, device: torch.device) -> str | None:
+    """None if ``backend`` can run ``op`` on ``device``, else the reason."""
+    if backend not in _IMPLEMENTATIONS:
+        return f"unknown kernel backend {backend!r}; accepted: {', '.join(BACKENDS)}"
+    impl = _IMPLEMENTATIONS[backend].get(op)
+    if impl is None:
+        have = ", ".join(sorted(_IMPLEMENTATIONS[backend])) or "no ops yet"
+        return f"kernel backend {backend!r} does not implement {op!r} (it has: {have})"
+    if not impl.supports(device):
+        hint = " (Triton needs a CUDA device, or TRITON_INTERPRET=1 on CPU)" if backend == "triton" else ""
+        return f"kernel backend {backend!r} cannot run {op!r} on {device.type}{hint}"
+    return None
+
+
+def check(backend: str, device: torch.device, ops: tuple[str, ...] = OPS) -> None:
+    """Validate a backend choice up front (when the policy is applied)."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown kernel backend {backend!r}; accepted: {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return
+    for op in ops:
+        reason = why_unavailable(backend, op, device)
+        if reason is not None:
+            raise BackendUnavailableError(reason)
+
+
+def get(op: str, backend: str, device: torch.device) -> Callable:
+    """The implementation of ``op`` for ``backend`` on ``device``."""
+    if backend == "auto":
+        for candidate in _PREFERENCE:
+            if why_unavailable(candidate, op, device) is None:
+                key = (op, candidate, device.type)
+                if key not in _logged:
+                    _logged.add(key)
+                    log.info("kvpolicy: %s runs on the %s backend (%s)", op, candidate, device.type)
+                return _IMPLEMENTATIONS[candidate][op].fn
+        raise BackendUnavailableError(f"no kernel backend can run {op!r} on {device.type}")
+    reason = why_unavailable(backend, op, device)
+    if reason is not None:
+        raise BackendUnavailableError(reason)
+    return _IMPLEMENTATIONS[backend][op].fn

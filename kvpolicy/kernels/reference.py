@@ -1,0 +1,103 @@
+"""Pure-PyTorch reference for every kernel op. Fast backends are tested against these.
+
+All ops are batched over (sequence, KV head), keep fixed output shapes and never read
+tensor values on the host, so a decode step built from them can be graph-captured.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def kmeans(keys: torch.Tensor, valid: torch.Tensor, num_clusters: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lloyd's K-means per (sequence, KV head).
+
+    ``keys``: ``(B, H, n, D)``; ``valid``: ``(B, n)`` bool, invalid tokens neither move
+    centroids nor matter in their labels. Centroids start at evenly spaced tokens
+    (deterministic). Returns ``labels (B, H, n)`` long and ``centroids (B, H, C, D)`` float32.
+    """
+    batch, heads, n, dim = keys.shape
+    x = keys.float()
+    weight = valid[:, None, :].expand(batch, heads, n).float()
+    init = torch.linspace(0, n - 1, num_clusters, device=keys.device).round().long()
+    centroids = x[:, :, init, :].clone()
+    labels = torch.zeros(batch, heads, n, dtype=torch.long, device=keys.device)
+    for _ in range(iters):
+        # ||x - c||^2 up to a per-token constant
+        distance = centroids.pow(2).sum(-1).unsqueeze(2) - 2 * torch.einsum("bhnd,bhcd->bhnc", x, centroids)
+        labels = distance.argmin(dim=-1)
+        sums = torch.zeros_like(centroids).scatter_add_(2, labels.unsqueeze(-1).expand_as(x), x * weight.unsqueeze(-1))
+        counts = torch.zeros(batch, heads, num_clusters, device=keys.device).scatter_add_(2, labels, weight)
+        # an emptied cluster keeps its old centroid
+        centroids = torch.where(counts.unsqueeze(-1) > 0, sums / counts.clamp(min=1).unsqueeze(-1), centroids)
+    return labels, centroids
+
+
+def select_budget(
+    scores: torch.Tensor,
+    sizes: torch.Tensor,
+    starts: torch.Tensor,
+    order: torch.Tensor,
+    capacity: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fill a token budget with the best-scoring whole units, never exceeding it.
+
+    ``scores``: ``(B, H, U)`` float, ``-inf`` for units that must not be chosen;
+    ``sizes`` / ``starts``: ``(B, H, U)`` long, each unit is ``order[..., start:start+size]``;
+    ``order``: ``(B, H, N)`` token slots; ``capacity``: the token budget ``R``.
+    Units are taken in score order while they fit (a unit is never split).
+    Returns ``unit_ids (B, H, U)`` (chosen units first in score order, then -1),
+    ``num_units (B, H)``, ``slots (B, H, R)`` and ``slot_valid (B, H, R)``.
+    """
+    ranked_scores, ranked = torch.sort(scores, dim=-1, descending=True, stable=True)
+    ranked_sizes = sizes.gather(-1, ranked)
+    ends = torch.cumsum(ranked_sizes, dim=-1)
+    taken = (ends <= capacity) & (ranked_scores > float("-inf"))
+    # ends is monotone, so the taken units form a prefix of the ranking
+    num_units = taken.sum(-1)
+    unit_ids = torch.where(taken, ranked, -1)
+    filled = torch.where(taken, ends, 0).amax(-1, keepdim=True)  # (B, H, 1)
+
+    position = torch.arange(capacity, device=scores.device).expand(*scores.shape[:-1], capacity)
+    slot_valid = position < filled
+    which = torch.searchsorted(ends.contiguous(), position.contiguous(), right=True)
+    which = which.clamp(max=scores.shape[-1] - 1)
+    unit = ranked.gather(-1, which)
+    offset = position - (ends.gather(-1, which) - ranked_sizes.gather(-1, which))
+    index = (starts.gather(-1, unit) + offset).clamp(0, order.shape[-1] - 1)
+    slots = torch.where(slot_valid, order.gather(-1, index), 0)
+    return unit_ids, num_units, slots, slot_valid
+
+
+def gather_rows(pool: torch.Tensor, slots: torch.Tensor, out_device: torch.device) -> torch.Tensor:
+    """Rows of ``pool (B, H, cap, D)`` at ``slots (B, H, R)`` -> ``(B, H, R, D)`` on ``out_device``."""
+    index = slots.to(pool.device).unsqueeze(-1).expand(*slots.shape, pool.shape[-1])
+    return pool.gather(2, index).to(out_device, non_blocking=True)
+
+
+def sparse_decode_attention(
+    query: torch.Tensor,
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    scale: float,
+) -> torch.Tensor:
+    """Single-query attention over several KV parts (sink, retrieved, local), GQA-aware.
+
+    ``query``: ``(B, Hq, D)``; each part is ``(keys (B, H, n, D), values (B, H, n, D),
+    valid (B, H, n) or (B, n) bool)`` with ``Hq`` a multiple of ``H``. Returns ``(B, Hq, D)``
+    in the query's dtype; softmax in float32.
+    """
+    batch, q_heads, dim = query.shape
+    kv_heads = parts[0][0].shape[1]
+    q = query.float().view(batch, kv_heads, q_heads // kv_heads, dim)
+    logits, values = [], []
+    for keys, vals, valid in parts:
+        if valid.dim() == 2:
+            valid = valid[:, None, :].expand(batch, kv_heads, valid.shape[-1])
+        score = torch.einsum("bhgd,bhnd->bhgn", q, keys.float()) * scale
+        logits.append(score.masked_fill(~valid.unsqueeze(2), float("-inf")))
+        values.append(vals.float())
+    weights = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
+    out = torch.einsum("bhgn,bhnd->bhgd", weights, torch.cat(values, dim=2))
+    return out.reshape(batch, q_heads, dim).to(query.dtype)

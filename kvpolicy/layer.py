@@ -1,0 +1,99 @@
+"""One layer's policy state and its two entry points: prefill and the decode step.
+
+Decode step, per layer (no host reads of tensor values anywhere):
+    1. the new token goes to the pool and the local ring; the ring pushes out its oldest token
+    2. trigger -> ``reselect`` (B,) bool, forced on the first step
+    3. the pushed-out token joins a decode unit (segments are cut where the trigger fired)
+    4. selector + budgeted fill -> selection; the store fetches it where ``reselect``
+    5. where not ``reselect``, the pushed-out token stays attended while the buffer has room
+    6. sparse attention over sink + retrieved + local
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .kernels import dispatch
+from .store import TieredStore
+from .units.table import UnitTable
+
+if TYPE_CHECKING:
+    from .policy import Policy
+
+
+class PolicyLayerState:
+    """Typed per-layer state: the tiered store, the unit table and the trigger's state."""
+
+    def __init__(self, policy: "Policy", layer_idx: int, pool_device: torch.device):
+        self.policy = policy
+        self.layer_idx = layer_idx
+        self.pool_device = pool_device
+        self.store: TieredStore | None = None
+        self.units: UnitTable | None = None
+        self.trigger_state: Any = None
+        self.boundary: torch.Tensor | None = None  # (B, capacity) bool: trigger fired when slot was made
+        self.has_selection: torch.Tensor | None = None  # (B,) bool
+        self.reselections: torch.Tensor | None = None  # (B,) long, summed over decode steps
+        self.decode_steps = 0
+
+    @property
+    def seq_length(self) -> int:
+        return 0 if self.store is None else self.store.length
+
+    def prefill(self, keys: torch.Tensor, values: torch.Tensor, token_valid: torch.Tensor, num_q_heads: int) -> None:
+        """Lay out the prompt's KV and group its retrieval zone into units."""
+        policy = self.policy
+        batch, heads, prompt, dim = keys.shape
+        device = keys.device
+        self.store = TieredStore.from_prefill(
+            keys, values, token_valid, policy.sink, policy.local, policy.retrieval_budget, self.pool_device
+        )
+        if policy.selector is not None:
+            zone = self.store.zone_end
+            retrievable = token_valid[:, :zone] & ~self.store.sink_slot_mask()
+            zone_keys = keys[:, :, :zone]
+            if zone > 0:
+                labels, num_units = policy.prefill_units.build_labels(zone_keys, retrievable, policy.backend)
+            else:
+                labels, num_units = torch.zeros(batch, heads, 0, dtype=torch.long, device=device), 0
+            slots = torch.arange(zone, device=device)
+            self.units = UnitTable.from_prompt(zone_keys, slots, retrievable, labels, num_units)
+        self.boundary = torch.zeros(batch, self.store.slot_valid.shape[1], dtype=torch.bool, device=device)
+        self.trigger_state = policy.trigger.init_state(batch, num_q_heads, dim, device)
+        self.has_selection = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.reselections = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+        """``query (B, Hq, D)``, ``key``/``value`` ``(B, H, D)`` -> attention output ``(B, Hq, D)``."""
+        policy, store = self.policy, self.store
+        slot = store.length
+        evicted = store.append(key, value)
+        if self.boundary.shape[1] < store.slot_valid.shape[1]:
+            grown = torch.zeros_like(store.slot_valid)
+            grown[:, : self.boundary.shape[1]] = self.boundary
+            self.boundary = grown
+
+        if policy.selector is not None:
+            reselect = policy.trigger.decide(query, self.trigger_state) | ~self.has_selection
+            self.boundary[:, slot] = reselect
+            if evicted is not None:
+                self.units.append_leaving_token(
+                    evicted.slot, evicted.key, evicted.valid, self.boundary[:, evicted.slot], policy.decode_units
+                )
+            selection = policy.selector.select(query, self.units, store.retrieval_capacity, policy.backend)
+            store.fetch(selection.slots, selection.slot_valid, reselect, policy.backend)
+            if evicted is not None:
+                store.admit(evicted, ~reselect)
+            self.has_selection.fill_(True)
+            self.reselections += reselect.long()
+        self.decode_steps += 1
+
+        attention = dispatch.get("sparse_decode_attention", policy.backend, query.device)
+        parts = [
+            (store.sink_keys, store.sink_values, store.sink_valid),
+            (store.retrieved_keys, store.retrieved_values, store.retrieved_valid),
+            (store.local_keys, store.local_values, store.local_valid),
+        ]
+        return attention(query, parts, scale)

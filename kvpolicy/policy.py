@@ -1,0 +1,214 @@
+"""Policy: a trigger, two unit builders, a selector, a budget and zones, composed in Python.
+
+    from kvpolicy import Policy
+    from kvpolicy.triggers import QueryCosine
+    from kvpolicy.units import KMeans, Segments
+    from kvpolicy.selectors import TopBudget
+
+    policy = Policy(trigger=QueryCosine(tau=0.6), prefill_units=KMeans(16),
+                    decode_units=Segments(), selector=TopBudget(), budget=1024)
+    with policy.apply(model):
+        model.generate(**inputs, max_new_tokens=256)
+
+Components may also be given by registered name or as ``{"name": ..., **options}``.
+Everything is resolved and validated when the Policy is built, never mid-decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .errors import ConfigError
+from .kernels.dispatch import BACKENDS
+from .registry import lookup
+from .selectors.base import Selector
+from .triggers.base import Trigger
+from .units.base import UnitBuilder
+
+PLACEMENTS = ("cpu", "gpu")
+
+
+def _resolve(kind: str, spec: Any, base: type) -> Any:
+    """A component instance from an instance, a registered name or ``{"name": ..., **options}``."""
+    if spec is None or isinstance(spec, base):
+        return spec
+    if isinstance(spec, str):
+        return lookup(kind, spec)()
+    if isinstance(spec, Mapping):
+        options = dict(spec)
+        name = options.pop("name", None)
+        if not isinstance(name, str):
+            raise ConfigError(f"{kind} given as a dict needs a 'name' key, got {dict(spec)!r}")
+        cls = lookup(kind, name)
+        known = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+        unknown = set(options) - known
+        if unknown:
+            raise ConfigError(
+                f"{kind} {name!r} has no option(s) {', '.join(sorted(unknown))}; "
+                f"its options: {', '.join(sorted(known)) or '(none)'}"
+            )
+        return cls(**options)
+    raise ConfigError(f"{kind} must be a {base.__name__}, a registered name or a dict, got {spec!r}")
+
+
+@dataclass
+class Policy:
+    """What to keep on the attention device and when to change it.
+
+    ``budget``: tokens attended per decode step (sink + retrieved + local), per sequence and
+    KV head; ``None`` means dense attention over the whole cache (the ``full`` preset).
+    ``sink`` / ``local``: tokens always kept at the start / end. ``placement``: where the full KV
+    lives ("cpu": pinned host memory when the model is on a GPU; "gpu": the model's device).
+    ``backend``: kernel backend, "auto", "reference" or "triton".
+    """
+
+    trigger: Trigger | str | dict = "every_step"
+    prefill_units: UnitBuilder | str | dict | None = None
+    decode_units: UnitBuilder | str | dict | None = None
+    selector: Selector | str | dict | None = None
+    budget: int | None = None
+    sink: int = 4
+    local: int = 64
+    placement: str = "cpu"
+    backend: str = "auto"
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self) -> None:
+        self.trigger = _resolve("trigger", self.trigger, Trigger)
+        self.prefill_units = _resolve("units", self.prefill_units, UnitBuilder)
+        self.decode_units = _resolve("units", self.decode_units, UnitBuilder)
+        self.selector = _resolve("selector", self.selector, Selector)
+        self.validate()
+
+    @property
+    def is_dense(self) -> bool:
+        return self.budget is None
+
+    @property
+    def retrieval_budget(self) -> int:
+        """Tokens fetched from the pool per step: the budget less sink and local."""
+        return 0 if self.budget is None else self.budget - self.sink - self.local
+
+    def validate(self) -> None:
+        for label, value in (("sink", self.sink), ("local", self.local)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{label} must be an integer >= 0, got {value!r}")
+        if self.local < 1:
+            raise ConfigError(f"local must be at least 1 (the current token lives there), got {self.local}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"unknown placement {self.placement!r}; accepted: {', '.join(PLACEMENTS)}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"unknown kernel backend {self.backend!r}; accepted: {', '.join(BACKENDS)}")
+        if self.budget is None:
+            return
+        if not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget <= 0:
+            raise ConfigError(f"budget must be a positive integer (tokens), got {self.budget!r}")
+        if self.selector is None:
+            if self.budget != self.sink + self.local:
+                raise ConfigError(
+                    f"a policy without a selector attends only sink + local, so budget must equal "
+                    f"sink + local = {self.sink + self.local}, got {self.budget}"
+                )
+        elif self.budget <= self.sink + self.local:
+            raise ConfigError(
+                f"budget {self.budget} leaves nothing to retrieve: it must exceed sink + local = "
+                f"{self.sink} + {self.local} = {self.sink + self.local}"
+            )
+        if self.selector is not None:
+            if self.prefill_units is None or self.decode_units is None:
+                raise ConfigError("a policy with a selector needs both prefill_units and decode_units")
+            if not self.prefill_units.builds_prompt:
+                raise ConfigError(
+                    f"units {self.prefill_units.registered_name!r} cannot group the prompt (prefill_units); "
+                    f"use one of: {', '.join(_builders('builds_prompt'))}"
+                )
+            if not self.decode_units.builds_decode:
+                raise ConfigError(
+                    f"units {self.decode_units.registered_name!r} cannot group generated tokens (decode_units); "
+                    f"use one of: {', '.join(_builders('builds_decode'))}"
+                )
+        for component in (self.trigger, self.prefill_units, self.decode_units, self.selector):
+            if component is not None:
+                component.validate()
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> "Policy":
+        """Build from plain data; ``{"preset": "louiskv", "budget": 1024}`` starts from a preset.
+
+        >>> Policy.from_dict({"trigger": {"name": "query_cosine", "tau": 0.6},
+        ...                   "prefill_units": "kmeans", "decode_units": "segments",
+        ...                   "selector": "top_budget", "budget": 1024}).budget
+        1024
+        """
+        config = dict(config)
+        preset_name = config.pop("preset", None)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(config) - known
+        if unknown:
+            raise ConfigError(
+                f"unknown policy field(s) {', '.join(sorted(unknown))}; fields: {', '.join(sorted(known | {'preset'}))}"
+            )
+        if preset_name is not None:
+            from .presets import preset
+
+            return preset(preset_name, **config)
+        return cls(**config)
+
+    def to_dict(self) -> dict[str, Any]:
+        def component(value: Any) -> Any:
+            if value is None:
+                return None
+            return {"name": value.registered_name, **dataclasses.asdict(value)}
+
+        return {
+            "trigger": component(self.trigger),
+            "prefill_units": component(self.prefill_units),
+            "decode_units": component(self.decode_units),
+            "selector": component(self.selector),
+            "budget": self.budget,
+            "sink": self.sink,
+            "local": self.local,
+            "placement": self.placement,
+            "backend": self.backend,
+            "name": self.name,
+        }
+
+    def apply(self, model: Any):
+        """Serve ``model``'s attention with this policy inside a ``with`` block.
+
+        >>> with policy.apply(model) as session:   # doctest: +SKIP
+        ...     out = model.generate(**inputs, max_new_tokens=64)
+        ...     print(session.stats())
+
+        The model is restored on exit. Raises ``UnsupportedModelError`` for models it cannot serve.
+        """
+        from .integrations.transformers import PolicySession
+
+        return PolicySession(self, model)
+
+    def describe(self) -> str:
+        if self.is_dense:
+            return f"{self.name}: dense attention over the whole cache"
+        parts = [f"budget={self.budget}", f"sink={self.sink}", f"local={self.local}"]
+        if self.selector is not None:
+            parts = [
+                f"trigger={_short(self.trigger)}",
+                f"prefill_units={_short(self.prefill_units)}",
+                f"decode_units={_short(self.decode_units)}",
+                f"selector={_short(self.selector)}",
+                *parts,
+            ]
+        return f"{self.name}: " + ", ".join(parts)
+
+
+def _short(component: Any) -> str:
+    options = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(component).items())
+    return f"{component.registered_name}({options})"
+
+
+def _builders(flag: str) -> list[str]:
+    from .registry import names
+
+    return [n for n in names("units") if getattr(lookup("units", n), flag)]

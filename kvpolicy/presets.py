@@ -1,0 +1,93 @@
+"""Named policies, each with its documented defaults. Options override any field.
+
+    >>> preset("louiskv", budget=1024).retrieval_budget
+    956
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .errors import UnknownNameError
+from .policy import Policy
+
+DEFAULT_BUDGET = 512
+DEFAULT_SINK = 4
+DEFAULT_LOCAL = 64
+
+
+def _full(**options: Any) -> Policy:
+    """Dense attention over the whole cache: the reference every policy is measured against."""
+    return Policy(**{"budget": None, "name": "full", **options})
+
+
+def _streaming(budget: int = DEFAULT_BUDGET, sink: int = DEFAULT_SINK, **options: Any) -> Policy:
+    """StreamingLLM: ``sink`` first tokens plus a window of the last ``budget - sink`` tokens."""
+    return Policy(**{"budget": budget, "sink": sink, "local": budget - sink, "name": "streaming", **options})
+
+
+def _quest(**options: Any) -> Policy:
+    """Quest: pages of 16 tokens scored by the min/max upper bound, re-selected every step."""
+    return _retrieval("quest", "every_step", {"name": "pages", "size": 16}, {"name": "pages", "size": 16}, "bound", options)
+
+
+def _arkvale(**options: Any) -> Policy:
+    """ArkVale: pages of 32 tokens, ranked by their mean-key digest, re-selected every step."""
+    return _retrieval("arkvale", "every_step", {"name": "pages", "size": 32}, {"name": "pages", "size": 32}, "top_budget", options)
+
+
+def _clusterkv(**options: Any) -> Policy:
+    """ClusterKV: K-means clusters of ~16 prompt tokens (generated tokens in pages of 16),
+    ranked by centroid, re-selected every step."""
+    return _retrieval(
+        "clusterkv", "every_step", {"name": "kmeans", "tokens_per_cluster": 16}, {"name": "pages", "size": 16},
+        "top_budget", options,
+    )
+
+
+def _louiskv(**options: Any) -> Policy:
+    """LouisKV: re-select only at semantic boundaries (mean query cosine < tau = 0.7), K-means
+    clusters of ~16 prompt tokens, generated tokens in segments cut at those boundaries,
+    group-consistent top_budget selection."""
+    return _retrieval(
+        "louiskv", {"name": "query_cosine", "tau": 0.7}, {"name": "kmeans", "tokens_per_cluster": 16},
+        {"name": "segments", "max_size": 64}, "top_budget", options,
+    )
+
+
+def _retrieval(name, trigger, prefill_units, decode_units, selector, options) -> Policy:
+    fields = {
+        "trigger": trigger,
+        "prefill_units": prefill_units,
+        "decode_units": decode_units,
+        "selector": selector,
+        "budget": DEFAULT_BUDGET,
+        "sink": DEFAULT_SINK,
+        "local": DEFAULT_LOCAL,
+        "name": name,
+    }
+    fields.update(options)
+    return Policy(**fields)
+
+
+PRESETS: dict[str, Callable[..., Policy]] = {
+    "full": _full,
+    "streaming": _streaming,
+    "quest": _quest,
+    "arkvale": _arkvale,
+    "clusterkv": _clusterkv,
+    "louiskv": _louiskv,
+}
+
+
+def preset(name: str, **options: Any) -> Policy:
+    """The named preset, with any Policy field overridden (``budget=1024``, ``placement="gpu"``...)."""
+    try:
+        factory = PRESETS[name]
+    except KeyError:
+        raise UnknownNameError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None
+    return factory(**options)
+
+
+def preset_doc(name: str) -> str:
+    return " ".join((PRESETS[name].__doc__ or "").split())

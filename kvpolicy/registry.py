@@ -1,0 +1,86 @@
+"""Name -> class registry for policy components, and plugin discovery.
+
+    @register("trigger", "every_other")
+    class EveryOther(Trigger): ...
+
+Third-party packages expose a module through the entry-point group ``kvpolicy.plugins``;
+importing that module runs its ``@register`` decorators.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib import metadata
+from typing import Callable, TypeVar
+
+from .errors import ConfigError, UnknownNameError
+
+KINDS = ("trigger", "units", "selector")
+ENTRY_POINT_GROUP = "kvpolicy.plugins"
+
+_REGISTRY: dict[str, dict[str, type]] = {kind: {} for kind in KINDS}
+_loaded_plugins: set[str] = set()
+
+T = TypeVar("T", bound=type)
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in _REGISTRY:
+        raise UnknownNameError(f"unknown component kind {kind!r}; known kinds: {', '.join(KINDS)}")
+
+
+def register(kind: str, name: str) -> Callable[[T], T]:
+    """Class decorator: make ``cls`` constructible by ``name`` in policies and presets."""
+    _check_kind(kind)
+
+    def decorate(cls: T) -> T:
+        existing = _REGISTRY[kind].get(name)
+        if existing is not None and existing is not cls:
+            raise ConfigError(
+                f"{kind} {name!r} is already registered by {existing.__module__}.{existing.__qualname__}"
+            )
+        _REGISTRY[kind][name] = cls
+        cls.registered_name = name
+        return cls
+
+    return decorate
+
+
+def lookup(kind: str, name: str) -> type:
+    """The class registered as ``name``; the error lists the known names."""
+    _check_kind(kind)
+    load_plugins()
+    try:
+        return _REGISTRY[kind][name]
+    except KeyError:
+        known = ", ".join(sorted(_REGISTRY[kind])) or "(none)"
+        raise UnknownNameError(f"unknown {kind} {name!r}; known {kind} components: {known}") from None
+
+
+def names(kind: str) -> list[str]:
+    _check_kind(kind)
+    load_plugins()
+    return sorted(_REGISTRY[kind])
+
+
+def load_plugin_module(module: str) -> None:
+    """Import a plugin module by dotted name (the CLI's ``--plugin``)."""
+    if module in _loaded_plugins:
+        return
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import plugin module {module!r}: {exc}") from exc
+    _loaded_plugins.add(module)
+
+
+def load_plugins() -> None:
+    """Import every module advertised in the ``kvpolicy.plugins`` entry-point group (once)."""
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.value in _loaded_plugins:
+            continue
+        _loaded_plugins.add(ep.value)
+        try:
+            ep.load()
+        except Exception as exc:  # a broken third-party plugin must name itself
+            raise ConfigError(f"plugin {ep.name!r} ({ep.value}) failed to load: {exc}") from exc

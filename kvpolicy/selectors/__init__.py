@@ -1,0 +1,7 @@
+"""Built-in selectors: which units fill the budget."""
+
+from .base import Selection, Selector
+from .bound import Bound
+from .top_budget import TopBudget
+
+__all__ = ["Selection", "Selector", "Bound", "TopBudget"]

@@ -1,0 +1,56 @@
+"""Selector: which units fill the retrieval budget, one choice per (sequence, KV head).
+
+A selector only scores units (``score``); the shared budgeted fill (kernel op
+``select_budget``) turns scores into a :class:`Selection`. Scoring sees the whole query group
+of a KV head at once, so the choice is the same for every query head of the group (GQA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..kernels import dispatch
+from ..units.table import UnitTable
+
+
+@dataclass
+class Selection:
+    """The chosen units and the token slots they cover, at fixed capacity.
+
+    ``unit_ids``: ``(B, H, U)`` chosen units in score order, then -1 (CSR indices; the row
+    pointer is ``num_units``); ``slots``: ``(B, H, R)`` token slots, valid where ``slot_valid``.
+    """
+
+    unit_ids: torch.Tensor
+    num_units: torch.Tensor
+    slots: torch.Tensor
+    slot_valid: torch.Tensor
+
+
+@dataclass
+class Selector:
+    """Base class. Subclasses are dataclasses whose fields are their options."""
+
+    registered_name: ClassVar[str] = ""
+    #: Metadata the selector reads: "mean" or "minmax" (checked against the unit builders).
+    needs: ClassVar[str] = "mean"
+
+    def validate(self) -> None:
+        """Raise ``ConfigError`` for bad options. Called when the policy is built."""
+
+    def score(self, query_group: torch.Tensor, units: UnitTable) -> torch.Tensor:
+        """``query_group``: ``(B, H, G, D)`` float32 -> ``(B, H, U)`` scores (any finite values)."""
+        raise NotImplementedError
+
+    def select(self, query: torch.Tensor, units: UnitTable, capacity: int, backend: str) -> Selection:
+        """``query``: ``(B, Hq, D)``; fill ``capacity`` tokens."""
+        batch, q_heads, dim = query.shape
+        kv_heads = units.start.shape[1]
+        group = query.float().view(batch, kv_heads, q_heads // kv_heads, dim)
+        scores = self.score(group, units).masked_fill(~units.selectable, float("-inf"))
+        fill = dispatch.get("select_budget", backend, query.device)
+        unit_ids, num_units, slots, slot_valid = fill(scores, units.size, units.start, units.order, capacity)
+        return Selection(unit_ids, num_units, slots, slot_valid)

@@ -1,0 +1,214 @@
+"""The tiers of one layer's KV.
+
+    pool       every token, by slot: pinned CPU memory (placement "cpu" with a GPU) or the
+               attention device (placement "gpu"). Written once per token, read by gathers.
+    sink       the first ``sink`` tokens of each sequence, on the attention device.
+    local      a fixed ring of the last ``local`` slots, on the attention device.
+    retrieved  a fixed buffer of ``retrieval`` tokens fetched from the pool, reused until the
+               trigger fires again; tokens leaving the local window join it while it has room.
+
+Sequences of a batch decode in lockstep, so slot numbers (and the ring position of a slot)
+are the same for every sequence and known on the host; what differs per sequence (padding,
+what was selected) lives in tensors on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kernels import dispatch
+
+
+def _allocate_pool(like: torch.Tensor, capacity: int, device: torch.device) -> torch.Tensor:
+    batch, heads, _, dim = like.shape
+    pin = device.type == "cpu" and like.device.type == "cuda"
+    return torch.empty(batch, heads, capacity, dim, dtype=like.dtype, device=device, pin_memory=pin)
+
+
+@dataclass
+class Evicted:
+    slot: int
+    key: torch.Tensor  # (B, H, D)
+    value: torch.Tensor
+    valid: torch.Tensor  # (B,)
+
+
+@dataclass
+class TieredStore:
+    pool_keys: torch.Tensor  # (B, H, capacity, D)
+    pool_values: torch.Tensor
+    length: int  # slots written
+    slot_valid: torch.Tensor  # (B, capacity) bool, attention device
+    sink_keys: torch.Tensor  # (B, H, S, D)
+    sink_values: torch.Tensor
+    sink_valid: torch.Tensor  # (B, S)
+    local_keys: torch.Tensor  # (B, H, L, D) ring: slot s lives at s % L
+    local_values: torch.Tensor
+    local_valid: torch.Tensor  # (B, L)
+    retrieved_keys: torch.Tensor  # (B, H, R, D)
+    retrieved_values: torch.Tensor
+    retrieved_valid: torch.Tensor  # (B, H, R)
+    retrieved_fill: torch.Tensor  # (B, H) long: retrieved[..., :fill] is in use
+    zone_end: int  # slots [0, zone_end) of the prompt are sink or retrievable
+
+    @property
+    def local_capacity(self) -> int:
+        return self.local_keys.shape[2]
+
+    @property
+    def retrieval_capacity(self) -> int:
+        return self.retrieved_keys.shape[2]
+
+    @classmethod
+    def from_prefill(
+        cls,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        token_valid: torch.Tensor,
+        sink: int,
+        local: int,
+        retrieval: int,
+        pool_device: torch.device,
+        reserve: int = 256,
+    ) -> "TieredStore":
+        """Lay out a prompt's KV (``(B, H, P, D)``; ``token_valid (B, P)``, False = padding)."""
+        batch, heads, prompt, dim = keys.shape
+        device = keys.device
+        zone_end = max(prompt - local, 0)
+
+        pool_keys = _allocate_pool(keys, prompt + reserve, pool_device)
+        pool_values = _allocate_pool(values, prompt + reserve, pool_device)
+        pool_keys[:, :, :prompt].copy_(keys)
+        pool_values[:, :, :prompt].copy_(values)
+        slot_valid = torch.zeros(batch, prompt + reserve, dtype=torch.bool, device=device)
+        slot_valid[:, :prompt] = token_valid
+
+        # the j-th sink token is the j-th valid slot before the local window
+        seen = torch.cumsum(token_valid[:, :zone_end].long(), dim=-1)
+        wanted = torch.arange(1, sink + 1, device=device).expand(batch, sink).contiguous()
+        sink_slots = torch.searchsorted(seen.contiguous(), wanted)
+        sink_valid = sink_slots < zone_end
+        sink_slots = sink_slots.clamp(max=max(zone_end - 1, 0))
+        index = sink_slots[:, None, :, None].expand(batch, heads, sink, dim)
+        if zone_end > 0:
+            sink_keys, sink_values = keys.gather(2, index), values.gather(2, index)
+        else:
+            sink_keys = keys.new_zeros(batch, heads, sink, dim)
+            sink_values = values.new_zeros(batch, heads, sink, dim)
+
+        local_keys = keys.new_zeros(batch, heads, local, dim)
+        local_values = values.new_zeros(batch, heads, local, dim)
+        local_valid = torch.zeros(batch, local, dtype=torch.bool, device=device)
+        positions = torch.arange(zone_end, prompt, device=device) % local
+        local_keys[:, :, positions] = keys[:, :, zone_end:]
+        local_values[:, :, positions] = values[:, :, zone_end:]
+        local_valid[:, positions] = token_valid[:, zone_end:]
+
+        return cls(
+            pool_keys=pool_keys,
+            pool_values=pool_values,
+            length=prompt,
+            slot_valid=slot_valid,
+            sink_keys=sink_keys,
+            sink_values=sink_values,
+            sink_valid=sink_valid,
+            local_keys=local_keys,
+            local_values=local_values,
+            local_valid=local_valid,
+            retrieved_keys=keys.new_zeros(batch, heads, retrieval, dim),
+            retrieved_values=values.new_zeros(batch, heads, retrieval, dim),
+            retrieved_valid=torch.zeros(batch, heads, retrieval, dtype=torch.bool, device=device),
+            retrieved_fill=torch.zeros(batch, heads, dtype=torch.long, device=device),
+            zone_end=zone_end,
+        )
+
+    def sink_slot_mask(self) -> torch.Tensor:
+        """``(B, zone_end)`` True where a zone slot is a sink token (so not retrievable)."""
+        batch = self.slot_valid.shape[0]
+        seen = torch.cumsum(self.slot_valid[:, : self.zone_end].long(), dim=-1)
+        return self.slot_valid[:, : self.zone_end] & (seen <= self.sink_keys.shape[2])
+
+    def _reserve(self) -> None:
+        capacity = self.pool_keys.shape[2]
+        if self.length < capacity:
+            return
+        new = 2 * capacity
+        for name in ("pool_keys", "pool_values"):
+            old = getattr(self, name)
+            grown = _allocate_pool(old, new, old.device)
+            grown[:, :, :capacity].copy_(old)
+            setattr(self, name, grown)
+        pad = torch.zeros(self.slot_valid.shape[0], new - capacity, dtype=torch.bool, device=self.slot_valid.device)
+        self.slot_valid = torch.cat([self.slot_valid, pad], dim=1)
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> Evicted | None:
+        """Write one decode token (``(B, H, D)``) to the pool and the local ring.
+
+        Returns the token the ring pushed out, if any.
+        """
+        self._reserve()
+        slot = self.length
+        self.pool_keys[:, :, slot].copy_(key, non_blocking=True)
+        self.pool_values[:, :, slot].copy_(value, non_blocking=True)
+        self.slot_valid[:, slot] = True
+        position = slot % self.local_capacity
+        evicted = None
+        if slot - self.local_capacity >= 0:
+            evicted = Evicted(
+                slot=slot - self.local_capacity,
+                key=self.local_keys[:, :, position].clone(),
+                value=self.local_values[:, :, position].clone(),
+                valid=self.local_valid[:, position].clone(),
+            )
+        self.local_keys[:, :, position] = key
+        self.local_values[:, :, position] = value
+        self.local_valid[:, position] = True
+        self.length += 1
+        return evicted
+
+    def fetch(self, slots: torch.Tensor, slot_valid: torch.Tensor, reselect: torch.Tensor, backend: str) -> None:
+        """Replace the retrieved buffer with ``slots`` for the sequences where ``reselect``."""
+        gather = dispatch.get("gather_rows", backend, self.retrieved_keys.device)
+        device = self.retrieved_keys.device
+        new_keys = gather(self.pool_keys, slots, device)
+        new_values = gather(self.pool_values, slots, device)
+        # padding slots inside a unit are fetched but never attended
+        batch = slots.shape[0]
+        valid = slot_valid & self.slot_valid.gather(1, slots.view(batch, -1)).view_as(slots)
+        take = reselect.view(-1, 1, 1)
+        self.retrieved_keys = torch.where(take.unsqueeze(-1), new_keys, self.retrieved_keys)
+        self.retrieved_values = torch.where(take.unsqueeze(-1), new_values, self.retrieved_values)
+        self.retrieved_valid = torch.where(take, valid, self.retrieved_valid)
+        self.retrieved_fill = torch.where(take[..., 0], slot_valid.sum(-1), self.retrieved_fill)
+
+    def admit(self, evicted: Evicted, mask: torch.Tensor) -> None:
+        """Keep a token that left the local window attended while the retrieved buffer has room."""
+        capacity = self.retrieval_capacity
+        if capacity == 0:
+            return
+        batch, heads, dim = evicted.key.shape
+        room = self.retrieved_fill < capacity  # (B, H)
+        admit = room & (mask & evicted.valid).view(batch, 1)
+        index = self.retrieved_fill.clamp(max=capacity - 1).unsqueeze(-1)  # (B, H, 1)
+        vec = index.unsqueeze(-1).expand(batch, heads, 1, dim)
+        a = admit.view(batch, heads, 1, 1)
+        old_k = self.retrieved_keys.gather(2, vec)
+        old_v = self.retrieved_values.gather(2, vec)
+        self.retrieved_keys.scatter_(2, vec, torch.where(a, evicted.key.unsqueeze(2), old_k))
+        self.retrieved_values.scatter_(2, vec, torch.where(a, evicted.value.unsqueeze(2), old_v))
+        old_valid = self.retrieved_valid.gather(2, index)
+        self.retrieved_valid.scatter_(2, index, old_valid | admit.unsqueeze(-1))
+        self.retrieved_fill = self.retrieved_fill + admit.long()
+
+    def device_bytes(self) -> int:
+        """KV bytes held on the attention device (sink + local + retrieved)."""
+        tensors = (self.sink_keys, self.sink_values, self.local_keys, self.local_values,
+                   self.retrieved_keys, self.retrieved_values)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def full_bytes(self) -> int:
+        """Bytes the full KV of the tokens so far takes (what a dense cache would hold)."""
+        batch, heads, _, dim = self.pool_keys.shape
+        return 2 * batch * heads * self.length * dim * self.pool_keys.element_size()

@@ -1,0 +1,35 @@
+"""Trigger: decides, per sequence, whether a layer re-selects its retrieved KV at this step.
+
+The decision is a bool tensor on the attention device. Nothing here may read tensor values
+on the host (no ``.item()``, no Python branch on a tensor), so the decode step can be
+captured as a CUDA graph and a step that does not re-select moves no bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass
+class Trigger:
+    """Base class. Subclasses are dataclasses whose fields are their options.
+
+    ``init_state`` makes the per-layer state (any object; tensors it holds live on
+    ``device``); ``decide`` returns a ``(batch,)`` bool tensor: True = re-select now.
+    The framework forces a selection on the first decode step, so triggers need not.
+    """
+
+    registered_name: ClassVar[str] = ""
+
+    def validate(self) -> None:
+        """Raise ``ConfigError`` for bad options. Called when the policy is built."""
+
+    def init_state(self, batch: int, num_q_heads: int, head_dim: int, device: torch.device) -> Any:
+        return None
+
+    def decide(self, query: torch.Tensor, state: Any) -> torch.Tensor:
+        """``query``: ``(batch, num_q_heads, head_dim)``, this step's post-RoPE query."""
+        raise NotImplementedError

@@ -1,0 +1,17 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..registry import register
+from .base import Trigger
+
+
+@register("trigger", "every_step")
+@dataclass
+class EveryStep(Trigger):
+    """Re-select at every decode step (Quest, ArkVale, ClusterKV)."""
+
+    def decide(self, query: torch.Tensor, state: None) -> torch.Tensor:
+        return torch.ones(query.shape[0], dtype=torch.bool, device=query.device)

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+from ..registry import register
+from .base import Trigger
+
+
+@dataclass
+class IntervalState:
+    steps: torch.Tensor  # (batch,) decode steps seen by this layer
+
+
+@register("trigger", "interval")
+@dataclass
+class Interval(Trigger):
+    """Re-select every ``n`` decode steps (the first step always selects)."""
+
+    n: int = 16
+
+    def validate(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ConfigError(f"interval trigger: n must be an integer >= 1, got {self.n!r}")
+
+    def init_state(self, batch, num_q_heads, head_dim, device) -> IntervalState:
+        return IntervalState(steps=torch.zeros(batch, dtype=torch.long, device=device))
+
+    def decide(self, query: torch.Tensor, state: IntervalState) -> torch.Tensor:
+        fire = state.steps % self.n == 0
+        state.steps += 1
+        return fire

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+from ..registry import register
+from .base import Trigger
+
+
+@dataclass
+class QueryCosineState:
+    previous: torch.Tensor  # (batch, num_q_heads, head_dim): last step's query
+    has_previous: torch.Tensor  # (batch,) bool
+
+
+@register("trigger", "query_cosine")
+@dataclass
+class QueryCosine(Trigger):
+    """LouisKV's semantic-boundary trigger.
+
+    Re-select when the mean over query heads of cos(q_t, q_{t-1}) falls below ``tau``:
+    consecutive queries that point the same way attend to the same KV, so the retrieved
+    set is reused until the query moves.
+    """
+
+    tau: float = 0.7
+
+    def validate(self) -> None:
+        if not isinstance(self.tau, (int, float)) or math.isnan(self.tau) or not -1.0 <= self.tau <= 1.0:
+            raise ConfigError(f"query_cosine trigger: tau must be a number in [-1, 1], got {self.tau!r}")
+
+    def init_state(self, batch, num_q_heads, head_dim, device) -> QueryCosineState:
+        return QueryCosineState(
+            previous=torch.zeros(batch, num_q_heads, head_dim, dtype=torch.float32, device=device),
+            has_previous=torch.zeros(batch, dtype=torch.bool, device=device),
+        )
+
+    def decide(self, query: torch.Tensor, state: QueryCosineState) -> torch.Tensor:
+        q = query.float()
+        similarity = torch.nn.functional.cosine_similarity(q, state.previous, dim=-1).mean(dim=-1)
+        fire = (similarity < self.tau) | ~state.has_previous
+        state.previous.copy_(q)
+        state.has_previous.fill_(True)
+        return fire

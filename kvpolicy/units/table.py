@@ -1,0 +1,156 @@
+"""UnitTable: every retrievable unit of one layer, prompt and generated, in one structure.
+
+Each unit is a contiguous range ``[start, start + size)`` of ``order``, a per-(sequence, KV
+head) list of token slots (CSR without the explicit indptr, since decode units are appended
+out of order with prompt ones). Each unit keeps the sum, min and max of its keys, which is
+all the built-in selectors read. Capacity grows on the host by doubling, decided from counts
+the host already knows (tokens fed), never from tensor values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import UnitBuilder
+
+
+def _grow(tensor: torch.Tensor, dim: int, new_size: int, fill) -> torch.Tensor:
+    shape = list(tensor.shape)
+    shape[dim] = new_size - tensor.shape[dim]
+    pad = torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)
+    return torch.cat([tensor, pad], dim=dim)
+
+
+@dataclass
+class UnitTable:
+    order: torch.Tensor  # (B, H, order_capacity) long: token slots, units are ranges of it
+    start: torch.Tensor  # (B, H, unit_capacity) long: first position in ``order``
+    size: torch.Tensor  # (B, H, unit_capacity) long: tokens in the unit
+    key_sum: torch.Tensor  # (B, H, unit_capacity, D) float32
+    key_min: torch.Tensor  # (B, H, unit_capacity, D) float32
+    key_max: torch.Tensor  # (B, H, unit_capacity, D) float32
+    selectable: torch.Tensor  # (B, H, unit_capacity) bool: holds at least one valid token
+    open_unit: torch.Tensor  # (B,) long: the decode unit taking leaving tokens, -1 if none
+    decode_units: torch.Tensor  # (B,) long: decode units opened so far
+    num_prompt_units: int  # host: units [0, num_prompt_units) come from the prompt
+    order_len: int  # host: positions of ``order`` in use
+    decode_tokens: int  # host: tokens appended at decode (an upper bound on decode units)
+
+    @property
+    def capacity(self) -> int:
+        return self.start.shape[-1]
+
+    def mean_keys(self) -> torch.Tensor:
+        return self.key_sum / self.size.clamp(min=1).unsqueeze(-1)
+
+    @classmethod
+    def from_prompt(
+        cls,
+        keys: torch.Tensor,
+        slots: torch.Tensor,
+        token_valid: torch.Tensor,
+        labels: torch.Tensor,
+        num_units: int,
+    ) -> "UnitTable":
+        """Build the table from a prefill builder's labels.
+
+        ``keys``: ``(B, H, n, D)`` the zone's keys; ``slots``: ``(n,)`` their slots;
+        ``token_valid``: ``(B, n)``; ``labels``: ``(B, H, n)`` in ``[0, num_units)``.
+        Invalid tokens go to one extra, never-selectable unit so every slot has a place.
+        """
+        batch, heads, n, dim = keys.shape
+        device = keys.device
+        dead = num_units
+        labels = torch.where(token_valid[:, None, :], labels, torch.full_like(labels, dead))
+        perm = torch.sort(labels, dim=-1, stable=True).indices
+        # spare room so decode tokens can be appended without growing at once
+        order = _grow(slots.to(device)[perm], 2, n + 16, 0)
+        units = num_units + 1
+        size = torch.zeros(batch, heads, units, dtype=torch.long, device=device)
+        size.scatter_add_(2, labels, torch.ones_like(labels))
+        start = torch.cumsum(size, dim=-1) - size
+        k = keys.float()
+        index = labels.unsqueeze(-1).expand(batch, heads, n, dim)
+        key_sum = torch.zeros(batch, heads, units, dim, device=device).scatter_add_(2, index, k)
+        key_min = torch.full((batch, heads, units, dim), float("inf"), device=device)
+        key_min.scatter_reduce_(2, index, k, reduce="amin", include_self=True)
+        key_max = torch.full((batch, heads, units, dim), float("-inf"), device=device)
+        key_max.scatter_reduce_(2, index, k, reduce="amax", include_self=True)
+        selectable = size > 0
+        selectable[:, :, dead] = False
+        return cls(
+            order=order,
+            start=start,
+            size=size,
+            key_sum=key_sum,
+            key_min=key_min,
+            key_max=key_max,
+            selectable=selectable,
+            open_unit=torch.full((batch,), -1, dtype=torch.long, device=device),
+            decode_units=torch.zeros(batch, dtype=torch.long, device=device),
+            num_prompt_units=units,
+            order_len=n,
+            decode_tokens=0,
+        )
+
+    def _reserve(self) -> None:
+        """Room for one more token and one more unit (host-side doubling)."""
+        if self.order_len >= self.order.shape[-1]:
+            self.order = _grow(self.order, 2, max(16, 2 * self.order.shape[-1]), 0)
+        if self.num_prompt_units + self.decode_tokens >= self.capacity:
+            new = max(self.capacity + 16, 2 * self.capacity)
+            self.start = _grow(self.start, 2, new, 0)
+            self.size = _grow(self.size, 2, new, 0)
+            self.key_sum = _grow(self.key_sum, 2, new, 0.0)
+            self.key_min = _grow(self.key_min, 2, new, float("inf"))
+            self.key_max = _grow(self.key_max, 2, new, float("-inf"))
+            self.selectable = _grow(self.selectable, 2, new, False)
+
+    def append_leaving_token(
+        self,
+        slot: int,
+        key: torch.Tensor,
+        valid: torch.Tensor,
+        boundary: torch.Tensor,
+        builder: UnitBuilder,
+    ) -> None:
+        """A token leaves the local window: file it under the open decode unit or a new one.
+
+        ``slot``: its slot (the same for every sequence, since they decode in lockstep);
+        ``key``: ``(B, H, D)``; ``valid``: ``(B,)`` False for padding; ``boundary``: ``(B,)``.
+        """
+        self._reserve()
+        batch, heads, dim = key.shape
+        position = self.order_len
+        self.order[:, :, position] = slot
+
+        has_open = self.open_unit >= 0
+        index = self.open_unit.clamp(min=0).view(batch, 1, 1).expand(batch, heads, 1)
+        open_size = torch.where(has_open, self.size.gather(2, index)[:, 0, 0], 0)
+        cut = builder.starts_new_unit(boundary, open_size) & valid
+        new_id = self.num_prompt_units + self.decode_units
+        self.open_unit = torch.where(cut, new_id, self.open_unit)
+        self.decode_units = self.decode_units + cut.long()
+
+        index = self.open_unit.clamp(min=0).view(batch, 1, 1).expand(batch, heads, 1)
+        vec_index = index.unsqueeze(-1).expand(batch, heads, 1, dim)
+        cut_h = cut.view(batch, 1, 1)
+        valid_h = valid.view(batch, 1, 1)
+        k = key.float().unsqueeze(2)  # (B, H, 1, D)
+
+        start = torch.where(cut_h, position, self.start.gather(2, index))
+        size = torch.where(cut_h, 0, self.size.gather(2, index)) + valid_h.long()
+        old_sum = torch.where(cut_h.unsqueeze(-1), 0.0, self.key_sum.gather(2, vec_index))
+        old_min = torch.where(cut_h.unsqueeze(-1), float("inf"), self.key_min.gather(2, vec_index))
+        old_max = torch.where(cut_h.unsqueeze(-1), float("-inf"), self.key_max.gather(2, vec_index))
+        keep = valid_h.unsqueeze(-1)
+        self.start.scatter_(2, index, start)
+        self.size.scatter_(2, index, size)
+        self.key_sum.scatter_(2, vec_index, torch.where(keep, old_sum + k, old_sum))
+        self.key_min.scatter_(2, vec_index, torch.where(keep, torch.minimum(old_min, k), old_min))
+        self.key_max.scatter_(2, vec_index, torch.where(keep, torch.maximum(old_max, k), old_max))
+        self.selectable.scatter_(2, index, self.selectable.gather(2, index) | (valid_h & (self.open_unit >= 0).view(batch, 1, 1)))
+        self.order_len += 1
+        self.decode_tokens += 1
