@@ -21,8 +21,13 @@ def kmeans(keys: torch.Tensor, valid: torch.Tensor, num_clusters: int, iters: in
     batch, heads, n, dim = keys.shape
     x = keys.float()
     weight = valid[:, None, :].expand(batch, heads, n).float()
-    init = torch.linspace(0, n - 1, num_clusters, device=keys.device).round().long()
-    centroids = x[:, :, init, :].clone()
+    # start from evenly spaced valid tokens of each sequence
+    seen = torch.cumsum(valid.long(), dim=-1)  # (B, n)
+    count = seen[:, -1:].clamp(min=1)
+    spaced = torch.linspace(0, 1, num_clusters, device=keys.device)
+    wanted = (spaced * (count - 1)).round().long() + 1  # 1-based rank among valid tokens
+    init = torch.searchsorted(seen.contiguous(), wanted.contiguous()).clamp(max=n - 1)  # (B, C)
+    centroids = x.gather(2, init[:, None, :, None].expand(batch, heads, num_clusters, dim)).clone()
     labels = torch.zeros(batch, heads, n, dtype=torch.long, device=keys.device)
     for _ in range(iters):
         # ||x - c||^2 up to a per-token constant

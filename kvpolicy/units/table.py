@@ -120,6 +120,8 @@ class UnitTable:
 
         ``slot``: its slot (the same for every sequence, since they decode in lockstep);
         ``key``: ``(B, H, D)``; ``valid``: ``(B,)`` False for padding; ``boundary``: ``(B,)``.
+        Tokens leave in slot order, so a sequence's (left) padding leaves before its first real
+        token and a unit's tokens stay one contiguous range of ``order``.
         """
         self._reserve()
         batch, heads, dim = key.shape

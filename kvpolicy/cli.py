@@ -1,0 +1,244 @@
+"""The ``kvpolicy`` command line.
+
+    kvpolicy run --preset louiskv --compare full      # the built-in ~4K-token needle demo
+    kvpolicy run --preset quest --budget 1024 --prompt-file doc.txt --max-new-tokens 128
+    kvpolicy presets                                  # presets and registered components
+
+Bad input ends with a one-line error and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .errors import KVPolicyError
+
+EXIT_USAGE = 2
+
+
+@dataclass
+class RunResult:
+    policy: str
+    answer: str
+    correct: bool | None
+    figures: dict[str, Any]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpolicy", description="KV-cache retrieval policies for long-context decoding")
+    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                        help="import MODULE to register its components (repeatable)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="generate with a preset and print the answer and the run's figures")
+    run.add_argument("--preset", required=True, help="preset name (see `kvpolicy presets`)")
+    run.add_argument("--model", default="smollm2",
+                     help="'smollm2' (the embedded default), a local transformers model directory or a local .gguf file")
+    run.add_argument("--prompt-file", help="a text file used as the user's message; default: the built-in ~4K-token needle demo")
+    run.add_argument("--demo-tokens", type=int, default=4096, help="length of the built-in demo prompt (default 4096)")
+    run.add_argument("--budget", type=int, help="tokens attended per decode step (default: the preset's)")
+    run.add_argument("--max-new-tokens", type=int, default=32)
+    run.add_argument("--compare", choices=["full"], help="also run full attention and print both side by side")
+    run.add_argument("--placement", choices=["cpu", "gpu"], help="where the full KV lives (default: the preset's)")
+    run.add_argument("--backend", help="kernel backend: auto, reference or triton")
+    run.add_argument("--device", default=None, help="torch device for the model (default: cuda if available, else cpu)")
+    run.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    run.add_argument("--plugin", action="append", default=[], metavar="MODULE", help=argparse.SUPPRESS)
+
+    presets = sub.add_parser("presets", help="list presets and registered components")
+    presets.add_argument("--plugin", action="append", default=[], metavar="MODULE", help=argparse.SUPPRESS)
+    return parser
+
+
+def _print_presets() -> None:
+    from .presets import PRESETS, preset, preset_doc
+    from .registry import KINDS, lookup, names
+
+    print("presets:")
+    for name in PRESETS:
+        print(f"  {name:10s} {preset_doc(name)}")
+        print(f"  {'':10s} defaults: {preset(name).describe().split(': ', 1)[1]}")
+    print()
+    for kind in KINDS:
+        print(f"{kind} components:")
+        for name in names(kind):
+            cls = lookup(kind, name)
+            summary = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+            print(f"  {name:16s} {summary}  [{cls.__module__}]")
+
+
+def _policy_for(args, name: str):
+    from .presets import preset
+
+    options: dict[str, Any] = {}
+    if args.budget is not None and name != "full":
+        options["budget"] = args.budget
+    if args.placement is not None:
+        options["placement"] = args.placement
+    if args.backend is not None:
+        options["backend"] = args.backend
+    return preset(name, **options)
+
+
+def _prompt(args, tokenizer):
+    from .demo import needle_prompt
+
+    if args.prompt_file is None:
+        return needle_prompt(tokenizer, target_tokens=args.demo_tokens), "needle demo"
+    try:
+        with open(args.prompt_file, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as exc:
+        raise KVPolicyError(f"cannot read --prompt-file {args.prompt_file!r}: {exc.strerror}") from None
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)
+        input_ids, mask = ids["input_ids"], ids["attention_mask"]
+    else:
+        enc = tokenizer(text, return_tensors="pt")
+        input_ids, mask = enc["input_ids"], enc["attention_mask"]
+    return _FilePrompt(input_ids, mask), args.prompt_file
+
+
+@dataclass
+class _FilePrompt:
+    input_ids: Any
+    attention_mask: Any
+    answer: str | None = None
+
+
+def _generate(model, tokenizer, prompt, policy, max_new_tokens: int) -> RunResult:
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    class FirstTokenClock(BaseStreamer):
+        def __init__(self):
+            self.calls, self.first = 0, None
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls == 2:  # the first call carries the prompt
+                self.first = time.perf_counter()
+
+        def end(self):
+            pass
+
+    device = next(model.parameters()).device
+    input_ids = prompt.input_ids.to(device)
+    mask = prompt.attention_mask.to(device)
+    clock = FirstTokenClock()
+    with policy.apply(model) as session, torch.inference_mode():
+        start = time.perf_counter()
+        out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                             do_sample=False, streamer=clock, pad_token_id=tokenizer.pad_token_id)
+        elapsed = time.perf_counter() - start
+        stats = session.stats()
+    new = out[0, input_ids.shape[1]:]
+    answer = tokenizer.decode(new, skip_special_tokens=True).strip()
+    ttft = (clock.first - start) if clock.first else None
+    decode_time = elapsed - ttft if ttft is not None else None
+    figures = {
+        "context_tokens": int(input_ids.shape[1]),
+        "new_tokens": int(new.numel()),
+        "budget": policy.budget if policy.budget is not None else "all",
+        "reselect_share": stats.reselect_share,
+        "device_kv_bytes": stats.device_kv_bytes,
+        "full_kv_bytes": stats.full_kv_bytes,
+        "time_to_first_token_s": ttft,
+        "decode_tokens_per_s": (new.numel() - 1) / decode_time if decode_time and new.numel() > 1 else None,
+        "total_s": elapsed,
+    }
+    correct = None
+    if getattr(prompt, "answer", None):
+        from .demo import answer_is_correct
+
+        correct = answer_is_correct(answer, prompt)
+    return RunResult(policy.name, answer, correct, figures)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _report(results: list[RunResult]) -> None:
+    for r in results:
+        verdict = "" if r.correct is None else ("  [correct]" if r.correct else "  [WRONG]")
+        print(f"\n[{r.policy}] answer: {r.answer!r}{verdict}")
+    print()
+    rows = [
+        ("context tokens", lambda f: _fmt(f["context_tokens"])),
+        ("new tokens", lambda f: _fmt(f["new_tokens"])),
+        ("budget (tokens/step)", lambda f: _fmt(f["budget"])),
+        ("re-selecting (layer, step) pairs", lambda f: "-" if f["reselect_share"] is None else f"{100 * f['reselect_share']:.1f}%"),
+        ("KV on attention device", lambda f: f"{_mib(f['device_kv_bytes'])} of {_mib(f['full_kv_bytes'])} "
+                                            f"({100 * f['device_kv_bytes'] / max(f['full_kv_bytes'], 1):.0f}%)"),
+        ("time to first token (s)", lambda f: _fmt(f["time_to_first_token_s"])),
+        ("decode tokens/s", lambda f: _fmt(f["decode_tokens_per_s"])),
+        ("total (s)", lambda f: _fmt(f["total_s"])),
+    ]
+    width = max(len(label) for label, _ in rows)
+    header = f"{'':{width}s}  " + "  ".join(f"{r.policy:>28s}" for r in results)
+    print(header)
+    for label, cell in rows:
+        print(f"{label:{width}s}  " + "  ".join(f"{cell(r.figures):>28s}" for r in results))
+    if len(results) == 2:
+        same = results[0].answer == results[1].answer
+        print(f"\nanswers {'agree' if same else 'differ'}")
+
+
+def _run(args) -> int:
+    import torch
+
+    from .models import load_model
+
+    if args.max_new_tokens < 1:
+        raise KVPolicyError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    names = [args.preset] + (["full"] if args.compare == "full" and args.preset != "full" else [])
+    policies = [_policy_for(args, name) for name in names]  # validate before loading anything
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"loading {args.model} on {device} ...", file=sys.stderr, flush=True)
+    model, tokenizer = load_model(args.model, device=device)
+    prompt, source = _prompt(args, tokenizer)
+    print(f"prompt: {source}, {prompt.input_ids.shape[1]} tokens", file=sys.stderr, flush=True)
+    results = []
+    for policy in policies:
+        print(f"generating with {policy.describe()} ...", file=sys.stderr, flush=True)
+        results.append(_generate(model, tokenizer, prompt, policy, args.max_new_tokens))
+    _report(results)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump([r.__dict__ for r in results], handle, indent=2)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        from .registry import load_plugin_module
+
+        for module in args.plugin:
+            load_plugin_module(module)
+        if args.command == "presets":
+            _print_presets()
+            return 0
+        return _run(args)
+    except KVPolicyError as exc:
+        print(f"kvpolicy: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

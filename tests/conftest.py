@@ -1,0 +1,104 @@
+"""Shared fixtures: tiny random-config decoder models of each supported family, and prompts.
+
+Every model is float32, in eval mode and built under a fixed seed, so two builds of the same
+family are identical. Shapes: hidden 64, 2 layers, 4 query heads over 2 KV heads (GQA),
+head_dim 16, vocab 128, room for 1024 positions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+import transformers
+
+VOCAB = 128
+PAD_ID = 0
+PAD_TOKENS = 7  # left padding of row 1 in `left_padded_batch`
+
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    pad_token_id=PAD_ID,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # family -> (config class, model class, extra config options)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"use_sliding_window": False}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+}
+
+
+def build_model(family: str, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
+    """A tiny random ``family`` model (see ``FAMILIES``); ``overrides`` change config fields."""
+    config_name, model_name, extra = FAMILIES[family]
+    config = getattr(transformers, config_name)(**{**TINY, **extra, **overrides})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config)
+    return model.float().eval()
+
+
+def build_from_config(config: transformers.PretrainedConfig, model_cls: type, seed: int = 0):
+    """A random model of ``model_cls`` from an explicit ``config`` (hybrid and unsupported models)."""
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return model_cls(config).float().eval()
+
+
+def random_prompt(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
+    """``(batch, length)`` token ids, avoiding the pad/bos/eos ids."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=generator)
+
+
+def left_padded_batch(length: int, pad: int = PAD_TOKENS, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of 2 prompts of ``length`` columns; row 1 is left-padded by ``pad`` tokens.
+
+    Returns ``(input_ids, attention_mask)``; the mask is 0 on the padding.
+    """
+    ids = random_prompt(length, batch=2, seed=seed)
+    mask = torch.ones_like(ids)
+    ids[1, :pad] = PAD_ID
+    mask[1, :pad] = 0
+    return ids, mask
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory() -> Callable[..., transformers.PreTrainedModel]:
+    """Builds (and caches per session) one tiny model per family; treat the models as read-only."""
+    built: dict[str, transformers.PreTrainedModel] = {}
+
+    def get(family: str) -> transformers.PreTrainedModel:
+        if family not in built:
+            built[family] = build_model(family)
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def tiny_model(tiny_model_factory, family) -> transformers.PreTrainedModel:
+    return tiny_model_factory(family)
+
+
+@pytest.fixture
+def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    return left_padded_batch(40)
