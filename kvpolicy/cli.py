@@ -48,10 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", help="kernel backend: auto, reference or triton")
     run.add_argument("--device", default=None, help="torch device for the model (default: cuda if available, else cpu)")
     run.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
-    run.add_argument("--plugin", action="append", default=[], metavar="MODULE", help=argparse.SUPPRESS)
+    run.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
 
     presets = sub.add_parser("presets", help="list presets and registered components")
-    presets.add_argument("--plugin", action="append", default=[], metavar="MODULE", help=argparse.SUPPRESS)
+    presets.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
     return parser
 
 
@@ -202,6 +202,7 @@ def _report(results: list[RunResult]) -> None:
 def _run(args) -> int:
     import torch
 
+    from .kernels import dispatch
     from .models import load_model
 
     if args.max_new_tokens < 1:
@@ -209,6 +210,11 @@ def _run(args) -> int:
     names = [args.preset] + (["full"] if args.compare == "full" and args.preset != "full" else [])
     policies = [_policy_for(args, name) for name in names]  # validate before loading anything
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise KVPolicyError(f"--device {device}: no CUDA device is available here; use --device cpu")
+    for policy in policies:
+        if not policy.is_dense:
+            dispatch.check(policy.backend, torch.device(device))
     print(f"loading {args.model} on {device} ...", file=sys.stderr, flush=True)
     model, tokenizer = load_model(args.model, device=device)
     prompt, source = _prompt(args, tokenizer)
@@ -229,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from .registry import load_plugin_module
 
-        for module in args.plugin:
+        for module in args.plugin + args.sub_plugin:
             load_plugin_module(module)
         if args.command == "presets":
             _print_presets()

@@ -1,0 +1,58 @@
+"""The CLI: listings, and bad input ending in one line on stderr, exit 2, no traceback."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import kvpolicy
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "kvpolicy", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=300)
+
+
+def test_presets_lists_presets_and_components():
+    result = run_cli("presets")
+    assert result.returncode == 0, result.stderr
+    for name in kvpolicy.PRESETS:
+        assert f"  {name} " in result.stdout
+    for component in ("query_cosine", "every_step", "interval", "kmeans", "pages", "segments", "top_budget", "bound"):
+        assert component in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["run", "--preset", "louis"], "unknown preset 'louis'; known presets: full, streaming"),
+        (["run", "--preset", "quest", "--budget", "0"], "budget must be a positive integer"),
+        (["run", "--preset", "quest", "--budget", "-3"], "budget must be a positive integer"),
+        (["run", "--preset", "louiskv", "--budget", "50"], "must exceed sink + local"),
+        (["run", "--preset", "louiskv", "--backend", "triton"], "backend 'triton'"),
+        (["run", "--preset", "louiskv", "--backend", "cudnn"], "accepted: auto, reference, triton"),
+        (["run", "--preset", "louiskv", "--model", "/no/such/model"], "/no/such/model"),
+        (["run", "--preset", "louiskv", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--plugin", "no_such_plugin_module", "presets"], "cannot import plugin module 'no_such_plugin_module'"),
+    ],
+)
+def test_bad_input_exits_2_without_traceback(args, message):
+    result = run_cli(*args)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_tau_out_of_range_from_python_config_is_a_clear_error():
+    with pytest.raises(kvpolicy.ConfigError, match=r"\[-1, 1\]"):
+        kvpolicy.Policy.from_dict({"preset": "louiskv", "trigger": {"name": "query_cosine", "tau": 2}})
+
+
+def test_readme_test_command_is_what_ci_runs():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
+    ci = open(os.path.join(root, ".ci", "run"), encoding="utf-8").read()
+    commands = [line for line in readme.splitlines() if line.startswith("python3 -m venv") and "pytest" in line]
+    assert len(commands) == 1
+    assert commands[0] in ci.splitlines()
