@@ -49,7 +49,8 @@ def register(kind: str, name: str) -> Callable[[T], T]:
 def lookup(kind: str, name: str) -> type:
     """The class registered as ``name``; the error lists the known names."""
     _check_kind(kind)
-    load_plugins()
+    if name not in _REGISTRY[kind]:  # built-ins never wait on (or break with) third-party plugins
+        load_plugins()
     try:
         return _REGISTRY[kind][name]
     except KeyError:
@@ -79,8 +80,8 @@ def load_plugins() -> None:
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         if ep.value in _loaded_plugins:
             continue
-        _loaded_plugins.add(ep.value)
         try:
             ep.load()
-        except Exception as exc:  # a broken third-party plugin must name itself
+        except Exception as exc:  # a broken third-party plugin must name itself, every time
             raise ConfigError(f"plugin {ep.name!r} ({ep.value}) failed to load: {exc}") from exc
+        _loaded_plugins.add(ep.value)

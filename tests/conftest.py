@@ -1,8 +1,8 @@
 """Shared fixtures: tiny random-config decoder models of each supported family, and prompts.
 
 Every model is float32, in eval mode and built under a fixed seed, so two builds of the same
-family are identical. Shapes: hidden 64, 2 layers, 4 query heads over 2 KV heads (GQA),
-head_dim 16, vocab 128, room for 1024 positions.
+family are identical; generation never stops at eos. Shapes: hidden 64, 2 layers, 4 query
+heads over 2 KV heads (GQA), head_dim 16, vocab 128, room for 1024 positions.
 """
 
 from __future__ import annotations
@@ -48,6 +48,12 @@ def build_model(family: str, seed: int = 0, **overrides: Any) -> transformers.Pr
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)
+    return _finish(model)
+
+
+def _finish(model):
+    # random weights emit eos at random; generation always runs max_new_tokens
+    model.generation_config.eos_token_id = None
     return model.float().eval()
 
 
@@ -55,7 +61,7 @@ def build_from_config(config: transformers.PretrainedConfig, model_cls: type, se
     """A random model of ``model_cls`` from an explicit ``config`` (hybrid and unsupported models)."""
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    return model_cls(config).float().eval()
+    return _finish(model_cls(config))
 
 
 def random_prompt(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
@@ -74,6 +80,16 @@ def left_padded_batch(length: int, pad: int = PAD_TOKENS, seed: int = 1) -> tupl
     ids[1, :pad] = PAD_ID
     mask[1, :pad] = 0
     return ids, mask
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread for the module: tiny models gain nothing from more, and on a
+    shared 2-core CI machine extra threads spin against each other (10x slower seen)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import inspect
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,6 +206,19 @@ class PolicySession:
         for attr in ("num_attention_heads", "num_hidden_layers"):
             if not hasattr(config, attr):
                 raise UnsupportedModelError(f"{type(config).__name__} has no {attr}; not a decoder kvpolicy can serve")
+        if self.policy.is_dense:
+            return  # the model's own attention runs
+        # prefill and unserved layers run SDPA, decode runs plain softmax attention: a model whose
+        # attention is something else would fail mid-generate or, worse, decode silently wrong
+        if not getattr(self.model, "_supports_sdpa", True):
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} does not support SDPA attention, which kvpolicy's prefill runs"
+            )
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            raise UnsupportedModelError(
+                f"{type(config).__name__} caps attention logits (attn_logit_softcapping="
+                f"{config.attn_logit_softcapping}); kvpolicy's attention does not"
+            )
 
     @property
     def pool_device(self) -> torch.device:
@@ -216,6 +228,7 @@ class PolicySession:
 
     def new_cache(self) -> PolicyCache | DynamicCache:
         """A fresh cache for one generation (``model(..., past_key_values=session.new_cache())``)."""
+        self._prompt_length = None  # known only when the session's generate made the cache
         if self.policy.is_dense:
             self.cache = DynamicCache(config=self.config)
         else:
@@ -237,14 +250,22 @@ class PolicySession:
         def generate(*args, **kwargs):
             if kwargs.get("past_key_values") is None and kwargs.get("cache") is None:
                 kwargs[cache_arg] = session.new_cache()
-            session._started = time.perf_counter()
+            inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+            session._prompt_length = inputs.shape[-1] if isinstance(inputs, torch.Tensor) else None
             return original_generate(*args, **kwargs)
 
+        self._saved_generate = self.model.__dict__.get("generate")  # an outer session's wrapper
         self.model.generate = generate  # instance attribute, removed on exit
         return self
 
     def __exit__(self, *exc) -> None:
         self.model.__dict__.pop("generate", None)
+        if getattr(self, "_saved_generate", None) is not None:
+            self.model.generate = self._saved_generate
+        self._saved_generate = None
+        # the thread-local would otherwise keep this session's full KV pool alive
+        if getattr(_active, "cache", None) is self.cache:
+            _active.cache = None
         if self._saved_attn is not None:
             self._set_attn(self._saved_attn)
             self._saved_attn = None
@@ -266,7 +287,8 @@ class PolicySession:
             steps = states[0].decode_steps
             batch = states[0].reselections.shape[0]
             total = sum(int(s.reselections.sum()) for s in states)
-            share = total / (len(states) * steps * batch) if steps else None
+            has_selector = self.policy.selector is not None
+            share = total / (len(states) * steps * batch) if steps and has_selector else None
             device_bytes = sum(s.store.device_bytes() for s in states)
             full_bytes = sum(s.store.full_bytes() for s in states)
             context = states[0].store.length - steps
@@ -276,8 +298,9 @@ class PolicySession:
             full_bytes = sum(2 * l.keys.numel() * l.keys.element_size() for l in layers)
             device_bytes = full_bytes
             length = cache.get_seq_length()
-            steps = getattr(self, "_steps_hint", 0)
-            context, share, served = length, None, len(layers)
+            context = getattr(self, "_prompt_length", None) or length
+            steps = length - context  # the last generated token is never fed back
+            share, served = None, len(layers)
         return RunStats(
             context_tokens=context,
             decode_steps=steps,

@@ -35,8 +35,6 @@ class Selector:
     """Base class. Subclasses are dataclasses whose fields are their options."""
 
     registered_name: ClassVar[str] = ""
-    #: Metadata the selector reads: "mean" or "minmax" (checked against the unit builders).
-    needs: ClassVar[str] = "mean"
 
     def validate(self) -> None:
         """Raise ``ConfigError`` for bad options. Called when the policy is built."""

@@ -17,8 +17,6 @@ class Bound(Selector):
     query heads is taken, so the unit is kept if any head of the group could need it.
     """
 
-    needs = "minmax"
-
     def score(self, query_group: torch.Tensor, units) -> torch.Tensor:
         q = query_group.unsqueeze(3)  # (B, H, G, 1, D)
         low = units.key_min.unsqueeze(2)
