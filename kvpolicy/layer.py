@@ -37,6 +37,8 @@ class PolicyLayerState:
         self.has_selection: torch.Tensor | None = None  # (B,) bool
         self.reselections: torch.Tensor | None = None  # (B,) long, summed over decode steps
         self.decode_steps = 0
+        #: called as ``observer(state, query)`` after selection, before attention (eval's recall)
+        self.observers: list = []
 
     @property
     def seq_length(self) -> int:
@@ -89,6 +91,8 @@ class PolicyLayerState:
             self.has_selection.fill_(True)
             self.reselections += reselect.long()
         self.decode_steps += 1
+        for observer in self.observers:
+            observer(self, query)
 
         attention = dispatch.get("sparse_decode_attention", policy.backend, query.device)
         parts = [

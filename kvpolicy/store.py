@@ -44,12 +44,14 @@ class TieredStore:
     sink_keys: torch.Tensor  # (B, H, S, D)
     sink_values: torch.Tensor
     sink_valid: torch.Tensor  # (B, S)
+    sink_slots: torch.Tensor  # (B, S) long
     local_keys: torch.Tensor  # (B, H, L, D) ring: slot s lives at s % L
     local_values: torch.Tensor
     local_valid: torch.Tensor  # (B, L)
     retrieved_keys: torch.Tensor  # (B, H, R, D)
     retrieved_values: torch.Tensor
     retrieved_valid: torch.Tensor  # (B, H, R)
+    retrieved_slots: torch.Tensor  # (B, H, R) long: which slot each retrieved row holds
     retrieved_fill: torch.Tensor  # (B, H) long: retrieved[..., :fill] is in use
     zone_end: int  # slots [0, zone_end) of the prompt are sink or retrievable
 
@@ -114,12 +116,14 @@ class TieredStore:
             sink_keys=sink_keys,
             sink_values=sink_values,
             sink_valid=sink_valid,
+            sink_slots=sink_slots,
             local_keys=local_keys,
             local_values=local_values,
             local_valid=local_valid,
             retrieved_keys=keys.new_zeros(batch, heads, retrieval, dim),
             retrieved_values=values.new_zeros(batch, heads, retrieval, dim),
             retrieved_valid=torch.zeros(batch, heads, retrieval, dtype=torch.bool, device=device),
+            retrieved_slots=torch.zeros(batch, heads, retrieval, dtype=torch.long, device=device),
             retrieved_fill=torch.zeros(batch, heads, dtype=torch.long, device=device),
             zone_end=zone_end,
         )
@@ -181,6 +185,7 @@ class TieredStore:
         self.retrieved_keys = torch.where(take.unsqueeze(-1), new_keys, self.retrieved_keys)
         self.retrieved_values = torch.where(take.unsqueeze(-1), new_values, self.retrieved_values)
         self.retrieved_valid = torch.where(take, valid, self.retrieved_valid)
+        self.retrieved_slots = torch.where(take, slots, self.retrieved_slots)
         self.retrieved_fill = torch.where(take[..., 0], slot_valid.sum(-1), self.retrieved_fill)
 
     def admit(self, evicted: Evicted, mask: torch.Tensor) -> None:
@@ -198,9 +203,30 @@ class TieredStore:
         old_v = self.retrieved_values.gather(2, vec)
         self.retrieved_keys.scatter_(2, vec, torch.where(a, evicted.key.unsqueeze(2), old_k))
         self.retrieved_values.scatter_(2, vec, torch.where(a, evicted.value.unsqueeze(2), old_v))
+        old_slot = self.retrieved_slots.gather(2, index)
+        self.retrieved_slots.scatter_(2, index, torch.where(admit.unsqueeze(-1), evicted.slot, old_slot))
         old_valid = self.retrieved_valid.gather(2, index)
         self.retrieved_valid.scatter_(2, index, old_valid | admit.unsqueeze(-1))
         self.retrieved_fill = self.retrieved_fill + admit.long()
+
+    def local_slots(self) -> torch.Tensor:
+        """``(L,)`` the slot each ring position holds (meaningful where ``local_valid``)."""
+        capacity = self.local_capacity
+        newest = self.length - 1
+        position = torch.arange(capacity, device=self.local_valid.device)
+        # the ring holds slots (newest - capacity, newest]; slot s sits at s % capacity
+        return newest - ((newest - position) % capacity)
+
+    def attended_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slots, valid)``, both ``(B, H, S + R + L)``: every token this step attends to."""
+        batch, heads = self.retrieved_slots.shape[:2]
+        sink = self.sink_slots[:, None, :].expand(batch, heads, -1)
+        sink_valid = self.sink_valid[:, None, :].expand(batch, heads, -1)
+        local = self.local_slots().expand(batch, heads, -1)
+        local_valid = self.local_valid[:, None, :].expand(batch, heads, -1)
+        slots = torch.cat([sink, self.retrieved_slots, local], dim=-1)
+        valid = torch.cat([sink_valid, self.retrieved_valid, local_valid], dim=-1)
+        return slots, valid
 
     def device_bytes(self) -> int:
         """KV bytes held on the attention device (sink + local + retrieved)."""

@@ -1,0 +1,60 @@
+"""The tiers hold every token exactly once where the budget allows, and never more than the budget."""
+
+import pytest
+import torch
+
+import kvpolicy
+from kvpolicy.integrations.transformers import cache_argument_name
+
+
+def _decode_and_observe(model, policy, prompt_len=150, steps=40, pad=5):
+    torch.manual_seed(0)
+    ids = torch.randint(1, 128, (2, prompt_len))
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    seen = []
+
+    def observer(state, query):
+        slots, valid = state.store.attended_slots()
+        seen.append((state.layer_idx, state.store.length, slots.clone(), valid.clone(), state.store.slot_valid.clone()))
+
+    with policy.apply(model) as session, torch.inference_mode():
+        cache = session.new_cache()
+        for layer in cache.policy_layers():
+            layer.observers.append(observer)
+        kw = {cache_argument_name(model): cache}
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True, **kw)
+        for _ in range(steps):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+            out = model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask, use_cache=True, **kw)
+    return seen
+
+
+@pytest.mark.parametrize("name", ["quest", "louiskv", "clusterkv", "arkvale"])
+def test_full_budget_attends_every_valid_token_exactly_once(tiny_model_factory, name):
+    tiny_llama = tiny_model_factory("llama")
+    seen = _decode_and_observe(tiny_llama, kvpolicy.preset(name, budget=400))
+    assert seen
+    for _, length, slots, valid, slot_valid in seen:
+        for b in range(slots.shape[0]):
+            for h in range(slots.shape[1]):
+                attended = sorted(slots[b, h][valid[b, h]].tolist())
+                expected = torch.nonzero(slot_valid[b, :length]).flatten().tolist()
+                assert attended == expected
+
+
+@pytest.mark.parametrize("name", ["quest", "louiskv", "streaming"])
+def test_small_budget_attends_at_most_the_budget_and_only_real_tokens(tiny_model_factory, name):
+    tiny_llama = tiny_model_factory("llama")
+    budget = 100
+    seen = _decode_and_observe(tiny_llama, kvpolicy.preset(name, budget=budget))
+    for _, length, slots, valid, slot_valid in seen:
+        assert (valid.sum(-1) <= budget).all()
+        for b in range(slots.shape[0]):
+            attended = slots[b][valid[b]]
+            assert (attended < length).all()
+            assert slot_valid[b, attended].all()
+        for b in range(slots.shape[0]):
+            for h in range(slots.shape[1]):
+                picked = slots[b, h][valid[b, h]].tolist()
+                assert len(picked) == len(set(picked))
