@@ -43,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--demo-tokens", type=int, default=4096, help="length of the built-in demo prompt (default 4096)")
     run.add_argument("--budget", type=int, help="tokens attended per decode step (default: the preset's)")
     run.add_argument("--max-new-tokens", type=int, default=32)
+    run.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     run.add_argument("--compare", choices=["full"], help="also run full attention and print both side by side")
     run.add_argument("--placement", choices=["cpu", "gpu"], help="where the full KV lives (default: the preset's)")
     run.add_argument("--backend", help="kernel backend: auto, reference or triton")
@@ -72,10 +73,10 @@ def _print_presets() -> None:
             print(f"  {name:16s} {summary}  [{cls.__module__}]")
 
 
-def _policy_for(args, name: str):
+def _policy_for(args, name: str, model: Any = None):
     from .presets import preset
 
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"model": model}
     if args.budget is not None and name != "full":
         options["budget"] = args.budget
     if args.placement is not None:
@@ -112,7 +113,7 @@ class _FilePrompt:
     answer: str | None = None
 
 
-def _generate(model, tokenizer, prompt, policy, max_new_tokens: int) -> RunResult:
+def _generate(model, tokenizer, prompt, policy, max_new_tokens: int, ignore_eos: bool) -> RunResult:
     import torch
     from transformers.generation.streamers import BaseStreamer
 
@@ -135,6 +136,7 @@ def _generate(model, tokenizer, prompt, policy, max_new_tokens: int) -> RunResul
     with policy.apply(model) as session, torch.inference_mode():
         start = time.perf_counter()
         out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens if ignore_eos else None,
                              do_sample=False, streamer=clock, pad_token_id=tokenizer.pad_token_id)
         elapsed = time.perf_counter() - start
         stats = session.stats()
@@ -208,7 +210,8 @@ def _run(args) -> int:
     if args.max_new_tokens < 1:
         raise KVPolicyError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     names = [args.preset] + (["full"] if args.compare == "full" and args.preset != "full" else [])
-    policies = [_policy_for(args, name) for name in names]  # validate before loading anything
+    # validate before loading anything; rebuilt below with the model's calibrated defaults
+    policies = [_policy_for(args, name, model=args.model) for name in names]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise KVPolicyError(f"--device {device}: no CUDA device is available here; use --device cpu")
@@ -217,12 +220,13 @@ def _run(args) -> int:
             dispatch.check(policy.backend, torch.device(device))
     print(f"loading {args.model} on {device} ...", file=sys.stderr, flush=True)
     model, tokenizer = load_model(args.model, device=device)
+    policies = [_policy_for(args, name, model=model) for name in names]
     prompt, source = _prompt(args, tokenizer)
     print(f"prompt: {source}, {prompt.input_ids.shape[1]} tokens", file=sys.stderr, flush=True)
     results = []
     for policy in policies:
         print(f"generating with {policy.describe()} ...", file=sys.stderr, flush=True)
-        results.append(_generate(model, tokenizer, prompt, policy, args.max_new_tokens))
+        results.append(_generate(model, tokenizer, prompt, policy, args.max_new_tokens, args.ignore_eos))
     _report(results)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:

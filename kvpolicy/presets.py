@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from .calibration import DEFAULT_TAU, calibrated_tau
 from .errors import UnknownNameError
 from .policy import Policy
 
@@ -45,14 +46,22 @@ def _clusterkv(**options: Any) -> Policy:
     )
 
 
-def _louiskv(**options: Any) -> Policy:
-    """LouisKV: re-select only at semantic boundaries (mean query cosine < tau = 0.7), K-means
+def _louiskv(model: Any = None, **options: Any) -> Policy:
+    """LouisKV: re-select only at semantic boundaries (mean query cosine < tau), K-means
     clusters of ~16 prompt tokens, generated tokens in segments cut at those boundaries,
-    group-consistent top_budget selection."""
+    group-consistent top_budget selection. tau is the model's calibrated value when a model
+    is given (0.8 for the embedded SmolLM2), else 0.7 (LouisKV's for Qwen3-8B)."""
+    tau = calibrated_tau(model) if model is not None else DEFAULT_TAU
     return _retrieval(
-        "louiskv", {"name": "query_cosine", "tau": 0.7}, {"name": "kmeans", "tokens_per_cluster": 16},
+        "louiskv", {"name": "query_cosine", "tau": tau}, {"name": "kmeans", "tokens_per_cluster": 16},
         {"name": "segments", "max_size": 64}, "top_budget", options,
     )
+
+
+def _oracle(**options: Any) -> Policy:
+    """Oracle: the exact top-budget tokens by attention mass, every step (an upper bound for
+    evaluation; it reads every key each step)."""
+    return _retrieval("oracle", "every_step", {"name": "pages", "size": 1}, {"name": "pages", "size": 1}, "oracle", options)
 
 
 def _retrieval(name, trigger, prefill_units, decode_units, selector, options) -> Policy:
@@ -77,15 +86,21 @@ PRESETS: dict[str, Callable[..., Policy]] = {
     "arkvale": _arkvale,
     "clusterkv": _clusterkv,
     "louiskv": _louiskv,
+    "oracle": _oracle,
 }
 
 
-def preset(name: str, **options: Any) -> Policy:
-    """The named preset, with any Policy field overridden (``budget=1024``, ``placement="gpu"``...)."""
+def preset(name: str, *, model: Any = None, **options: Any) -> Policy:
+    """The named preset, with any Policy field overridden (``budget=1024``, ``placement="gpu"``...).
+
+    ``model`` (a model or its id) picks per-model calibrated defaults (LouisKV's tau).
+    """
     try:
         factory = PRESETS[name]
     except KeyError:
         raise UnknownNameError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None
+    if name == "louiskv":
+        return factory(model=model, **options)
     return factory(**options)
 
 

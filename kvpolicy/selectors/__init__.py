@@ -2,6 +2,7 @@
 
 from .base import Selection, Selector
 from .bound import Bound
+from .oracle import Oracle
 from .top_budget import TopBudget
 
-__all__ = ["Selection", "Selector", "Bound", "TopBudget"]
+__all__ = ["Selection", "Selector", "Bound", "Oracle", "TopBudget"]
