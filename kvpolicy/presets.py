@@ -61,6 +61,8 @@ def _louiskv(model: Any = None, **options: Any) -> Policy:
 def _oracle(**options: Any) -> Policy:
     """Oracle: the exact top-budget tokens by attention mass, every step (an upper bound for
     evaluation; it reads every key each step)."""
+    # no forced sink or window: only the current token is kept outside the selection
+    options = {"sink": 0, "local": 1, **options}
     return _retrieval("oracle", "every_step", {"name": "pages", "size": 1}, {"name": "pages", "size": 1}, "oracle", options)
 
 

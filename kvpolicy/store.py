@@ -215,7 +215,8 @@ class TieredStore:
         newest = self.length - 1
         position = torch.arange(capacity, device=self.local_valid.device)
         # the ring holds slots (newest - capacity, newest]; slot s sits at s % capacity
-        return newest - ((newest - position) % capacity)
+        # positions never written yet would map below 0; they are invalid, keep them indexable
+        return (newest - ((newest - position) % capacity)).clamp(min=0)
 
     def attended_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slots, valid)``, both ``(B, H, S + R + L)``: every token this step attends to."""
