@@ -51,6 +51,17 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     run.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
 
+    ev = sub.add_parser("eval", help="accuracy of presets side by side on local RULER-style tasks (resumable)")
+    ev.add_argument("--model", default="smollm2", help="as for `run`")
+    ev.add_argument("--tasks", default=None, help="comma-separated task names (default: all)")
+    ev.add_argument("--lengths", default="2048,4096,8192", help="comma-separated context lengths in tokens")
+    ev.add_argument("--budgets", default="256,512,1024", help="comma-separated token budgets")
+    ev.add_argument("--presets", default="full,streaming,quest,arkvale,clusterkv,louiskv,oracle")
+    ev.add_argument("--seeds", default="0,1,2", help="comma-separated sample seeds")
+    ev.add_argument("--out", default="eval-out", help="output folder (results.jsonl, summary.json, table.md, PNGs)")
+    ev.add_argument("--device", default=None)
+    ev.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
+
     presets = sub.add_parser("presets", help="list presets and registered components")
     presets.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
     return parser
@@ -234,6 +245,34 @@ def _run(args) -> int:
     return 0
 
 
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KVPolicyError(f"--{what} takes comma-separated integers, got {text!r}") from None
+
+
+def _eval(args) -> int:
+    import torch
+
+    from .eval.report import summarize, table, write_outputs
+    from .eval.runner import run_grid
+    from .eval.tasks import TASKS
+    from .models import load_model
+
+    tasks = args.tasks.split(",") if args.tasks else list(TASKS)
+    options = dict(tasks=tasks, lengths=_ints(args.lengths, "lengths"), budgets=_ints(args.budgets, "budgets"),
+                   presets=args.presets.split(","), seeds=_ints(args.seeds, "seeds"))
+    run_grid(None, None, out_dir=args.out, dry_run=True, **options)  # validate names before loading
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model(args.model, device=device)
+    cells = run_grid(model, tokenizer, out_dir=args.out, **options)
+    written = write_outputs(cells, args.out)
+    print(table(summarize(cells)))
+    print("\nwrote " + ", ".join(str(p) for p in written.values()))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -244,6 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "presets":
             _print_presets()
             return 0
+        if args.command == "eval":
+            return _eval(args)
         return _run(args)
     except KVPolicyError as exc:
         print(f"kvpolicy: error: {exc}", file=sys.stderr)
