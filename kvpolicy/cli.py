@@ -62,6 +62,16 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default=None)
     ev.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
 
+    cal = sub.add_parser("calibrate", help="choose LouisKV's tau for a model once; stored as its default")
+    cal.add_argument("--model", default="smollm2", help="as for `run`")
+    cal.add_argument("--samples", type=int, default=200, help="local prompts to calibrate on (default 200)")
+    cal.add_argument("--length", type=int, default=1024, help="prompt length in tokens (default 1024)")
+    cal.add_argument("--steps", type=int, default=32, help="teacher-forced tokens per prompt (default 32)")
+    cal.add_argument("--taus", default="0.5,0.6,0.7,0.8,0.85,0.9,0.95")
+    cal.add_argument("--budget", type=int, default=512)
+    cal.add_argument("--device", default=None)
+    cal.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
+
     presets = sub.add_parser("presets", help="list presets and registered components")
     presets.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
     return parser
@@ -273,6 +283,37 @@ def _eval(args) -> int:
     return 0
 
 
+def _calibrate(args) -> int:
+    import torch
+
+    from .calibration import calibration_file
+    from .eval.calibrate import calibrate
+    from .models import load_model
+
+    try:
+        taus = [float(t) for t in args.taus.split(",") if t.strip()]
+    except ValueError:
+        raise KVPolicyError(f"--taus takes comma-separated numbers, got {args.taus!r}") from None
+    if not taus or any(not -1.0 <= t <= 1.0 for t in taus):
+        raise KVPolicyError(f"--taus must be numbers in [-1, 1], got {args.taus!r}")
+    if args.samples < 1 or args.steps < 2 or args.length < 64:
+        raise KVPolicyError("--samples must be >= 1, --steps >= 2 and --length >= 64")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model(args.model, device=device)
+
+    def progress(done: int, total: int) -> None:
+        print(f"\r[{done}/{total}] prompts", end="" if done < total else "\n", flush=True)
+
+    chosen, points = calibrate(model, tokenizer, taus=taus, samples=args.samples, length=args.length,
+                               steps=args.steps, budget=args.budget, progress=progress)
+    print(f"{'tau':>6s} {'re-selecting':>13s} {'top-1 agree':>12s} {'KL':>8s}")
+    for p in points:
+        mark = "  <- chosen" if p.tau == chosen else ""
+        print(f"{p.tau:6.2f} {100 * p.reselect_share:12.1f}% {100 * p.top1_agreement:11.1f}% {p.kl_mean:8.4f}{mark}")
+    print(f"stored tau={chosen} for this model in {calibration_file()}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -285,6 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "eval":
             return _eval(args)
+        if args.command == "calibrate":
+            return _calibrate(args)
         return _run(args)
     except KVPolicyError as exc:
         print(f"kvpolicy: error: {exc}", file=sys.stderr)
