@@ -59,12 +59,22 @@ def test_selection_respects_budget_groups_and_existing_tokens(case, selector_nam
     selector = TopBudget() if selector_name == "top_budget" else Bound()
     selection = selector.select(query, table, capacity, "reference")
 
-    # never over budget: the chosen units' sizes sum to at most the capacity
+    # never over budget; filled exactly unless the selectable tokens run out
     chosen = selection.unit_ids.clamp(min=0)
     chosen_sizes = torch.where(selection.unit_ids >= 0, table.size.gather(2, chosen), 0).sum(-1)
-    assert (chosen_sizes <= capacity).all()
-    assert (selection.slot_valid.sum(-1) == chosen_sizes).all()
+    selectable_tokens = torch.where(table.selectable, table.size, 0).sum(-1)
+    filled = selection.slot_valid.sum(-1)
     assert selection.slots.shape == (batch, kv_heads, capacity)
+    assert (filled <= capacity).all()
+    assert torch.equal(filled, torch.minimum(selectable_tokens, torch.full_like(filled, capacity)))
+    # every chosen unit but the last is taken whole
+    last = torch.where(selection.num_units > 0, selection.unit_ids.gather(2, (selection.num_units - 1).clamp(min=0).unsqueeze(-1))[..., 0], -1)
+    last_size = torch.where(last >= 0, table.size.gather(2, last.clamp(min=0).unsqueeze(-1))[..., 0], 0)
+    whole = chosen_sizes - last_size
+    some = selection.num_units > 0
+    assert (whole[some] < capacity).all()
+    assert (filled[some] > whole[some]).all()
+    assert (filled[~some] == 0).all()
 
     # one selection per KV head: the shape has no query-head axis, and the group's heads share it;
     # permuting the query heads inside a group must not change it
@@ -89,13 +99,16 @@ def test_budget_fill_takes_best_prefix_that_fits(units, capacity, seed):
     starts = torch.cumsum(sizes, -1) - sizes
     order = torch.arange(int(sizes.sum()) + 1).view(1, 1, -1)
     ids, count, slots, valid = reference.select_budget(scores, sizes, starts, order, capacity)
+    # the sequential rule: whole units in score order, the first that does not fit is cut
     ranked = torch.argsort(scores[0, 0], descending=True, stable=True)
-    expected, total = [], 0
+    expected, want = [], []
     for u in ranked.tolist():
-        if total + sizes[0, 0, u] > capacity:
+        if len(want) >= capacity:
             break
+        if sizes[0, 0, u] == 0:
+            continue
         expected.append(u)
-        total += int(sizes[0, 0, u])
+        tokens = list(range(int(starts[0, 0, u]), int(starts[0, 0, u] + sizes[0, 0, u])))
+        want += tokens[: capacity - len(want)]
     assert ids[0, 0, : int(count[0, 0])].tolist() == expected
-    want = [s for u in expected for s in range(int(starts[0, 0, u]), int(starts[0, 0, u] + sizes[0, 0, u]))]
     assert slots[0, 0][valid[0, 0]].tolist() == want

@@ -47,30 +47,35 @@ def select_budget(
     order: torch.Tensor,
     capacity: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fill a token budget with the best-scoring whole units, never exceeding it.
+    """Fill a token budget with the best-scoring units, never exceeding it.
 
     ``scores``: ``(B, H, U)`` float, ``-inf`` for units that must not be chosen;
     ``sizes`` / ``starts``: ``(B, H, U)`` long, each unit is ``order[..., start:start+size]``;
     ``order``: ``(B, H, N)`` token slots; ``capacity``: the token budget ``R``.
-    Units are taken in score order while they fit (a unit is never split).
-    Returns ``unit_ids (B, H, U)`` (chosen units first in score order, then -1),
-    ``num_units (B, H)``, ``slots (B, H, R)`` and ``slot_valid (B, H, R)``.
+    Units are taken whole in score order; the first that does not fit is cut to the room
+    left, so the budget is filled exactly when there are enough tokens (a large unit at the
+    top of the ranking never leaves the budget empty).
+    Returns ``unit_ids (B, H, U)`` (chosen units in score order, then -1), ``num_units (B, H)``,
+    ``slots (B, H, R)`` and ``slot_valid (B, H, R)``.
     """
     ranked_scores, ranked = torch.sort(scores, dim=-1, descending=True, stable=True)
-    ranked_sizes = sizes.gather(-1, ranked)
+    selectable = ranked_scores > float("-inf")
+    ranked_sizes = torch.where(selectable, sizes.gather(-1, ranked), 0)
     ends = torch.cumsum(ranked_sizes, dim=-1)
-    taken = (ends <= capacity) & (ranked_scores > float("-inf"))
-    # ends is monotone, so the taken units form a prefix of the ranking
+    begins = ends - ranked_sizes
+    # begins is monotone, so the taken units form a prefix of the ranking
+    taken = selectable & (ranked_sizes > 0) & (begins < capacity)
     num_units = taken.sum(-1)
-    unit_ids = torch.where(taken, ranked, -1)
-    filled = torch.where(taken, ends, 0).amax(-1, keepdim=True)  # (B, H, 1)
+    # chosen units first (zero-size units may sit between them in the ranking)
+    compact = torch.sort((~taken).to(torch.uint8), dim=-1, stable=True).indices
+    unit_ids = torch.where(taken, ranked, -1).gather(-1, compact)
 
     position = torch.arange(capacity, device=scores.device).expand(*scores.shape[:-1], capacity)
-    slot_valid = position < filled
+    slot_valid = position < ends[..., -1:]
     which = torch.searchsorted(ends.contiguous(), position.contiguous(), right=True)
     which = which.clamp(max=scores.shape[-1] - 1)
     unit = ranked.gather(-1, which)
-    offset = position - (ends.gather(-1, which) - ranked_sizes.gather(-1, which))
+    offset = position - begins.gather(-1, which)
     index = (starts.gather(-1, unit) + offset).clamp(0, order.shape[-1] - 1)
     slots = torch.where(slot_valid, order.gather(-1, index), 0)
     return unit_ids, num_units, slots, slot_valid
