@@ -15,7 +15,7 @@ from kvpolicy.eval.report import summarize, table, write_outputs  # noqa: E402
 from kvpolicy.eval.runner import load_results, run_grid  # noqa: E402
 from kvpolicy.eval.tasks import build_chat, make_sample  # noqa: E402
 
-LENGTH, BUDGET, SEEDS, TASKS = 1024, 512, (0, 1), ("niah_single", "niah_multikey")
+LENGTH, BUDGET, SEEDS, TASKS = 2048, 512, (0, 1), ("niah_single", "niah_multivalue")
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 
@@ -35,11 +35,12 @@ def grid(smollm2, tmp_path_factory):
     return out, cells
 
 
-def _needle_in_window(tokenizer, task, seed, window):
+def _answers_in_window(tokenizer, task, seed, window):
+    """How many of the sample's answers lie in the last ``window`` prompt tokens, and how many there are."""
     sample = make_sample(task, tokenizer, LENGTH, seed)
     ids = build_chat(tokenizer, sample)["input_ids"][0]
     tail = tokenizer.decode(ids[-window:])
-    return all(answer in tail for answer in sample.answers)
+    return sum(answer in tail for answer in sample.answers), len(sample.answers)
 
 
 def test_slice_scores_are_bounded(grid, smollm2):
@@ -51,9 +52,10 @@ def test_slice_scores_are_bounded(grid, smollm2):
     outside = 0
     for task in TASKS:
         for seed in SEEDS:
-            if not _needle_in_window(tokenizer, task, seed, window):
-                outside += 1
-                assert by_key[(task, seed, "streaming")].score == 0.0, (task, seed)
+            inside, total = _answers_in_window(tokenizer, task, seed, window)
+            outside += total - inside
+            # 7-digit values it never attended to cannot be guessed
+            assert by_key[(task, seed, "streaming")].score <= 100.0 * inside / total, (task, seed)
     assert outside > 0, "the slice must contain a needle outside the streaming window"
     full = sum(by_key[(t, s, "full")].score for t in TASKS for s in SEEDS) / (len(TASKS) * len(SEEDS))
     oracle = sum(by_key[(t, s, "oracle")].score for t in TASKS for s in SEEDS) / (len(TASKS) * len(SEEDS))
@@ -68,7 +70,7 @@ def test_slice_outputs_and_resume(grid, smollm2):
     assert written["summary"].exists() and written["table"].exists()
     rows = summarize(cells)
     assert {r["preset"] for r in rows} == {"full", "streaming", "oracle"}
-    assert "| 1024 | 512 | oracle |" in table(rows)
+    assert "| 2048 | 512 | oracle |" in table(rows)
     for name in ("score_vs_budget", "score_vs_length", "recall_per_layer"):
         if name in written:
             assert written[name].stat().st_size > 1000
