@@ -94,6 +94,7 @@ def _plots(plt, rows: list[dict], cells: list[CellResult], out: Path) -> dict[st
                 ax.plot(xs, ys, marker="o", label=name)
         ax.set(title=f"{length} tokens", xlabel="budget (tokens)", ylabel="score", xscale="log")
         ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.minorticks_off()
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     written["score_vs_budget"] = out / "score_vs_budget.png"
