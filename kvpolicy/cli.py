@@ -298,6 +298,9 @@ def _calibrate(args) -> int:
         raise KVPolicyError(f"--taus must be numbers in [-1, 1], got {args.taus!r}")
     if args.samples < 1 or args.steps < 2 or args.length < 64:
         raise KVPolicyError("--samples must be >= 1, --steps >= 2 and --length >= 64")
+    if args.budget >= args.length:
+        raise KVPolicyError(f"--budget {args.budget} covers the whole {args.length}-token prompt: every tau would "
+                            "attend to everything; use a longer --length or a smaller --budget")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_model(args.model, device=device)
 

@@ -35,6 +35,10 @@ def test_presets_lists_presets_and_components():
         (["run", "--preset", "louiskv", "--model", "/no/such/model"], "/no/such/model"),
         (["run", "--preset", "louiskv", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["--plugin", "no_such_plugin_module", "presets"], "cannot import plugin module 'no_such_plugin_module'"),
+        (["calibrate", "--length", "512", "--budget", "512"], "covers the whole 512-token prompt"),
+        (["calibrate", "--taus", "0.5,1.5"], "--taus must be numbers in [-1, 1]"),
+        (["eval", "--tasks", "nope"], "unknown task 'nope'; known tasks:"),
+        (["eval", "--presets", "full,louis"], "unknown preset 'louis'"),
     ],
 )
 def test_bad_input_exits_2_without_traceback(args, message):

@@ -47,6 +47,11 @@ def calibrate(
     taus = sorted(float(t) for t in taus)
     if not taus or any(not -1.0 <= t <= 1.0 for t in taus):
         raise ConfigError(f"taus must be numbers in [-1, 1], got {taus}")
+    if budget >= length:
+        raise ConfigError(
+            f"budget {budget} covers the whole {length}-token prompt, so every tau attends to everything "
+            "and nothing can be told apart; use a longer --length or a smaller --budget"
+        )
     if samples < 1 or steps < 2:
         raise ConfigError(f"samples must be >= 1 and steps >= 2, got {samples} and {steps}")
     device = next(model.parameters()).device
