@@ -130,7 +130,6 @@ class TieredStore:
 
     def sink_slot_mask(self) -> torch.Tensor:
         """``(B, zone_end)`` True where a zone slot is a sink token (so not retrievable)."""
-        batch = self.slot_valid.shape[0]
         seen = torch.cumsum(self.slot_valid[:, : self.zone_end].long(), dim=-1)
         return self.slot_valid[:, : self.zone_end] & (seen <= self.sink_keys.shape[2])
 

@@ -11,7 +11,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 from ..errors import ConfigError
 from ..presets import PRESETS, preset
