@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvpolicy
 from kvpolicy.calibration import calibrated_tau
@@ -13,14 +12,12 @@ from kvpolicy.eval import decode as decoding
 from kvpolicy.eval.calibrate import calibrate
 from kvpolicy.eval.fidelity import measure
 
+from conftest import build_model
 from test_eval_tasks import CHAT_TEMPLATE, _train_tokenizer
 
 
 def _model(vocab: int):
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
-    return LlamaForCausalLM(config).eval()
+    return build_model("llama", vocab_size=vocab, max_position_embeddings=2048)
 
 
 @pytest.fixture(scope="module")
