@@ -7,11 +7,17 @@ heads over 2 KV heads (GQA), head_dim 16, vocab 128, room for 1024 positions.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import pytest
 import torch
 import transformers
+
+# Triton kernels are tested on CPU through its interpreter, which Triton reads when a kernel
+# is decorated, so it must be on before kvpolicy's Triton ops are imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 VOCAB = 128
 PAD_ID = 0

@@ -58,10 +58,30 @@ def triton_runs_on(device: torch.device) -> bool:
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+_triton_loaded = False
+
+
+def _load_triton() -> None:
+    """Import the Triton ops on first use (importing triton costs about a second)."""
+    global _triton_loaded
+    if not _triton_loaded:
+        _triton_loaded = True
+        from . import triton as triton_ops
+
+        triton_ops.load()
+
+
+def _auto_may_use(backend: str, device: torch.device) -> bool:
+    # the Triton interpreter on CPU is a test harness, far slower than the reference
+    return backend != "triton" or device.type == "cuda"
+
+
 def why_unavailable(backend: str, op: str, device: torch.device) -> str | None:
     """None if ``backend`` can run ``op`` on ``device``, else the reason."""
     if backend not in _IMPLEMENTATIONS:
         return f"unknown kernel backend {backend!r}; accepted: {', '.join(BACKENDS)}"
+    if backend == "triton":
+        _load_triton()
     impl = _IMPLEMENTATIONS[backend].get(op)
     if impl is None:
         have = ", ".join(sorted(_IMPLEMENTATIONS[backend])) or "no ops yet"
@@ -88,7 +108,7 @@ def get(op: str, backend: str, device: torch.device) -> Callable:
     """The implementation of ``op`` for ``backend`` on ``device``."""
     if backend == "auto":
         for candidate in _PREFERENCE:
-            if why_unavailable(candidate, op, device) is None:
+            if _auto_may_use(candidate, device) and why_unavailable(candidate, op, device) is None:
                 key = (op, candidate, device.type)
                 if key not in _logged:
                     _logged.add(key)

@@ -1,0 +1,23 @@
+"""Triton implementations of the kernel ops, one file per op.
+
+Importing this package registers them with the dispatch. Triton kernels run on CUDA, and on
+CPU under ``TRITON_INTERPRET=1`` (set before this package is imported: Triton reads it when a
+kernel is decorated); the interpreter is for tests only, so ``backend="auto"`` never picks it.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# each module registers its op with ``dispatch.implement("triton", ...)``
+_MODULES = ("attention", "gather", "kmeans", "select")
+
+
+def load() -> None:
+    for name in _MODULES:
+        try:
+            importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as error:
+            # an op whose module is not written yet simply stays unimplemented
+            if error.name != f"{__name__}.{name}":
+                raise
