@@ -87,6 +87,16 @@ def gather_rows(pool: torch.Tensor, slots: torch.Tensor, out_device: torch.devic
     return pool.gather(2, index).to(out_device, non_blocking=True)
 
 
+def gather_rows_into(pool: torch.Tensor, slots: torch.Tensor, take: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[b] = pool[b, :, slots[b]]`` for the sequences where ``take (B,)`` is True.
+
+    ``out``: ``(B, H, R, D)`` on the attention device, left untouched where ``take`` is False
+    (a fast backend moves no bytes for those sequences).
+    """
+    rows = gather_rows(pool, slots, out.device)
+    out.copy_(torch.where(take.view(-1, 1, 1, 1), rows, out))
+
+
 def sparse_decode_attention(
     query: torch.Tensor,
     parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
