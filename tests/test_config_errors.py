@@ -52,7 +52,7 @@ def test_tau_at_the_ends_is_accepted():
 
 
 def test_unknown_option_names_the_options():
-    with pytest.raises(ConfigError, match="has no option.*tua.*its options: tau"):
+    with pytest.raises(ConfigError, match="has no option.*tua.*its options: against, tau"):
         preset("louiskv", trigger={"name": "query_cosine", "tua": 0.5})
 
 

@@ -10,9 +10,12 @@ from ..registry import register
 from .base import Trigger
 
 
+AGAINST = ("previous", "anchor")
+
+
 @dataclass
 class QueryCosineState:
-    previous: torch.Tensor  # (batch, num_q_heads, head_dim): last step's query
+    previous: torch.Tensor  # (batch, num_q_heads, head_dim): the query compared against
     has_previous: torch.Tensor  # (batch,) bool
 
 
@@ -21,16 +24,21 @@ class QueryCosineState:
 class QueryCosine(Trigger):
     """LouisKV's semantic-boundary trigger.
 
-    Re-select when the mean over query heads of cos(q_t, q_{t-1}) falls below ``tau``:
+    Re-select when the mean over query heads of cos(q_t, q_ref) falls below ``tau``:
     consecutive queries that point the same way attend to the same KV, so the retrieved
-    set is reused until the query moves.
+    set is reused until the query moves. ``against="previous"`` (LouisKV) compares with the
+    last step's query; ``"anchor"`` with the query of the last re-selection, so a slow drift
+    that never shows between two adjacent steps still fires once it adds up.
     """
 
     tau: float = 0.7
+    against: str = "previous"
 
     def validate(self) -> None:
         if not isinstance(self.tau, (int, float)) or math.isnan(self.tau) or not -1.0 <= self.tau <= 1.0:
             raise ConfigError(f"query_cosine trigger: tau must be a number in [-1, 1], got {self.tau!r}")
+        if self.against not in AGAINST:
+            raise ConfigError(f"query_cosine trigger: against must be one of {', '.join(AGAINST)}; got {self.against!r}")
 
     def init_state(self, batch, num_q_heads, head_dim, device) -> QueryCosineState:
         return QueryCosineState(
@@ -42,6 +50,9 @@ class QueryCosine(Trigger):
         q = query.float()
         similarity = torch.nn.functional.cosine_similarity(q, state.previous, dim=-1).mean(dim=-1)
         fire = (similarity < self.tau) | ~state.has_previous
+        if self.against == "anchor":
+            # the layer also forces a first selection; has_previous marks exactly that step
+            q = torch.where(fire.view(-1, 1, 1), q, state.previous)
         state.previous.copy_(q)
         state.has_previous.fill_(True)
         return fire
