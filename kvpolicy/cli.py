@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -58,9 +59,24 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--budgets", default="256,512,1024", help="comma-separated token budgets")
     ev.add_argument("--presets", default="full,streaming,quest,arkvale,clusterkv,louiskv,oracle")
     ev.add_argument("--seeds", default="0,1,2", help="comma-separated sample seeds")
+    ev.add_argument("--variant", action="append", default=[], metavar="LABEL=PRESET:JSON",
+                    help="an extra column: a preset with options, e.g. "
+                         "'louis-anchor=louiskv:{\"trigger\": {\"name\": \"query_cosine\", \"tau\": 0.8, \"against\": \"anchor\"}}'; "
+                         "list LABEL in --presets to run it")
     ev.add_argument("--out", default="eval-out", help="output folder (results.jsonl, summary.json, table.md, PNGs)")
     ev.add_argument("--device", default=None)
     ev.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
+
+    fid = sub.add_parser("fidelity", help="long-output fidelity of presets against full attention's own output")
+    fid.add_argument("--model", default="smollm2", help="as for `run`")
+    fid.add_argument("--length", type=int, default=2048, help="prompt length in tokens (default 2048)")
+    fid.add_argument("--new-tokens", type=int, default=1024, help="tokens full attention generates (default 1024)")
+    fid.add_argument("--budget", type=int, default=512)
+    fid.add_argument("--presets", default="streaming,quest,arkvale,clusterkv,louiskv,oracle")
+    fid.add_argument("--seed", type=int, default=0, help="seed of the synthetic document")
+    fid.add_argument("--device", default=None)
+    fid.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    fid.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
 
     cal = sub.add_parser("calibrate", help="choose LouisKV's tau for a model once; stored as its default")
     cal.add_argument("--model", default="smollm2", help="as for `run`")
@@ -69,6 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--steps", type=int, default=32, help="teacher-forced tokens per prompt (default 32)")
     cal.add_argument("--taus", default="0.5,0.6,0.7,0.8,0.85,0.9,0.95")
     cal.add_argument("--budget", type=int, default=512)
+    cal.add_argument("--first-sample", type=int, default=0,
+                     help="measure samples FIRST..FIRST+SAMPLES-1 (to split the work over processes)")
+    cal.add_argument("--shard-out", metavar="FILE",
+                     help="only measure, and write the per-sample figures to FILE (no tau is stored)")
+    cal.add_argument("--merge", nargs="+", metavar="FILE",
+                     help="choose and store tau from --shard-out files instead of measuring")
     cal.add_argument("--device", default=None)
     cal.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
 
@@ -262,6 +284,23 @@ def _ints(text: str, what: str) -> list[int]:
         raise KVPolicyError(f"--{what} takes comma-separated integers, got {text!r}") from None
 
 
+def _variants(specs: list[str]) -> dict[str, tuple[str, dict]]:
+    variants = {}
+    for spec in specs:
+        label, sep, rest = spec.partition("=")
+        base, sep2, options = rest.partition(":")
+        if not (sep and sep2 and label and base):
+            raise KVPolicyError(f"--variant takes LABEL=PRESET:JSON, got {spec!r}")
+        try:
+            parsed = json.loads(options)
+        except json.JSONDecodeError as exc:
+            raise KVPolicyError(f"--variant {label}: options are not valid JSON ({exc.msg}): {options!r}") from None
+        if not isinstance(parsed, dict):
+            raise KVPolicyError(f"--variant {label}: options must be a JSON object, got {options!r}")
+        variants[label] = (base, parsed)
+    return variants
+
+
 def _eval(args) -> int:
     import torch
 
@@ -272,7 +311,8 @@ def _eval(args) -> int:
 
     tasks = args.tasks.split(",") if args.tasks else list(TASKS)
     options = dict(tasks=tasks, lengths=_ints(args.lengths, "lengths"), budgets=_ints(args.budgets, "budgets"),
-                   presets=args.presets.split(","), seeds=_ints(args.seeds, "seeds"))
+                   presets=args.presets.split(","), seeds=_ints(args.seeds, "seeds"),
+                   variants=_variants(args.variant))
     run_grid(None, None, out_dir=args.out, dry_run=True, **options)  # validate names before loading
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_model(args.model, device=device)
@@ -283,12 +323,78 @@ def _eval(args) -> int:
     return 0
 
 
+def _fidelity(args) -> int:
+    import torch
+
+    from .eval import decode as decoding
+    from .eval.fidelity import long_output_prompt, measure
+    from .models import load_model
+    from .presets import PRESETS, preset
+
+    names = [n for n in args.presets.split(",") if n]
+    unknown = [n for n in names if n not in PRESETS]
+    if unknown or not names:
+        raise KVPolicyError(f"unknown preset {unknown[0] if unknown else '(none)'!r}; known presets: {', '.join(PRESETS)}")
+    if args.new_tokens < 2 or args.length < 64:
+        raise KVPolicyError("--new-tokens must be >= 2 and --length >= 64")
+    for name in names:
+        if name != "full":
+            preset(name, budget=args.budget)  # a bad budget fails before the model loads
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model(args.model, device=device)
+    policies = [preset(n, model=model, budget=args.budget) for n in names if n != "full"]
+    chat = long_output_prompt(tokenizer, args.length, args.seed)
+    shared = decoding.prefill(model, chat["input_ids"].to(device), chat["attention_mask"].to(device))
+    print(f"prompt {chat['input_ids'].shape[1]} tokens; full attention writes {args.new_tokens} tokens, then "
+          f"each of {len(policies)} policies follows it (teacher-forced, then free-running)", flush=True)
+    results = []
+    for policy in policies:
+        started = time.perf_counter()
+        (result,) = measure(model, shared, [policy], new_tokens=args.new_tokens)
+        results.append(result)
+        print(f"  {policy.name}: done in {time.perf_counter() - started:.0f} s", flush=True)
+    print(f"{'preset':10s} {'budget':>6s} {'KL/token':>9s} {'top-1':>7s} {'free agree':>10s} {'first diverge':>13s} {'re-selecting':>12s}")
+    for r in results:
+        share = "-" if r.reselect_share is None else f"{100 * r.reselect_share:.1f}%"
+        print(f"{r.preset:10s} {r.budget:6d} {r.kl_mean:9.4f} {100 * r.top1_agreement:6.1f}% "
+              f"{100 * r.free_agreement:9.1f}% {r.free_prefix:13d} {share:>12s}")
+    if args.json:
+        from dataclasses import asdict
+
+        payload = {"length": int(chat["input_ids"].shape[1]), "new_tokens": args.new_tokens, "seed": args.seed,
+                   "results": [asdict(r) for r in results]}
+        Path(args.json).write_text(json.dumps(payload, indent=2), encoding="utf-8")
+    return 0
+
+
+def _print_points(points, chosen: float) -> None:
+    print(f"{'tau':>6s} {'re-selecting':>13s} {'top-1 agree':>12s} {'KL':>8s}")
+    for p in points:
+        mark = "  <- chosen" if p.tau == chosen else ""
+        print(f"{p.tau:6.2f} {100 * p.reselect_share:12.1f}% {100 * p.top1_agreement:11.1f}% {p.kl_mean:8.4f}{mark}")
+
+
 def _calibrate(args) -> int:
     import torch
 
     from .calibration import calibration_file
-    from .eval.calibrate import calibrate
-    from .models import load_model
+    from .eval.calibrate import TauMeasurements, choose, measure_taus, merge, store
+
+    tolerance = 0.01
+    if args.merge:
+        shards = []
+        for name in args.merge:
+            try:
+                shards.append(TauMeasurements(**json.loads(Path(name).read_text(encoding="utf-8"))))
+            except (OSError, ValueError, TypeError) as exc:
+                raise KVPolicyError(f"--merge: cannot read calibration shard {name!r}: {exc}") from None
+        measured = merge(shards)
+        points = measured.points()
+        chosen = choose(points, tolerance)
+        store(measured, chosen, tolerance)
+        _print_points(points, chosen)
+        print(f"{len(measured.sample_ids)} samples; stored tau={chosen} for {measured.model} in {calibration_file()}")
+        return 0
 
     try:
         taus = [float(t) for t in args.taus.split(",") if t.strip()]
@@ -296,23 +402,35 @@ def _calibrate(args) -> int:
         raise KVPolicyError(f"--taus takes comma-separated numbers, got {args.taus!r}") from None
     if not taus or any(not -1.0 <= t <= 1.0 for t in taus):
         raise KVPolicyError(f"--taus must be numbers in [-1, 1], got {args.taus!r}")
-    if args.samples < 1 or args.steps < 2 or args.length < 64:
-        raise KVPolicyError("--samples must be >= 1, --steps >= 2 and --length >= 64")
+    if args.samples < 1 or args.steps < 2 or args.length < 64 or args.first_sample < 0:
+        raise KVPolicyError("--samples must be >= 1, --steps >= 2, --length >= 64 and --first-sample >= 0")
     if args.budget >= args.length:
         raise KVPolicyError(f"--budget {args.budget} covers the whole {args.length}-token prompt: every tau would "
                             "attend to everything; use a longer --length or a smaller --budget")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from .models import load_model
+
     model, tokenizer = load_model(args.model, device=device)
+    started = time.perf_counter()
 
     def progress(done: int, total: int) -> None:
-        print(f"\r[{done}/{total}] prompts", end="" if done < total else "\n", flush=True)
+        eta = (time.perf_counter() - started) / done * (total - done)
+        print(f"\r[{done}/{total}] prompts, ETA {eta:.0f} s", end="" if done < total else "\n", flush=True)
 
-    chosen, points = calibrate(model, tokenizer, taus=taus, samples=args.samples, length=args.length,
-                               steps=args.steps, budget=args.budget, progress=progress)
-    print(f"{'tau':>6s} {'re-selecting':>13s} {'top-1 agree':>12s} {'KL':>8s}")
-    for p in points:
-        mark = "  <- chosen" if p.tau == chosen else ""
-        print(f"{p.tau:6.2f} {100 * p.reselect_share:12.1f}% {100 * p.top1_agreement:11.1f}% {p.kl_mean:8.4f}{mark}")
+    sample_ids = range(args.first_sample, args.first_sample + args.samples)
+    measured = measure_taus(model, tokenizer, taus=taus, sample_ids=sample_ids, length=args.length,
+                            steps=args.steps, budget=args.budget, progress=progress)
+    if args.shard_out:
+        from dataclasses import asdict
+
+        Path(args.shard_out).write_text(json.dumps(asdict(measured)), encoding="utf-8")
+        _print_points(measured.points(), chosen=float("nan"))
+        print(f"wrote the figures of {len(sample_ids)} samples to {args.shard_out}; merge shards with --merge")
+        return 0
+    points = measured.points()
+    chosen = choose(points, tolerance)
+    store(measured, chosen, tolerance)
+    _print_points(points, chosen)
     print(f"stored tau={chosen} for this model in {calibration_file()}")
     return 0
 
@@ -329,6 +447,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "eval":
             return _eval(args)
+        if args.command == "fidelity":
+            return _fidelity(args)
         if args.command == "calibrate":
             return _calibrate(args)
         return _run(args)

@@ -39,6 +39,11 @@ def test_presets_lists_presets_and_components():
         (["calibrate", "--taus", "0.5,1.5"], "--taus must be numbers in [-1, 1]"),
         (["eval", "--tasks", "nope"], "unknown task 'nope'; known tasks:"),
         (["eval", "--presets", "full,louis"], "unknown preset 'louis'"),
+        (["eval", "--presets", "full,la", "--variant", "la=louiskv:{"], "--variant la: options are not valid JSON"),
+        (["eval", "--presets", "la", "--variant", "la=louiskv"], "--variant takes LABEL=PRESET:JSON"),
+        (["fidelity", "--presets", "quest,nope"], "unknown preset 'nope'"),
+        (["fidelity", "--budget", "10"], "must exceed sink + local"),
+        (["calibrate", "--merge", "/no/such/shard.json"], "cannot read calibration shard '/no/such/shard.json'"),
     ],
 )
 def test_bad_input_exits_2_without_traceback(args, message, monkeypatch):

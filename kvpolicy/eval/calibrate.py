@@ -30,6 +30,117 @@ class TauPoint:
     kl_mean: float
 
 
+@dataclass
+class TauMeasurements:
+    """Per-sample figures for each tau; shards measured apart are merged by ``merge``."""
+
+    model: str
+    length: int
+    steps: int
+    budget: int
+    taus: list[float]
+    sample_ids: list[int]
+    reselect_share: dict[str, list[float]]  # str(tau) -> one value per sample
+    top1_agreement: dict[str, list[float]]
+    kl_mean: dict[str, list[float]]
+
+    def points(self) -> list[TauPoint]:
+        return [TauPoint(t, mean(self.reselect_share[str(t)]), mean(self.top1_agreement[str(t)]),
+                         mean(self.kl_mean[str(t)])) for t in self.taus]
+
+
+def _check_taus(taus) -> list[float]:
+    taus = sorted(float(t) for t in taus)
+    if not taus or any(not -1.0 <= t <= 1.0 for t in taus):
+        raise ConfigError(f"taus must be numbers in [-1, 1], got {taus}")
+    return taus
+
+
+def measure_taus(
+    model,
+    tokenizer,
+    *,
+    taus=(0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95),
+    sample_ids=range(200),
+    length: int = 1024,
+    steps: int = 32,
+    budget: int = 512,
+    progress: Callable[[int, int], None] | None = None,
+) -> TauMeasurements:
+    """Teacher-forced LouisKV at each tau along full attention's output, sample by sample.
+
+    Sample ``i`` is task ``i mod 8`` made with seed ``1000 + i``, so shards with disjoint
+    ``sample_ids`` measure disjoint prompts.
+    """
+    taus = _check_taus(taus)
+    sample_ids = list(sample_ids)
+    if budget >= length:
+        raise ConfigError(
+            f"budget {budget} covers the whole {length}-token prompt, so every tau attends to everything "
+            "and nothing can be told apart; use a longer --length or a smaller --budget"
+        )
+    if not sample_ids or steps < 2:
+        raise ConfigError(f"give at least one sample and steps >= 2, got {len(sample_ids)} samples and {steps} steps")
+    device = next(model.parameters()).device
+    task_names = list(TASKS)
+    shares: dict[str, list[float]] = {str(t): [] for t in taus}
+    top1: dict[str, list[float]] = {str(t): [] for t in taus}
+    kls: dict[str, list[float]] = {str(t): [] for t in taus}
+    for done, i in enumerate(sample_ids, 1):
+        sample = make_sample(task_names[i % len(task_names)], tokenizer, length, seed=1000 + i)
+        chat = build_chat(tokenizer, sample)
+        shared = decoding.prefill(model, chat["input_ids"].to(device), chat["attention_mask"].to(device))
+        reference = decoding.decode(model, shared, preset("full"), steps, keep_logits=True)
+        for tau in taus:
+            policy = preset("louiskv", budget=budget, trigger={"name": "query_cosine", "tau": tau})
+            forced = decoding.decode(model, shared, policy, steps, forced=reference.tokens, keep_logits=True)
+            kl, agree = _kl(reference.logits[1:], forced.logits[1:])  # step 0 is the shared prefill
+            shares[str(tau)].append(forced.reselect_share or 0.0)
+            top1[str(tau)].append(agree)
+            kls[str(tau)].append(kl)
+        if progress is not None:
+            progress(done, len(sample_ids))
+    return TauMeasurements(model_id(model), length, steps, budget, taus, sample_ids, shares, top1, kls)
+
+
+def merge(shards: list[TauMeasurements]) -> TauMeasurements:
+    """One measurement from shards of the same setting over disjoint samples."""
+    first = shards[0]
+    for other in shards[1:]:
+        same = (other.model, other.length, other.steps, other.budget, other.taus)
+        if same != (first.model, first.length, first.steps, first.budget, first.taus):
+            raise ConfigError(f"cannot merge calibration shards of different settings: {same} vs "
+                              f"{(first.model, first.length, first.steps, first.budget, first.taus)}")
+    ids = [i for s in shards for i in s.sample_ids]
+    if len(set(ids)) != len(ids):
+        raise ConfigError("calibration shards overlap: a sample was measured twice")
+
+    def joined(field: str) -> dict[str, list[float]]:
+        return {str(t): [v for s in shards for v in getattr(s, field)[str(t)]] for t in first.taus}
+
+    return TauMeasurements(first.model, first.length, first.steps, first.budget, first.taus, ids,
+                           joined("reselect_share"), joined("top1_agreement"), joined("kl_mean"))
+
+
+def choose(points: list[TauPoint], tolerance: float = 0.01) -> float:
+    """The tau with the fewest re-selections among those within ``tolerance`` of the best top-1 agreement."""
+    best_agreement = max(p.top1_agreement for p in points)
+    good = [p for p in points if p.top1_agreement >= best_agreement - tolerance]
+    return min(good, key=lambda p: (p.reselect_share, -p.tau)).tau
+
+
+def store(measured: TauMeasurements, chosen: float, tolerance: float) -> None:
+    """Write the choice to the calibration file, where it becomes the model's default tau."""
+    path = calibration_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stored = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    stored[measured.model] = {
+        "tau": chosen, "samples": len(measured.sample_ids), "length": measured.length, "steps": measured.steps,
+        "budget": measured.budget, "tolerance": tolerance, "points": [asdict(p) for p in measured.points()],
+    }
+    path.write_text(json.dumps(stored, indent=2), encoding="utf-8")
+
+
 def calibrate(
     model,
     tokenizer,
@@ -44,46 +155,12 @@ def calibrate(
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[float, list[TauPoint]]:
     """Returns ``(chosen_tau, points)`` and, with ``save``, stores the choice for this model."""
-    taus = sorted(float(t) for t in taus)
-    if not taus or any(not -1.0 <= t <= 1.0 for t in taus):
-        raise ConfigError(f"taus must be numbers in [-1, 1], got {taus}")
-    if budget >= length:
-        raise ConfigError(
-            f"budget {budget} covers the whole {length}-token prompt, so every tau attends to everything "
-            "and nothing can be told apart; use a longer --length or a smaller --budget"
-        )
-    if samples < 1 or steps < 2:
-        raise ConfigError(f"samples must be >= 1 and steps >= 2, got {samples} and {steps}")
-    device = next(model.parameters()).device
-    task_names = list(TASKS)
-    shares: dict[float, list[float]] = {t: [] for t in taus}
-    top1: dict[float, list[float]] = {t: [] for t in taus}
-    kls: dict[float, list[float]] = {t: [] for t in taus}
-    for i in range(samples):
-        sample = make_sample(task_names[i % len(task_names)], tokenizer, length, seed=1000 + i)
-        chat = build_chat(tokenizer, sample)
-        shared = decoding.prefill(model, chat["input_ids"].to(device), chat["attention_mask"].to(device))
-        reference = decoding.decode(model, shared, preset("full"), steps, keep_logits=True)
-        for tau in taus:
-            policy = preset("louiskv", budget=budget, trigger={"name": "query_cosine", "tau": tau})
-            forced = decoding.decode(model, shared, policy, steps, forced=reference.tokens, keep_logits=True)
-            kl, agree = _kl(reference.logits[1:], forced.logits[1:])  # step 0 is the shared prefill
-            shares[tau].append(forced.reselect_share or 0.0)
-            top1[tau].append(agree)
-            kls[tau].append(kl)
-        if progress is not None:
-            progress(i + 1, samples)
-    points = [TauPoint(t, mean(shares[t]), mean(top1[t]), mean(kls[t])) for t in taus]
-    best_agreement = max(p.top1_agreement for p in points)
-    good = [p for p in points if p.top1_agreement >= best_agreement - tolerance]
-    chosen = min(good, key=lambda p: (p.reselect_share, -p.tau)).tau
+    if samples < 1:
+        raise ConfigError(f"samples must be >= 1, got {samples}")
+    measured = measure_taus(model, tokenizer, taus=taus, sample_ids=range(samples), length=length, steps=steps,
+                            budget=budget, progress=progress)
+    points = measured.points()
+    chosen = choose(points, tolerance)
     if save:
-        path = calibration_file()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        stored = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-        stored[model_id(model)] = {
-            "tau": chosen, "samples": samples, "length": length, "steps": steps, "budget": budget,
-            "tolerance": tolerance, "points": [asdict(p) for p in points],
-        }
-        path.write_text(json.dumps(stored, indent=2), encoding="utf-8")
+        store(measured, chosen, tolerance)
     return chosen, points

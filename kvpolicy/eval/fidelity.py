@@ -4,17 +4,22 @@ Full attention generates ``new_tokens`` tokens from a prompt. Along that output 
 measured two ways:
   teacher-forced  fed full attention's tokens; per-token KL(full || policy) of the next-token
                   distributions and top-1 agreement (the policy would pick full's token);
-  free-running    generating on its own; the share of positions where its token equals full's.
+  free-running    generating on its own; the share of positions where its token equals full's,
+                  and how many tokens it writes before its first divergence (position-wise
+                  agreement mostly measures where that first divergence falls).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..policy import Policy
 from . import decode as decoding
+from .tasks import build_chat, make_sample
+
+LONG_OUTPUT_INSTRUCTION = "Retell the document above in your own words, in detail, paragraph by paragraph."
 
 
 @dataclass
@@ -25,7 +30,17 @@ class Fidelity:
     kl_mean: float
     top1_agreement: float
     free_agreement: float
+    free_prefix: int  # tokens equal to full's before the first divergence
     reselect_share: float | None
+
+
+def long_output_prompt(tokenizer, length: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A ``length``-token synthetic document with an instruction that asks for a long reply."""
+    sample = make_sample("qa", tokenizer, length, seed)
+    if sample.question not in sample.prompt:
+        raise ValueError("the qa task's prompt no longer contains its question; update long_output_prompt")
+    sample = replace(sample, prompt=sample.prompt.replace(sample.question, LONG_OUTPUT_INSTRUCTION), answer_prefix="")
+    return build_chat(tokenizer, sample)
 
 
 def _kl(full_logits: list[torch.Tensor], policy_logits: list[torch.Tensor]) -> tuple[float, float]:
@@ -46,6 +61,8 @@ def measure(model, prefilled: decoding.Prefilled, policies: list[Policy], new_to
         forced = decoding.decode(model, prefilled, policy, new_tokens, forced=reference.tokens, keep_logits=True)
         kl, top1 = _kl(reference.logits, forced.logits)
         free = decoding.decode(model, prefilled, policy, new_tokens)
-        agree = sum(a == b for a, b in zip(free.tokens, reference.tokens)) / new_tokens
-        results.append(Fidelity(policy.name, policy.budget, new_tokens, kl, top1, agree, forced.reselect_share))
+        same = [a == b for a, b in zip(free.tokens, reference.tokens)]
+        prefix = same.index(False) if False in same else len(same)
+        results.append(Fidelity(policy.name, policy.budget, new_tokens, kl, top1, sum(same) / new_tokens, prefix,
+                                forced.reselect_share))
     return results

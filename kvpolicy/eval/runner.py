@@ -92,24 +92,39 @@ def run_grid(
     budgets: Iterable[int] = (256, 512, 1024),
     presets: Iterable[str] = ("full", "streaming", "quest", "arkvale", "clusterkv", "louiskv", "oracle"),
     seeds: Iterable[int] = (0, 1, 2),
+    variants: dict[str, tuple[str, dict]] | None = None,
     progress: bool = True,
     dry_run: bool = False,
 ) -> list[CellResult]:
     """Run (or resume) the grid; returns every cell's result, finished earlier or now.
 
+    ``variants`` names extra columns: ``{label: (preset_name, options)}``, e.g.
+    ``{"louiskv-anchor": ("louiskv", {"trigger": {"name": "query_cosine", "against": "anchor"}})}``;
+    a label may then be used in ``presets`` like a preset name.
     ``dry_run`` only validates the arguments (every preset is built at every budget).
     """
+    variants = dict(variants or {})
+    for label, (base, _) in variants.items():
+        if label in PRESETS:
+            raise ConfigError(f"variant label {label!r} is already a preset name; pick another label")
+        _check([base], PRESETS, "preset")
     tasks = _check(tasks, TASKS, "task")
-    presets = _check(presets, PRESETS, "preset")
+    presets = _check(presets, list(PRESETS) + list(variants), "preset")
     lengths, budgets, seeds = list(lengths), list(budgets), list(seeds)
     if not (tasks and presets and lengths and budgets and seeds):
         raise ConfigError("the grid is empty: give at least one task, preset, length, budget and seed")
     for length in lengths:
         if length <= 0:
             raise ConfigError(f"lengths must be positive integers, got {length}")
+    def build(name: str, budget: int | None, model=None):
+        base, options = variants.get(name, (name, {}))
+        policy = preset(base, model=model, **({} if base == "full" else {"budget": budget}), **options)
+        policy.name = name
+        return policy
+
     for name in presets:
         for budget in budgets:
-            preset(name, **({} if name == "full" else {"budget": budget}))  # raises on a bad budget
+            build(name, budget)  # raises on a bad budget or option
     if dry_run:
         return []
     out = Path(out_dir)
@@ -142,7 +157,7 @@ def run_grid(
             shared = decoding.prefill(model, chat["input_ids"].to(device), chat["attention_mask"].to(device))
             for name, budget, key in cells:
                 started = time.perf_counter()
-                policy = preset(name, model=model, **({} if name == "full" else {"budget": budget}))
+                policy = build(name, budget, model)
                 decoded = decoding.decode(model, shared, policy, get_task(task).max_new_tokens,
                                           measure_recall=True, stop_ids=stop_ids)
                 text = tokenizer.decode(decoded.tokens, skip_special_tokens=True)
