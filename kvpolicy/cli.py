@@ -78,6 +78,24 @@ def _parser() -> argparse.ArgumentParser:
     fid.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     fid.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
 
+    bench = sub.add_parser("bench", help="GPU benchmarks: one decode layer's time split, the pool gather's bandwidth")
+    bench.add_argument("what", choices=["layer", "gather"])
+    bench.add_argument("--contexts", default="32768,131072,524288", help="comma-separated context lengths")
+    bench.add_argument("--batches", default="1,4,8")
+    bench.add_argument("--budget", type=int, default=2048)
+    bench.add_argument("--presets", default="louiskv,quest,arkvale")
+    bench.add_argument("--placements", default="cpu,gpu", help="where the full KV lives: cpu (pinned), gpu")
+    bench.add_argument("--backend", default="triton", help="kernel backend: reference or triton")
+    bench.add_argument("--rate", type=float, default=0.117,
+                       help="LouisKV's re-selection share for the amortised column (default: 11.7%%, measured "
+                            "on SmolLM2 at 4K, budget 512, EVAL.md)")
+    bench.add_argument("--kmeans", action="store_true",
+                       help="cluster with real K-means (default: random units of 16 tokens, same sizes and scatter)")
+    bench.add_argument("--repeats", type=int, default=30)
+    bench.add_argument("--device", default=None)
+    bench.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    bench.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
+
     cal = sub.add_parser("calibrate", help="choose LouisKV's tau for a model once; stored as its default")
     cal.add_argument("--model", default="smollm2", help="as for `run`")
     cal.add_argument("--samples", type=int, default=200, help="local prompts to calibrate on (default 200)")
@@ -367,6 +385,65 @@ def _fidelity(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    import torch
+
+    from .kernels import dispatch
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dispatch.check(args.backend, device)
+    if device.type != "cuda":
+        print("kvpolicy bench: no CUDA device; timings on the CPU say nothing about the GPU path", file=sys.stderr)
+    rows: list[dict] = []
+    if args.what == "gather":
+        from .bench.gather import measure_gather
+
+        print(f"{'batch':>5s} {'rows/head':>9s} {'gather GB/s':>11s} {'copy GB/s':>9s} {'ratio':>6s}")
+        for batch in _ints(args.batches, "batches"):
+            r = measure_gather(device, backend=args.backend, batch=batch, rows=args.budget, repeats=args.repeats)
+            rows.append({**r.__dict__, "ratio": r.ratio})
+            print(f"{batch:5d} {r.rows:9d} {r.gather_gbps:11.1f} {r.copy_gbps:9.1f} {r.ratio:6.2f}", flush=True)
+    else:
+        from .bench.layer import LayerShape, layer_policy, time_layer
+
+        presets = [p for p in args.presets.split(",") if p]
+        placements = [p for p in args.placements.split(",") if p]
+        for placement in placements:
+            if placement not in ("cpu", "gpu"):
+                raise KVPolicyError(f"--placements takes cpu and/or gpu, got {placement!r}")
+        header = (f"{'preset':9s} {'pool':4s} {'B':>2s} {'context':>8s} {'trigger':>8s} {'select':>8s} {'transfer':>9s} "
+                  f"{'attn':>7s} {'reselect':>9s} {'reuse':>7s} {'amortised':>9s} {'full':>7s}   (ms)")
+        print(header)
+        for context in _ints(args.contexts, "contexts"):
+            for batch in _ints(args.batches, "batches"):
+                first = True
+                for name in presets:
+                    rate = args.rate if name == "louiskv" else 1.0
+                    for placement in placements:
+                        policy = layer_policy(name, args.budget, placement, args.backend, not args.kmeans)
+                        t = time_layer(policy, LayerShape(batch=batch, context=context), device,
+                                       repeats=args.repeats, with_full=first)
+                        first = False
+                        rows.append(t.as_dict(rate))
+                        full = "" if t.full_sdpa_ms is None else f"{t.full_sdpa_ms:7.3f}"
+                        print(f"{name:9s} {placement:4s} {batch:2d} {context:8d} {t.trigger_ms:8.3f} {t.selection_ms:8.3f} "
+                              f"{t.transfer_ms:9.3f} {t.attention_ms:7.3f} {t.reselect_ms:9.3f} {t.reuse_ms:7.3f} "
+                              f"{t.amortised_ms(rate):9.3f} {full}", flush=True)
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+    if args.json:
+        meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "torch": torch.__version__, "args": {k: v for k, v in vars(args).items() if k != "sub_plugin"}}
+        try:
+            import triton
+
+            meta["triton"] = triton.__version__
+        except ImportError:
+            pass
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2, default=str), encoding="utf-8")
+    return 0
+
+
 def _print_points(points, chosen: float) -> None:
     print(f"{'tau':>6s} {'re-selecting':>13s} {'top-1 agree':>12s} {'KL':>8s}")
     for p in points:
@@ -447,6 +524,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "eval":
             return _eval(args)
+        if args.command == "bench":
+            return _bench(args)
         if args.command == "fidelity":
             return _fidelity(args)
         if args.command == "calibrate":

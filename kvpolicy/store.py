@@ -172,20 +172,21 @@ class TieredStore:
         return evicted
 
     def fetch(self, slots: torch.Tensor, slot_valid: torch.Tensor, reselect: torch.Tensor, backend: str) -> None:
-        """Replace the retrieved buffer with ``slots`` for the sequences where ``reselect``."""
-        gather = dispatch.get("gather_rows", backend, self.retrieved_keys.device)
-        device = self.retrieved_keys.device
-        new_keys = gather(self.pool_keys, slots, device)
-        new_values = gather(self.pool_values, slots, device)
+        """Replace the retrieved buffer with ``slots`` for the sequences where ``reselect``.
+
+        In place (fixed buffers, so a captured step replays); rows are read from the pool only
+        for sequences that re-select.
+        """
+        gather_into = dispatch.get("gather_rows_into", backend, self.retrieved_keys.device)
+        gather_into(self.pool_keys, slots, reselect, self.retrieved_keys)
+        gather_into(self.pool_values, slots, reselect, self.retrieved_values)
         # padding slots inside a unit are fetched but never attended
         batch = slots.shape[0]
         valid = slot_valid & self.slot_valid.gather(1, slots.view(batch, -1)).view_as(slots)
         take = reselect.view(-1, 1, 1)
-        self.retrieved_keys = torch.where(take.unsqueeze(-1), new_keys, self.retrieved_keys)
-        self.retrieved_values = torch.where(take.unsqueeze(-1), new_values, self.retrieved_values)
-        self.retrieved_valid = torch.where(take, valid, self.retrieved_valid)
-        self.retrieved_slots = torch.where(take, slots, self.retrieved_slots)
-        self.retrieved_fill = torch.where(take[..., 0], slot_valid.sum(-1), self.retrieved_fill)
+        self.retrieved_valid.copy_(torch.where(take, valid, self.retrieved_valid))
+        self.retrieved_slots.copy_(torch.where(take, slots, self.retrieved_slots))
+        self.retrieved_fill.copy_(torch.where(take[..., 0], slot_valid.sum(-1), self.retrieved_fill))
 
     def admit(self, evicted: Evicted, mask: torch.Tensor) -> None:
         """Keep a token that left the local window attended while the retrieved buffer has room."""
@@ -206,7 +207,7 @@ class TieredStore:
         self.retrieved_slots.scatter_(2, index, torch.where(admit.unsqueeze(-1), evicted.slot, old_slot))
         old_valid = self.retrieved_valid.gather(2, index)
         self.retrieved_valid.scatter_(2, index, old_valid | admit.unsqueeze(-1))
-        self.retrieved_fill = self.retrieved_fill + admit.long()
+        self.retrieved_fill.add_(admit.long())
 
     def local_slots(self) -> torch.Tensor:
         """``(L,)`` the slot each ring position holds (meaningful where ``local_valid``)."""

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``kvpolicy bench`` (and the pytest-benchmark suites in ``benchmarks/``)."""

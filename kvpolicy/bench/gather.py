@@ -1,0 +1,57 @@
+"""The pool gather's bandwidth against a plain host-to-device copy of as many bytes, same run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import dispatch
+from .timing import time_ms
+
+
+@dataclass
+class GatherBandwidth:
+    backend: str
+    pool: str  # "pinned cpu" or the device
+    batch: int
+    heads: int
+    rows: int  # rows per (sequence, head)
+    row_bytes: int
+    gather_gbps: float
+    copy_gbps: float  # contiguous pinned host -> device copy of the same byte count
+
+    @property
+    def ratio(self) -> float:
+        return self.gather_gbps / self.copy_gbps
+
+
+@torch.inference_mode()
+def measure_gather(
+    device: torch.device,
+    *,
+    backend: str = "triton",
+    batch: int = 1,
+    heads: int = 8,
+    context: int = 131072,
+    rows: int = 2048,
+    head_dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+    repeats: int = 30,
+) -> GatherBandwidth:
+    pinned = device.type == "cuda"
+    pool = torch.randn(batch, heads, context, head_dim, dtype=dtype).pin_memory() if pinned else \
+        torch.randn(batch, heads, context, head_dim, dtype=dtype)
+    slots = torch.randint(0, context, (batch, heads, rows), device=device)
+    take = torch.ones(batch, dtype=torch.bool, device=device)
+    out = torch.empty(batch, heads, rows, head_dim, dtype=dtype, device=device)
+    gather_into = dispatch.get("gather_rows_into", backend, device)
+    nbytes = out.numel() * out.element_size()
+    gather_ms = time_ms(lambda: gather_into(pool, slots, take, out), device, repeats)
+    source = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    copy_ms = time_ms(lambda: target.copy_(source, non_blocking=True), device, repeats)
+    return GatherBandwidth(
+        backend=backend, pool="pinned cpu" if pinned else str(device), batch=batch, heads=heads, rows=rows,
+        row_bytes=head_dim * out.element_size(), gather_gbps=nbytes / gather_ms / 1e6, copy_gbps=nbytes / copy_ms / 1e6,
+    )

@@ -1,0 +1,155 @@
+"""One decode layer at a given shape: where the time of a step goes.
+
+A layer's KV is synthetic (random keys and values), laid out by the policy's own prefill
+into the tiered store, then each part of a decode step is timed on its own:
+
+    trigger     the re-selection decision
+    selection   scoring the units and filling the budget
+    transfer    fetching the selected rows from the pool (pinned CPU over PCIe, or GPU)
+    attention   sparse attention over sink + retrieved + local
+
+A re-selecting step pays all four; a reusing step pays trigger and attention, plus the
+fetch kernels launched with nothing to move (they read the decision on the device).
+Amortised at re-selection rate ``r``: ``reuse + r * (selection + transfer)``.
+Full attention over the same KV held on the GPU is timed beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..kernels import dispatch
+from ..layer import PolicyLayerState
+from ..policy import Policy
+from ..presets import preset
+from ..units.base import UnitBuilder
+from .timing import time_ms
+
+
+@dataclass
+class RandomGroups(UnitBuilder):
+    """Units of ``tokens_per_unit`` tokens drawn at random from the prompt: the sizes and the
+    scattered layout of K-means clusters without running K-means at 512K tokens."""
+
+    tokens_per_unit: int = 16
+    seed: int = 0
+    builds_prompt = True
+
+    def build_labels(self, keys, token_valid, backend):
+        batch, heads, n, _ = keys.shape
+        num_units = max(1, -(-n // self.tokens_per_unit))
+        generator = torch.Generator(device=keys.device).manual_seed(self.seed)
+        shuffled = torch.rand(batch, heads, n, generator=generator, device=keys.device).argsort(dim=-1)
+        labels = torch.empty_like(shuffled)
+        labels.scatter_(-1, shuffled, torch.arange(n, device=keys.device).expand_as(shuffled) // self.tokens_per_unit)
+        return labels, num_units
+
+
+@dataclass
+class LayerShape:
+    batch: int
+    context: int
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: torch.dtype = torch.bfloat16
+
+
+@dataclass
+class LayerTimes:
+    preset: str
+    placement: str
+    backend: str
+    batch: int
+    context: int
+    budget: int
+    trigger_ms: float
+    selection_ms: float
+    transfer_ms: float
+    reuse_transfer_ms: float  # the fetch launched with no sequence re-selecting
+    attention_ms: float
+    full_sdpa_ms: float | None  # full attention over the same KV on the GPU (None if it did not fit)
+    transfer_bytes: int
+
+    @property
+    def reselect_ms(self) -> float:
+        return self.trigger_ms + self.selection_ms + self.transfer_ms + self.attention_ms
+
+    @property
+    def reuse_ms(self) -> float:
+        return self.trigger_ms + self.reuse_transfer_ms + self.attention_ms
+
+    def amortised_ms(self, rate: float) -> float:
+        """Mean step time when a share ``rate`` of steps re-select (selection runs only then)."""
+        return self.reuse_ms + rate * (self.selection_ms + self.transfer_ms - self.reuse_transfer_ms)
+
+    def as_dict(self, rate: float) -> dict:
+        out = asdict(self)
+        out.update(reselect_ms=self.reselect_ms, reuse_ms=self.reuse_ms, rate=rate, amortised_ms=self.amortised_ms(rate))
+        return out
+
+
+def layer_policy(name: str, budget: int, placement: str, backend: str, random_units: bool) -> Policy:
+    policy = preset(name, budget=budget, placement=placement, backend=backend)
+    if random_units:
+        policy.prefill_units = RandomGroups()
+    return policy
+
+
+@torch.inference_mode()
+def time_layer(
+    policy: Policy,
+    shape: LayerShape,
+    device: torch.device,
+    *,
+    repeats: int = 30,
+    with_full: bool = True,
+    seed: int = 0,
+) -> LayerTimes:
+    torch.manual_seed(seed)
+    b, h, n, d = shape.batch, shape.kv_heads, shape.context, shape.head_dim
+    keys = torch.randn(b, h, n, d, dtype=shape.dtype, device=device)
+    values = torch.randn(b, h, n, d, dtype=shape.dtype, device=device)
+    valid = torch.ones(b, n, dtype=torch.bool, device=device)
+    query = torch.randn(b, shape.q_heads, d, dtype=shape.dtype, device=device)
+    scale = d**-0.5
+
+    full_ms = None
+    if with_full:
+        q4 = query.unsqueeze(2)
+        full_ms = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q4, keys, values, enable_gqa=True),
+                          device, repeats)
+
+    pool_device = torch.device("cpu") if policy.placement == "cpu" else device
+    state = PolicyLayerState(policy, 0, pool_device)
+    state.prefill(keys, values, valid, shape.q_heads)
+    del keys, values
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    store, units = state.store, state.units
+    capacity = store.retrieval_capacity
+    backend = policy.backend
+    every = torch.ones(b, dtype=torch.bool, device=device)
+    none = torch.zeros(b, dtype=torch.bool, device=device)
+
+    trigger_ms = time_ms(lambda: policy.trigger.decide(query, state.trigger_state), device, repeats)
+    selection_ms = time_ms(lambda: policy.selector.select(query, units, capacity, backend), device, repeats)
+    selection = policy.selector.select(query, units, capacity, backend)
+    transfer_ms = time_ms(lambda: store.fetch(selection.slots, selection.slot_valid, every, backend), device, repeats)
+    reuse_transfer_ms = time_ms(lambda: store.fetch(selection.slots, selection.slot_valid, none, backend), device, repeats)
+    attention = dispatch.get("sparse_decode_attention", backend, device)
+    parts = [
+        (store.sink_keys, store.sink_values, store.sink_valid),
+        (store.retrieved_keys, store.retrieved_values, store.retrieved_valid),
+        (store.local_keys, store.local_values, store.local_valid),
+    ]
+    attention_ms = time_ms(lambda: attention(query, parts, scale), device, repeats)
+    row = d * store.pool_keys.element_size()
+    return LayerTimes(
+        preset=policy.name, placement=policy.placement, backend=backend, batch=b, context=n, budget=policy.budget,
+        trigger_ms=trigger_ms, selection_ms=selection_ms, transfer_ms=transfer_ms,
+        reuse_transfer_ms=reuse_transfer_ms, attention_ms=attention_ms, full_sdpa_ms=full_ms,
+        transfer_bytes=2 * b * h * capacity * row,
+    )
