@@ -55,7 +55,7 @@ class _RecallMeter:
 
     def __init__(self, budget: int):
         self.budget = budget
-        self.sums: dict[int, float] = {}
+        self.sums: dict[int, torch.Tensor] = {}  # kept on the device: no host sync per layer and step
         self.counts: dict[int, int] = {}
 
     def __call__(self, state, query: torch.Tensor) -> None:
@@ -71,12 +71,12 @@ class _RecallMeter:
         slots, valid = store.attended_slots()
         picked = probs.gather(-1, slots.clamp(max=length - 1).unsqueeze(2).expand(-1, -1, q.shape[2], -1))
         held = (picked * valid.unsqueeze(2)).sum(-1)
-        recall = (held / oracle.clamp(min=1e-12)).clamp(max=1.0).mean().item()
+        recall = (held / oracle.clamp(min=1e-12)).clamp(max=1.0).mean()
         self.sums[state.layer_idx] = self.sums.get(state.layer_idx, 0.0) + recall
         self.counts[state.layer_idx] = self.counts.get(state.layer_idx, 0) + 1
 
     def per_layer(self) -> dict[int, float]:
-        return {layer: self.sums[layer] / self.counts[layer] for layer in sorted(self.sums)}
+        return {layer: float(self.sums[layer]) / self.counts[layer] for layer in sorted(self.sums)}
 
 
 def _cache_from_prefill(session, prefilled: Prefilled, num_q_heads: int):
