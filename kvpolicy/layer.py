@@ -23,6 +23,16 @@ if TYPE_CHECKING:
     from .policy import Policy
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for building prompt units (shared by all layers)."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
 class PolicyLayerState:
     """Typed per-layer state: the tiered store, the unit table and the trigger's state."""
 
@@ -37,6 +47,7 @@ class PolicyLayerState:
         self.has_selection: torch.Tensor | None = None  # (B,) bool
         self.reselections: torch.Tensor | None = None  # (B,) long, summed over decode steps
         self.decode_steps = 0
+        self.units_ready: torch.cuda.Event | None = None  # set while the prompt's units build on a side stream
         #: called as ``observer(state, query)`` after selection, before attention (eval's recall)
         self.observers: list = []
 
@@ -55,21 +66,43 @@ class PolicyLayerState:
         if policy.selector is not None:
             zone = self.store.zone_end
             retrievable = token_valid[:, :zone] & ~self.store.sink_slot_mask()
-            zone_keys = keys[:, :, :zone]
-            if zone > 0:
-                labels, num_units = policy.prefill_units.build_labels(zone_keys, retrievable, policy.backend)
+            if device.type == "cuda":
+                # cluster on a side stream so the next layers' prefill runs meanwhile; the first
+                # decode step waits for it
+                side = _side_stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                for tensor in (keys, retrievable):
+                    tensor.record_stream(side)
+                with torch.cuda.stream(side):
+                    self.units = self._build_units(keys[:, :, :zone], retrievable)
+                self.units_ready = torch.cuda.Event()
+                self.units_ready.record(side)
             else:
-                labels, num_units = torch.zeros(batch, heads, 0, dtype=torch.long, device=device), 0
-            slots = torch.arange(zone, device=device)
-            self.units = UnitTable.from_prompt(zone_keys, slots, retrievable, labels, num_units)
+                self.units = self._build_units(keys[:, :, :zone], retrievable)
         self.boundary = torch.zeros(batch, self.store.slot_valid.shape[1], dtype=torch.bool, device=device)
         self.trigger_state = policy.trigger.init_state(batch, num_q_heads, dim, device)
         self.has_selection = torch.zeros(batch, dtype=torch.bool, device=device)
         self.reselections = torch.zeros(batch, dtype=torch.long, device=device)
 
+    def _build_units(self, zone_keys: torch.Tensor, retrievable: torch.Tensor) -> UnitTable:
+        batch, heads, zone, _ = zone_keys.shape
+        if zone > 0:
+            labels, num_units = self.policy.prefill_units.build_labels(zone_keys, retrievable, self.policy.backend)
+        else:
+            labels, num_units = torch.zeros(batch, heads, 0, dtype=torch.long, device=zone_keys.device), 0
+        slots = torch.arange(zone, device=zone_keys.device)
+        return UnitTable.from_prompt(zone_keys, slots, retrievable, labels, num_units)
+
+    def wait_for_units(self) -> None:
+        """Make the current stream wait for the prompt's units (built on a side stream)."""
+        if self.units_ready is not None:
+            torch.cuda.current_stream(self.store.slot_valid.device).wait_event(self.units_ready)
+            self.units_ready = None
+
     def decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
         """``query (B, Hq, D)``, ``key``/``value`` ``(B, H, D)`` -> attention output ``(B, Hq, D)``."""
         policy, store = self.policy, self.store
+        self.wait_for_units()
         slot = store.length
         evicted = store.append(key, value)
         if self.boundary.shape[1] < store.slot_valid.shape[1]:

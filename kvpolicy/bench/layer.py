@@ -128,6 +128,7 @@ def time_layer(
     del keys, values
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    state.wait_for_units()
     store, units = state.store, state.units
     capacity = store.retrieval_capacity
     backend = policy.backend
