@@ -79,8 +79,10 @@ def _parser() -> argparse.ArgumentParser:
     fid.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
 
     bench = sub.add_parser("bench", help="GPU benchmarks: one decode layer's time split, the pool gather's bandwidth")
-    bench.add_argument("what", choices=["layer", "gather"])
-    bench.add_argument("--contexts", default="32768,131072,524288", help="comma-separated context lengths")
+    bench.add_argument("what", choices=["layer", "gather", "ttft"])
+    bench.add_argument("--contexts", default=None,
+                       help="comma-separated context lengths (layer: 32768,131072,524288; ttft: 2048 to 65536)")
+    bench.add_argument("--layers", type=int, default=36, help="ttft: layers of the random Qwen3-8B-shaped model")
     bench.add_argument("--batches", default="1,4,8")
     bench.add_argument("--budget", type=int, default=2048)
     bench.add_argument("--presets", default="louiskv,quest,arkvale")
@@ -395,7 +397,28 @@ def _bench(args) -> int:
     if device.type != "cuda":
         print("kvpolicy bench: no CUDA device; timings on the CPU say nothing about the GPU path", file=sys.stderr)
     rows: list[dict] = []
-    if args.what == "gather":
+    if args.what == "ttft":
+        from .bench.ttft import qwen3_8b_config, random_model, time_first_token
+        from .presets import preset
+
+        lengths = _ints(args.contexts or "2048,4096,8192,16384,32768,65536", "contexts")
+        model = random_model(qwen3_8b_config(layers=args.layers), device)
+        print(f"{'preset':9s} {'pool':4s} {'B':>2s} {'length':>7s} {'TTFT ms':>9s} {'vs full':>8s} {'units ready ms':>15s}")
+        for batch in _ints(args.batches, "batches"):
+            for length in lengths:
+                full = None
+                for name in ["full"] + [p for p in args.presets.split(",") if p and p != "full"]:
+                    placements = [None] if name == "full" else args.placements.split(",")
+                    for placement in placements:
+                        options = {} if name == "full" else {"budget": args.budget, "placement": placement,
+                                                            "backend": args.backend}
+                        r = time_first_token(model, preset(name, **options), batch, length, repeats=max(1, args.repeats))
+                        full = r.ttft_ms if name == "full" else full
+                        rows.append({**r.__dict__, "vs_full": r.ttft_ms / full})
+                        ready = "" if r.units_ready_ms is None else f"{r.units_ready_ms:15.1f}"
+                        print(f"{name:9s} {placement or '-':4s} {batch:2d} {length:7d} {r.ttft_ms:9.1f} "
+                              f"{r.ttft_ms / full:8.3f} {ready}", flush=True)
+    elif args.what == "gather":
         from .bench.gather import measure_gather
 
         print(f"{'batch':>5s} {'rows/head':>9s} {'gather GB/s':>11s} {'copy GB/s':>9s} {'ratio':>6s}")
@@ -414,7 +437,7 @@ def _bench(args) -> int:
         header = (f"{'preset':9s} {'pool':4s} {'B':>2s} {'context':>8s} {'trigger':>8s} {'select':>8s} {'transfer':>9s} "
                   f"{'attn':>7s} {'reselect':>9s} {'reuse':>7s} {'amortised':>9s} {'full':>7s}   (ms)")
         print(header)
-        for context in _ints(args.contexts, "contexts"):
+        for context in _ints(args.contexts or "32768,131072,524288", "contexts"):
             for batch in _ints(args.batches, "batches"):
                 first = True
                 for name in presets:
