@@ -84,6 +84,37 @@ class PolicyLayerState:
         self.has_selection = torch.zeros(batch, dtype=torch.bool, device=device)
         self.reselections = torch.zeros(batch, dtype=torch.long, device=device)
 
+    def host_counters(self) -> dict:
+        """The host-side counters a decode step advances (what a graph replay leaves behind)."""
+        out = {"decode_steps": self.decode_steps, "length": self.store.length}
+        if self.units is not None:
+            out.update(order_len=self.units.order_len, decode_tokens=self.units.decode_tokens)
+        return out
+
+    def set_host_counters(self, counters: dict) -> None:
+        self.decode_steps = counters["decode_steps"]
+        self.store.length = counters["length"]
+        if self.units is not None:
+            self.units.order_len, self.units.decode_tokens = counters["order_len"], counters["decode_tokens"]
+
+    def count_replayed_step(self) -> None:
+        """Advance the host counters as ``decode`` does, for a step that ran as a graph replay."""
+        self.decode_steps += 1
+        self.store.length += 1
+        if self.units is not None and self.policy.selector is not None:
+            self.units.order_len += 1
+            self.units.decode_tokens += 1
+
+    def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` more decode steps without growing any buffer (before capture)."""
+        self.store.reserve(tokens)
+        if self.boundary.shape[1] < self.store.slot_valid.shape[1]:
+            grown = torch.zeros_like(self.store.slot_valid)
+            grown[:, : self.boundary.shape[1]] = self.boundary
+            self.boundary = grown
+        if self.units is not None:
+            self.units.reserve(tokens)
+
     def _build_units(self, zone_keys: torch.Tensor, retrievable: torch.Tensor) -> UnitTable:
         batch, heads, zone, _ = zone_keys.shape
         if zone > 0:
@@ -103,8 +134,8 @@ class PolicyLayerState:
         """``query (B, Hq, D)``, ``key``/``value`` ``(B, H, D)`` -> attention output ``(B, Hq, D)``."""
         policy, store = self.policy, self.store
         self.wait_for_units()
-        slot = store.length
-        evicted = store.append(key, value)
+        slot = store.next_slot.clone()  # device: the step never reads slot numbers on the host
+        evicted = store.append(key, value, policy.backend)
         if self.boundary.shape[1] < store.slot_valid.shape[1]:
             grown = torch.zeros_like(store.slot_valid)
             grown[:, : self.boundary.shape[1]] = self.boundary
@@ -112,15 +143,14 @@ class PolicyLayerState:
 
         if policy.selector is not None:
             reselect = policy.trigger.decide(query, self.trigger_state) | ~self.has_selection
-            self.boundary[:, slot] = reselect
-            if evicted is not None:
-                self.units.append_leaving_token(
-                    evicted.slot, evicted.key, evicted.valid, self.boundary[:, evicted.slot], policy.decode_units
-                )
+            self.boundary.index_copy_(1, slot.view(1), reselect.view(-1, 1))
+            self.units.append_leaving_token(
+                evicted.slot, evicted.key, evicted.valid, self.boundary.index_select(1, evicted.slot.view(1))[:, 0],
+                policy.decode_units,
+            )
             selection = policy.selector.select(query, self.units, store.retrieval_capacity, policy.backend)
             store.fetch(selection.slots, selection.slot_valid, reselect, policy.backend)
-            if evicted is not None:
-                store.admit(evicted, ~reselect)
+            store.admit(evicted, ~reselect)
             self.has_selection.fill_(True)
             self.reselections += reselect.long()
         self.decode_steps += 1

@@ -8,8 +8,10 @@
                trigger fires again; tokens leaving the local window join it while it has room.
 
 Sequences of a batch decode in lockstep, so slot numbers (and the ring position of a slot)
-are the same for every sequence and known on the host; what differs per sequence (padding,
-what was selected) lives in tensors on the device.
+are the same for every sequence. The host counts them (``length``) to size buffers, but a
+decode step reads the slot from a device counter (``next_slot``), never from the host: with
+room reserved up front, a captured step replays correctly (CUDA graphs). What differs per
+sequence (padding, what was selected) lives in tensors on the device.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ def _allocate_pool(like: torch.Tensor, capacity: int, device: torch.device) -> t
 
 @dataclass
 class Evicted:
-    slot: int
+    """The token the local ring pushed out this step (``valid`` False while the ring fills)."""
+
+    slot: torch.Tensor  # () long, device; clamped to >= 0
     key: torch.Tensor  # (B, H, D)
     value: torch.Tensor
     valid: torch.Tensor  # (B,)
@@ -39,7 +43,8 @@ class Evicted:
 class TieredStore:
     pool_keys: torch.Tensor  # (B, H, capacity, D)
     pool_values: torch.Tensor
-    length: int  # slots written
+    length: int  # slots written, counted on the host (buffer sizes, statistics)
+    next_slot: torch.Tensor  # () long on the attention device: the slot the next token takes
     slot_valid: torch.Tensor  # (B, capacity) bool, attention device
     sink_keys: torch.Tensor  # (B, H, S, D)
     sink_values: torch.Tensor
@@ -82,8 +87,9 @@ class TieredStore:
 
         pool_keys = _allocate_pool(keys, prompt + reserve, pool_device)
         pool_values = _allocate_pool(values, prompt + reserve, pool_device)
-        pool_keys[:, :, :prompt].copy_(keys)
-        pool_values[:, :, :prompt].copy_(values)
+        # stream-ordered: later gathers on this stream see the rows, the host never reads them
+        pool_keys[:, :, :prompt].copy_(keys, non_blocking=True)
+        pool_values[:, :, :prompt].copy_(values, non_blocking=True)
         slot_valid = torch.zeros(batch, prompt + reserve, dtype=torch.bool, device=device)
         slot_valid[:, :prompt] = token_valid
 
@@ -112,6 +118,7 @@ class TieredStore:
             pool_keys=pool_keys,
             pool_values=pool_values,
             length=prompt,
+            next_slot=torch.tensor(prompt, dtype=torch.long, device=device),
             slot_valid=slot_valid,
             sink_keys=sink_keys,
             sink_values=sink_values,
@@ -133,11 +140,12 @@ class TieredStore:
         seen = torch.cumsum(self.slot_valid[:, : self.zone_end].long(), dim=-1)
         return self.slot_valid[:, : self.zone_end] & (seen <= self.sink_keys.shape[2])
 
-    def _reserve(self) -> None:
+    def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` more decode tokens without growing (before capturing a step)."""
         capacity = self.pool_keys.shape[2]
-        if self.length < capacity:
+        if self.length + tokens <= capacity:
             return
-        new = 2 * capacity
+        new = self.length + tokens
         for name in ("pool_keys", "pool_values"):
             old = getattr(self, name)
             grown = _allocate_pool(old, new, old.device)
@@ -146,28 +154,31 @@ class TieredStore:
         pad = torch.zeros(self.slot_valid.shape[0], new - capacity, dtype=torch.bool, device=self.slot_valid.device)
         self.slot_valid = torch.cat([self.slot_valid, pad], dim=1)
 
-    def append(self, key: torch.Tensor, value: torch.Tensor) -> Evicted | None:
+    def append(self, key: torch.Tensor, value: torch.Tensor, backend: str) -> Evicted:
         """Write one decode token (``(B, H, D)``) to the pool and the local ring.
 
-        Returns the token the ring pushed out, if any.
+        Returns the token the ring pushed out (not valid while the ring is still filling).
         """
-        self._reserve()
-        slot = self.length
-        self.pool_keys[:, :, slot].copy_(key, non_blocking=True)
-        self.pool_values[:, :, slot].copy_(value, non_blocking=True)
-        self.slot_valid[:, slot] = True
-        position = slot % self.local_capacity
-        evicted = None
-        if slot - self.local_capacity >= 0:
-            evicted = Evicted(
-                slot=slot - self.local_capacity,
-                key=self.local_keys[:, :, position].clone(),
-                value=self.local_values[:, :, position].clone(),
-                valid=self.local_valid[:, position].clone(),
-            )
-        self.local_keys[:, :, position] = key
-        self.local_values[:, :, position] = value
-        self.local_valid[:, position] = True
+        if self.length >= self.pool_keys.shape[2]:
+            self.reserve(self.pool_keys.shape[2])  # double
+        slot = self.next_slot
+        write = dispatch.get("write_row", backend, key.device)
+        write(self.pool_keys, slot, key)
+        write(self.pool_values, slot, value)
+        self.slot_valid.index_fill_(1, slot.view(1), True)
+
+        capacity = self.local_capacity
+        position = (slot % capacity).view(1)
+        evicted = Evicted(
+            slot=(slot - capacity).clamp(min=0),
+            key=self.local_keys.index_select(2, position).squeeze(2),
+            value=self.local_values.index_select(2, position).squeeze(2),
+            valid=self.local_valid.index_select(1, position).squeeze(1) & (slot >= capacity),
+        )
+        self.local_keys.index_copy_(2, position, key.unsqueeze(2))
+        self.local_values.index_copy_(2, position, value.unsqueeze(2))
+        self.local_valid.index_fill_(1, position, True)
+        self.next_slot.add_(1)
         self.length += 1
         return evicted
 
@@ -212,7 +223,7 @@ class TieredStore:
     def local_slots(self) -> torch.Tensor:
         """``(L,)`` the slot each ring position holds (meaningful where ``local_valid``)."""
         capacity = self.local_capacity
-        newest = self.length - 1
+        newest = self.next_slot - 1
         position = torch.arange(capacity, device=self.local_valid.device)
         # the ring holds slots (newest - capacity, newest]; slot s sits at s % capacity
         # positions never written yet would map below 0; they are invalid, keep them indexable

@@ -21,7 +21,7 @@ from . import reference
 
 log = logging.getLogger("kvpolicy")
 
-OPS = ("kmeans", "select_budget", "gather_rows", "gather_rows_into", "sparse_decode_attention")
+OPS = ("kmeans", "select_budget", "gather_rows", "gather_rows_into", "write_row", "sparse_decode_attention")
 BACKENDS = ("auto", "reference", "triton")
 # auto tries these in order
 _PREFERENCE = ("triton", "reference")

@@ -87,6 +87,12 @@ def gather_rows(pool: torch.Tensor, slots: torch.Tensor, out_device: torch.devic
     return pool.gather(2, index).to(out_device, non_blocking=True)
 
 
+def write_row(pool: torch.Tensor, slot: torch.Tensor, row: torch.Tensor) -> None:
+    """``pool[:, :, slot] = row``: one decode token's ``(B, H, D)`` into the pool at the 0-dim
+    device counter ``slot`` (the pool may be in CPU memory; this reference then syncs)."""
+    pool.index_copy_(2, slot.view(1).to(pool.device), row.unsqueeze(2).to(pool.device, pool.dtype))
+
+
 def gather_rows_into(pool: torch.Tensor, slots: torch.Tensor, take: torch.Tensor, out: torch.Tensor) -> None:
     """``out[b] = pool[b, :, slots[b]]`` for the sequences where ``take (B,)`` is True.
 

@@ -35,7 +35,8 @@ class UnitTable:
     open_unit: torch.Tensor  # (B,) long: the decode unit taking leaving tokens, -1 if none
     decode_units: torch.Tensor  # (B,) long: decode units opened so far
     num_prompt_units: int  # host: units [0, num_prompt_units) come from the prompt
-    order_len: int  # host: positions of ``order`` in use
+    order_len: int  # host: positions of ``order`` in use (buffer sizes only)
+    order_next: torch.Tensor  # () long, device: the position of ``order`` the next token takes
     decode_tokens: int  # host: tokens appended at decode (an upper bound on decode units)
 
     @property
@@ -92,15 +93,26 @@ class UnitTable:
             decode_units=torch.zeros(batch, dtype=torch.long, device=device),
             num_prompt_units=units,
             order_len=n,
+            order_next=torch.tensor(n, dtype=torch.long, device=device),
             decode_tokens=0,
         )
+
+    def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` more leaving tokens (each may open a unit) without growing."""
+        if self.order_len + tokens > self.order.shape[-1]:
+            self.order = _grow(self.order, 2, self.order_len + tokens, 0)
+        if self.num_prompt_units + self.decode_tokens + tokens > self.capacity:
+            self._grow_units(self.num_prompt_units + self.decode_tokens + tokens)
 
     def _reserve(self) -> None:
         """Room for one more token and one more unit (host-side doubling)."""
         if self.order_len >= self.order.shape[-1]:
             self.order = _grow(self.order, 2, max(16, 2 * self.order.shape[-1]), 0)
         if self.num_prompt_units + self.decode_tokens >= self.capacity:
-            new = max(self.capacity + 16, 2 * self.capacity)
+            self._grow_units(max(self.capacity + 16, 2 * self.capacity))
+
+    def _grow_units(self, new: int) -> None:
+        if new > self.capacity:
             self.start = _grow(self.start, 2, new, 0)
             self.size = _grow(self.size, 2, new, 0)
             self.key_sum = _grow(self.key_sum, 2, new, 0.0)
@@ -110,7 +122,7 @@ class UnitTable:
 
     def append_leaving_token(
         self,
-        slot: int,
+        slot: torch.Tensor,
         key: torch.Tensor,
         valid: torch.Tensor,
         boundary: torch.Tensor,
@@ -118,23 +130,25 @@ class UnitTable:
     ) -> None:
         """A token leaves the local window: file it under the open decode unit or a new one.
 
-        ``slot``: its slot (the same for every sequence, since they decode in lockstep);
+        ``slot``: its slot, a 0-dim device tensor (the same for every sequence: they decode
+        in lockstep);
         ``key``: ``(B, H, D)``; ``valid``: ``(B,)`` False for padding; ``boundary``: ``(B,)``.
         Tokens leave in slot order, so a sequence's (left) padding leaves before its first real
         token and a unit's tokens stay one contiguous range of ``order``.
         """
         self._reserve()
         batch, heads, dim = key.shape
-        position = self.order_len
-        self.order[:, :, position] = slot
+        position = self.order_next
+        self.order.index_copy_(2, position.view(1), slot.view(1, 1, 1).expand(batch, heads, 1))
 
         has_open = self.open_unit >= 0
         index = self.open_unit.clamp(min=0).view(batch, 1, 1).expand(batch, heads, 1)
         open_size = torch.where(has_open, self.size.gather(2, index)[:, 0, 0], 0)
         cut = builder.starts_new_unit(boundary, open_size) & valid
         new_id = self.num_prompt_units + self.decode_units
-        self.open_unit = torch.where(cut, new_id, self.open_unit)
-        self.decode_units = self.decode_units + cut.long()
+        # in place throughout: a captured step must update the tensors it was captured with
+        self.open_unit.copy_(torch.where(cut, new_id, self.open_unit))
+        self.decode_units.add_(cut.long())
 
         index = self.open_unit.clamp(min=0).view(batch, 1, 1).expand(batch, heads, 1)
         vec_index = index.unsqueeze(-1).expand(batch, heads, 1, dim)
@@ -154,5 +168,6 @@ class UnitTable:
         self.key_min.scatter_(2, vec_index, torch.where(keep, torch.minimum(old_min, k), old_min))
         self.key_max.scatter_(2, vec_index, torch.where(keep, torch.maximum(old_max, k), old_max))
         self.selectable.scatter_(2, index, self.selectable.gather(2, index) | (valid_h & (self.open_unit >= 0).view(batch, 1, 1)))
+        self.order_next.add_(1)
         self.order_len += 1
         self.decode_tokens += 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 
 # each module registers its op with ``dispatch.implement("triton", ...)``
-_MODULES = ("attention", "gather", "kmeans", "select")
+_MODULES = ("attention", "gather", "kmeans", "select", "write")
 
 
 def load() -> None:
