@@ -79,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     fid.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
 
     bench = sub.add_parser("bench", help="GPU benchmarks: one decode layer's time split, the pool gather's bandwidth")
-    bench.add_argument("what", choices=["layer", "gather", "ttft"])
+    bench.add_argument("what", choices=["layer", "gather", "ttft", "e2e"])
+    bench.add_argument("--steps", type=int, default=50, help="e2e: timed decode steps per cell")
     bench.add_argument("--contexts", default=None,
                        help="comma-separated context lengths (layer: 32768,131072,524288; ttft: 2048 to 65536)")
     bench.add_argument("--layers", type=int, default=36, help="ttft: layers of the random Qwen3-8B-shaped model")
@@ -397,7 +398,47 @@ def _bench(args) -> int:
     if device.type != "cuda":
         print("kvpolicy bench: no CUDA device; timings on the CPU say nothing about the GPU path", file=sys.stderr)
     rows: list[dict] = []
-    if args.what == "ttft":
+    if args.what == "e2e":
+        from .bench.e2e import full_throughput, policy_throughput
+        from .bench.ttft import qwen3_8b_config, random_model
+        from .presets import preset
+
+        model = random_model(qwen3_8b_config(layers=args.layers), device)
+        every = max(1, round(1 / args.rate))
+        print(f"louiskv's trigger runs as interval({every}) = {100 / every:.1f}% re-selection (measured rate "
+              f"{100 * args.rate:.1f}%), and as every_step (worst case)")
+        print(f"{'kind':28s} {'B':>2s} {'context':>8s} {'ms/step':>8s} {'tokens/s':>9s} {'vs full-graph':>13s}")
+        for context in _ints(args.contexts or "32768,131072", "contexts"):
+            for batch in _ints(args.batches, "batches"):
+                base = None
+                cells = [("full-graph", None), ("full-eager", None)]
+                for name in [p for p in args.presets.split(",") if p]:
+                    for placement in args.placements.split(","):
+                        triggers = [{"name": "interval", "n": every}, {"name": "every_step"}] if name == "louiskv" else [None]
+                        for trigger in triggers:
+                            options = {"budget": args.budget, "placement": placement, "backend": args.backend}
+                            if trigger:
+                                options["trigger"] = trigger
+                            label = f"{name}/{placement}" + (f"/{trigger['name']}" if trigger else "")
+                            cells.append((label, preset(name, **options)))
+                for label, policy in cells:
+                    try:
+                        if policy is None:
+                            r = full_throughput(model, label, batch, context, args.steps)
+                        else:
+                            r = policy_throughput(model, policy, batch, context, args.steps, emulate=device.type != "cuda")
+                    except torch.cuda.OutOfMemoryError:
+                        print(f"{label:28s} {batch:2d} {context:8d}   out of GPU memory", flush=True)
+                        torch.cuda.empty_cache()
+                        continue
+                    base = r.ms_per_step if label == "full-graph" else base
+                    ratio = f"{base / r.ms_per_step:13.2f}" if base else ""
+                    rows.append({**r.__dict__, "kind": label, "tokens_per_s": r.tokens_per_s,
+                                 "speedup_vs_full_graph": base / r.ms_per_step if base else None})
+                    print(f"{label:28s} {batch:2d} {context:8d} {r.ms_per_step:8.2f} {r.tokens_per_s:9.1f} {ratio}", flush=True)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+    elif args.what == "ttft":
         from .bench.ttft import qwen3_8b_config, random_model, time_first_token
         from .presets import preset
 

@@ -1,0 +1,142 @@
+"""End-to-end decode throughput in transformers: policies against full attention done well.
+
+A random-weight model (Qwen3-8B's shape by default) decodes from a context of random KV laid
+straight into each cache (no prefill: the decode step is what is measured). Kinds:
+
+    full-graph    transformers' StaticCache (KV preallocated, written in place), SDPA over it,
+                  one decode step captured as a CUDA graph and replayed: full attention done well
+    full-eager    transformers' DynamicCache (concatenation per step), eager: the plain figure
+    <policy>      a kvpolicy policy through ``DecodeGraph`` (graph-replayed)
+
+Random weights have no query dynamics, so LouisKV's cosine trigger says nothing here: the
+caller replaces it by ``interval(n)`` at a re-selection rate measured on a real model, and by
+``every_step`` for the worst case.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..graph import DecodeGraph
+from ..integrations.transformers import PolicyCache, cache_argument_name
+from ..policy import Policy
+
+
+@dataclass
+class Throughput:
+    kind: str
+    batch: int
+    context: int
+    steps: int
+    ms_per_step: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch * 1e3 / self.ms_per_step
+
+
+def _random_kv(config, batch: int, length: int, device, dtype, generator):
+    heads = config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shape = (batch, heads, length, dim)
+    return (torch.randn(shape, generator=generator, device=device, dtype=dtype),
+            torch.randn(shape, generator=generator, device=device, dtype=dtype))
+
+
+def _timed(device, step, steps: int) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 1e3 * (time.perf_counter() - started) / steps
+
+
+@torch.inference_mode()
+def policy_throughput(model, policy: Policy, batch: int, context: int, steps: int, *, emulate: bool = False,
+                      seed: int = 0) -> Throughput:
+    device = next(model.parameters()).device
+    config = model.config
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with policy.apply(model) as session:
+        cache = session.new_cache()
+        if not isinstance(cache, PolicyCache):
+            raise ValueError(f"policy {policy.name!r} is dense; use full_throughput")
+        valid = torch.ones(batch, context, dtype=torch.bool, device=device)
+        for layer in cache.layers:
+            keys, values = _random_kv(config, batch, context, device, model.dtype, generator)
+            layer.is_initialized, layer.device = True, device
+            layer.state.prefill(keys, values, valid, config.num_attention_heads)
+            del keys, values
+        runner = DecodeGraph(model, cache, torch.full((batch,), context, device=device), steps + 2, emulate=emulate)
+        token = torch.zeros(batch, dtype=torch.long, device=device)
+        runner.step(token)  # eager warm-up
+        runner.step(token)  # capture + first replay
+        ms = _timed(device, lambda: runner.step(token), steps)
+    return Throughput(policy.name, batch, context, steps, ms)
+
+
+@torch.inference_mode()
+def full_throughput(model, kind: str, batch: int, context: int, steps: int, *, seed: int = 0) -> Throughput:
+    """``kind``: "full-graph" (StaticCache, captured) or "full-eager" (DynamicCache)."""
+    from transformers import DynamicCache, StaticCache
+
+    device = next(model.parameters()).device
+    config = model.config
+    generator = torch.Generator(device=device).manual_seed(seed)
+    if kind == "full-graph":
+        cache = StaticCache(config=config, max_cache_len=context + steps + 4)
+    elif kind == "full-eager":
+        cache = DynamicCache(config=config)
+    else:
+        raise ValueError(f"unknown kind {kind!r}; accepted: full-graph, full-eager")
+    for idx in range(config.num_hidden_layers):
+        keys, values = _random_kv(config, batch, context, device, model.dtype, generator)
+        cache.update(keys, values, idx, {"cache_position": torch.arange(context, device=device)})
+        del keys, values
+    ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    position_ids = torch.full((batch, 1), context, dtype=torch.long, device=device)
+    cache_position = torch.tensor([context], dtype=torch.long, device=device)
+    arg = cache_argument_name(model)
+
+    def forward():
+        return model(input_ids=ids, position_ids=position_ids, cache_position=cache_position, use_cache=True,
+                     logits_to_keep=1, **{arg: cache}).logits
+
+    def advance():
+        position_ids.add_(1)
+        cache_position.add_(1)
+
+    if kind == "full-eager" or device.type != "cuda":
+        forward()
+        advance()
+
+        def step():
+            forward()
+            advance()
+    else:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            forward()
+            advance()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward()
+        # capture wrote nothing to the cache, but StaticCache's own length counter is a
+        # tensor the graph advances; positions advance outside the graph
+        graph.replay()
+        advance()
+
+        def step():
+            graph.replay()
+            advance()
+
+    ms = _timed(device, step, steps)
+    return Throughput(kind, batch, context, steps, ms)
