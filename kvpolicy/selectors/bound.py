@@ -18,9 +18,13 @@ class Bound(Selector):
     """
 
     def score(self, query_group: torch.Tensor, units) -> torch.Tensor:
-        q = query_group.unsqueeze(3)  # (B, H, G, 1, D)
-        low = units.key_min.unsqueeze(2)
-        high = units.key_max.unsqueeze(2)
+        # max(q*lo, q*hi) = relu(q)*hi + min(q, 0)*lo since lo <= hi: two matmuls instead of a
+        # (B, H, G, U, D) product (which cost Quest 3.6 ms per step at 128K, batch 8)
+        filled = units.selectable.unsqueeze(-1)
         # empty units have +-inf bounds; they are masked by the caller, keep them finite here
-        bound = torch.maximum(q * low, q * high).nan_to_num(0.0, posinf=0.0, neginf=0.0).sum(-1)
+        low = torch.where(filled, units.key_min, 0.0)
+        high = torch.where(filled, units.key_max, 0.0)
+        positive = query_group.clamp(min=0)
+        negative = query_group - positive
+        bound = torch.einsum("bhgd,bhud->bhgu", positive, high) + torch.einsum("bhgd,bhud->bhgu", negative, low)
         return bound.amax(dim=2)
