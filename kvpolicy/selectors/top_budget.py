@@ -18,4 +18,6 @@ class TopBudget(Selector):
     """
 
     def score(self, query_group: torch.Tensor, units) -> torch.Tensor:
-        return torch.einsum("bhgd,bhud->bhu", query_group, units.mean_keys()) / query_group.shape[2]
+        # q . (sum / size) = (q . sum) / size: no (B, H, U, D) table of means each step
+        summed = torch.einsum("bhgd,bhud->bhu", query_group, units.key_sum)
+        return summed / (units.size.clamp(min=1) * query_group.shape[2])
