@@ -106,6 +106,9 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--steps", type=int, default=32, help="teacher-forced tokens per prompt (default 32)")
     cal.add_argument("--taus", default="0.5,0.6,0.7,0.8,0.85,0.9,0.95")
     cal.add_argument("--budget", type=int, default=512)
+    cal.add_argument("--tolerance", type=float, default=0.02,
+                     help="keep the tau with the fewest re-selections whose top-1 agreement is within this of the "
+                          "best candidate's (default 0.02: the 2 points LouisKV is asked to stay within)")
     cal.add_argument("--first-sample", type=int, default=0,
                      help="measure samples FIRST..FIRST+SAMPLES-1 (to split the work over processes)")
     cal.add_argument("--shard-out", metavar="FILE",
@@ -521,7 +524,9 @@ def _calibrate(args) -> int:
     from .calibration import calibration_file
     from .eval.calibrate import TauMeasurements, choose, measure_taus, merge, store
 
-    tolerance = 0.01
+    tolerance = args.tolerance
+    if not 0.0 <= tolerance <= 1.0:
+        raise KVPolicyError(f"--tolerance must be in [0, 1] (a share of top-1 agreement), got {tolerance}")
     if args.merge:
         shards = []
         for name in args.merge:

@@ -43,6 +43,7 @@ def test_presets_lists_presets_and_components():
         (["eval", "--presets", "la", "--variant", "la=louiskv"], "--variant takes LABEL=PRESET:JSON"),
         (["fidelity", "--presets", "quest,nope"], "unknown preset 'nope'"),
         (["fidelity", "--budget", "10"], "must exceed sink + local"),
+        (["calibrate", "--tolerance", "2"], "--tolerance must be in [0, 1]"),
         (["calibrate", "--merge", "/no/such/shard.json"], "cannot read calibration shard '/no/such/shard.json'"),
     ],
 )

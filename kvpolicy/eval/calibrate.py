@@ -122,7 +122,7 @@ def merge(shards: list[TauMeasurements]) -> TauMeasurements:
                            joined("reselect_share"), joined("top1_agreement"), joined("kl_mean"))
 
 
-def choose(points: list[TauPoint], tolerance: float = 0.01) -> float:
+def choose(points: list[TauPoint], tolerance: float = 0.02) -> float:
     """The tau with the fewest re-selections among those within ``tolerance`` of the best top-1 agreement."""
     best_agreement = max(p.top1_agreement for p in points)
     good = [p for p in points if p.top1_agreement >= best_agreement - tolerance]
@@ -150,7 +150,7 @@ def calibrate(
     length: int = 1024,
     steps: int = 32,
     budget: int = 512,
-    tolerance: float = 0.01,
+    tolerance: float = 0.02,
     save: bool = True,
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[float, list[TauPoint]]:
