@@ -463,8 +463,13 @@ def _bench(args) -> int:
                         print(f"{name:9s} {placement or '-':4s} {batch:2d} {length:7d} {r.ttft_ms:9.1f} "
                               f"{r.ttft_ms / full:8.3f} {ready}", flush=True)
     elif args.what == "gather":
-        from .bench.gather import measure_gather
+        from .bench.gather import measure_gather, measure_pinned_allocation
 
+        if device.type == "cuda":
+            a = measure_pinned_allocation(device)
+            print(f"pinned host memory, {a.bytes >> 20} MiB: first allocation {a.first_ms:.1f} ms, again after free "
+                  f"{a.again_ms:.1f} ms, GPU->pinned copy {a.copy_ms:.2f} ms", flush=True)
+            rows.append({"pinned_allocation": a.__dict__})
         print(f"{'batch':>5s} {'rows/head':>9s} {'gather GB/s':>11s} {'copy GB/s':>9s} {'ratio':>6s}")
         for batch in _ints(args.batches, "batches"):
             r = measure_gather(device, backend=args.backend, batch=batch, rows=args.budget, repeats=args.repeats)

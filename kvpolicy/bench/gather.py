@@ -55,3 +55,28 @@ def measure_gather(
         backend=backend, pool="pinned cpu" if pinned else str(device), batch=batch, heads=heads, rows=rows,
         row_bytes=head_dim * out.element_size(), gather_gbps=nbytes / gather_ms / 1e6, copy_gbps=nbytes / copy_ms / 1e6,
     )
+
+
+@dataclass
+class PinnedAllocation:
+    bytes: int
+    first_ms: float  # a fresh pinned allocation (page-locking)
+    again_ms: float  # the same size after freeing it (torch's caching host allocator)
+    copy_ms: float  # a device-to-pinned-host copy of as many bytes
+
+
+def measure_pinned_allocation(device: torch.device, nbytes: int = 64 << 20) -> PinnedAllocation:
+    """What laying a prompt's KV into pinned memory costs: allocation, re-allocation, copy."""
+    import time
+
+    def alloc_ms() -> tuple[float, torch.Tensor]:
+        started = time.perf_counter()
+        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return 1e3 * (time.perf_counter() - started), buffer
+
+    first, buffer = alloc_ms()
+    del buffer
+    again, buffer = alloc_ms()
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    copy = time_ms(lambda: buffer.copy_(source, non_blocking=True), device, repeats=10)
+    return PinnedAllocation(nbytes, first, again, copy)

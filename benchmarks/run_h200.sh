@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Every GPU measurement of BENCHMARKS.md in one device call (about 9 minutes on the H200).
+# Usage on the device machine, from the repository root:  bash benchmarks/run_h200.sh OUTDIR
+# Each step has its own time limit and writes its JSON into OUTDIR as soon as it finishes, so
+# a step that runs out of time costs only itself. Sizes are the issue's; trim with the flags.
+set -u
+OUT=${1:?output folder}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+step() {  # step NAME SECONDS command...
+    local name=$1 limit=$2; shift 2
+    echo "== $name (limit ${limit}s): $*"
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?" >> "$OUT/$name.log"
+    tail -n 40 "$OUT/$name.log"
+}
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+step kernels 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_gather.py \
+    tests/test_triton_select.py tests/test_triton_kmeans.py tests/test_triton_write.py tests/test_decode_graph.py tests/test_graph_ready.py
+step gather 40 python3 -m kvpolicy bench gather --batches 1,4,8 --budget 2048 --json "$OUT/gather.json"
+step e2e 200 python3 -m kvpolicy bench e2e --contexts 32768,131072 --batches 1,4 --presets louiskv,arkvale,quest \
+    --placements cpu,gpu --budget 2048 --steps 30 --json "$OUT/e2e.json"
+step layer 90 python3 -m kvpolicy bench layer --contexts 131072,524288 --batches 1,4,8 --presets louiskv,quest \
+    --placements cpu --repeats 20 --json "$OUT/layer.json"
+step ttft 90 python3 -m kvpolicy bench ttft --contexts 2048,8192,32768,65536 --batches 1 --presets louiskv \
+    --placements cpu,gpu --budget 2048 --repeats 2 --json "$OUT/ttft.json"
