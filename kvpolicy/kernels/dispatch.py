@@ -21,7 +21,10 @@ from . import reference
 
 log = logging.getLogger("kvpolicy")
 
-OPS = ("kmeans", "select_budget", "gather_rows", "gather_rows_into", "write_row", "sparse_decode_attention")
+OPS = (
+    "kmeans", "select_budget", "gather_rows", "gather_rows_into", "resident_rows", "refresh_rows", "write_row",
+    "sparse_decode_attention",
+)
 BACKENDS = ("auto", "reference", "triton")
 # auto tries these in order
 _PREFERENCE = ("triton", "reference")
@@ -81,6 +84,11 @@ def why_unavailable(backend: str, op: str, device: torch.device) -> str | None:
     if backend not in _IMPLEMENTATIONS:
         return f"unknown kernel backend {backend!r}; accepted: {', '.join(BACKENDS)}"
     if backend == "triton":
+        if not triton_runs_on(device):
+            # checked before importing the kernels: Triton decides interpreted or compiled when
+            # a kernel is defined, so importing them where they cannot run would fix that choice
+            return (f"kernel backend 'triton' cannot run {op!r} on {device.type} "
+                    "(Triton needs a CUDA device, or TRITON_INTERPRET=1 on CPU)")
         _load_triton()
     impl = _IMPLEMENTATIONS[backend].get(op)
     if impl is None:
