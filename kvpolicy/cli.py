@@ -109,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--tolerance", type=float, default=0.02,
                      help="keep the tau with the fewest re-selections whose top-1 agreement is within this of the "
                           "best candidate's (default 0.02: the 2 points LouisKV is asked to stay within)")
+    cal.add_argument("--against", choices=["previous", "anchor"], default="previous",
+                     help="the query_cosine trigger's reference query (default: the previous step's, as LouisKV)")
     cal.add_argument("--first-sample", type=int, default=0,
                      help="measure samples FIRST..FIRST+SAMPLES-1 (to split the work over processes)")
     cal.add_argument("--shard-out", metavar="FILE",
@@ -558,6 +560,9 @@ def _calibrate(args) -> int:
     if args.budget >= args.length:
         raise KVPolicyError(f"--budget {args.budget} covers the whole {args.length}-token prompt: every tau would "
                             "attend to everything; use a longer --length or a smaller --budget")
+    if args.against != "previous" and not args.shard_out:
+        raise KVPolicyError("--against anchor is an experiment: use it with --shard-out (the louiskv preset's tau "
+                            "is calibrated with the previous-query trigger)")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     from .models import load_model
 
@@ -570,7 +575,7 @@ def _calibrate(args) -> int:
 
     sample_ids = range(args.first_sample, args.first_sample + args.samples)
     measured = measure_taus(model, tokenizer, taus=taus, sample_ids=sample_ids, length=args.length,
-                            steps=args.steps, budget=args.budget, progress=progress)
+                            steps=args.steps, budget=args.budget, against=args.against, progress=progress)
     if args.shard_out:
         from dataclasses import asdict
 

@@ -44,6 +44,7 @@ def test_presets_lists_presets_and_components():
         (["fidelity", "--presets", "quest,nope"], "unknown preset 'nope'"),
         (["fidelity", "--budget", "10"], "must exceed sink + local"),
         (["calibrate", "--tolerance", "2"], "--tolerance must be in [0, 1]"),
+        (["calibrate", "--against", "anchor"], "--against anchor is an experiment"),
         (["calibrate", "--merge", "/no/such/shard.json"], "cannot read calibration shard '/no/such/shard.json'"),
     ],
 )

@@ -43,6 +43,7 @@ class TauMeasurements:
     reselect_share: dict[str, list[float]]  # str(tau) -> one value per sample
     top1_agreement: dict[str, list[float]]
     kl_mean: dict[str, list[float]]
+    against: str = "previous"  # the trigger's reference query
 
     def points(self) -> list[TauPoint]:
         return [TauPoint(t, mean(self.reselect_share[str(t)]), mean(self.top1_agreement[str(t)]),
@@ -65,6 +66,7 @@ def measure_taus(
     length: int = 1024,
     steps: int = 32,
     budget: int = 512,
+    against: str = "previous",
     progress: Callable[[int, int], None] | None = None,
 ) -> TauMeasurements:
     """Teacher-forced LouisKV at each tau along full attention's output, sample by sample.
@@ -92,7 +94,7 @@ def measure_taus(
         shared = decoding.prefill(model, chat["input_ids"].to(device), chat["attention_mask"].to(device))
         reference = decoding.decode(model, shared, preset("full"), steps, keep_logits=True)
         for tau in taus:
-            policy = preset("louiskv", budget=budget, trigger={"name": "query_cosine", "tau": tau})
+            policy = preset("louiskv", budget=budget, trigger={"name": "query_cosine", "tau": tau, "against": against})
             forced = decoding.decode(model, shared, policy, steps, forced=reference.tokens, keep_logits=True)
             kl, agree = _kl(reference.logits[1:], forced.logits[1:])  # step 0 is the shared prefill
             shares[str(tau)].append(forced.reselect_share or 0.0)
@@ -100,17 +102,17 @@ def measure_taus(
             kls[str(tau)].append(kl)
         if progress is not None:
             progress(done, len(sample_ids))
-    return TauMeasurements(model_id(model), length, steps, budget, taus, sample_ids, shares, top1, kls)
+    return TauMeasurements(model_id(model), length, steps, budget, taus, sample_ids, shares, top1, kls, against)
 
 
 def merge(shards: list[TauMeasurements]) -> TauMeasurements:
     """One measurement from shards of the same setting over disjoint samples."""
     first = shards[0]
     for other in shards[1:]:
-        same = (other.model, other.length, other.steps, other.budget, other.taus)
-        if same != (first.model, first.length, first.steps, first.budget, first.taus):
+        same = (other.model, other.length, other.steps, other.budget, other.taus, other.against)
+        if same != (first.model, first.length, first.steps, first.budget, first.taus, first.against):
             raise ConfigError(f"cannot merge calibration shards of different settings: {same} vs "
-                              f"{(first.model, first.length, first.steps, first.budget, first.taus)}")
+                              f"{(first.model, first.length, first.steps, first.budget, first.taus, first.against)}")
     ids = [i for s in shards for i in s.sample_ids]
     if len(set(ids)) != len(ids):
         raise ConfigError("calibration shards overlap: a sample was measured twice")
@@ -119,7 +121,7 @@ def merge(shards: list[TauMeasurements]) -> TauMeasurements:
         return {str(t): [v for s in shards for v in getattr(s, field)[str(t)]] for t in first.taus}
 
     return TauMeasurements(first.model, first.length, first.steps, first.budget, first.taus, ids,
-                           joined("reselect_share"), joined("top1_agreement"), joined("kl_mean"))
+                           joined("reselect_share"), joined("top1_agreement"), joined("kl_mean"), first.against)
 
 
 def choose(points: list[TauPoint], tolerance: float = 0.02) -> float:
@@ -131,6 +133,11 @@ def choose(points: list[TauPoint], tolerance: float = 0.02) -> float:
 
 def store(measured: TauMeasurements, chosen: float, tolerance: float) -> None:
     """Write the choice to the calibration file, where it becomes the model's default tau."""
+    if measured.against != "previous":
+        raise ConfigError(
+            f"these figures were measured with against={measured.against!r}; the louiskv preset compares with the "
+            "previous query, so its tau is calibrated with against='previous' only"
+        )
     path = calibration_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     stored = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
