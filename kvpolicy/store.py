@@ -6,6 +6,7 @@
     local      a fixed ring of the last ``local`` slots, on the attention device.
     retrieved  a fixed buffer of ``retrieval`` tokens fetched from the pool, reused until the
                trigger fires again; tokens leaving the local window join it while it has room.
+               A re-selection reads from the pool only the rows the buffer does not hold yet.
 
 Sequences of a batch decode in lockstep, so slot numbers (and the ring position of a slot)
 are the same for every sequence. The host counts them (``length``) to size buffers, but a
@@ -16,7 +17,8 @@ sequence (padding, what was selected) lives in tensors on the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +29,24 @@ def _allocate_pool(like: torch.Tensor, capacity: int, device: torch.device) -> t
     batch, heads, _, dim = like.shape
     pin = device.type == "cpu" and like.device.type == "cuda"
     return torch.empty(batch, heads, capacity, dim, dtype=like.dtype, device=device, pin_memory=pin)
+
+
+# Work buffers of fetch, one per (shape, dtype, device), shared by every layer's store: fetches
+# run one after another on the stream, and a scratch per layer would add half the retrieved
+# buffers' memory. Held weakly: one goes when the last store using it does.
+_SHARED: weakref.WeakValueDictionary[tuple, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def _shared(shape: tuple, dtype: torch.dtype, like: torch.Tensor, fill: float | None = None) -> torch.Tensor:
+    # an inference tensor may not be written outside inference mode: keep the two apart
+    key = (tuple(shape), dtype, like.device, like.is_inference())
+    found = _SHARED.get(key)
+    if found is None:
+        found = torch.empty(shape, dtype=dtype, device=like.device)
+        if fill is not None:
+            found.fill_(fill)
+        _SHARED[key] = found
+    return found
 
 
 @dataclass
@@ -59,6 +79,30 @@ class TieredStore:
     retrieved_slots: torch.Tensor  # (B, H, R) long: which slot each retrieved row holds
     retrieved_fill: torch.Tensor  # (B, H) long: retrieved[..., :fill] is in use
     zone_end: int  # slots [0, zone_end) of the prompt are sink or retrievable
+    # (B, H, R) bool: the row holds exactly its slot's pool row (not before it is first filled),
+    # so a re-selection may copy it on the device instead of reading the pool again
+    retrieved_held: torch.Tensor | None = None
+    # (B,) long, cumulative: buffer rows fetch read from the pool, over all heads (a row is one
+    # token's key and value of one head); a fetch of R fresh rows adds H * R
+    pool_rows_read: torch.Tensor | None = None
+    # fetch's work buffers, shared by the stores of one shape (see _shared): (B, H, R, D) where
+    # the new rows are assembled, and (B, H, R) int32, the buffer row holding each wanted slot
+    scratch: torch.Tensor | None = field(default=None, repr=False)
+    source: torch.Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        keys = self.retrieved_keys
+        if self.retrieved_held is None:
+            self.retrieved_held = torch.zeros_like(self.retrieved_valid)
+        if self.pool_rows_read is None:
+            self.pool_rows_read = torch.zeros(keys.shape[0], dtype=torch.long, device=keys.device)
+        if self.scratch is None:
+            if self.retrieved_values.shape != keys.shape or self.retrieved_values.dtype != keys.dtype:
+                raise ValueError("TieredStore: retrieved keys and values must have one shape and dtype")
+            self.scratch = _shared(keys.shape, keys.dtype, keys)
+        if self.source is None:
+            # -1 (nothing resident) until written: a backend may read entries it was not asked to fill
+            self.source = _shared(keys.shape[:3], torch.int32, keys, fill=-1)
 
     @property
     def local_capacity(self) -> int:
@@ -186,11 +230,17 @@ class TieredStore:
         """Replace the retrieved buffer with ``slots`` for the sequences where ``reselect``.
 
         In place (fixed buffers, so a captured step replays); rows are read from the pool only
-        for sequences that re-select.
+        for sequences that re-select, and only those whose slot the buffer does not already hold
+        (counted in ``pool_rows_read``).
         """
-        gather_into = dispatch.get("gather_rows_into", backend, self.retrieved_keys.device)
-        gather_into(self.pool_keys, slots, reselect, self.retrieved_keys)
-        gather_into(self.pool_values, slots, reselect, self.retrieved_values)
+        device = self.retrieved_keys.device
+        locate = dispatch.get("resident_rows", backend, device)
+        refresh = dispatch.get("refresh_rows", backend, device)
+        # rows the buffer already holds are copied on the device; only the others are read
+        # from the pool (over PCIe for a host pool). Same contents as gathering every row.
+        locate(slots, reselect, self.retrieved_slots, self.retrieved_held, self.source, self.pool_rows_read)
+        refresh(self.pool_keys, slots, reselect, self.source, self.retrieved_keys, self.scratch)
+        refresh(self.pool_values, slots, reselect, self.source, self.retrieved_values, self.scratch)
         # padding slots inside a unit are fetched but never attended
         batch = slots.shape[0]
         valid = slot_valid & self.slot_valid.gather(1, slots.view(batch, -1)).view_as(slots)
@@ -198,6 +248,9 @@ class TieredStore:
         self.retrieved_valid.copy_(torch.where(take, valid, self.retrieved_valid))
         self.retrieved_slots.copy_(torch.where(take, slots, self.retrieved_slots))
         self.retrieved_fill.copy_(torch.where(take[..., 0], slot_valid.sum(-1), self.retrieved_fill))
+        # a slot not written yet was read as whatever the pool memory held: never reuse that
+        held = (slots >= 0) & (slots < self.next_slot)
+        self.retrieved_held.copy_(torch.where(take, held, self.retrieved_held))
 
     def admit(self, evicted: Evicted, mask: torch.Tensor) -> None:
         """Keep a token that left the local window attended while the retrieved buffer has room."""
@@ -218,7 +271,15 @@ class TieredStore:
         self.retrieved_slots.scatter_(2, index, torch.where(admit.unsqueeze(-1), evicted.slot, old_slot))
         old_valid = self.retrieved_valid.gather(2, index)
         self.retrieved_valid.scatter_(2, index, old_valid | admit.unsqueeze(-1))
+        # the ring's copy of a token has the same bits as its pool row
+        old_held = self.retrieved_held.gather(2, index)
+        self.retrieved_held.scatter_(2, index, old_held | admit.unsqueeze(-1))
         self.retrieved_fill.add_(admit.long())
+
+    def forget_resident(self) -> None:
+        """Treat no retrieved row as reusable, so the next fetch reads every row from the pool
+        (a cold transfer, for benchmarks; in place, so it may run between graph replays)."""
+        self.retrieved_held.zero_()
 
     def local_slots(self) -> torch.Tensor:
         """``(L,)`` the slot each ring position holds (meaningful where ``local_valid``)."""

@@ -103,6 +103,68 @@ def gather_rows_into(pool: torch.Tensor, slots: torch.Tensor, take: torch.Tensor
     out.copy_(torch.where(take.view(-1, 1, 1, 1), rows, out))
 
 
+def resident_rows(
+    slots: torch.Tensor,
+    take: torch.Tensor,
+    current_slots: torch.Tensor,
+    current_held: torch.Tensor,
+    source: torch.Tensor,
+    rows_read: torch.Tensor,
+) -> None:
+    """Where each wanted slot already sits in the current buffer, for ``refresh_rows``.
+
+    ``slots``: ``(B, H, R)`` the new selection; ``current_slots`` / ``current_held``:
+    ``(B, H, R')`` the slot each buffer row is labelled with, and whether the row really holds
+    that slot's pool row. For the sequences where ``take (B,)``: ``source (B, H, R)`` int32
+    gets the last held row labelled with each wanted slot, or -1 (a negative slot is never
+    found), and ``rows_read (B,)`` long grows by the count of -1 (rows the pool must supply).
+    Both are left untouched for the other sequences.
+
+    Sort + binary search: O(R log R), and no memory that grows with the pool (a slot -> row
+    map on the device would cost 4 bytes per pool slot and head). No host reads.
+    """
+    if current_slots.shape[-1] == 0 or slots.shape[-1] == 0:
+        found = torch.full(slots.shape, -1, dtype=torch.int32, device=slots.device)
+    else:
+        # rows that hold nothing sort first under -1; int32 keys halve the radix passes (slot
+        # numbers stay far below 2**31). Stable, so the last of equal keys is the highest row.
+        keys = torch.where(current_held, current_slots, -1).to(torch.int32)
+        ordered, rows = torch.sort(keys, dim=-1, stable=True)
+        wanted = slots.to(torch.int32).contiguous()
+        at = (torch.searchsorted(ordered, wanted, right=True) - 1).clamp(min=0)
+        hit = (ordered.gather(-1, at) == wanted) & (wanted >= 0)
+        found = torch.where(hit, rows.gather(-1, at), -1).to(torch.int32)
+    source.copy_(torch.where(take.view(-1, 1, 1), found, source))
+    missing = (found < 0).flatten(1).sum(-1)
+    rows_read.add_(torch.where(take, missing, 0))
+
+
+def refresh_rows(
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    take: torch.Tensor,
+    source: torch.Tensor,
+    out: torch.Tensor,
+    scratch: torch.Tensor,
+) -> None:
+    """``gather_rows_into`` that reuses rows already on the device.
+
+    For the sequences where ``take (B,)``: ``out[b, h, r] = out[b, h, source[b, h, r]]`` where
+    ``source >= 0`` (the current buffer holds that slot, see ``resident_rows``), else
+    ``pool[b, h, slots[b, h, r]]``; the result equals ``gather_rows_into`` whenever each resident
+    row holds its slot's pool row. Rows move between positions, so the new rows are assembled
+    in ``scratch`` (same shape as ``out``, left with unspecified contents) and copied back; a
+    fast backend reads only the non-resident rows from the pool.
+    """
+    resident = (source >= 0).unsqueeze(-1)
+    # clamped: entries of sequences that do not take may be stale
+    index = source.long().clamp(0, max(out.shape[2] - 1, 0)).unsqueeze(-1).expand(*source.shape, out.shape[-1])
+    kept = out.gather(2, index)
+    fetched = gather_rows(pool, slots, out.device)
+    scratch.copy_(torch.where(resident, kept, fetched))
+    out.copy_(torch.where(take.view(-1, 1, 1, 1), scratch, out))
+
+
 def sparse_decode_attention(
     query: torch.Tensor,
     parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],

@@ -1,0 +1,219 @@
+"""Triton re-selection that reads only the new rows (ops ``resident_rows`` and ``refresh_rows``).
+
+Consecutive selections overlap, and the rows they share are already in the retrieved buffer
+on the GPU. A fetch runs three launches per tensor pair:
+
+1. ``resident_rows`` (once for keys and values): for each wanted slot, the last held buffer
+   row labelled with it, or -1; and the count of -1 per sequence, added with one atomic per
+   program. A direct comparison of every wanted slot with every buffer row: R^2 compares per
+   (sequence, head), but in registers, fully parallel, and a sequence that does not re-select
+   costs nothing (its programs return at once), where a sort would run every step. Past
+   ``_COMPARE_MAX`` rows the quadratic cost wins over that, and the reference's sort is used.
+2. ``refresh_rows`` fill: one program per ``[ROWS, D]`` tile of one (sequence, head) writes
+   ``scratch`` from the buffer where the slot is resident and from the pool otherwise. Both
+   loads are masked per row, so a resident row costs no pool byte: with a pinned host pool,
+   only the missing rows cross PCIe. Two masked stores (no select on the values) keep every bit.
+3. ``refresh_rows`` copy back: ``out = scratch``. Separate, because rows move between
+   positions: a program of step 2 may read a buffer row another one would already have replaced.
+
+Sequences whose ``take`` is False return before reading anything. No host syncs and a grid
+from shapes alone, so every launch can be graph-captured.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference
+from ..dispatch import implement, triton_runs_on
+from .gather import _TILE_BYTES, _pool_argument
+
+# wanted slots x buffer rows compared per step of the loop (int32 registers of one program)
+_LOCATE_ROWS = 64
+_LOCATE_BLOCK = 128
+# above this many buffer rows, sort + binary search (the reference) instead of comparing all
+# pairs. A guess, not measured: at 2048 the comparison is ~4M int32 compares per (sequence,
+# head), tens of microseconds for B x H = 32 on an H200 by arithmetic throughput
+_COMPARE_MAX = 4096
+
+
+@triton.jit
+def _locate_kernel(
+    slots_ptr, take_ptr, current_ptr, held_ptr, source_ptr, read_ptr,
+    R, RC,
+    slots_sb, slots_sh, slots_sr,
+    current_sb, current_sh, current_sr,
+    held_sb, held_sh, held_sr,
+    source_sb, source_sh, source_sr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    if tl.load(take_ptr + b) == 0:
+        return
+    rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    row_ok = rows < R
+    # a masked-off or negative wanted slot must not match the -1 of rows that hold nothing
+    wanted = tl.load(slots_ptr + b * slots_sb + h * slots_sh + rows * slots_sr, mask=row_ok, other=-1).to(tl.int32)
+    wanted = tl.where(wanted >= 0, wanted, -2)
+    best = tl.full([ROWS], -1, dtype=tl.int32)
+    for start in range(0, RC, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        col_ok = cols < RC
+        label = tl.load(current_ptr + b * current_sb + h * current_sh + cols * current_sr, mask=col_ok, other=-1)
+        held = tl.load(held_ptr + b * held_sb + h * held_sh + cols * held_sr, mask=col_ok, other=0)
+        label = tl.where(held != 0, label.to(tl.int32), -1)
+        match = wanted[:, None] == label[None, :]
+        best = tl.maximum(best, tl.max(tl.where(match, cols[None, :], -1), axis=1))
+    tl.store(source_ptr + b * source_sb + h * source_sh + rows * source_sr, best, mask=row_ok)
+    missing = tl.sum(tl.where(row_ok & (best < 0), 1, 0), axis=0)
+    tl.atomic_add(read_ptr + b, missing.to(tl.int64))
+
+
+@implement("triton", "resident_rows", supports=triton_runs_on)
+def resident_rows(
+    slots: torch.Tensor,
+    take: torch.Tensor,
+    current_slots: torch.Tensor,
+    current_held: torch.Tensor,
+    source: torch.Tensor,
+    rows_read: torch.Tensor,
+) -> None:
+    """``source`` = the last held row of the buffer labelled with each wanted slot (or -1), and
+    ``rows_read`` += the count of -1, for the sequences where ``take``; see the reference."""
+    batch, heads, rows = slots.shape
+    current = current_slots.shape[-1]
+    if tuple(source.shape) != (batch, heads, rows) or source.dtype != torch.int32:
+        raise ValueError(f"triton resident_rows: source must be int32 {(batch, heads, rows)}, got "
+                         f"{source.dtype} {tuple(source.shape)}")
+    if tuple(current_slots.shape) != (batch, heads, current) or current_held.shape != current_slots.shape:
+        raise ValueError(f"triton resident_rows: current slots {tuple(current_slots.shape)} and held "
+                         f"{tuple(current_held.shape)} do not fit slots {tuple(slots.shape)}")
+    if tuple(rows_read.shape) != (batch,) or rows_read.dtype != torch.long:
+        raise ValueError(f"triton resident_rows: rows_read must be long ({batch},), got {rows_read.dtype} "
+                         f"{tuple(rows_read.shape)}")
+    if current > _COMPARE_MAX:
+        reference.resident_rows(slots, take, current_slots, current_held, source, rows_read)
+        return
+    if batch * heads * rows == 0:
+        return
+    device = source.device
+    slots, current_slots = slots.to(device), current_slots.to(device)  # no-ops when already there
+    take = take.to(device).reshape(batch).contiguous().view(torch.uint8)
+    held = current_held.to(device).view(torch.uint8)
+    grid = (triton.cdiv(rows, _LOCATE_ROWS), heads, batch)
+    _locate_kernel[grid](
+        slots, take, current_slots, held, source, rows_read,
+        rows, current,
+        *slots.stride(), *current_slots.stride(), *held.stride(), *source.stride(),
+        ROWS=_LOCATE_ROWS, BLOCK=_LOCATE_BLOCK,
+    )
+
+
+@triton.jit
+def _refresh_kernel(
+    pool_ptr, slots_ptr, source_ptr, take_ptr, out_ptr, scratch_ptr,
+    R,
+    pool_sb, pool_sh, pool_sr, pool_sd,
+    slots_sb, slots_sh, slots_sr,
+    source_sb, source_sh, source_sr,
+    out_sb, out_sh, out_sr, out_sd,
+    scratch_sb, scratch_sh, scratch_sr, scratch_sd,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, COPY_BACK: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    # int64: pools reach past 2**31 elements
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    if tl.load(take_ptr + b) == 0:
+        return
+    rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    row_ok = rows < R
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    here = scratch_ptr + b * scratch_sb + h * scratch_sh + rows[:, None] * scratch_sr + cols[None, :] * scratch_sd
+    if COPY_BACK:
+        if BLOCK_D == D:
+            # mask constant along a row: accesses stay 16-byte vectors
+            mask = row_ok[:, None]
+        else:
+            mask = row_ok[:, None] & col_ok[None, :]
+        tile_of = tl.load(here, mask=mask)
+        dst = out_ptr + b * out_sb + h * out_sh + rows[:, None] * out_sr + cols[None, :] * out_sd
+        tl.store(dst, tile_of, mask=mask)
+    else:
+        source = tl.load(source_ptr + b * source_sb + h * source_sh + rows * source_sr, mask=row_ok, other=-1)
+        source = source.to(tl.int64)
+        from_pool = row_ok & (source < 0)
+        resident = row_ok & (source >= 0)
+        if BLOCK_D == D:
+            pool_mask = from_pool[:, None]
+            kept_mask = resident[:, None]
+        else:
+            pool_mask = from_pool[:, None] & col_ok[None, :]
+            kept_mask = resident[:, None] & col_ok[None, :]
+        slot = tl.load(slots_ptr + b * slots_sb + h * slots_sh + rows * slots_sr, mask=from_pool, other=0)
+        slot = slot.to(tl.int64)
+        src = pool_ptr + b * pool_sb + h * pool_sh + slot[:, None] * pool_sr + cols[None, :] * pool_sd
+        fetched = tl.load(src, mask=pool_mask)
+        tl.store(here, fetched, mask=pool_mask)
+        # clamped: rows read from the pool must not form pointers before the buffer either
+        at = tl.maximum(source, 0)
+        kept_src = out_ptr + b * out_sb + h * out_sh + at[:, None] * out_sr + cols[None, :] * out_sd
+        tl.store(here, tl.load(kept_src, mask=kept_mask), mask=kept_mask)
+
+
+@implement("triton", "refresh_rows", supports=triton_runs_on)
+def refresh_rows(
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    take: torch.Tensor,
+    source: torch.Tensor,
+    out: torch.Tensor,
+    scratch: torch.Tensor,
+) -> None:
+    """``out[b, h, r] = out[b, h, source]`` if ``source >= 0`` else ``pool[b, h, slots]``, where ``take``.
+
+    ``pool`` is on ``out``'s device, or in pinned CPU memory for a CUDA ``out``; ``source`` holds
+    rows of ``out`` (``-1 <= source < R``); ``scratch`` has ``out``'s shape and dtype, does not
+    overlap it, and is left with unspecified contents.
+    """
+    batch, heads, _, dim = pool.shape
+    rows = slots.shape[-1]
+    want = (batch, heads, rows)
+    if tuple(slots.shape) != want or tuple(source.shape) != want or tuple(out.shape) != (*want, dim):
+        raise ValueError(
+            f"triton refresh_rows: shapes do not match: pool {tuple(pool.shape)}, slots {tuple(slots.shape)}, "
+            f"source {tuple(source.shape)}, out {tuple(out.shape)}"
+        )
+    if scratch.shape != out.shape or scratch.dtype != out.dtype or scratch.device != out.device:
+        raise ValueError(
+            f"triton refresh_rows: scratch {tuple(scratch.shape)} {scratch.dtype} on {scratch.device} must match "
+            f"out {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    if out.dtype != pool.dtype:
+        raise ValueError(f"triton refresh_rows: out is {out.dtype} but the pool is {pool.dtype}")
+    if batch * heads * rows * dim == 0:
+        return
+    if scratch.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+        raise ValueError("triton refresh_rows: scratch shares memory with out; rows would be overwritten before read")
+    device = out.device
+    pool_arg = _pool_argument(pool, device)
+    slots = slots.to(device)  # no-op when already there
+    source = source.to(device)
+    take = take.to(device).reshape(batch).contiguous().view(torch.uint8)
+    block_d = triton.next_power_of_2(dim)
+    tile_rows = max(1, min(_TILE_BYTES // (block_d * pool.element_size()), 128))
+    tile_rows = min(tile_rows, triton.next_power_of_2(rows))
+    grid = (triton.cdiv(rows, tile_rows), heads, batch)
+    strides = (*pool.stride(), *slots.stride(), *source.stride(), *out.stride(), *scratch.stride())
+    for copy_back in (False, True):
+        _refresh_kernel[grid](
+            pool_arg, slots, source, take, out, scratch,
+            rows,
+            *strides,
+            D=dim, BLOCK_D=block_d, ROWS=tile_rows, COPY_BACK=copy_back,
+        )

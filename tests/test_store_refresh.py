@@ -1,0 +1,176 @@
+"""``TieredStore.fetch`` reuses the rows its buffer already holds, without changing any result.
+
+Over random decode sequences (appends, re-selections of some sequences, admissions) the store
+is run next to a shadow that fetches the way it always did, gathering every row from the pool:
+the retrieved buffers must stay bit-identical, and ``pool_rows_read`` must equal the rows a
+per-row model of the buffer says were missing (fewer than a full gather when selections
+overlap, all of them when they are disjoint).
+"""
+
+import pytest
+import torch
+
+import kvpolicy
+from kvpolicy.kernels import reference
+from kvpolicy.layer import PolicyLayerState
+from kvpolicy.store import TieredStore
+
+CUDA = torch.cuda.is_available()
+B, H, D, PROMPT, SINK, LOCAL, R = 2, 3, 16, 200, 2, 8, 12
+
+
+def _stores(seed, device, pool_device):
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(B, H, PROMPT, D, generator=gen).to(device)
+    values = torch.randn(B, H, PROMPT, D, generator=gen).to(device)
+    valid = torch.ones(B, PROMPT, dtype=torch.bool, device=device)
+    valid[1, :5] = False  # left padding
+    return tuple(TieredStore.from_prefill(keys, values, valid, SINK, LOCAL, R, pool_device) for _ in range(2))
+
+
+def _old_fetch(store, slots, slot_valid, reselect):
+    """What fetch did before it reused rows: gather every selected row from the pool."""
+    reference.gather_rows_into(store.pool_keys, slots, reselect, store.retrieved_keys)
+    reference.gather_rows_into(store.pool_values, slots, reselect, store.retrieved_values)
+    batch = slots.shape[0]
+    valid = slot_valid & store.slot_valid.gather(1, slots.view(batch, -1)).view_as(slots)
+    take = reselect.view(-1, 1, 1)
+    store.retrieved_valid.copy_(torch.where(take, valid, store.retrieved_valid))
+    store.retrieved_slots.copy_(torch.where(take, slots, store.retrieved_slots))
+    store.retrieved_fill.copy_(torch.where(take[..., 0], slot_valid.sum(-1), store.retrieved_fill))
+
+
+def _assert_same(store, shadow, step):
+    for name in ("retrieved_keys", "retrieved_values", "retrieved_slots", "retrieved_valid", "retrieved_fill"):
+        got, want = getattr(store, name), getattr(shadow, name)
+        if got.is_floating_point():
+            got, want = got.view(torch.int32), want.view(torch.int32)
+        assert torch.equal(got.cpu(), want.cpu()), f"step {step}: {name} differs from a full gather"
+
+
+def _run(kind, backend, device, pool_device, steps=24, seed=0):
+    """Decode ``steps`` tokens; returns (store, expected rows read (B,), re-selections (B,))."""
+    store, shadow = _stores(seed, device, pool_device)
+    gen = torch.Generator().manual_seed(seed + 1)
+    rows = [[[None] * R for _ in range(H)] for _ in range(B)]  # the slot each buffer row holds
+    expected = [0] * B
+    reselections = torch.zeros(B, dtype=torch.long)
+    for step in range(steps):
+        key, value = torch.randn(2, B, H, D, generator=gen).to(device)
+        evicted = store.append(key, value, backend)
+        shadow_evicted = shadow.append(key, value, "reference")
+        reselect = torch.rand(B, generator=gen) < 0.6
+        reselect[:] |= step == 0
+
+        if kind == "disjoint":
+            # a fresh block of slots each step: nothing the buffer holds (admission is off)
+            slots = (step * R + torch.stack([torch.randperm(R, generator=gen) for _ in range(B * H)])).view(B, H, R)
+            slot_valid = torch.ones(B, H, R, dtype=torch.bool)
+        else:
+            # half from what the buffer holds now (admitted tokens included), half fresh;
+            # draws repeat slots, and the tail is padding at slot 0 (as a budget fill leaves it)
+            fresh = torch.randint(0, store.length, (B, H, R), generator=gen)
+            pick = torch.randint(0, 2 * R, (B, H, R), generator=gen)
+            slots = torch.cat([shadow.retrieved_slots.cpu(), fresh], dim=-1).gather(-1, pick)
+            slot_valid = torch.arange(R) < torch.randint(R // 2, R + 1, (B, H, 1), generator=gen)
+            slots = torch.where(slot_valid, slots, 0)
+
+        for b in range(B):
+            if reselect[b]:
+                reselections[b] += 1
+                for h in range(H):
+                    held = {s for s in rows[b][h] if s is not None}
+                    expected[b] += sum(int(s) not in held for s in slots[b, h].tolist())
+                    rows[b][h] = slots[b, h].tolist()
+
+        slots, slot_valid, reselect_d = slots.to(device), slot_valid.to(device), reselect.to(device)
+        store.fetch(slots, slot_valid, reselect_d, backend)
+        _old_fetch(shadow, slots, slot_valid, reselect_d)
+        admit = ~reselect_d if kind != "disjoint" else torch.zeros_like(reselect_d)
+        fill_before = shadow.retrieved_fill.cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
+        store.admit(evicted, admit)
+        shadow.admit(shadow_evicted, admit)
+        admitted = shadow.retrieved_fill.cpu() > fill_before
+        for b, h in admitted.nonzero().tolist():
+            rows[b][h][int(fill_before[b, h])] = int(shadow_evicted.slot)
+        _assert_same(store, shadow, step)
+    return store, torch.tensor(expected), reselections
+
+
+_CASES = [("reference", "cpu", "cpu"), ("triton", "cpu", "cpu")]
+if CUDA:
+    _CASES += [("triton", "cuda", "cpu"), ("triton", "cuda", "cuda"), ("reference", "cuda", "cpu")]
+
+
+@pytest.mark.parametrize("backend,device,pool_device", _CASES)
+def test_overlapping_selections_read_only_the_missing_rows(backend, device, pool_device):
+    store, expected, reselections = _run("overlap", backend, torch.device(device), torch.device(pool_device))
+    read = store.pool_rows_read.cpu()
+    assert torch.equal(read, expected)
+    assert (read < H * R * reselections).all()
+    assert (reselections > 1).all()  # reuse was possible at all
+
+
+@pytest.mark.parametrize("backend,device,pool_device", _CASES)
+def test_disjoint_selections_read_every_row(backend, device, pool_device):
+    store, _, reselections = _run("disjoint", backend, torch.device(device), torch.device(pool_device), steps=12)
+    assert torch.equal(store.pool_rows_read.cpu(), H * R * reselections)
+
+
+def test_forget_resident_makes_the_next_fetch_read_everything():
+    store, _ = _stores(0, torch.device("cpu"), torch.device("cpu"))
+    slots = torch.randint(0, store.zone_end, (B, H, R), generator=torch.Generator().manual_seed(3))
+    every = torch.ones(B, dtype=torch.bool)
+    store.fetch(slots, torch.ones_like(slots, dtype=torch.bool), every, "reference")
+    after_first = store.pool_rows_read.clone()
+    store.fetch(slots, torch.ones_like(slots, dtype=torch.bool), every, "reference")
+    assert torch.equal(store.pool_rows_read, after_first)  # all resident: nothing read
+    store.forget_resident()
+    store.fetch(slots, torch.ones_like(slots, dtype=torch.bool), every, "reference")
+    assert torch.equal(store.pool_rows_read, 2 * after_first)
+    assert (after_first == H * R).all()
+
+
+def test_unwritten_slots_are_never_reused():
+    # a selection may name a slot the pool has not been written at yet; that row held whatever
+    # the memory had, so when the slot is written and selected again it must be read afresh
+    store, shadow = _stores(0, torch.device("cpu"), torch.device("cpu"))
+    ahead = int(store.next_slot)  # the slot the next append writes
+    slots = torch.full((B, H, R), ahead)
+    every = torch.ones(B, dtype=torch.bool)
+    valid = torch.ones(B, H, R, dtype=torch.bool)
+    for s in (store, shadow):
+        s.pool_keys[:, :, ahead] = 99.0
+        s.pool_values[:, :, ahead] = 99.0
+    store.fetch(slots, valid, every, "reference")
+    _old_fetch(shadow, slots, valid, every)
+    key, value = torch.randn(2, B, H, D)
+    store.append(key, value, "reference")
+    shadow.append(key, value, "reference")
+    store.fetch(slots, valid, every, "reference")
+    _old_fetch(shadow, slots, valid, every)
+    _assert_same(store, shadow, 1)
+    assert torch.equal(store.retrieved_keys[:, :, 0], key)
+
+
+def test_stores_of_one_shape_share_one_scratch():
+    a, b = _stores(0, torch.device("cpu"), torch.device("cpu"))
+    assert a.scratch is b.scratch
+    assert a.scratch.shape == a.retrieved_keys.shape
+
+
+@pytest.mark.parametrize("name", ["quest", "louiskv"])
+def test_a_policy_decode_reads_fewer_rows_than_it_selects(name):
+    gen = torch.Generator().manual_seed(5)
+    hq = 2 * H  # GQA: two query heads per KV head
+    policy = kvpolicy.preset(name, budget=100, sink=4, local=16)
+    state = PolicyLayerState(policy, 0, torch.device("cpu"))
+    state.prefill(torch.randn(B, H, 300, D, generator=gen), torch.randn(B, H, 300, D, generator=gen),
+                  torch.ones(B, 300, dtype=torch.bool), hq)
+    for _ in range(30):
+        q = torch.randn(B, hq, D, generator=gen)
+        k, v = torch.randn(2, B, H, D, generator=gen)
+        state.decode(q, k, v, D**-0.5)
+    full = H * state.store.retrieval_capacity * state.reselections
+    assert (state.reselections > 1).all()
+    assert (state.store.pool_rows_read < full).all(), (state.store.pool_rows_read, full)
