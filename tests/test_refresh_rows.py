@@ -11,12 +11,15 @@ import torch
 
 from kvpolicy.kernels import dispatch, reference
 
+from bitwise import BITS as _BITS
+from bitwise import random_pool as _random_pool
+from bitwise import same_bits as _same_bits
+
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 BACKENDS = ["reference", "triton"]
 
-_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
 def _refresh(backend):
@@ -31,20 +34,8 @@ def _locate(backend, slots, take, current, held):
     return source, rows_read - 5
 
 
-def _random_pool(shape, dtype, device, generator, pin=False):
-    """Random bit patterns (NaNs zeroed: the CPU reference gather rewrites half NaN payloads)."""
-    bits = _BITS[dtype]
-    info = torch.iinfo(bits)
-    raw = torch.randint(info.min, info.max, shape, dtype=bits, device=generator.device, generator=generator)
-    raw.masked_fill_(raw.view(dtype).isnan(), 0)
-    pool = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
-    pool.view(bits).copy_(raw)
-    return pool
 
 
-def _same_bits(a, b):
-    assert a.dtype == b.dtype and a.shape == b.shape
-    return torch.equal(a.view(_BITS[a.dtype]).cpu(), b.view(_BITS[b.dtype]).cpu())
 
 
 def _current_buffer(pool, slots, held, device):

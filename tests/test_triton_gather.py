@@ -9,11 +9,13 @@ import torch
 
 from kvpolicy.kernels import dispatch, reference
 
+from bitwise import random_pool as _random_pool
+from bitwise import same_bits as _same_bits
+
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
-_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
 def _gather_rows():
@@ -24,23 +26,8 @@ def _gather_rows_into():
     return dispatch.get("gather_rows_into", "triton", DEVICE)
 
 
-def _random_pool(shape, dtype, device, generator, pin=False):
-    """Random bit patterns, infs and subnormals included: a copy must keep every bit.
-
-    NaNs are zeroed: the reference's CPU gather rewrites half-precision NaN payloads.
-    """
-    bits = _BITS[dtype]
-    info = torch.iinfo(bits)
-    raw = torch.randint(info.min, info.max, shape, dtype=bits, device=generator.device, generator=generator)
-    raw.masked_fill_(raw.view(dtype).isnan(), 0)
-    pool = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
-    pool.view(bits).copy_(raw)
-    return pool
 
 
-def _same_bits(a, b):
-    assert a.dtype == b.dtype and a.shape == b.shape
-    return torch.equal(a.view(_BITS[a.dtype]).cpu(), b.view(_BITS[b.dtype]).cpu())
 
 
 @pytest.mark.parametrize("dim", [64, 128])
