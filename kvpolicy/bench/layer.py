@@ -119,8 +119,10 @@ def time_layer(
     full_ms = None
     if with_full:
         q4 = query.unsqueeze(2)
-        full_ms = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q4, keys, values, enable_gqa=True),
-                          device, repeats)
+        def full_attention(k=keys, v=values):
+            return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+
+        full_ms = time_ms(full_attention, device, repeats)
 
     pool_device = torch.device("cpu") if policy.placement == "cpu" else device
     state = PolicyLayerState(policy, 0, pool_device)
