@@ -49,6 +49,24 @@ def _shared(shape: tuple, dtype: torch.dtype, like: torch.Tensor, fill: float | 
     return found
 
 
+def _copy_prompt(pool: torch.Tensor, rows: torch.Tensor) -> None:
+    """``pool[:, :, :n] = rows`` (``(B, H, n, D)``), as plain device-to-host copies when the pool is pinned.
+
+    ``pool[:, :, :n]`` is not contiguous (each head owns ``capacity`` rows), and torch copies to
+    a non-contiguous host destination through a staging buffer; with a pinned pool TTFT at 16K
+    was 4.4x full attention's against 1.1x with a GPU pool (BENCHMARKS.md), which this is
+    suspected of. Each (sequence, head) slab is contiguous, so it goes as one asynchronous copy;
+    the copies are stream-ordered, so later gathers see the rows, and the host never reads them.
+    """
+    n = rows.shape[2]
+    if pool.device == rows.device:
+        pool[:, :, :n].copy_(rows)
+        return
+    for b in range(rows.shape[0]):
+        for h in range(rows.shape[1]):
+            pool[b, h, :n].copy_(rows[b, h], non_blocking=True)
+
+
 @dataclass
 class Evicted:
     """The token the local ring pushed out this step (``valid`` False while the ring fills)."""
@@ -131,9 +149,8 @@ class TieredStore:
 
         pool_keys = _allocate_pool(keys, prompt + reserve, pool_device)
         pool_values = _allocate_pool(values, prompt + reserve, pool_device)
-        # stream-ordered: later gathers on this stream see the rows, the host never reads them
-        pool_keys[:, :, :prompt].copy_(keys, non_blocking=True)
-        pool_values[:, :, :prompt].copy_(values, non_blocking=True)
+        _copy_prompt(pool_keys, keys)
+        _copy_prompt(pool_values, values)
         slot_valid = torch.zeros(batch, prompt + reserve, dtype=torch.bool, device=device)
         slot_valid[:, :prompt] = token_valid
 
