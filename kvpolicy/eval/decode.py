@@ -51,32 +51,39 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Pre
 
 
 class _RecallMeter:
-    """Accumulates, per layer, attended attention mass / oracle top-budget mass."""
+    """Accumulates, per layer, attended attention mass / oracle top-budget mass.
+
+    Replay-safe: it reads the whole reserved pool (invalid slots masked on the device, not cut
+    at a host-side length) and adds into per-layer sums kept on the device, so it gives the
+    same figures inside a captured decode step as in an eager one.
+    """
 
     def __init__(self, budget: int):
         self.budget = budget
-        self.sums: dict[int, torch.Tensor] = {}  # kept on the device: no host sync per layer and step
-        self.counts: dict[int, int] = {}
+        self.sums: dict[int, torch.Tensor] = {}
+        self.states: dict[int, object] = {}
 
     def __call__(self, state, query: torch.Tensor) -> None:
         store = state.store
-        length = store.length
-        keys = store.pool_keys[:, :, :length].to(query.device).float()  # (B, H, n, D)
-        batch, kv_heads, _, dim = keys.shape
+        keys = store.pool_keys.to(query.device).float()  # (B, H, capacity, D)
+        batch, kv_heads, capacity, dim = keys.shape
         q = query.float().view(batch, kv_heads, -1, dim)
         logits = torch.einsum("bhgd,bhnd->bhgn", q, keys) * dim**-0.5
-        logits = logits.masked_fill(~store.slot_valid[:, None, None, :length], float("-inf"))
+        logits = logits.masked_fill(~store.slot_valid[:, None, None, :capacity], float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        oracle = probs.topk(min(self.budget, length), dim=-1).values.sum(-1)  # (B, H, G)
+        # masked slots hold no mass, so taking them among the top k changes nothing
+        oracle = probs.topk(min(self.budget, capacity), dim=-1).values.sum(-1)  # (B, H, G)
         slots, valid = store.attended_slots()
-        picked = probs.gather(-1, slots.clamp(max=length - 1).unsqueeze(2).expand(-1, -1, q.shape[2], -1))
+        picked = probs.gather(-1, slots.clamp(max=capacity - 1).unsqueeze(2).expand(-1, -1, q.shape[2], -1))
         held = (picked * valid.unsqueeze(2)).sum(-1)
         recall = (held / oracle.clamp(min=1e-12)).clamp(max=1.0).mean()
-        self.sums[state.layer_idx] = self.sums.get(state.layer_idx, 0.0) + recall
-        self.counts[state.layer_idx] = self.counts.get(state.layer_idx, 0) + 1
+        if state.layer_idx not in self.sums:
+            self.sums[state.layer_idx] = torch.zeros((), device=query.device)
+            self.states[state.layer_idx] = state
+        self.sums[state.layer_idx].add_(recall)
 
     def per_layer(self) -> dict[int, float]:
-        return {layer: float(self.sums[layer]) / self.counts[layer] for layer in sorted(self.sums)}
+        return {layer: float(self.sums[layer]) / self.states[layer].decode_steps for layer in sorted(self.sums)}
 
 
 def _cache_from_prefill(session, prefilled: Prefilled, num_q_heads: int):
@@ -95,6 +102,46 @@ def _cache_from_prefill(session, prefilled: Prefilled, num_q_heads: int):
     return cache
 
 
+def _graph_decode(model, prefilled, policy, max_new_tokens, forced, keep_logits, meter, stop_ids, emulate) -> Decoded:
+    """``decode`` through DecodeGraph: fixed-length steps, tokens read back once at the end."""
+    from ..graph import DecodeGraph
+
+    config = model.config.get_text_config(decoder=True)
+    result = Decoded(tokens=[])
+    device = prefilled.input_ids.device
+    forced_ids = torch.tensor(forced, device=device) if forced is not None else None
+    with policy.apply(model) as session:
+        cache = _cache_from_prefill(session, prefilled, config.num_attention_heads)
+        if meter is not None:
+            for state in cache.policy_layers():
+                state.observers.append(meter)
+        runner = DecodeGraph(model, cache, prefilled.attention_mask.sum(-1), max(max_new_tokens - 1, 1), emulate=emulate)
+        logits = prefilled.last_logits[0]
+        tokens, kept = [], []
+        for step in range(max_new_tokens):
+            token = forced_ids[step] if forced_ids is not None else logits.argmax()
+            tokens.append(token)
+            if keep_logits:
+                kept.append(logits.clone())  # the runner reuses its logits buffer
+            if step == max_new_tokens - 1:
+                break
+            logits = runner.step(token.view(1))[0]
+        result.tokens = torch.stack(tokens).tolist()  # the only read of token values
+        result.logits = kept
+        if forced is None and stop_ids:
+            # every step ran; keep what an eager decode would have kept (up to the first stop)
+            for i, token in enumerate(result.tokens):
+                if token in stop_ids:
+                    result.tokens = result.tokens[: i + 1]
+                    result.logits = result.logits[: i + 1]
+                    break
+        if max_new_tokens > 1:
+            result.reselect_share = session.stats().reselect_share
+    if meter is not None:
+        result.recall_per_layer = meter.per_layer()
+    return result
+
+
 @torch.inference_mode()
 def decode(
     model,
@@ -106,12 +153,24 @@ def decode(
     keep_logits: bool = False,
     measure_recall: bool = False,
     stop_ids: set[int] | None = None,
+    graph: bool | None = None,
 ) -> Decoded:
     """Greedy decode under ``policy`` from a shared dense prefill (batch 1).
 
     ``forced``: feed these tokens instead of the argmax (teacher forcing); the logits are
-    still the policy's. Stops at ``stop_ids`` unless forced.
+    still the policy's. Stops at ``stop_ids`` unless forced. ``graph``: replay the decode step
+    as a CUDA graph (default: on CUDA, for retrieval policies); ``"emulate"`` runs the same
+    protocol on any device (tests). With a graph every step runs and the tokens are cut at the
+    first stop token afterwards (the same tokens as eager decoding; the re-selection share and
+    recall then also count the steps after the stop token).
     """
+    device = prefilled.input_ids.device
+    if graph is None:
+        graph = device.type == "cuda"
+    if graph and not policy.is_dense:
+        meter = _RecallMeter(policy.budget) if measure_recall else None
+        return _graph_decode(model, prefilled, policy, max_new_tokens, forced, keep_logits, meter, stop_ids,
+                             emulate=graph == "emulate")
     config = model.config.get_text_config(decoder=True)
     result = Decoded(tokens=[])
     meter = _RecallMeter(policy.budget) if measure_recall and not policy.is_dense else None
