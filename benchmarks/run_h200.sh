@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Every GPU measurement of BENCHMARKS.md in one device call (about 9 minutes on the H200).
-# Usage on the device machine, from the repository root:  bash benchmarks/run_h200.sh OUTDIR
-# Each step has its own time limit and writes its JSON into OUTDIR as soon as it finishes, so
-# a step that runs out of time costs only itself. Sizes are the issue's; trim with the flags.
+# Usage on the device machine, from the repository root:
+#     bash benchmarks/run_h200.sh /root/bench "$OUT/bench.tar"
+# Each step has its own time limit and writes its JSON into the folder as soon as it finishes,
+# so a step that runs out of time costs only itself; after every step the folder is re-packed
+# into the one tar file (the device tool returns only a few files per call, and nothing that
+# stays on the machine survives its release). Sizes are the issue's; trim with the flags.
 set -u
 OUT=${1:?output folder}
+TAR=${2:?tar file to re-pack after each step}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 step() {  # step NAME SECONDS command...
@@ -12,6 +16,7 @@ step() {  # step NAME SECONDS command...
     echo "== $name (limit ${limit}s): $*"
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?" >> "$OUT/$name.log"
     tail -n 40 "$OUT/$name.log"
+    tar cf "$TAR" -C "$(dirname "$OUT")" "$(basename "$OUT")"
 }
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
 step kernels 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_gather.py \
