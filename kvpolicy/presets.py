@@ -50,7 +50,7 @@ def _louiskv(model: Any = None, **options: Any) -> Policy:
     """LouisKV: re-select only at semantic boundaries (mean query cosine < tau), K-means
     clusters of ~16 prompt tokens, generated tokens in segments cut at those boundaries,
     group-consistent top_budget selection. tau is the model's calibrated value when a model
-    is given (0.8 for the embedded SmolLM2), else 0.7 (LouisKV's for Qwen3-8B)."""
+    is given (0.95 for the embedded SmolLM2, calibrated), else 0.7 (LouisKV's for Qwen3-8B)."""
     tau = calibrated_tau(model) if model is not None else DEFAULT_TAU
     return _retrieval(
         "louiskv", {"name": "query_cosine", "tau": tau}, {"name": "kmeans", "tokens_per_cluster": 16},
