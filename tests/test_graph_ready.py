@@ -63,7 +63,7 @@ def _layer(name: str, seed: int) -> tuple[PolicyLayerState, torch.Tensor]:
     return state, steps
 
 
-@pytest.mark.parametrize("name", ["louiskv", "quest", "arkvale", "clusterkv", "streaming"])
+@pytest.mark.parametrize("name", ["louiskv", "quest", "arkvale", "clusterkv", "streaming", "oracle"])
 def test_decode_step_replays_with_frozen_host_state(name):
     eager, inputs = _layer(name, seed=3)
     replayed, _ = _layer(name, seed=3)
