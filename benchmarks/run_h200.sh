@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU measurement of BENCHMARKS.md in one device call (about 9 minutes on the H200).
 # Usage on the device machine, from the repository root:
-#     bash benchmarks/run_h200.sh /root/bench "$OUT/bench.tar"
+#     bash benchmarks/run_h200.sh /root/bench "$OUT/bench.tar" [STEPS]
+# STEPS: a comma-separated subset of kernels,gather,e2e,layer,ttft (default: all; all of them
+# take more than one 10-minute device call, so split them over two calls on a warm machine).
 # Each step has its own time limit and writes its JSON into the folder as soon as it finishes,
 # so a step that runs out of time costs only itself; after every step the folder is re-packed
 # into the one tar file (the device tool returns only a few files per call, and nothing that
@@ -9,10 +11,12 @@
 set -u
 OUT=${1:?output folder}
 TAR=${2:?tar file to re-pack after each step}
+STEPS=",${3:-kernels,gather,e2e,layer,ttft},"
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 step() {  # step NAME SECONDS command...
     local name=$1 limit=$2; shift 2
+    [[ $STEPS == *",$name,"* ]] || return 0
     echo "== $name (limit ${limit}s): $*"
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?" >> "$OUT/$name.log"
     tail -n 40 "$OUT/$name.log"
@@ -22,7 +26,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 step kernels 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_gather.py \
     tests/test_triton_select.py tests/test_triton_kmeans.py tests/test_triton_write.py tests/test_decode_graph.py tests/test_graph_ready.py
 step gather 40 python3 -m kvpolicy bench gather --batches 1,4,8 --budget 2048 --json "$OUT/gather.json"
-step e2e 200 python3 -m kvpolicy bench e2e --contexts 32768,131072 --batches 1,4 --presets louiskv,arkvale,quest \
+step e2e 420 python3 -m kvpolicy bench e2e --contexts 32768,131072 --batches 1,4 --presets louiskv,arkvale,quest \
     --placements cpu,gpu --budget 2048 --steps 30 --json "$OUT/e2e.json"
 step layer 90 python3 -m kvpolicy bench layer --contexts 131072,524288 --batches 1,4,8 --presets louiskv,quest \
     --placements cpu --repeats 20 --json "$OUT/layer.json"
