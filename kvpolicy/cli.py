@@ -354,13 +354,14 @@ def _fidelity(args) -> int:
 
     from .eval import decode as decoding
     from .eval.fidelity import long_output_prompt, measure
+    from .eval.runner import check_names
     from .models import load_model
     from .presets import PRESETS, preset
 
     names = [n for n in args.presets.split(",") if n]
-    unknown = [n for n in names if n not in PRESETS]
-    if unknown or not names:
-        raise KVPolicyError(f"unknown preset {unknown[0] if unknown else '(none)'!r}; known presets: {', '.join(PRESETS)}")
+    if not names:
+        raise KVPolicyError("--presets is empty; give at least one preset name")
+    check_names(names, PRESETS, "preset")
     if args.new_tokens < 2 or args.length < 64:
         raise KVPolicyError("--new-tokens must be >= 2 and --length >= 64")
     for name in names:
@@ -525,11 +526,21 @@ def _print_points(points, chosen: float) -> None:
         print(f"{p.tau:6.2f} {100 * p.reselect_share:12.1f}% {100 * p.top1_agreement:11.1f}% {p.kl_mean:8.4f}{mark}")
 
 
+def _choose_and_store(measured, tolerance: float) -> float:
+    from .eval.calibrate import choose, store
+
+    points = measured.points()
+    chosen = choose(points, tolerance)
+    store(measured, chosen, tolerance)
+    _print_points(points, chosen)
+    return chosen
+
+
 def _calibrate(args) -> int:
     import torch
 
     from .calibration import calibration_file
-    from .eval.calibrate import TauMeasurements, choose, measure_taus, merge, store
+    from .eval.calibrate import TauMeasurements, measure_taus, merge
 
     tolerance = args.tolerance
     if not 0.0 <= tolerance <= 1.0:
@@ -542,10 +553,7 @@ def _calibrate(args) -> int:
             except (OSError, ValueError, TypeError) as exc:
                 raise KVPolicyError(f"--merge: cannot read calibration shard {name!r}: {exc}") from None
         measured = merge(shards)
-        points = measured.points()
-        chosen = choose(points, tolerance)
-        store(measured, chosen, tolerance)
-        _print_points(points, chosen)
+        chosen = _choose_and_store(measured, tolerance)
         print(f"{len(measured.sample_ids)} samples; stored tau={chosen} for {measured.model} in {calibration_file()}")
         return 0
 
@@ -583,10 +591,7 @@ def _calibrate(args) -> int:
         _print_points(measured.points(), chosen=float("nan"))
         print(f"wrote the figures of {len(sample_ids)} samples to {args.shard_out}; merge shards with --merge")
         return 0
-    points = measured.points()
-    chosen = choose(points, tolerance)
-    store(measured, chosen, tolerance)
-    _print_points(points, chosen)
+    chosen = _choose_and_store(measured, tolerance)
     print(f"stored tau={chosen} for this model in {calibration_file()}")
     return 0
 

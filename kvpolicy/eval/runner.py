@@ -52,7 +52,7 @@ def load_results(path: Path) -> dict[str, CellResult]:
     return results
 
 
-def _check(names: Iterable[str], known: Iterable[str], what: str) -> list[str]:
+def check_names(names: Iterable[str], known: Iterable[str], what: str) -> list[str]:
     names, known = list(names), list(known)
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -107,9 +107,9 @@ def run_grid(
     for label, (base, _) in variants.items():
         if label in PRESETS:
             raise ConfigError(f"variant label {label!r} is already a preset name; pick another label")
-        _check([base], PRESETS, "preset")
-    tasks = _check(tasks, TASKS, "task")
-    presets = _check(presets, list(PRESETS) + list(variants), "preset")
+        check_names([base], PRESETS, "preset")
+    tasks = check_names(tasks, TASKS, "task")
+    presets = check_names(presets, list(PRESETS) + list(variants), "preset")
     lengths, budgets, seeds = list(lengths), list(budgets), list(seeds)
     if not (tasks and presets and lengths and budgets and seeds):
         raise ConfigError("the grid is empty: give at least one task, preset, length, budget and seed")
