@@ -17,14 +17,16 @@ from typing import Callable
 import torch
 
 from ..errors import BackendUnavailableError, ConfigError
-from . import reference
+from . import reference, reference_analytic
 
 log = logging.getLogger("kvpolicy")
 
 OPS = (
     "kmeans", "select_budget", "gather_rows", "gather_rows_into", "resident_rows", "refresh_rows", "write_row",
-    "sparse_decode_attention",
+    "sparse_decode_attention", "collision_count", "candidate_topk", "rerank",
 )
+# ParisKV's ops have their reference in their own file
+_REFERENCE_MODULE = {"collision_count": reference_analytic, "candidate_topk": reference_analytic, "rerank": reference_analytic}
 BACKENDS = ("auto", "reference", "triton")
 # auto tries these in order
 _PREFERENCE = ("triton", "reference")
@@ -37,7 +39,9 @@ class Implementation:
 
 
 _IMPLEMENTATIONS: dict[str, dict[str, Implementation]] = {
-    "reference": {op: Implementation(getattr(reference, op), lambda device: True) for op in OPS},
+    "reference": {
+        op: Implementation(getattr(_REFERENCE_MODULE.get(op, reference), op), lambda device: True) for op in OPS
+    },
     "triton": {},
 }
 _logged: set[tuple[str, str, str]] = set()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 
 # each module registers its op with ``dispatch.implement("triton", ...)``
-_MODULES = ("attention", "gather", "kmeans", "refresh", "select", "write")
+_MODULES = ("attention", "collision", "gather", "kmeans", "refresh", "rerank", "select", "write")
 
 
 def load() -> None:

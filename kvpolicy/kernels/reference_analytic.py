@@ -1,0 +1,132 @@
+"""Pure-PyTorch reference for ParisKV's ops: collision voting, candidate top-k, 4-bit rerank.
+
+Same conventions as ``reference``: batched over (sequence, KV head), fixed output shapes, no
+host reads of tensor values (graph-capturable). Queries come one per KV head: for GQA the
+caller averages the group's queries first, so ``H`` is the number of KV heads everywhere.
+Encodings are those of ``kvpolicy.analytic``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..analytic import dequantize
+
+# key centroid ids are uint8 (``analytic.MAX_SUBSPACE_DIMS`` = 8), so 256 ids at most
+NUM_IDS = 256
+
+
+def vote_table(query_centroids: torch.Tensor, tier_weights: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """Votes of each centroid id per subspace, ``(B, H, S, 256)`` int32.
+
+    ``table[b, h, s, c]`` is the sum of ``tier_weights[r]`` over the ranks ``r`` at which
+    ``query_centroids[b, h, s, r] == c`` (one rank at most for ``encode_query``'s distinct
+    ids). A lookup then costs a key one read per subspace, whatever ``rho`` is. Pass
+    ``tier_weights`` as a device tensor inside a captured step (no host copy then).
+    """
+    rho = query_centroids.shape[-1]
+    device = query_centroids.device
+    weights = torch.as_tensor(tier_weights, dtype=torch.int32, device=device)
+    if weights.shape != (rho,):
+        raise ValueError(
+            f"collision_count: tier_weights must hold one int per query rank ({rho}), got shape {tuple(weights.shape)}"
+        )
+    table = torch.zeros(*query_centroids.shape[:-1], NUM_IDS, dtype=torch.int32, device=device)
+    # scatter_add: integer sums are order-independent, so deterministic on any device
+    return table.scatter_add_(-1, query_centroids.long(), weights.expand(query_centroids.shape))
+
+
+def collision_count(
+    query_centroids: torch.Tensor,
+    key_centroids: torch.Tensor,
+    valid: torch.Tensor,
+    tier_weights: Sequence[int] | torch.Tensor,
+) -> torch.Tensor:
+    """Tiered collision votes of every key, ``(B, H, N)`` int32.
+
+    ``query_centroids``: ``(B, H, S, rho)`` long or uint8, the query's centroid ids (< 256)
+    per subspace, best first (``analytic.encode_query``); ``key_centroids``: ``(B, H, N, S)``
+    uint8; ``valid``: ``(B, H, N)`` bool; ``tier_weights``: ``rho`` ints
+    (``analytic.tier_weights()``), the votes a key gets in a subspace where its centroid is
+    the query's rank-``r`` centroid (0 where it is none of them). Votes are summed over
+    subspaces; invalid keys get -1 (below any valid key).
+    """
+    table = vote_table(query_centroids, tier_weights)
+    votes = torch.zeros(key_centroids.shape[:-1], dtype=torch.int32, device=key_centroids.device)
+    # one subspace at a time: memory (B, H, N), not (B, H, N, S)
+    for s in range(key_centroids.shape[-1]):
+        votes += table[:, :, s].gather(-1, key_centroids[..., s].long())
+    return torch.where(valid, votes, -1)
+
+
+def candidate_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` best-voted keys, ``(B, H, k)`` long token indices, best first.
+
+    ``scores``: ``(B, H, N)`` int32 from ``collision_count`` (-1 = invalid). Ties go to the
+    lower token index. Invalid keys never enter; where fewer than ``k`` keys are valid
+    (or ``k > N``) the tail is -1.
+    """
+    n = scores.shape[-1]
+    index = torch.arange(n, device=scores.device)
+    # votes * N + (N - 1 - index) is unique per key, so torch.topk's order is fully
+    # determined (it is not stable on ties) and no full sort is needed; int64 cannot overflow
+    rank_key = scores.long() * n + (n - 1 - index)
+    take = min(k, n)
+    best, _ = torch.topk(rank_key, take, dim=-1)
+    chosen = torch.where(best >= 0, (n - 1) - best.remainder(n), -1)
+    if take < k:
+        chosen = torch.nn.functional.pad(chosen, (0, k - take), value=-1)
+    return chosen
+
+
+def rerank_scores(
+    query_rotated: torch.Tensor,
+    codes: torch.Tensor,
+    weight: torch.Tensor,
+    norms: torch.Tensor,
+    candidates: torch.Tensor,
+) -> torch.Tensor:
+    """Estimated ``q·k / |q|`` of each candidate, ``(B, H, C)`` float32, ``-inf`` where -1.
+
+    ``norms * weight * <query_rotated, dequantize(codes)>`` for ``query_rotated (B, H, D)``,
+    ``codes (B, H, N, D // 2)`` uint8, ``weight``/``norms (B, H, N)`` and ``candidates
+    (B, H, C)`` long token indices (-1 = none).
+    """
+    listed = candidates >= 0
+    index = candidates.clamp(min=0)
+    picked = codes.gather(2, index.unsqueeze(-1).expand(*index.shape, codes.shape[-1]))
+    dot = torch.einsum("bhcd,bhd->bhc", dequantize(picked), query_rotated.float())
+    scale = (weight.float() * norms.float()).gather(2, index)
+    return torch.where(listed, scale * dot, float("-inf"))
+
+
+def topk_of_candidates(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
+    """The candidates of the ``k`` highest scores, ``(B, H, k)`` long, best first; -1 pads.
+
+    Shared by every backend's ``rerank`` so they rank identically.
+    """
+    take = min(k, scores.shape[-1])
+    best, where = torch.topk(scores, take, dim=-1)
+    chosen = torch.where(best > float("-inf"), candidates.gather(-1, where), -1)
+    if take < k:
+        chosen = torch.nn.functional.pad(chosen, (0, k - take), value=-1)
+    return chosen
+
+
+def rerank(
+    query_rotated: torch.Tensor,
+    codes: torch.Tensor,
+    weight: torch.Tensor,
+    norms: torch.Tensor,
+    candidates: torch.Tensor,
+    k: int,
+) -> torch.Tensor:
+    """Top-``k`` candidates by estimated ``q·k``, ``(B, H, k)`` long token indices, best first.
+
+    Shapes as in ``rerank_scores``; candidates -1 are ignored and the tail is -1 where fewer
+    than ``k`` are listed. Never touches full-precision keys.
+    """
+    scores = rerank_scores(query_rotated, codes, weight, norms, candidates)
+    return topk_of_candidates(scores, candidates, k)

@@ -1,0 +1,112 @@
+"""Triton ``collision_count`` / ``candidate_topk`` / ``rerank`` against the reference, fresh random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpolicy import analytic
+from kvpolicy.kernels import dispatch, reference_analytic
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _encoded(seed: int, batch: int, heads: int, n: int, dim: int, subspaces: int, rho: int):
+    gen = _gen(seed)
+    signs = analytic.srht_signs(dim, seed)
+    keys = analytic.encode_keys(torch.randn(batch, heads, n, dim, generator=gen), signs, subspaces)
+    query = analytic.encode_query(torch.randn(batch, heads, dim, generator=gen), signs, subspaces, rho)
+    return keys, query
+
+
+def test_every_op_has_a_triton_version():
+    dispatch.check("triton", DEVICE)  # all ops, ParisKV's included
+    assert dispatch.get("candidate_topk", "triton", DEVICE) is reference_analytic.candidate_topk
+
+
+@pytest.mark.parametrize("dim,subspaces,rho", [(128, 16, 63), (64, 8, 6), (16, 16, 2)])
+def test_collision_count_matches_reference_exactly(dim, subspaces, rho):
+    keys, query = _encoded(dim + rho, 2, 3, 700, dim, subspaces, rho)  # 700: a partial key block
+    valid = torch.rand(2, 3, 700, generator=_gen(rho)) > 0.25
+    weights = analytic.tier_weights(6) if rho == 63 else tuple(range(rho, 0, -1))
+    want = reference_analytic.collision_count(query.centroids, keys.centroids, valid, weights)
+    got = dispatch.get("collision_count", "triton", DEVICE)(
+        query.centroids.to(DEVICE), keys.centroids.to(DEVICE), valid.to(DEVICE), torch.tensor(weights, device=DEVICE),
+    )
+    assert got.dtype == torch.int32
+    assert torch.equal(got.cpu(), want)
+    assert want.max() > 0 and (want == -1).any()  # the comparison saw hits and invalid keys
+
+
+def test_collision_count_reads_strided_views():
+    gen = _gen(11)
+    # a pool with room for more tokens than are used, a per-sequence mask broadcast over heads
+    pool = torch.randint(0, 256, (2, 2, 900, 5), generator=gen, dtype=torch.uint8)
+    keys = pool[:, :, 100:613]
+    query = torch.stack([torch.randperm(256, generator=gen)[:4] for _ in range(2 * 2 * 5)]).view(2, 2, 5, 4)
+    valid = (torch.rand(2, 1, 513, generator=gen) > 0.5).expand(2, 2, 513)
+    weights = (4, 3, 2, 1)
+    want = reference_analytic.collision_count(query.to(torch.uint8), keys, valid, weights)
+    got = dispatch.get("collision_count", "triton", DEVICE)(
+        query.to(torch.uint8).to(DEVICE), pool.to(DEVICE)[:, :, 100:613], valid.to(DEVICE), weights,
+    )
+    assert torch.equal(got.cpu(), want)
+
+
+def _candidates(seed: int, batch: int, heads: int, n: int, count: int) -> torch.Tensor:
+    gen = _gen(seed)
+    cands = torch.stack([torch.randperm(n, generator=gen)[:count] for _ in range(batch * heads)]).view(batch, heads, count)
+    drop = torch.rand(batch, heads, count, generator=gen) < 0.2
+    return torch.where(drop, -1, cands)
+
+
+@pytest.mark.parametrize("dim,subspaces", [(128, 16), (64, 8)])
+def test_rerank_matches_reference(dim, subspaces):
+    keys, query = _encoded(dim, 2, 2, 600, dim, subspaces, 4)
+    cands = _candidates(dim, 2, 2, 600, 300)  # 300: a partial candidate block, some -1
+    from kvpolicy.kernels.triton import rerank as triton_rerank
+
+    want = reference_analytic.rerank_scores(query.rotated, keys.codes, keys.weight, keys.norms, cands)
+    on = [t.to(DEVICE) for t in (query.rotated, keys.codes, keys.weight, keys.norms, cands)]
+    got = triton_rerank.rerank_scores(*on).cpu()
+    listed = cands >= 0
+    assert torch.equal(got == float("-inf"), ~listed)
+    torch.testing.assert_close(got[listed], want[listed], rtol=1e-3, atol=1e-6)
+
+    want_top = reference_analytic.rerank(query.rotated, keys.codes, keys.weight, keys.norms, cands, 40)
+    got_top = dispatch.get("rerank", "triton", DEVICE)(*on, 40).cpu()
+    # the same set; the order may differ only between candidates whose scores tie to 1e-5
+    assert torch.equal(got_top.sort(-1).values, want_top.sort(-1).values)
+
+
+def test_rerank_pads_with_minus_one_and_reads_a_strided_pool():
+    keys, query = _encoded(3, 1, 2, 64, 32, 4, 3)
+    codes = torch.zeros(1, 2, 100, 16, dtype=torch.uint8)
+    codes[:, :, 10:74] = keys.codes  # the used rows of a bigger pool
+    cands = torch.tensor([[[5, -1, 7, 63], [-1, -1, -1, -1]]])
+    want = reference_analytic.rerank(query.rotated, keys.codes, keys.weight, keys.norms, cands, 6)
+    got = dispatch.get("rerank", "triton", DEVICE)(
+        query.rotated.to(DEVICE), codes.to(DEVICE)[:, :, 10:74], keys.weight.to(DEVICE), keys.norms.to(DEVICE),
+        cands.to(DEVICE), 6,
+    ).cpu()
+    assert torch.equal(got, want)
+    assert got[0, 0, 3:].tolist() == [-1, -1, -1] and got[0, 1].tolist() == [-1] * 6
+    assert sorted(got[0, 0, :3].tolist()) == [5, 7, 63]
+
+
+def test_triton_ops_refuse_misshaped_inputs():
+    collision = dispatch.get("collision_count", "triton", DEVICE)
+    with pytest.raises(ValueError, match=r"query centroids \(1, 2, 3, 4\) and valid \(1, 2, 5\) do not fit"):
+        collision(torch.zeros(1, 2, 3, 4, dtype=torch.long, device=DEVICE),
+                  torch.zeros(1, 2, 5, 2, dtype=torch.uint8, device=DEVICE),
+                  torch.ones(1, 2, 5, dtype=torch.bool, device=DEVICE), (4, 3, 2, 1))
+    rerank = dispatch.get("rerank", "triton", DEVICE)
+    with pytest.raises(ValueError, match=r"do not fit codes \(1, 2, 5, 8\)"):
+        rerank(torch.zeros(1, 2, 32, device=DEVICE), torch.zeros(1, 2, 5, 8, dtype=torch.uint8, device=DEVICE),
+               torch.ones(1, 2, 5, device=DEVICE), torch.ones(1, 2, 5, device=DEVICE),
+               torch.zeros(1, 2, 3, dtype=torch.long, device=DEVICE), 2)
