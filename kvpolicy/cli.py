@@ -404,6 +404,7 @@ def _bench(args) -> int:
     if device.type != "cuda":
         print("kvpolicy bench: no CUDA device; timings on the CPU say nothing about the GPU path", file=sys.stderr)
     rows: list[dict] = []
+    failed = False
     if args.what == "e2e":
         from .bench.e2e import full_throughput, policy_throughput
         from .bench.ttft import qwen3_8b_config, random_model
@@ -436,6 +437,13 @@ def _bench(args) -> int:
                     except torch.cuda.OutOfMemoryError:
                         print(f"{label:28s} {batch:2d} {context:8d}   out of GPU memory", flush=True)
                         torch.cuda.empty_cache()
+                        continue
+                    except Exception as error:  # one broken cell must not hide the others' figures
+                        import traceback
+
+                        traceback.print_exc()
+                        print(f"{label:28s} {batch:2d} {context:8d}   FAILED: {type(error).__name__}: {error}", flush=True)
+                        failed = True
                         continue
                     base = r.ms_per_step if label == "full-graph" else base
                     ratio = f"{base / r.ms_per_step:13.2f}" if base else ""
@@ -516,7 +524,7 @@ def _bench(args) -> int:
         except ImportError:
             pass
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2, default=str), encoding="utf-8")
-    return 0
+    return 1 if failed else 0
 
 
 def _print_points(points, chosen: float) -> None:
