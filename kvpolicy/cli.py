@@ -418,7 +418,7 @@ def _bench(args) -> int:
         for context in _ints(args.contexts or "32768,131072", "contexts"):
             for batch in _ints(args.batches, "batches"):
                 base = None
-                cells = [("full-graph", None), ("full-eager", None)]
+                cells = [("full-graph", None), ("full-sdpa-graph", None), ("full-eager", None)]
                 for name in [p for p in args.presets.split(",") if p]:
                     for placement in args.placements.split(","):
                         triggers = [{"name": "interval", "n": every}, {"name": "every_step"}] if name == "louiskv" else [None]
@@ -431,7 +431,7 @@ def _bench(args) -> int:
                 for label, policy in cells:
                     try:
                         if policy is None:
-                            r = full_throughput(model, label, batch, context, args.steps)
+                            r = full_throughput(model, label, batch, context, args.steps, backend=args.backend)
                         else:
                             r = policy_throughput(model, policy, batch, context, args.steps, emulate=device.type != "cuda")
                     except torch.cuda.OutOfMemoryError:

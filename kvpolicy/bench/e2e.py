@@ -3,8 +3,11 @@
 A random-weight model (Qwen3-8B's shape by default) decodes from a context of random KV laid
 straight into each cache (no prefill: the decode step is what is measured). Kinds:
 
-    full-graph    transformers' StaticCache (KV preallocated, written in place), SDPA over it,
-                  one decode step captured as a CUDA graph and replayed: full attention done well
+    full-graph    transformers' StaticCache (KV preallocated, written in place) read by kvpolicy's
+                  split-K decode kernel (``static_attention``), one decode step captured as a
+                  CUDA graph and replayed: full attention done well
+    full-sdpa-graph   the same through transformers' SDPA (a mask over the whole cache: no flash
+                  kernel, K/V repeated for GQA); for reference
     full-eager    transformers' DynamicCache (concatenation per step), eager: the plain figure
     <policy>      a kvpolicy policy through ``DecodeGraph`` (graph-replayed)
 
@@ -15,6 +18,7 @@ caller replaces it by ``interval(n)`` at a re-selection rate measured on a real 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -46,20 +50,23 @@ def _random_kv(config, batch: int, length: int, device, dtype, generator):
             torch.randn(shape, generator=generator, device=device, dtype=dtype))
 
 
-def _timed(device, step, steps: int) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    started = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return 1e3 * (time.perf_counter() - started) / steps
+def _timed(device, step, steps: int, around=None) -> float:
+    """Mean wall ms of ``steps`` calls of ``step``; ``around``: a context manager entered around
+    the timed loop only (a profiler, say)."""
+    with around if around is not None else contextlib.nullcontext():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return 1e3 * (time.perf_counter() - started) / steps
 
 
 @torch.inference_mode()
 def policy_throughput(model, policy: Policy, batch: int, context: int, steps: int, *, emulate: bool = False,
-                      seed: int = 0) -> Throughput:
+                      seed: int = 0, around=None) -> Throughput:
     device = next(model.parameters()).device
     config = model.config
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -77,24 +84,40 @@ def policy_throughput(model, policy: Policy, batch: int, context: int, steps: in
         token = torch.zeros(batch, dtype=torch.long, device=device)
         runner.step(token)  # eager warm-up
         runner.step(token)  # capture + first replay
-        ms = _timed(device, lambda: runner.step(token), steps)
+        ms = _timed(device, lambda: runner.step(token), steps, around)
     return Throughput(policy.name, batch, context, steps, ms)
 
 
 @torch.inference_mode()
-def full_throughput(model, kind: str, batch: int, context: int, steps: int, *, seed: int = 0) -> Throughput:
-    """``kind``: "full-graph" (StaticCache, captured) or "full-eager" (DynamicCache)."""
+def full_throughput(model, kind: str, batch: int, context: int, steps: int, *, seed: int = 0,
+                    backend: str = "triton", around=None) -> Throughput:
+    """``kind``: "full-graph" / "full-sdpa-graph" (StaticCache, captured) or "full-eager" (DynamicCache)."""
     from transformers import DynamicCache, StaticCache
+
+    from .static_attention import set_attention, use_static_full_attention
 
     device = next(model.parameters()).device
     config = model.config
     generator = torch.Generator(device=device).manual_seed(seed)
-    if kind == "full-graph":
+    if kind in ("full-graph", "full-sdpa-graph"):
         cache = StaticCache(config=config, max_cache_len=context + steps + 4)
     elif kind == "full-eager":
         cache = DynamicCache(config=config)
     else:
-        raise ValueError(f"unknown kind {kind!r}; accepted: full-graph, full-eager")
+        raise ValueError(f"unknown kind {kind!r}; accepted: full-graph, full-sdpa-graph, full-eager")
+    saved = config._attn_implementation
+    if kind == "full-graph":
+        use_static_full_attention(model, backend)
+    try:
+        ms = _time_full(model, cache, kind, batch, context, steps, generator, around)
+    finally:
+        set_attention(model, saved)
+    return Throughput(kind, batch, context, steps, ms)
+
+
+def _time_full(model, cache, kind: str, batch: int, context: int, steps: int, generator, around) -> float:
+    device = next(model.parameters()).device
+    config = model.config
     for idx in range(config.num_hidden_layers):
         keys, values = _random_kv(config, batch, context, device, model.dtype, generator)
         cache.update(keys, values, idx, {"cache_position": torch.arange(context, device=device)})
@@ -138,5 +161,4 @@ def full_throughput(model, kind: str, batch: int, context: int, steps: int, *, s
             graph.replay()
             advance()
 
-    ms = _timed(device, step, steps)
-    return Throughput(kind, batch, context, steps, ms)
+    return _timed(device, step, steps, around)
