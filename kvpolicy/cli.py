@@ -88,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--budget", type=int, default=2048)
     bench.add_argument("--presets", default="louiskv,quest,arkvale")
     bench.add_argument("--placements", default="cpu,gpu", help="where the full KV lives: cpu (pinned), gpu")
+    bench.add_argument("--full-kinds", default="full-graph,full-sdpa-graph,full-eager",
+                       help="e2e: which full-attention baselines run (full-graph always runs: ratios are against it)")
     bench.add_argument("--backend", default="triton", help="kernel backend: reference or triton")
     bench.add_argument("--rate", type=float, default=0.117,
                        help="LouisKV's re-selection share for the amortised column (default: 11.7%%, measured "
@@ -410,6 +412,11 @@ def _bench(args) -> int:
         from .bench.ttft import qwen3_8b_config, random_model
         from .presets import preset
 
+        full_kinds = [k for k in args.full_kinds.split(",") if k]
+        unknown = set(full_kinds) - {"full-graph", "full-sdpa-graph", "full-eager"}
+        if unknown:
+            raise SystemExit(f"kvpolicy bench e2e: unknown --full-kinds {', '.join(sorted(unknown))}; "
+                             "accepted: full-graph, full-sdpa-graph, full-eager")
         model = random_model(qwen3_8b_config(layers=args.layers), device)
         every = max(1, round(1 / args.rate))
         from .conditional import conditional_nodes_supported
@@ -422,7 +429,7 @@ def _bench(args) -> int:
         for context in _ints(args.contexts or "32768,131072", "contexts"):
             for batch in _ints(args.batches, "batches"):
                 base = None
-                cells = [("full-graph", None), ("full-sdpa-graph", None), ("full-eager", None)]
+                cells = [("full-graph", None)] + [(kind, None) for kind in full_kinds if kind != "full-graph"]
                 for name in [p for p in args.presets.split(",") if p]:
                     for placement in args.placements.split(","):
                         triggers = [{"name": "interval", "n": every}, {"name": "every_step"}] if name == "louiskv" else [None]
