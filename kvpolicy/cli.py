@@ -419,10 +419,6 @@ def _bench(args) -> int:
                              "accepted: full-graph, full-sdpa-graph, full-eager")
         model = random_model(qwen3_8b_config(layers=args.layers), device)
         every = max(1, round(1 / args.rate))
-        from .conditional import conditional_nodes_supported
-
-        print(f"selection skipped on replayed steps that do not re-select (conditional graph nodes): "
-              f"{'yes' if conditional_nodes_supported() else 'no, this PyTorch/CUDA build lacks them'}")
         print(f"louiskv's trigger runs as interval({every}) = {100 / every:.1f}% re-selection (measured rate "
               f"{100 * args.rate:.1f}%), and as every_step (worst case)")
         print(f"{'kind':28s} {'B':>2s} {'context':>8s} {'ms/step':>8s} {'tokens/s':>9s} {'vs full-graph':>13s}")

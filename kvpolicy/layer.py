@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .conditional import only_if
 from .kernels import dispatch
 from .store import TieredStore
 from .units.table import UnitTable
@@ -149,11 +148,8 @@ class PolicyLayerState:
                 evicted.slot, evicted.key, evicted.valid, self.boundary.index_select(1, evicted.slot.view(1))[:, 0],
                 policy.decode_units,
             )
-            # captured as a conditional node: a replayed step where no sequence re-selects
-            # neither scores nor sorts nor fetches (the fetch is masked per sequence anyway)
-            with only_if(reselect.any()):
-                selection = policy.selector.select(query, self.units, store.retrieval_capacity, policy.backend)
-                store.fetch(selection.slots, selection.slot_valid, reselect, policy.backend)
+            selection = policy.selector.select(query, self.units, store.retrieval_capacity, policy.backend)
+            store.fetch(selection.slots, selection.slot_valid, reselect, policy.backend)
             store.admit(evicted, ~reselect)
             self.has_selection.fill_(True)
             self.reselections += reselect.long()
