@@ -88,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--budget", type=int, default=2048)
     bench.add_argument("--presets", default="louiskv,quest,arkvale")
     bench.add_argument("--placements", default="cpu,gpu", help="where the full KV lives: cpu (pinned), gpu")
+    bench.add_argument("--runs", default="1,16", help="gather: consecutive rows per run (1: random rows; 16: a "
+                       "unit of the unit-ordered pool)")
     bench.add_argument("--full-kinds", default="full-graph,full-sdpa-graph,full-eager",
                        help="e2e: which full-attention baselines run (full-graph always runs: ratios are against it)")
     bench.add_argument("--backend", default="triton", help="kernel backend: reference or triton")
@@ -488,11 +490,14 @@ def _bench(args) -> int:
             print(f"pinned host memory, {a.bytes >> 20} MiB: first allocation {a.first_ms:.1f} ms, again after free "
                   f"{a.again_ms:.1f} ms, GPU->pinned copy {a.copy_ms:.2f} ms", flush=True)
             rows.append({"pinned_allocation": a.__dict__})
-        print(f"{'batch':>5s} {'rows/head':>9s} {'gather GB/s':>11s} {'copy GB/s':>9s} {'ratio':>6s}")
+        print(f"{'batch':>5s} {'rows/head':>9s} {'run':>4s} {'gather GB/s':>11s} {'copy GB/s':>9s} {'ratio':>6s}")
         for batch in _ints(args.batches, "batches"):
-            r = measure_gather(device, backend=args.backend, batch=batch, rows=args.budget, repeats=args.repeats)
-            rows.append({**r.__dict__, "ratio": r.ratio})
-            print(f"{batch:5d} {r.rows:9d} {r.gather_gbps:11.1f} {r.copy_gbps:9.1f} {r.ratio:6.2f}", flush=True)
+            for run in _ints(args.runs, "runs"):
+                r = measure_gather(device, backend=args.backend, batch=batch, rows=args.budget, repeats=args.repeats,
+                                   run=run)
+                rows.append({**r.__dict__, "ratio": r.ratio})
+                print(f"{batch:5d} {r.rows:9d} {run:4d} {r.gather_gbps:11.1f} {r.copy_gbps:9.1f} {r.ratio:6.2f}",
+                      flush=True)
     else:
         from .bench.layer import LayerShape, layer_policy, time_layer
 

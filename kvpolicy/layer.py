@@ -60,25 +60,28 @@ class PolicyLayerState:
         policy = self.policy
         batch, heads, prompt, dim = keys.shape
         device = keys.device
+        selects = policy.selector is not None
+        # with units, the zone's pool rows are written unit by unit once the units exist
         self.store = TieredStore.from_prefill(
-            keys, values, token_valid, policy.sink, policy.local, policy.retrieval_budget, self.pool_device
+            keys, values, token_valid, policy.sink, policy.local, policy.retrieval_budget, self.pool_device,
+            defer_zone=selects,
         )
-        if policy.selector is not None:
+        if selects:
             zone = self.store.zone_end
             retrievable = token_valid[:, :zone] & ~self.store.sink_slot_mask()
             if device.type == "cuda":
-                # cluster on a side stream so the next layers' prefill runs meanwhile; the first
-                # decode step waits for it
+                # cluster and lay out the pool on a side stream so the next layers' prefill runs
+                # meanwhile; the first decode step waits for it
                 side = _side_stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
-                for tensor in (keys, retrievable):
+                for tensor in (keys, values, retrievable):
                     tensor.record_stream(side)
                 with torch.cuda.stream(side):
-                    self.units = self._build_units(keys[:, :, :zone], retrievable)
+                    self._build_units_and_pool(keys, values, retrievable)
                 self.units_ready = torch.cuda.Event()
                 self.units_ready.record(side)
             else:
-                self.units = self._build_units(keys[:, :, :zone], retrievable)
+                self._build_units_and_pool(keys, values, retrievable)
         self.boundary = torch.zeros(batch, self.store.slot_valid.shape[1], dtype=torch.bool, device=device)
         self.trigger_state = policy.trigger.init_state(batch, num_q_heads, dim, device)
         self.has_selection = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -115,6 +118,11 @@ class PolicyLayerState:
         if self.units is not None:
             self.units.reserve(tokens)
 
+    def _build_units_and_pool(self, keys: torch.Tensor, values: torch.Tensor, retrievable: torch.Tensor) -> None:
+        zone = self.store.zone_end
+        self.units = self._build_units(keys[:, :, :zone], retrievable)
+        self.store.lay_out_zone(keys, values, self.units.order)
+
     def _build_units(self, zone_keys: torch.Tensor, retrievable: torch.Tensor) -> UnitTable:
         batch, heads, zone, _ = zone_keys.shape
         if zone > 0:
@@ -146,11 +154,11 @@ class PolicyLayerState:
             self.boundary.index_copy_(1, slot.view(1), reselect.view(-1, 1))
             self.units.append_leaving_token(
                 evicted.slot, evicted.key, evicted.valid, self.boundary.index_select(1, evicted.slot.view(1))[:, 0],
-                policy.decode_units,
+                policy.decode_units, policy.backend,
             )
             selection = policy.selector.select(query, self.units, store.retrieval_capacity, policy.backend)
             store.fetch(selection.slots, selection.slot_valid, reselect, policy.backend)
-            store.admit(evicted, ~reselect)
+            store.admit(evicted, ~reselect, policy.backend)
             self.has_selection.fill_(True)
             self.reselections += reselect.long()
         self.decode_steps += 1

@@ -1,7 +1,10 @@
 """The tiers of one layer's KV.
 
-    pool       every token, by slot: pinned CPU memory (placement "cpu" with a GPU) or the
-               attention device (placement "gpu"). Written once per token, read by gathers.
+    pool       every token: pinned CPU memory (placement "cpu" with a GPU) or the attention
+               device (placement "gpu"). Written once per token, read by gathers. Generated
+               tokens and the prompt's local window sit at row = slot; the prompt's retrieval
+               zone is laid out unit by unit (``lay_out_zone``), so a fetched unit is one
+               contiguous run of rows, not scattered single rows.
     sink       the first ``sink`` tokens of each sequence, on the attention device.
     local      a fixed ring of the last ``local`` slots, on the attention device.
     retrieved  a fixed buffer of ``retrieval`` tokens fetched from the pool, reused until the
@@ -77,8 +80,9 @@ def _shared(shape: tuple, dtype: torch.dtype, like: torch.Tensor, fill: float | 
     return found
 
 
-def _copy_prompt(pool: torch.Tensor, rows: torch.Tensor) -> None:
-    """``pool[:, :, :n] = rows`` (``(B, H, n, D)``), as plain device-to-host copies when the pool is pinned.
+def _copy_prompt(pool: torch.Tensor, rows: torch.Tensor, first: int = 0) -> None:
+    """``pool[:, :, first:n] = rows[:, :, first:]`` (``rows (B, H, n, D)``), as plain
+    device-to-host copies when the pool is pinned.
 
     ``pool[:, :, :n]`` is not contiguous (each head owns ``capacity`` rows), and torch copies to
     a non-contiguous host destination through a staging buffer; with a pinned pool TTFT at 16K
@@ -87,12 +91,14 @@ def _copy_prompt(pool: torch.Tensor, rows: torch.Tensor) -> None:
     the copies are stream-ordered, so later gathers see the rows, and the host never reads them.
     """
     n = rows.shape[2]
+    if n <= first:
+        return
     if pool.device == rows.device:
-        pool[:, :, :n].copy_(rows)
+        pool[:, :, first:n].copy_(rows[:, :, first:])
         return
     for b in range(rows.shape[0]):
         for h in range(rows.shape[1]):
-            pool[b, h, :n].copy_(rows[b, h], non_blocking=True)
+            pool[b, h, first:n].copy_(rows[b, h, first:], non_blocking=True)
 
 
 @dataclass
@@ -131,6 +137,8 @@ class TieredStore:
     # (B,) long, cumulative: buffer rows fetch read from the pool, over all heads (a row is one
     # token's key and value of one head); a fetch of R fresh rows adds H * R
     pool_rows_read: torch.Tensor | None = None
+    # (B, H, zone_end) long: the pool row of each zone slot once ``lay_out_zone`` ran (None: row = slot)
+    zone_rows: torch.Tensor | None = None
     # fetch's work buffers, shared by the stores of one shape (see _shared): (B, H, R, D) where
     # the new rows are assembled, and (B, H, R) int32, the buffer row holding each wanted slot
     scratch: torch.Tensor | None = field(default=None, repr=False)
@@ -169,16 +177,22 @@ class TieredStore:
         retrieval: int,
         pool_device: torch.device,
         reserve: int = 256,
+        defer_zone: bool = False,
     ) -> "TieredStore":
-        """Lay out a prompt's KV (``(B, H, P, D)``; ``token_valid (B, P)``, False = padding)."""
+        """Lay out a prompt's KV (``(B, H, P, D)``; ``token_valid (B, P)``, False = padding).
+
+        ``defer_zone``: leave the pool rows of the retrieval zone unwritten; the caller writes
+        them unit by unit with ``lay_out_zone`` once the units exist.
+        """
         batch, heads, prompt, dim = keys.shape
         device = keys.device
         zone_end = max(prompt - local, 0)
 
         pool_keys = _allocate_pool(keys, prompt + reserve, pool_device, device)
         pool_values = _allocate_pool(values, prompt + reserve, pool_device, device)
-        _copy_prompt(pool_keys, keys)
-        _copy_prompt(pool_values, values)
+        first = zone_end if defer_zone else 0
+        _copy_prompt(pool_keys, keys, first)
+        _copy_prompt(pool_values, values, first)
         slot_valid = torch.zeros(batch, prompt + reserve, dtype=torch.bool, device=device)
         slot_valid[:, :prompt] = token_valid
 
@@ -223,6 +237,29 @@ class TieredStore:
             retrieved_fill=torch.zeros(batch, heads, dtype=torch.long, device=device),
             zone_end=zone_end,
         )
+
+    def lay_out_zone(self, keys: torch.Tensor, values: torch.Tensor, order: torch.Tensor) -> None:
+        """Write the prompt's retrieval zone into the pool in ``order`` (``(B, H, zone_end)``, a
+        permutation of the zone's slots per head, units contiguous): pool row ``i`` of head
+        ``(b, h)`` holds slot ``order[b, h, i]``. ``keys``/``values``: the prompt's ``(B, H, P, D)``."""
+        zone = self.zone_end
+        if zone == 0:
+            return
+        order = order[..., :zone]
+        index = order.unsqueeze(-1).expand(*order.shape, keys.shape[-1])
+        _copy_prompt(self.pool_keys, keys[:, :, :zone].gather(2, index))
+        _copy_prompt(self.pool_values, values[:, :, :zone].gather(2, index))
+        rows = torch.empty_like(order)
+        rows.scatter_(2, order, torch.arange(zone, device=order.device).expand_as(order))
+        self.zone_rows = rows
+
+    def pool_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """The pool row holding each of ``slots`` (``(B, H, R)``)."""
+        if self.zone_rows is None:
+            return slots
+        zone = self.zone_end
+        in_zone = self.zone_rows.gather(2, slots.clamp(0, zone - 1))
+        return torch.where(slots < zone, in_zone, slots)
 
     def sink_slot_mask(self) -> torch.Tensor:
         """``(B, zone_end)`` True where a zone slot is a sink token (so not retrievable)."""
@@ -284,8 +321,9 @@ class TieredStore:
         # rows the buffer already holds are copied on the device; only the others are read
         # from the pool (over PCIe for a host pool). Same contents as gathering every row.
         locate(slots, reselect, self.retrieved_slots, self.retrieved_held, self.source, self.pool_rows_read)
-        refresh(self.pool_keys, slots, reselect, self.source, self.retrieved_keys, self.scratch)
-        refresh(self.pool_values, slots, reselect, self.source, self.retrieved_values, self.scratch)
+        rows = self.pool_rows(slots)
+        refresh(self.pool_keys, rows, reselect, self.source, self.retrieved_keys, self.scratch)
+        refresh(self.pool_values, rows, reselect, self.source, self.retrieved_values, self.scratch)
         # padding slots inside a unit are fetched but never attended
         batch = slots.shape[0]
         valid = slot_valid & self.slot_valid.gather(1, slots.view(batch, -1)).view_as(slots)
@@ -297,29 +335,19 @@ class TieredStore:
         held = (slots >= 0) & (slots < self.next_slot)
         self.retrieved_held.copy_(torch.where(take, held, self.retrieved_held))
 
-    def admit(self, evicted: Evicted, mask: torch.Tensor) -> None:
-        """Keep a token that left the local window attended while the retrieved buffer has room."""
-        capacity = self.retrieval_capacity
-        if capacity == 0:
+    def admit(self, evicted: Evicted, mask: torch.Tensor, backend: str) -> None:
+        """Keep a token that left the local window attended while the retrieved buffer has room.
+
+        ``mask (B,)``: the sequences that may admit; in place, by the ``admit_row`` kernel op of
+        ``backend``.
+        """
+        if self.retrieval_capacity == 0:
             return
-        batch, heads, dim = evicted.key.shape
-        room = self.retrieved_fill < capacity  # (B, H)
-        admit = room & (mask & evicted.valid).view(batch, 1)
-        index = self.retrieved_fill.clamp(max=capacity - 1).unsqueeze(-1)  # (B, H, 1)
-        vec = index.unsqueeze(-1).expand(batch, heads, 1, dim)
-        a = admit.view(batch, heads, 1, 1)
-        old_k = self.retrieved_keys.gather(2, vec)
-        old_v = self.retrieved_values.gather(2, vec)
-        self.retrieved_keys.scatter_(2, vec, torch.where(a, evicted.key.unsqueeze(2), old_k))
-        self.retrieved_values.scatter_(2, vec, torch.where(a, evicted.value.unsqueeze(2), old_v))
-        old_slot = self.retrieved_slots.gather(2, index)
-        self.retrieved_slots.scatter_(2, index, torch.where(admit.unsqueeze(-1), evicted.slot, old_slot))
-        old_valid = self.retrieved_valid.gather(2, index)
-        self.retrieved_valid.scatter_(2, index, old_valid | admit.unsqueeze(-1))
-        # the ring's copy of a token has the same bits as its pool row
-        old_held = self.retrieved_held.gather(2, index)
-        self.retrieved_held.scatter_(2, index, old_held | admit.unsqueeze(-1))
-        self.retrieved_fill.add_(admit.long())
+        admit = dispatch.get("admit_row", backend, self.retrieved_keys.device)
+        admit(
+            self.retrieved_keys, self.retrieved_values, self.retrieved_slots, self.retrieved_valid,
+            self.retrieved_held, self.retrieved_fill, evicted.key, evicted.value, evicted.slot, mask, evicted.valid,
+        )
 
     def forget_resident(self) -> None:
         """Treat no retrieved row as reusable, so the next fetch reads every row from the pool

@@ -46,7 +46,7 @@ def _build(batch, kv_heads, dim, n, decode_tokens, builder, decode_builder, seed
         token_valid = i >= padding
         boundary = torch.rand(batch, generator=gen) > 0.7
         table.append_leaving_token(torch.tensor(slot), torch.randn(batch, kv_heads, dim, generator=gen), token_valid, boundary,
-                                   decoder)
+                                   decoder, "reference")
         existing |= {(b, slot) for b in range(batch) if token_valid[b]}
     return table, existing
 

@@ -88,8 +88,8 @@ def _run(kind, backend, device, pool_device, steps=24, seed=0):
         _old_fetch(shadow, slots, slot_valid, reselect_d)
         admit = ~reselect_d if kind != "disjoint" else torch.zeros_like(reselect_d)
         fill_before = shadow.retrieved_fill.cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
-        store.admit(evicted, admit)
-        shadow.admit(shadow_evicted, admit)
+        store.admit(evicted, admit, "reference")
+        shadow.admit(shadow_evicted, admit, "reference")
         admitted = shadow.retrieved_fill.cpu() > fill_before
         for b, h in admitted.nonzero().tolist():
             rows[b][h][int(fill_before[b, h])] = int(shadow_evicted.slot)

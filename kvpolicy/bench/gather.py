@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import dispatch
+from ..store import pinned_empty
 from .timing import time_ms
 
 
@@ -17,6 +18,7 @@ class GatherBandwidth:
     batch: int
     heads: int
     rows: int  # rows per (sequence, head)
+    run: int  # consecutive pool rows per run (1: random single rows; a unit-ordered pool reads runs)
     row_bytes: int
     gather_gbps: float
     copy_gbps: float  # contiguous pinned host -> device copy of the same byte count
@@ -38,11 +40,21 @@ def measure_gather(
     head_dim: int = 128,
     dtype: torch.dtype = torch.bfloat16,
     repeats: int = 30,
+    run: int = 1,
 ) -> GatherBandwidth:
+    if run < 1 or rows % run:
+        raise ValueError(f"run must be a positive divisor of rows ({rows}), got {run}")
     pinned = device.type == "cuda"
-    pool = torch.randn(batch, heads, context, head_dim, dtype=dtype).pin_memory() if pinned else \
-        torch.randn(batch, heads, context, head_dim, dtype=dtype)
-    slots = torch.randint(0, context, (batch, heads, rows), device=device)
+    shape = (batch, heads, context, head_dim)
+    pool = pinned_empty(shape, dtype) if pinned else torch.empty(shape, dtype=dtype)
+    # random contents without drawing 2 GB of random numbers on the host: repeat one block
+    block = torch.randn(1 << 16, dtype=dtype)
+    flat = pool.view(-1)
+    whole = flat.numel() // block.numel() * block.numel()
+    flat[:whole].view(-1, block.numel()).copy_(block.expand(whole // block.numel(), -1))
+    flat[whole:].normal_()
+    starts = torch.randint(0, context - run + 1, (batch, heads, rows // run, 1), device=device)
+    slots = (starts + torch.arange(run, device=device)).view(batch, heads, rows)
     take = torch.ones(batch, dtype=torch.bool, device=device)
     out = torch.empty(batch, heads, rows, head_dim, dtype=dtype, device=device)
     gather_into = dispatch.get("gather_rows_into", backend, device)
@@ -52,7 +64,7 @@ def measure_gather(
     target = torch.empty(nbytes, dtype=torch.uint8, device=device)
     copy_ms = time_ms(lambda: target.copy_(source, non_blocking=True), device, repeats)
     return GatherBandwidth(
-        backend=backend, pool="pinned cpu" if pinned else str(device), batch=batch, heads=heads, rows=rows,
+        backend=backend, pool="pinned cpu" if pinned else str(device), batch=batch, heads=heads, rows=rows, run=run,
         row_bytes=head_dim * out.element_size(), gather_gbps=nbytes / gather_ms / 1e6, copy_gbps=nbytes / copy_ms / 1e6,
     )
 

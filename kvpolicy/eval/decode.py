@@ -65,8 +65,11 @@ class _RecallMeter:
 
     def __call__(self, state, query: torch.Tensor) -> None:
         store = state.store
-        keys = store.pool_keys.to(query.device).float()  # (B, H, capacity, D)
+        keys = store.pool_keys.to(query.device).float()  # (B, H, capacity, D), by pool row
         batch, kv_heads, capacity, dim = keys.shape
+        slot_order = torch.arange(capacity, device=query.device).expand(batch, kv_heads, capacity)
+        rows = store.pool_rows(slot_order)  # the prompt zone is laid out by unit, not by slot
+        keys = keys.gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, dim))
         q = query.float().view(batch, kv_heads, -1, dim)
         logits = torch.einsum("bhgd,bhnd->bhgn", q, keys) * dim**-0.5
         logits = logits.masked_fill(~store.slot_valid[:, None, None, :capacity], float("-inf"))

@@ -23,7 +23,7 @@ log = logging.getLogger("kvpolicy")
 
 OPS = (
     "kmeans", "select_budget", "gather_rows", "gather_rows_into", "resident_rows", "refresh_rows", "write_row",
-    "sparse_decode_attention", "collision_count", "candidate_topk", "rerank",
+    "sparse_decode_attention", "collision_count", "candidate_topk", "rerank", "append_to_unit", "admit_row",
 )
 # ParisKV's ops have their reference in their own file
 _REFERENCE_MODULE = {"collision_count": reference_analytic, "candidate_topk": reference_analytic, "rerank": reference_analytic}

@@ -189,3 +189,100 @@ def sparse_decode_attention(
     weights = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
     out = torch.einsum("bhgn,bhnd->bhgd", weights, torch.cat(values, dim=2))
     return out.reshape(batch, q_heads, dim).to(query.dtype)
+
+
+def append_to_unit(
+    order: torch.Tensor,
+    start: torch.Tensor,
+    size: torch.Tensor,
+    key_sum: torch.Tensor,
+    key_min: torch.Tensor,
+    key_max: torch.Tensor,
+    selectable: torch.Tensor,
+    open_unit: torch.Tensor,
+    decode_units: torch.Tensor,
+    position: torch.Tensor,
+    slot: torch.Tensor,
+    key: torch.Tensor,
+    valid: torch.Tensor,
+    cut: torch.Tensor,
+    num_prompt_units: int,
+) -> None:
+    """File one token leaving the local window in a ``UnitTable`` (its tensors, in place).
+
+    ``order (B, H, N)`` long gets ``slot`` (0-dim device long) at ``position`` (0-dim device
+    long, the table's ``order_next``; not advanced here). ``cut (B,)`` bool: the token opens a
+    new decode unit, id ``num_prompt_units + decode_units[b]`` (``open_unit`` and
+    ``decode_units``, both ``(B,)`` long, are updated). Then the open unit of each sequence
+    (unit 0 when none is open, left unchanged unless the token is valid) gets the token:
+    ``start`` (set to ``position`` on a cut), ``size`` += ``valid``, the float32 ``key_sum``,
+    ``key_min``, ``key_max`` ``(B, H, U, D)`` take ``key (B, H, D)`` where ``valid (B,)``, and
+    ``selectable (B, H, U)`` bool becomes True where valid and a unit is open.
+    """
+    batch, heads, dim = key.shape
+    order.index_copy_(2, position.view(1), slot.view(1, 1, 1).expand(batch, heads, 1))
+    new_id = num_prompt_units + decode_units
+    open_unit.copy_(torch.where(cut, new_id, open_unit))
+    decode_units.add_(cut.long())
+
+    index = open_unit.clamp(min=0).view(batch, 1, 1).expand(batch, heads, 1)
+    vec_index = index.unsqueeze(-1).expand(batch, heads, 1, dim)
+    cut_h = cut.view(batch, 1, 1)
+    valid_h = valid.view(batch, 1, 1)
+    k = key.float().unsqueeze(2)  # (B, H, 1, D)
+
+    unit_start = torch.where(cut_h, position, start.gather(2, index))
+    unit_size = torch.where(cut_h, 0, size.gather(2, index)) + valid_h.long()
+    old_sum = torch.where(cut_h.unsqueeze(-1), 0.0, key_sum.gather(2, vec_index))
+    old_min = torch.where(cut_h.unsqueeze(-1), float("inf"), key_min.gather(2, vec_index))
+    old_max = torch.where(cut_h.unsqueeze(-1), float("-inf"), key_max.gather(2, vec_index))
+    keep = valid_h.unsqueeze(-1)
+    start.scatter_(2, index, unit_start)
+    size.scatter_(2, index, unit_size)
+    key_sum.scatter_(2, vec_index, torch.where(keep, old_sum + k, old_sum))
+    key_min.scatter_(2, vec_index, torch.where(keep, torch.minimum(old_min, k), old_min))
+    key_max.scatter_(2, vec_index, torch.where(keep, torch.maximum(old_max, k), old_max))
+    selectable.scatter_(2, index, selectable.gather(2, index) | (valid_h & (open_unit >= 0).view(batch, 1, 1)))
+
+
+def admit_row(
+    retrieved_keys: torch.Tensor,
+    retrieved_values: torch.Tensor,
+    retrieved_slots: torch.Tensor,
+    retrieved_valid: torch.Tensor,
+    retrieved_held: torch.Tensor,
+    retrieved_fill: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot: torch.Tensor,
+    mask: torch.Tensor,
+    token_valid: torch.Tensor,
+) -> None:
+    """Append one token to the retrieved buffer of each (sequence, head) that has room, in place.
+
+    Buffers: ``retrieved_keys`` / ``retrieved_values`` ``(B, H, R, D)``, ``retrieved_slots``
+    ``(B, H, R)`` long, ``retrieved_valid`` / ``retrieved_held`` ``(B, H, R)`` bool,
+    ``retrieved_fill (B, H)`` long. Where ``fill < R`` and ``mask (B,)`` and ``token_valid
+    (B,)``: row ``fill`` takes ``key`` / ``value`` ``(B, H, D)`` and ``slot`` (0-dim device
+    long), is marked valid and held, and ``fill`` grows by one. Nothing changes elsewhere.
+    """
+    batch, heads, capacity, dim = retrieved_keys.shape
+    if capacity == 0:
+        return
+    room = retrieved_fill < capacity  # (B, H)
+    admit = room & (mask & token_valid).view(batch, 1)
+    index = retrieved_fill.clamp(max=capacity - 1).unsqueeze(-1)  # (B, H, 1)
+    vec = index.unsqueeze(-1).expand(batch, heads, 1, dim)
+    a = admit.view(batch, heads, 1, 1)
+    old_k = retrieved_keys.gather(2, vec)
+    old_v = retrieved_values.gather(2, vec)
+    retrieved_keys.scatter_(2, vec, torch.where(a, key.unsqueeze(2), old_k))
+    retrieved_values.scatter_(2, vec, torch.where(a, value.unsqueeze(2), old_v))
+    old_slot = retrieved_slots.gather(2, index)
+    retrieved_slots.scatter_(2, index, torch.where(admit.unsqueeze(-1), slot, old_slot))
+    old_valid = retrieved_valid.gather(2, index)
+    retrieved_valid.scatter_(2, index, old_valid | admit.unsqueeze(-1))
+    # the ring's copy of a token has the same bits as its pool row
+    old_held = retrieved_held.gather(2, index)
+    retrieved_held.scatter_(2, index, old_held | admit.unsqueeze(-1))
+    retrieved_fill.add_(admit.long())

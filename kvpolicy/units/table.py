@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import dispatch
 from .base import UnitBuilder
 
 
@@ -127,6 +128,7 @@ class UnitTable:
         valid: torch.Tensor,
         boundary: torch.Tensor,
         builder: UnitBuilder,
+        backend: str,
     ) -> None:
         """A token leaves the local window: file it under the open decode unit or a new one.
 
@@ -134,40 +136,21 @@ class UnitTable:
         in lockstep);
         ``key``: ``(B, H, D)``; ``valid``: ``(B,)`` False for padding; ``boundary``: ``(B,)``.
         Tokens leave in slot order, so a sequence's (left) padding leaves before its first real
-        token and a unit's tokens stay one contiguous range of ``order``.
+        token and a unit's tokens stay one contiguous range of ``order``. The table's tensors
+        are updated in place by the ``append_to_unit`` kernel op of ``backend``.
         """
         self._reserve()
-        batch, heads, dim = key.shape
-        position = self.order_next
-        self.order.index_copy_(2, position.view(1), slot.view(1, 1, 1).expand(batch, heads, 1))
-
+        batch, heads, _ = key.shape
         has_open = self.open_unit >= 0
         index = self.open_unit.clamp(min=0).view(batch, 1, 1).expand(batch, heads, 1)
         open_size = torch.where(has_open, self.size.gather(2, index)[:, 0, 0], 0)
         cut = builder.starts_new_unit(boundary, open_size) & valid
-        new_id = self.num_prompt_units + self.decode_units
         # in place throughout: a captured step must update the tensors it was captured with
-        self.open_unit.copy_(torch.where(cut, new_id, self.open_unit))
-        self.decode_units.add_(cut.long())
-
-        index = self.open_unit.clamp(min=0).view(batch, 1, 1).expand(batch, heads, 1)
-        vec_index = index.unsqueeze(-1).expand(batch, heads, 1, dim)
-        cut_h = cut.view(batch, 1, 1)
-        valid_h = valid.view(batch, 1, 1)
-        k = key.float().unsqueeze(2)  # (B, H, 1, D)
-
-        start = torch.where(cut_h, position, self.start.gather(2, index))
-        size = torch.where(cut_h, 0, self.size.gather(2, index)) + valid_h.long()
-        old_sum = torch.where(cut_h.unsqueeze(-1), 0.0, self.key_sum.gather(2, vec_index))
-        old_min = torch.where(cut_h.unsqueeze(-1), float("inf"), self.key_min.gather(2, vec_index))
-        old_max = torch.where(cut_h.unsqueeze(-1), float("-inf"), self.key_max.gather(2, vec_index))
-        keep = valid_h.unsqueeze(-1)
-        self.start.scatter_(2, index, start)
-        self.size.scatter_(2, index, size)
-        self.key_sum.scatter_(2, vec_index, torch.where(keep, old_sum + k, old_sum))
-        self.key_min.scatter_(2, vec_index, torch.where(keep, torch.minimum(old_min, k), old_min))
-        self.key_max.scatter_(2, vec_index, torch.where(keep, torch.maximum(old_max, k), old_max))
-        self.selectable.scatter_(2, index, self.selectable.gather(2, index) | (valid_h & (self.open_unit >= 0).view(batch, 1, 1)))
+        append = dispatch.get("append_to_unit", backend, key.device)
+        append(
+            self.order, self.start, self.size, self.key_sum, self.key_min, self.key_max, self.selectable,
+            self.open_unit, self.decode_units, self.order_next, slot, key, valid, cut, self.num_prompt_units,
+        )
         self.order_next.add_(1)
         self.order_len += 1
         self.decode_tokens += 1

@@ -1,0 +1,108 @@
+"""Triton admission (op ``admit_row``): the token leaving the local window joins the retrieved
+buffer of each (sequence, head) that has room, in one launch.
+
+One program per (sequence, head) reads its fill count, and where the token is admitted writes
+the key and value rows, the slot, the valid and held flags at row ``fill`` and advances
+``fill``; a program that does not admit stores nothing. The slot comes from a device tensor and
+the grid from shapes alone, so the launch can be graph-captured.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..dispatch import implement, triton_runs_on
+
+
+@triton.jit
+def _admit_kernel(
+    keys_ptr, values_ptr, slots_ptr, valid_ptr, held_ptr, fill_ptr,
+    key_ptr, value_ptr, slot_ptr, mask_ptr, token_valid_ptr,
+    R,
+    keys_sb, keys_sh, keys_sr, keys_sd,
+    values_sb, values_sh, values_sr, values_sd,
+    slots_sb, slots_sh, slots_sr,
+    valid_sb, valid_sh, valid_sr,
+    held_sb, held_sh, held_sr,
+    fill_sb, fill_sh,
+    key_sb, key_sh, key_sd,
+    value_sb, value_sh, value_sd,
+    mask_s, token_valid_s,
+    D: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    h = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    fill_at = fill_ptr + b * fill_sb + h * fill_sh
+    fill = tl.load(fill_at).to(tl.int64)
+    admit = (tl.load(mask_ptr + b * mask_s) != 0) & (tl.load(token_valid_ptr + b * token_valid_s) != 0) & (fill < R)
+    # a buffer already full admits nothing; the row stays in bounds for the masked stores anyway
+    row = tl.minimum(fill, R - 1)
+    cols = tl.arange(0, BLOCK_D)
+    # columns written: all D where the token is admitted, none elsewhere
+    cols_ok = cols < tl.where(admit, D, 0)
+    k = tl.load(key_ptr + b * key_sb + h * key_sh + cols * key_sd, mask=cols_ok)
+    v = tl.load(value_ptr + b * value_sb + h * value_sh + cols * value_sd, mask=cols_ok)
+    tl.store(keys_ptr + b * keys_sb + h * keys_sh + row * keys_sr + cols * keys_sd,
+             k.to(keys_ptr.dtype.element_ty), mask=cols_ok)
+    tl.store(values_ptr + b * values_sb + h * values_sh + row * values_sr + cols * values_sd,
+             v.to(values_ptr.dtype.element_ty), mask=cols_ok)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    tl.store(slots_ptr + b * slots_sb + h * slots_sh + row * slots_sr, slot, mask=admit)
+    one = tl.full([], 1, dtype=tl.uint8)
+    tl.store(valid_ptr + b * valid_sb + h * valid_sh + row * valid_sr, one, mask=admit)
+    # the ring's copy of a token has the same bits as its pool row
+    tl.store(held_ptr + b * held_sb + h * held_sh + row * held_sr, one, mask=admit)
+    tl.store(fill_at, fill + 1, mask=admit)
+
+
+@implement("triton", "admit_row", supports=triton_runs_on)
+def admit_row(
+    retrieved_keys: torch.Tensor,
+    retrieved_values: torch.Tensor,
+    retrieved_slots: torch.Tensor,
+    retrieved_valid: torch.Tensor,
+    retrieved_held: torch.Tensor,
+    retrieved_fill: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot: torch.Tensor,
+    mask: torch.Tensor,
+    token_valid: torch.Tensor,
+) -> None:
+    """Row ``fill`` of each (sequence, head) with room takes the token where ``mask & token_valid``;
+    in place, see the reference."""
+    batch, heads, capacity, dim = retrieved_keys.shape
+    device = retrieved_keys.device
+    shapes = {
+        "retrieved_values": (retrieved_values, (batch, heads, capacity, dim), retrieved_keys.dtype),
+        "retrieved_slots": (retrieved_slots, (batch, heads, capacity), torch.long),
+        "retrieved_valid": (retrieved_valid, (batch, heads, capacity), torch.bool),
+        "retrieved_held": (retrieved_held, (batch, heads, capacity), torch.bool),
+        "retrieved_fill": (retrieved_fill, (batch, heads), torch.long),
+        "key": (key, (batch, heads, dim), key.dtype),
+        "value": (value, (batch, heads, dim), value.dtype),
+        "mask": (mask, (batch,), torch.bool),
+        "token_valid": (token_valid, (batch,), torch.bool),
+    }
+    for name, (tensor, shape, dtype) in shapes.items():
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype or tensor.device != device:
+            raise ValueError(f"triton admit_row: {name} must be {dtype} {shape} on {device}, got "
+                             f"{tensor.dtype} {tuple(tensor.shape)} on {tensor.device}")
+    if slot.numel() != 1 or slot.device != device:
+        raise ValueError("triton admit_row: slot must be a one-element tensor on the buffer's device")
+    if batch * heads * capacity == 0:
+        return
+    valid = retrieved_valid.view(torch.uint8)  # same memory: the kernel writes the store's tensors
+    held = retrieved_held.view(torch.uint8)
+    _admit_kernel[(heads, batch)](
+        retrieved_keys, retrieved_values, retrieved_slots, valid, held, retrieved_fill,
+        key, value, slot, mask.view(torch.uint8), token_valid.view(torch.uint8),
+        capacity,
+        *retrieved_keys.stride(), *retrieved_values.stride(), *retrieved_slots.stride(),
+        *valid.stride(), *held.stride(), *retrieved_fill.stride(),
+        *key.stride(), *value.stride(),
+        mask.stride(0), token_valid.stride(0),
+        D=dim, BLOCK_D=triton.next_power_of_2(max(dim, 1)),
+    )

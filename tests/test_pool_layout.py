@@ -1,0 +1,57 @@
+"""The pool lays the prompt's retrieval zone out unit by unit: a unit is one run of rows."""
+
+import torch
+
+from kvpolicy.layer import PolicyLayerState
+from kvpolicy.presets import preset
+
+
+def _prefilled(name: str, batch=2, heads=2, prompt=600, dim=32):
+    torch.manual_seed(0)
+    zones = {"sink": 4} if name == "streaming" else {"sink": 4, "local": 16}
+    policy = preset(name, budget=128, backend="reference", **zones)
+    state = PolicyLayerState(policy, 0, torch.device("cpu"))
+    keys, values = torch.randn(batch, heads, prompt, dim), torch.randn(batch, heads, prompt, dim)
+    valid = torch.ones(batch, prompt, dtype=torch.bool)
+    valid[1, :37] = False  # left padding
+    state.prefill(keys, values, valid, num_q_heads=4 * heads)
+    return state, keys, values
+
+
+def test_every_prompt_unit_is_one_contiguous_run_of_pool_rows():
+    state, _, _ = _prefilled("louiskv")
+    units, store = state.units, state.store
+    assert store.zone_rows is not None
+    runs = 0
+    for b in range(2):
+        for h in range(2):
+            for u in range(units.num_prompt_units):
+                start, size = int(units.start[b, h, u]), int(units.size[b, h, u])
+                if size == 0:
+                    continue
+                slots = units.order[b, h, start:start + size].view(1, 1, -1).expand(2, 2, -1)
+                rows = store.pool_rows(slots)[b, h]
+                assert torch.equal(rows, torch.arange(start, start + size)), (b, h, u)
+                runs += 1
+    assert runs > 8  # K-means made several units per head
+
+
+def test_pool_rows_hold_their_slots_keys_and_values():
+    state, keys, values = _prefilled("louiskv")
+    store = state.store
+    slots = torch.arange(keys.shape[2]).expand(2, 2, -1)
+    rows = store.pool_rows(slots)
+    index = rows.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+    assert torch.equal(store.pool_keys.gather(2, index), keys)
+    assert torch.equal(store.pool_values.gather(2, index), values)
+    # the zone is permuted (K-means mixes slots), the local window keeps row = slot
+    zone = store.zone_end
+    assert not torch.equal(rows[..., :zone], slots[..., :zone])
+    assert torch.equal(rows[..., zone:], slots[..., zone:])
+
+
+def test_policies_without_units_keep_row_equal_to_slot():
+    state, keys, _ = _prefilled("streaming")
+    assert state.store.zone_rows is None
+    slots = torch.arange(keys.shape[2]).expand(2, 2, -1)
+    assert torch.equal(state.store.pool_rows(slots), slots)
