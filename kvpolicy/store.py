@@ -47,11 +47,16 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     allocator does, to reuse blocks): a 1.07 GB layer pool takes 2 GB, and the pools of 36 layers
     at 4 x 128K asked for 154 GB of a 128 GB host. So the pool is plain memory pinned in place
     with ``cudaHostRegister``; it is unregistered when the last tensor viewing it is freed.
+    The memory is its own anonymous mapping, page-aligned: registration pins whole pages, and
+    with heap memory two pools could share a page, which unregistering one then unpins under
+    the other (seen on the H200: a decode read stale rows after an earlier pool was freed).
     """
+    import mmap
+
     import numpy as np
 
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    backing = np.empty(max(nbytes, 1), dtype=np.uint8)
+    backing = np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8)
     pointer = backing.ctypes.data
     cudart = torch.cuda.cudart()
     status = cudart.cudaHostRegister(pointer, backing.nbytes, 0)

@@ -14,7 +14,7 @@ def _decode_logits(model, prompt, steps):
     out = model(input_ids=prompt, use_cache=True, **{arg: cache})
     logits, token = [], out.logits[:, -1].argmax(-1, keepdim=True)
     for i in range(steps):
-        position = torch.tensor([prompt.shape[1] + i])
+        position = torch.tensor([prompt.shape[1] + i], device=prompt.device)
         out = model(input_ids=token, cache_position=position, use_cache=True, **{arg: cache})
         logits.append(out.logits[:, -1])
         token = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -26,9 +26,10 @@ def test_static_full_attention_matches_sdpa(backend):
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
-    model = Qwen3ForCausalLM(config).eval()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # on CPU, Triton runs interpreted
+    model = Qwen3ForCausalLM(config).eval().to(device)
     set_attention(model, "sdpa")
-    prompt = torch.randint(0, 97, (2, 37))
+    prompt = torch.randint(0, 97, (2, 37)).to(device)
     with torch.no_grad():
         expected = _decode_logits(model, prompt, 5)
         use_static_full_attention(model, backend)
