@@ -20,14 +20,13 @@ sequence (padding, what was selected) lives in tensors on the device.
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-from .errors import KVPolicyError
 from .kernels import dispatch
+from .pinned import pinned_empty
 
 
 def _allocate_pool(like: torch.Tensor, capacity: int, device: torch.device, attention_device: torch.device) -> torch.Tensor:
@@ -38,33 +37,6 @@ def _allocate_pool(like: torch.Tensor, capacity: int, device: torch.device, atte
     if device.type == "cpu" and attention_device.type == "cuda":
         return pinned_empty(shape, like.dtype)
     return torch.empty(shape, dtype=like.dtype, device=device)
-
-
-def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Page-locked host memory of exactly the asked size, readable by GPU kernels through its pointer.
-
-    ``torch.empty(pin_memory=True)`` rounds every request up to a power of two (its caching host
-    allocator does, to reuse blocks): a 1.07 GB layer pool takes 2 GB, and the pools of 36 layers
-    at 4 x 128K asked for 154 GB of a 128 GB host. So the pool is plain memory pinned in place
-    with ``cudaHostRegister``; it is unregistered when the last tensor viewing it is freed.
-    The memory is its own anonymous mapping, page-aligned: registration pins whole pages, and
-    with heap memory two pools could share a page, which unregistering one then unpins under
-    the other (seen on the H200: a decode read stale rows after an earlier pool was freed).
-    """
-    import mmap
-
-    import numpy as np
-
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    backing = np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8)
-    pointer = backing.ctypes.data
-    cudart = torch.cuda.cudart()
-    status = cudart.cudaHostRegister(pointer, backing.nbytes, 0)
-    if int(status) != 0:
-        raise KVPolicyError(f"could not pin {nbytes} bytes of host memory for the KV pool (cudaHostRegister: {status})")
-    # the tensor keeps ``backing`` alive; unregister just before its memory goes back
-    weakref.finalize(backing, cudart.cudaHostUnregister, pointer)
-    return torch.from_numpy(backing)[:nbytes].view(dtype).view(shape)
 
 
 # Work buffers of fetch, one per (shape, dtype, device), shared by every layer's store: fetches

@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from kvpolicy.kernels import dispatch
-from kvpolicy.store import pinned_empty
+from kvpolicy.pinned import pinned_empty, release_unused
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning host memory needs CUDA")
 
 
 def test_pinned_empty_is_pinned_exact_and_gatherable():
+    release_unused()  # a fresh mapping, not a kept one
     shape = (2, 3, 1000, 64)
     pool = pinned_empty(shape, torch.bfloat16)
     assert pool.shape == shape and pool.dtype == torch.bfloat16 and pool.is_pinned()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import dispatch
-from ..store import pinned_empty
+from ..pinned import pinned_empty
 from .timing import time_ms
 
 
