@@ -215,12 +215,17 @@ class TieredStore:
             zone_end=zone_end,
         )
 
-    def lay_out_zone(self, keys: torch.Tensor, values: torch.Tensor, order: torch.Tensor) -> None:
+    def lay_out_zone(self, keys: torch.Tensor, values: torch.Tensor, order: torch.Tensor | None) -> None:
         """Write the prompt's retrieval zone into the pool in ``order`` (``(B, H, zone_end)``, a
         permutation of the zone's slots per head, units contiguous): pool row ``i`` of head
-        ``(b, h)`` holds slot ``order[b, h, i]``. ``keys``/``values``: the prompt's ``(B, H, P, D)``."""
+        ``(b, h)`` holds slot ``order[b, h, i]``; ``None``: row = slot (an index of single
+        tokens has no runs to keep together). ``keys``/``values``: the prompt's ``(B, H, P, D)``."""
         zone = self.zone_end
         if zone == 0:
+            return
+        if order is None:
+            _copy_prompt(self.pool_keys, keys[:, :, :zone])
+            _copy_prompt(self.pool_values, values[:, :, :zone])
             return
         order = order[..., :zone]
         index = order.unsqueeze(-1).expand(*order.shape, keys.shape[-1])

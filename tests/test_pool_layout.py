@@ -55,3 +55,14 @@ def test_policies_without_units_keep_row_equal_to_slot():
     assert state.store.zone_rows is None
     slots = torch.arange(keys.shape[2]).expand(2, 2, -1)
     assert torch.equal(state.store.pool_rows(slots), slots)
+
+
+def test_a_deferred_zone_laid_out_without_order_keeps_row_equal_to_slot():
+    from kvpolicy.store import TieredStore
+
+    keys, values = torch.randn(2, 2, 300, 16), torch.randn(2, 2, 300, 16)
+    valid = torch.ones(2, 300, dtype=torch.bool)
+    store = TieredStore.from_prefill(keys, values, valid, 4, 16, 64, torch.device("cpu"), defer_zone=True)
+    store.lay_out_zone(keys, values, None)
+    assert store.zone_rows is None
+    assert torch.equal(store.pool_keys[:, :, :300], keys) and torch.equal(store.pool_values[:, :, :300], values)
