@@ -97,6 +97,18 @@ class UnitTable:
             decode_tokens=0,
         )
 
+    def host_counters(self) -> dict:
+        """The host-side counters ``append_leaving_token`` advances (a graph replay leaves them behind)."""
+        return {"order_len": self.order_len, "decode_tokens": self.decode_tokens}
+
+    def set_host_counters(self, counters: dict) -> None:
+        self.order_len, self.decode_tokens = counters["order_len"], counters["decode_tokens"]
+
+    def count_replayed_token(self) -> None:
+        """Advance the host counters as ``append_leaving_token`` does, for a replayed step."""
+        self.order_len += 1
+        self.decode_tokens += 1
+
     def reserve(self, tokens: int) -> None:
         """Room for ``tokens`` more leaving tokens (each may open a unit) without growing."""
         if self.order_len + tokens > self.order.shape[-1]:
@@ -154,7 +166,7 @@ class UnitTable:
         vec_index = index.unsqueeze(-1).expand(batch, heads, 1, dim)
         cut_h = cut.view(batch, 1, 1)
         valid_h = valid.view(batch, 1, 1)
-        k = key.float().unsqueeze(2)  # (B, H, 1, D)
+        k = builder.decode_key(key, self).float().unsqueeze(2)  # (B, H, 1, D)
 
         start = torch.where(cut_h, position, self.start.gather(2, index))
         size = torch.where(cut_h, 0, self.size.gather(2, index)) + valid_h.long()
