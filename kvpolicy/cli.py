@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--tasks", default=None, help="comma-separated task names (default: all)")
     ev.add_argument("--lengths", default="2048,4096,8192", help="comma-separated context lengths in tokens")
     ev.add_argument("--budgets", default="256,512,1024", help="comma-separated token budgets")
-    ev.add_argument("--presets", default="full,streaming,quest,arkvale,clusterkv,louiskv,oracle")
+    ev.add_argument("--presets", default="full,streaming,quest,arkvale,clusterkv,louiskv,pariskv,oracle")
     ev.add_argument("--seeds", default="0,1,2", help="comma-separated sample seeds")
     ev.add_argument("--variant", action="append", default=[], metavar="LABEL=PRESET:JSON",
                     help="an extra column: a preset with options, e.g. "
@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     fid.add_argument("--length", type=int, default=2048, help="prompt length in tokens (default 2048)")
     fid.add_argument("--new-tokens", type=int, default=1024, help="tokens full attention generates (default 1024)")
     fid.add_argument("--budget", type=int, default=512)
-    fid.add_argument("--presets", default="streaming,quest,arkvale,clusterkv,louiskv,oracle")
+    fid.add_argument("--presets", default="streaming,quest,arkvale,clusterkv,louiskv,pariskv,oracle")
     fid.add_argument("--seed", type=int, default=0, help="seed of the synthetic document")
     fid.add_argument("--device", default=None)
     fid.add_argument("--json", metavar="FILE", help="also write the results as JSON")
