@@ -114,10 +114,10 @@ class CollisionRerank(Selector):
         )
         width = self.candidates_for(positions, capacity)
         candidates = dispatch.get("candidate_topk", backend, device)(votes, width)  # (B, H, C), best first
-        # keep candidate_fraction of the tokens indexed so far (at least R): the same tokens
-        # whatever the capacity, since candidate_topk's order is fully determined
+        # keep candidate_fraction of the tokens indexed so far (at least the floor): the same
+        # tokens whatever the capacity, since candidate_topk's order is fully determined
         indexed = voted.sum(-1)  # (B,)
-        keep = torch.maximum(torch.ceil(indexed * self.candidate_fraction).long(), torch.full_like(indexed, self.floor_for(capacity)))
+        keep = torch.ceil(indexed * self.candidate_fraction).long().clamp(min=self.floor_for(capacity))
         rank = torch.arange(width, device=device)
         candidates = torch.where(rank < keep.view(batch, 1, 1), candidates, -1)
         best = dispatch.get("rerank", backend, device)(
