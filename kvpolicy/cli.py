@@ -3,6 +3,7 @@
     kvpolicy run --preset louiskv --compare full      # the built-in ~4K-token needle demo
     kvpolicy run --preset quest --budget 1024 --prompt-file doc.txt --max-new-tokens 128
     kvpolicy presets                                  # presets and registered components
+    kvpolicy drift --new-tokens 4096                  # recall over a long generation, per window
 
 Bad input ends with a one-line error and exit status 2, never a traceback.
 """
@@ -20,6 +21,8 @@ from typing import Any, Sequence
 from .errors import KVPolicyError
 
 EXIT_USAGE = 2
+# kvpolicy drift's default policies (kvpolicy.eval.drift.DEFAULT_POLICIES, not imported: torch)
+DRIFT_DEFAULTS = ("pariskv", "clusterkv-stale", "clusterkv")
 
 
 @dataclass
@@ -57,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--tasks", default=None, help="comma-separated task names (default: all)")
     ev.add_argument("--lengths", default="2048,4096,8192", help="comma-separated context lengths in tokens")
     ev.add_argument("--budgets", default="256,512,1024", help="comma-separated token budgets")
-    ev.add_argument("--presets", default="full,streaming,quest,arkvale,clusterkv,louiskv,oracle")
+    ev.add_argument("--presets", default="full,streaming,quest,arkvale,clusterkv,louiskv,pariskv,oracle")
     ev.add_argument("--seeds", default="0,1,2", help="comma-separated sample seeds")
     ev.add_argument("--variant", action="append", default=[], metavar="LABEL=PRESET:JSON",
                     help="an extra column: a preset with options, e.g. "
@@ -72,11 +75,29 @@ def _parser() -> argparse.ArgumentParser:
     fid.add_argument("--length", type=int, default=2048, help="prompt length in tokens (default 2048)")
     fid.add_argument("--new-tokens", type=int, default=1024, help="tokens full attention generates (default 1024)")
     fid.add_argument("--budget", type=int, default=512)
-    fid.add_argument("--presets", default="streaming,quest,arkvale,clusterkv,louiskv,oracle")
+    fid.add_argument("--presets", default="streaming,quest,arkvale,clusterkv,louiskv,pariskv,oracle")
     fid.add_argument("--seed", type=int, default=0, help="seed of the synthetic document")
     fid.add_argument("--device", default=None)
     fid.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     fid.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
+
+    dr = sub.add_parser("drift", help="recall of the oracle top-k as a long generation goes on, per window of steps")
+    dr.add_argument("--model", default="smollm2", help="as for `run`")
+    dr.add_argument("--length", type=int, default=2048, help="prompt length in tokens (default 2048)")
+    dr.add_argument("--new-tokens", type=int, default=4096, help="tokens full attention writes (default 4096)")
+    dr.add_argument("--budget", type=int, default=512)
+    dr.add_argument("--window", type=int, default=256, help="decode steps per reported window (default 256)")
+    dr.add_argument("--policies", default=",".join(DRIFT_DEFAULTS),
+                    help="presets and/or clusterkv-stale (K-means on the prompt, generated tokens under the nearest "
+                         "prompt centroid, never updated); default: " + ",".join(DRIFT_DEFAULTS))
+    dr.add_argument("--temperature", type=float, default=0.8,
+                    help="full attention samples its continuation at this temperature (0: greedy)")
+    dr.add_argument("--seed", type=int, default=0, help="seed of the document and of the sampling")
+    dr.add_argument("--device", default=None)
+    dr.add_argument("--json", default="drift.json", metavar="FILE", help="results (default drift.json)")
+    dr.add_argument("--plot", default="drift.png", metavar="FILE",
+                    help="PNG plot, written when matplotlib is installed (default drift.png)")
+    dr.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
 
     bench = sub.add_parser("bench", help="GPU benchmarks: one decode layer's time split, the pool gather's bandwidth")
     bench.add_argument("what", choices=["layer", "gather", "ttft", "e2e"])
@@ -398,6 +419,33 @@ def _fidelity(args) -> int:
     return 0
 
 
+def _drift(args) -> int:
+    import torch
+
+    from .eval import drift
+    from .models import load_model
+
+    names = [n for n in args.policies.split(",") if n]
+    if not names:
+        raise KVPolicyError("--policies is empty; give at least one policy")
+    if args.new_tokens < 2 or args.length < 64 or args.window < 1:
+        raise KVPolicyError("--new-tokens must be >= 2, --length >= 64 and --window >= 1")
+    if args.temperature < 0:
+        raise KVPolicyError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    for name in names:
+        drift.drift_policy(name, args.budget)  # a bad name or budget fails before the model loads
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model(args.model, device=device)
+    payload = drift.run(model, tokenizer, length=args.length, new_tokens=args.new_tokens, budget=args.budget,
+                        window=args.window, policies=names, temperature=args.temperature, seed=args.seed,
+                        log=lambda line: print(line, flush=True))
+    payload["command"] = "kvpolicy " + " ".join(sys.argv[1:]) if sys.argv[1:] else None
+    written = drift.save(payload, args.json, args.plot)
+    print(drift.table(payload))
+    print("\nwrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
 def _bench(args) -> int:
     import torch
 
@@ -632,6 +680,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(args)
         if args.command == "fidelity":
             return _fidelity(args)
+        if args.command == "drift":
+            return _drift(args)
         if args.command == "calibrate":
             return _calibrate(args)
         return _run(args)

@@ -3,7 +3,8 @@
 Decode step, per layer (no host reads of tensor values anywhere):
     1. the new token goes to the pool and the local ring; the ring pushes out its oldest token
     2. trigger -> ``reselect`` (B,) bool, forced on the first step
-    3. the pushed-out token joins a decode unit (segments are cut where the trigger fired)
+    3. the pushed-out token joins the retrieval index: a decode unit of the unit table (segments
+       are cut where the trigger fired), or whatever index the prefill builder made (``analytic``)
     4. selector + budgeted fill -> selection; the store fetches it where ``reselect``
     5. where not ``reselect``, the pushed-out token stays attended while the buffer has room
     6. sparse attention over sink + retrieved + local
@@ -17,7 +18,6 @@ import torch
 
 from .kernels import dispatch
 from .store import TieredStore
-from .units.table import UnitTable
 
 if TYPE_CHECKING:
     from .policy import Policy
@@ -34,14 +34,20 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class PolicyLayerState:
-    """Typed per-layer state: the tiered store, the unit table and the trigger's state."""
+    """Typed per-layer state: the tiered store, the retrieval index and the trigger's state.
+
+    ``units`` is what the prefill builder's ``build_index`` made: a ``UnitTable`` for the unit
+    builders that group tokens, an ``AnalyticIndex`` for ``analytic``. The step only calls the
+    index's ``append_leaving_token``, ``reserve`` and host-counter methods, and hands it to
+    the selector.
+    """
 
     def __init__(self, policy: "Policy", layer_idx: int, pool_device: torch.device):
         self.policy = policy
         self.layer_idx = layer_idx
         self.pool_device = pool_device
         self.store: TieredStore | None = None
-        self.units: UnitTable | None = None
+        self.units: Any = None  # the retrieval index (UnitTable, AnalyticIndex...)
         self.trigger_state: Any = None
         self.boundary: torch.Tensor | None = None  # (B, capacity) bool: trigger fired when slot was made
         self.has_selection: torch.Tensor | None = None  # (B,) bool
@@ -77,11 +83,11 @@ class PolicyLayerState:
                 for tensor in (keys, values, retrievable):
                     tensor.record_stream(side)
                 with torch.cuda.stream(side):
-                    self._build_units_and_pool(keys, values, retrievable)
+                    self._build_index_and_pool(keys, values, retrievable)
                 self.units_ready = torch.cuda.Event()
                 self.units_ready.record(side)
             else:
-                self._build_units_and_pool(keys, values, retrievable)
+                self._build_index_and_pool(keys, values, retrievable)
         self.boundary = torch.zeros(batch, self.store.slot_valid.shape[1], dtype=torch.bool, device=device)
         self.trigger_state = policy.trigger.init_state(batch, num_q_heads, dim, device)
         self.has_selection = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -91,22 +97,21 @@ class PolicyLayerState:
         """The host-side counters a decode step advances (what a graph replay leaves behind)."""
         out = {"decode_steps": self.decode_steps, "length": self.store.length}
         if self.units is not None:
-            out.update(order_len=self.units.order_len, decode_tokens=self.units.decode_tokens)
+            out["units"] = self.units.host_counters()
         return out
 
     def set_host_counters(self, counters: dict) -> None:
         self.decode_steps = counters["decode_steps"]
         self.store.length = counters["length"]
         if self.units is not None:
-            self.units.order_len, self.units.decode_tokens = counters["order_len"], counters["decode_tokens"]
+            self.units.set_host_counters(counters["units"])
 
     def count_replayed_step(self) -> None:
         """Advance the host counters as ``decode`` does, for a step that ran as a graph replay."""
         self.decode_steps += 1
         self.store.length += 1
         if self.units is not None and self.policy.selector is not None:
-            self.units.order_len += 1
-            self.units.decode_tokens += 1
+            self.units.count_replayed_token()
 
     def reserve(self, tokens: int) -> None:
         """Room for ``tokens`` more decode steps without growing any buffer (before capture)."""
@@ -118,19 +123,13 @@ class PolicyLayerState:
         if self.units is not None:
             self.units.reserve(tokens)
 
-    def _build_units_and_pool(self, keys: torch.Tensor, values: torch.Tensor, retrievable: torch.Tensor) -> None:
+    def _build_index_and_pool(self, keys: torch.Tensor, values: torch.Tensor, retrievable: torch.Tensor) -> None:
         zone = self.store.zone_end
-        self.units = self._build_units(keys[:, :, :zone], retrievable)
-        self.store.lay_out_zone(keys, values, self.units.order)
-
-    def _build_units(self, zone_keys: torch.Tensor, retrievable: torch.Tensor) -> UnitTable:
-        batch, heads, zone, _ = zone_keys.shape
-        if zone > 0:
-            labels, num_units = self.policy.prefill_units.build_labels(zone_keys, retrievable, self.policy.backend)
-        else:
-            labels, num_units = torch.zeros(batch, heads, 0, dtype=torch.long, device=zone_keys.device), 0
-        slots = torch.arange(zone, device=zone_keys.device)
-        return UnitTable.from_prompt(zone_keys, slots, retrievable, labels, num_units)
+        self.units = self.policy.prefill_units.build_index(
+            keys[:, :, :zone], retrievable, self.policy.backend, self.layer_idx
+        )
+        # a unit table lays the pool out unit by unit; an index of single tokens keeps slot order
+        self.store.lay_out_zone(keys, values, self.units.zone_order())
 
     def wait_for_units(self) -> None:
         """Make the current stream wait for the prompt's units (built on a side stream)."""

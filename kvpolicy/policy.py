@@ -129,9 +129,37 @@ class Policy:
                     f"units {self.decode_units.registered_name!r} cannot group generated tokens (decode_units); "
                     f"use one of: {', '.join(_builders('builds_decode'))}"
                 )
+            self._check_index_kinds()
         for component in (self.trigger, self.prefill_units, self.decode_units, self.selector):
             if component is not None:
                 component.validate()
+        if self.selector is not None:
+            for component in (self.prefill_units, self.decode_units, self.selector):
+                component.validate_in(self)
+
+    def _check_index_kinds(self) -> None:
+        """The prefill builder makes the index; the decode builder and the selector must fit it."""
+        prefill, decode, selector = self.prefill_units, self.decode_units, self.selector
+        kind = prefill.index_kind
+        if selector.index_kind != kind:
+            fitting = [n for n in _names("selector") if lookup("selector", n).index_kind == kind]
+            raise ConfigError(
+                f"selector {selector.registered_name!r} reads a {selector.index_kind!r} index, but prefill_units "
+                f"{prefill.registered_name!r} build a {kind!r} index; selectors for it: {', '.join(fitting)}"
+            )
+        if kind == "table":
+            if decode.index_kind != kind:
+                raise ConfigError(
+                    f"decode_units {decode.registered_name!r} build their own {decode.index_kind!r} index and cannot "
+                    f"extend the unit table of prefill_units {prefill.registered_name!r}; use them as prefill_units "
+                    f"too, or decode_units one of: {', '.join(_builders('builds_decode', 'table'))}"
+                )
+        elif decode != prefill:
+            # one index takes the prompt and the generated tokens: one set of options
+            raise ConfigError(
+                f"prefill_units {_short(prefill)} build one index that also takes the generated tokens, so "
+                f"decode_units must be the same builder with the same options; got {_short(decode)}"
+            )
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> "Policy":
@@ -208,7 +236,14 @@ def _short(component: Any) -> str:
     return f"{component.registered_name}({options})"
 
 
-def _builders(flag: str) -> list[str]:
+def _names(kind: str) -> list[str]:
     from .registry import names
 
-    return [n for n in names("units") if getattr(lookup("units", n), flag)]
+    return names(kind)
+
+
+def _builders(flag: str, index_kind: str | None = None) -> list[str]:
+    return [
+        n for n in _names("units")
+        if getattr(lookup("units", n), flag) and index_kind in (None, lookup("units", n).index_kind)
+    ]

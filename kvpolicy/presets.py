@@ -11,6 +11,7 @@ from typing import Any, Callable
 from .calibration import DEFAULT_TAU, calibrated_tau
 from .errors import UnknownNameError
 from .policy import Policy
+from .units.analytic import DEFAULT_UPDATE_BUFFER
 
 DEFAULT_BUDGET = 512
 DEFAULT_SINK = 4
@@ -58,6 +59,33 @@ def _louiskv(model: Any = None, **options: Any) -> Policy:
     )
 
 
+def _pariskv(**options: Any) -> Policy:
+    """ParisKV: every token indexed by data-independent sign-pattern centroids of an SRHT-rotated
+    key (16 subspaces: 8 dims, 256 centroids each at head_dim 128; 4 dims, 16 centroids at 64)
+    and a 4-bit code; every step, tiered collision votes of the GQA group's mean query (6 tiers,
+    63 ranked centroids per subspace; 4 tiers, 15 at 4 dims) pick about 10% of the tokens, at
+    least twice the retrieval budget, as candidates and their 4-bit estimates of q.k the final
+    ones. Sink 4,
+    local 64 and an update buffer of 64 tokens (a quarter of the retrieval budget if smaller),
+    attended in full and indexed 64 at a time; all within the budget. ParisKV's own settings
+    (sink 4, local 512, buffer 512, top-k 2048) are budget=3076, local=512 with
+    analytic(update_buffer=512)."""
+    budget = options.get("budget", DEFAULT_BUDGET)
+    sink, local = options.get("sink", DEFAULT_SINK), options.get("local", DEFAULT_LOCAL)
+    units = {"name": "analytic", "update_buffer": _update_buffer(budget, sink, local)}
+    return _retrieval("pariskv", "every_step", units, units, "collision_rerank", options)
+
+
+def _update_buffer(budget: Any, sink: Any, local: Any) -> int:
+    """The analytic update buffer's default: 64 tokens, or a quarter of the retrieval budget if that is less
+    (the buffer is attended inside the budget, so the retrieved top-k keeps at least three quarters)."""
+    try:
+        room = budget - sink - local
+    except TypeError:  # a bad value: Policy names it
+        return DEFAULT_UPDATE_BUFFER
+    return max(1, min(DEFAULT_UPDATE_BUFFER, room // 4))
+
+
 def _oracle(**options: Any) -> Policy:
     """Oracle: the exact top-budget tokens by attention mass, every step (an upper bound for
     evaluation; it reads every key each step)."""
@@ -88,6 +116,7 @@ PRESETS: dict[str, Callable[..., Policy]] = {
     "arkvale": _arkvale,
     "clusterkv": _clusterkv,
     "louiskv": _louiskv,
+    "pariskv": _pariskv,
     "oracle": _oracle,
 }
 

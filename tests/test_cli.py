@@ -19,7 +19,8 @@ def test_presets_lists_presets_and_components():
     assert result.returncode == 0, result.stderr
     for name in kvpolicy.PRESETS:
         assert f"  {name} " in result.stdout
-    for component in ("query_cosine", "every_step", "interval", "kmeans", "pages", "segments", "top_budget", "bound"):
+    for component in ("query_cosine", "every_step", "interval", "kmeans", "pages", "segments", "top_budget", "bound",
+                      "analytic", "nearest_centroid", "collision_rerank"):
         assert component in result.stdout
 
 
@@ -43,6 +44,9 @@ def test_presets_lists_presets_and_components():
         (["eval", "--presets", "la", "--variant", "la=louiskv"], "--variant takes LABEL=PRESET:JSON"),
         (["fidelity", "--presets", "quest,nope"], "unknown preset 'nope'"),
         (["fidelity", "--budget", "10"], "must exceed sink + local"),
+        (["drift", "--policies", "pariskv,nope"], "unknown drift policy 'nope'; known: streaming"),
+        (["drift", "--temperature", "-1"], "--temperature must be >= 0"),
+        (["drift", "--policies", "pariskv", "--budget", "60"], "must exceed sink + local"),
         (["calibrate", "--tolerance", "2"], "--tolerance must be in [0, 1]"),
         (["calibrate", "--against", "anchor"], "--against anchor is an experiment"),
         (["calibrate", "--merge", "/no/such/shard.json"], "cannot read calibration shard '/no/such/shard.json'"),

@@ -29,7 +29,7 @@ def _eager(model, policy, ids, mask):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("name,budget", [("louiskv", 96), ("quest", 96), ("clusterkv", 512), ("streaming", 40)])
+@pytest.mark.parametrize("name,budget", [("louiskv", 96), ("quest", 96), ("clusterkv", 512), ("streaming", 40), ("pariskv", 96)])
 def test_replayed_decode_matches_eager(family, name, budget, single_thread):
     device = torch.device("cuda" if CUDA else "cpu")
     model = build_model(family).to(device)

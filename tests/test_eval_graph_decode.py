@@ -18,7 +18,7 @@ def shared():
     return model, decoding.prefill(model, ids, torch.ones_like(ids))
 
 
-@pytest.mark.parametrize("name", ["louiskv", "quest", "clusterkv"])
+@pytest.mark.parametrize("name", ["louiskv", "quest", "clusterkv", "pariskv"])
 def test_graph_decode_matches_eager(shared, name, single_thread):
     model, prefilled = shared
     policy = kvpolicy.preset(name, budget=96, sink=4, local=16)

@@ -52,6 +52,10 @@ def _restore(state: PolicyLayerState, host: dict) -> None:
 def _layer(name: str, seed: int) -> tuple[PolicyLayerState, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     options = {"budget": 20, "sink": 4} if name == "streaming" else {"budget": 100, "sink": 4, "local": 16}
+    if name == "pariskv":
+        # a small update buffer, so the 40 steps flush it (on a device counter) several times
+        units = {"name": "analytic", "update_buffer": 8}
+        options.update(prefill_units=units, decode_units=units)
     policy = kvpolicy.preset(name, **options)
     keys = torch.randn(B, H, PROMPT, D, generator=gen)
     values = torch.randn(B, H, PROMPT, D, generator=gen)
@@ -63,7 +67,7 @@ def _layer(name: str, seed: int) -> tuple[PolicyLayerState, torch.Tensor]:
     return state, steps
 
 
-@pytest.mark.parametrize("name", ["louiskv", "quest", "arkvale", "clusterkv", "streaming", "oracle"])
+@pytest.mark.parametrize("name", ["louiskv", "quest", "arkvale", "clusterkv", "streaming", "oracle", "pariskv"])
 def test_decode_step_replays_with_frozen_host_state(name):
     eager, inputs = _layer(name, seed=3)
     replayed, _ = _layer(name, seed=3)
@@ -84,3 +88,10 @@ def test_decode_step_replays_with_frozen_host_state(name):
     # and the eager run really moved on (the check above is not vacuous)
     assert int(eager.store.next_slot) == PROMPT + STEPS
     assert int(replayed.store.next_slot) == PROMPT + STEPS
+    if name == "pariskv":
+        # one token left the (prompt-filled) ring per step: buffers of 8 flushed as the 9th, 17th,
+        # 25th and 33rd arrived, 8 still buffered; the replay flushed on the device counter too
+        for state in (eager, replayed):
+            zone = PROMPT - 16
+            assert int(state.units.next_position) == zone + STEPS
+            assert int(state.units.indexed) == zone + STEPS - 8

@@ -30,7 +30,7 @@ def _decode_and_observe(model, policy, prompt_len=150, steps=40, pad=5):
     return seen
 
 
-@pytest.mark.parametrize("name", ["quest", "louiskv", "clusterkv", "arkvale"])
+@pytest.mark.parametrize("name", ["quest", "louiskv", "clusterkv", "arkvale", "pariskv"])
 def test_full_budget_attends_every_valid_token_exactly_once(tiny_model_factory, name):
     tiny_llama = tiny_model_factory("llama")
     seen = _decode_and_observe(tiny_llama, kvpolicy.preset(name, budget=400))
@@ -43,7 +43,7 @@ def test_full_budget_attends_every_valid_token_exactly_once(tiny_model_factory, 
                 assert attended == expected
 
 
-@pytest.mark.parametrize("name", ["quest", "louiskv", "streaming"])
+@pytest.mark.parametrize("name", ["quest", "louiskv", "streaming", "pariskv"])
 def test_small_budget_attends_at_most_the_budget_and_only_real_tokens(tiny_model_factory, name):
     tiny_llama = tiny_model_factory("llama")
     budget = 100

@@ -92,8 +92,11 @@ class LayerTimes:
 
 
 def layer_policy(name: str, budget: int, placement: str, backend: str, random_units: bool) -> Policy:
+    """The preset at ``budget``; with ``random_units``, prompt units of a unit table are random groups
+    (K-means' sizes and scatter without its cost). Presets with their own index (pariskv's
+    ``analytic``) keep it: encoding costs one pass over the keys, nothing to stand in for."""
     policy = preset(name, budget=budget, placement=placement, backend=backend)
-    if random_units:
+    if random_units and policy.prefill_units.index_kind == "table":
         policy.prefill_units = RandomGroups()
     return policy
 

@@ -9,6 +9,7 @@ tokens the policy attends to hold.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 
@@ -105,7 +106,16 @@ def _cache_from_prefill(session, prefilled: Prefilled, num_q_heads: int):
     return cache
 
 
-def _graph_decode(model, prefilled, policy, max_new_tokens, forced, keep_logits, meter, stop_ids, emulate) -> Decoded:
+def _observe(cache, meter, observers) -> None:
+    """Attach the recall meter and any other observers to every served layer."""
+    if not isinstance(cache, PolicyCache):
+        return
+    for state in cache.policy_layers():
+        state.observers.extend(o for o in (meter, *observers) if o is not None)
+
+
+def _graph_decode(model, prefilled, policy, max_new_tokens, forced, keep_logits, meter, stop_ids, emulate,
+                  observers=()) -> Decoded:
     """``decode`` through DecodeGraph: fixed-length steps, tokens read back once at the end."""
     from ..graph import DecodeGraph
 
@@ -115,9 +125,7 @@ def _graph_decode(model, prefilled, policy, max_new_tokens, forced, keep_logits,
     forced_ids = torch.tensor(forced, device=device) if forced is not None else None
     with policy.apply(model) as session:
         cache = _cache_from_prefill(session, prefilled, config.num_attention_heads)
-        if meter is not None:
-            for state in cache.policy_layers():
-                state.observers.append(meter)
+        _observe(cache, meter, observers)
         runner = DecodeGraph(model, cache, prefilled.attention_mask.sum(-1), max(max_new_tokens - 1, 1), emulate=emulate)
         logits = prefilled.last_logits[0]
         tokens, kept = [], []
@@ -157,6 +165,7 @@ def decode(
     measure_recall: bool = False,
     stop_ids: set[int] | None = None,
     graph: bool | None = None,
+    observers: Sequence[Callable] = (),
 ) -> Decoded:
     """Greedy decode under ``policy`` from a shared dense prefill (batch 1).
 
@@ -165,7 +174,8 @@ def decode(
     as a CUDA graph (default: on CUDA, for retrieval policies); ``"emulate"`` runs the same
     protocol on any device (tests). With a graph every step runs and the tokens are cut at the
     first stop token afterwards (the same tokens as eager decoding; the re-selection share and
-    recall then also count the steps after the stop token).
+    recall then also count the steps after the stop token). ``observers``: more callables run
+    as ``observer(layer_state, query)`` in every served layer at every step (``kvpolicy drift``).
     """
     device = prefilled.input_ids.device
     if graph is None:
@@ -173,15 +183,13 @@ def decode(
     if graph and not policy.is_dense:
         meter = _RecallMeter(policy.budget) if measure_recall else None
         return _graph_decode(model, prefilled, policy, max_new_tokens, forced, keep_logits, meter, stop_ids,
-                             emulate=graph == "emulate")
+                             emulate=graph == "emulate", observers=observers)
     config = model.config.get_text_config(decoder=True)
     result = Decoded(tokens=[])
     meter = _RecallMeter(policy.budget) if measure_recall and not policy.is_dense else None
     with policy.apply(model) as session:
         cache = _cache_from_prefill(session, prefilled, config.num_attention_heads)
-        if meter is not None:
-            for state in cache.policy_layers():
-                state.observers.append(meter)
+        _observe(cache, meter, observers)
         mask = prefilled.attention_mask
         logits = prefilled.last_logits[0]
         device = prefilled.input_ids.device

@@ -90,7 +90,7 @@ def run_grid(
     tasks: Iterable[str] = tuple(TASKS),
     lengths: Iterable[int] = (2048, 4096, 8192),
     budgets: Iterable[int] = (256, 512, 1024),
-    presets: Iterable[str] = ("full", "streaming", "quest", "arkvale", "clusterkv", "louiskv", "oracle"),
+    presets: Iterable[str] = ("full", "streaming", "quest", "arkvale", "clusterkv", "louiskv", "pariskv", "oracle"),
     seeds: Iterable[int] = (0, 1, 2),
     variants: dict[str, tuple[str, dict]] | None = None,
     progress: bool = True,

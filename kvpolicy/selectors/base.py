@@ -8,12 +8,15 @@ of a KV head at once, so the choice is the same for every query head of the grou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from ..kernels import dispatch
 from ..units.table import UnitTable
+
+if TYPE_CHECKING:
+    from ..policy import Policy
 
 
 @dataclass
@@ -22,6 +25,8 @@ class Selection:
 
     ``unit_ids``: ``(B, H, U)`` chosen units in score order, then -1 (CSR indices; the row
     pointer is ``num_units``); ``slots``: ``(B, H, R)`` token slots, valid where ``slot_valid``.
+    Selectors of single-token units (``collision_rerank``) list the index positions of the
+    chosen tokens as ``unit_ids`` (``(B, H, R)``, -1 where ``slot_valid`` is False).
     """
 
     unit_ids: torch.Tensor
@@ -35,9 +40,14 @@ class Selector:
     """Base class. Subclasses are dataclasses whose fields are their options."""
 
     registered_name: ClassVar[str] = ""
+    #: The kind of per-layer index it reads (``UnitBuilder.index_kind``): "table" is a UnitTable.
+    index_kind: ClassVar[str] = "table"
 
     def validate(self) -> None:
         """Raise ``ConfigError`` for bad options. Called when the policy is built."""
+
+    def validate_in(self, policy: "Policy") -> None:
+        """Raise ``ConfigError`` for options that do not fit the rest of ``policy``."""
 
     def score(self, query_group: torch.Tensor, units: UnitTable) -> torch.Tensor:
         """``query_group``: ``(B, H, G, D)`` float32 -> ``(B, H, U)`` scores (any finite values)."""

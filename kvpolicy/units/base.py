@@ -4,14 +4,22 @@ A prefill builder labels each prompt token of the retrieval zone with a unit id
 (``build_labels``); a decode builder decides, as tokens leave the local window one per step,
 whether the leaving token opens a new unit (``starts_new_unit``). The framework turns both
 into one :class:`~kvpolicy.units.table.UnitTable`, so selectors never care how units were made.
+
+A builder whose units need another structure (ParisKV's per-token codes: ``analytic``) overrides
+``build_index`` and names its ``index_kind``; a selector declares the kind it reads, and the
+policy checks the two match when it is built. Either way the layer sees one object with the
+same three entry points: ``append_leaving_token``, ``reserve`` and the host counters.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+
+if TYPE_CHECKING:
+    from ..policy import Policy
 
 
 @dataclass
@@ -23,9 +31,30 @@ class UnitBuilder:
     builds_prompt: ClassVar[bool] = False
     #: Can group generated tokens as they leave the local window (implements ``starts_new_unit``).
     builds_decode: ClassVar[bool] = False
+    #: The per-layer structure ``build_index`` makes; selectors read one kind ("table": UnitTable).
+    index_kind: ClassVar[str] = "table"
 
     def validate(self) -> None:
         """Raise ``ConfigError`` for bad options. Called when the policy is built."""
+
+    def validate_in(self, policy: "Policy") -> None:
+        """Raise ``ConfigError`` for options that do not fit the rest of ``policy`` (its budget...)."""
+
+    def build_index(self, zone_keys: torch.Tensor, retrievable: torch.Tensor, backend: str, layer_idx: int) -> Any:
+        """The layer's retrieval index over the prompt's retrieval zone (``zone_keys (B, H, n, D)``,
+        ``retrievable (B, n)``: False for padding and sink tokens; zone token ``i`` is slot ``i``).
+
+        The default groups the zone with ``build_labels`` into a :class:`UnitTable`.
+        """
+        from .table import UnitTable
+
+        batch, heads, zone, _ = zone_keys.shape
+        if zone > 0:
+            labels, num_units = self.build_labels(zone_keys, retrievable, backend)
+        else:
+            labels, num_units = torch.zeros(batch, heads, 0, dtype=torch.long, device=zone_keys.device), 0
+        slots = torch.arange(zone, device=zone_keys.device)
+        return UnitTable.from_prompt(zone_keys, slots, retrievable, labels, num_units)
 
     def build_labels(self, keys: torch.Tensor, token_valid: torch.Tensor, backend: str) -> tuple[torch.Tensor, int]:
         """Group the prompt's retrieval zone.
@@ -44,3 +73,8 @@ class UnitBuilder:
         ``open_size``: ``(batch,)`` long, tokens already in the open unit (0 when none is open).
         """
         raise NotImplementedError
+
+    def decode_key(self, key: torch.Tensor, table: Any) -> torch.Tensor:
+        """The key a leaving token adds to its unit's statistics (sum, min, max): its own,
+        ``(batch, kv_heads, head_dim)``, unless a builder scores it by something else."""
+        return key

@@ -44,6 +44,10 @@ class UnitTable:
     def capacity(self) -> int:
         return self.start.shape[-1]
 
+    def zone_order(self) -> torch.Tensor:
+        """``(B, H, >= zone)``: the prompt zone's slots unit by unit, the order the pool lays them out in."""
+        return self.order
+
     def mean_keys(self) -> torch.Tensor:
         return self.key_sum / self.size.clamp(min=1).unsqueeze(-1)
 
@@ -98,6 +102,18 @@ class UnitTable:
             decode_tokens=0,
         )
 
+    def host_counters(self) -> dict:
+        """The host-side counters ``append_leaving_token`` advances (a graph replay leaves them behind)."""
+        return {"order_len": self.order_len, "decode_tokens": self.decode_tokens}
+
+    def set_host_counters(self, counters: dict) -> None:
+        self.order_len, self.decode_tokens = counters["order_len"], counters["decode_tokens"]
+
+    def count_replayed_token(self) -> None:
+        """Advance the host counters as ``append_leaving_token`` does, for a replayed step."""
+        self.order_len += 1
+        self.decode_tokens += 1
+
     def reserve(self, tokens: int) -> None:
         """Room for ``tokens`` more leaving tokens (each may open a unit) without growing."""
         if self.order_len + tokens > self.order.shape[-1]:
@@ -149,7 +165,8 @@ class UnitTable:
         append = dispatch.get("append_to_unit", backend, key.device)
         append(
             self.order, self.start, self.size, self.key_sum, self.key_min, self.key_max, self.selectable,
-            self.open_unit, self.decode_units, self.order_next, slot, key, valid, cut, self.num_prompt_units,
+            self.open_unit, self.decode_units, self.order_next, slot, builder.decode_key(key, self), valid, cut,
+            self.num_prompt_units,
         )
         self.order_next.add_(1)
         self.order_len += 1

@@ -1,0 +1,188 @@
+"""AnalyticIndex: ParisKV's per-token retrieval index of one layer, with its update buffer.
+
+Every retrievable token has a position in the index, at fixed capacity: the prompt's retrieval
+zone first (position ``i`` is slot ``i``), then the tokens leaving the local window, one per
+decode step, in slot order. Per position it keeps what ``analytic.encode_keys`` computes once,
+when the token is added: the sign-pattern centroid id of each subspace, the packed 4-bit code,
+the calibration weight and the key's norm. Full-precision keys stay in the store's pool.
+
+Zones (ParisKV: sink, local, retrieval, update buffer). Positions ``[0, indexed)`` are the
+retrieval zone: voted on and reranked. Positions ``[indexed, next_position)`` are the update
+buffer: encoded already, but not yet voted on; the selector puts them in the selection ahead of
+any retrieved token, so they stay attended in full. When a token arrives to a full buffer
+(``update_buffer`` tokens), the buffer's tokens join the retrieval zone at once and the arriving
+token starts the next buffer: the index is refreshed every ``update_buffer`` tokens, as
+ParisKV's code refreshes every 512. The flush is ``indexed = where(full, next_position,
+indexed)`` on device counters, so a captured step replays it (no host branch).
+
+Why encode on arrival rather than at the flush: the encoding is per key and data-independent,
+so encoding a token when it arrives or with its batch gives the same bits; encoding one key
+per step keeps every step the same work, where a batch encode would have to run (predicated)
+at every step of a captured graph.
+
+Capacity grows on the host, by a quarter (at least 256 positions), decided from the count of
+positions written (``length``), never from tensor values; ``reserve`` makes room before a
+graph is captured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import analytic
+
+
+def _grow(tensor: torch.Tensor, dim: int, new_size: int, fill) -> torch.Tensor:
+    shape = list(tensor.shape)
+    shape[dim] = new_size - tensor.shape[dim]
+    pad = torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)
+    return torch.cat([tensor, pad], dim=dim)
+
+
+def _spare(capacity: int) -> int:
+    return max(256, capacity // 4)
+
+
+@dataclass
+class AnalyticIndex:
+    centroids: torch.Tensor  # (B, H, capacity, S) uint8: sign-pattern centroid id per subspace
+    codes: torch.Tensor  # (B, H, capacity, D // 2) uint8: packed 4-bit codes
+    weight: torch.Tensor  # (B, H, capacity) float32: calibration weight
+    norms: torch.Tensor  # (B, H, capacity) float32: |key|
+    token_valid: torch.Tensor  # (B, capacity) bool: a real token (not padding, not a sink token)
+    slots: torch.Tensor  # (capacity,) long: the slot each position holds (sequences run in lockstep)
+    next_position: torch.Tensor  # () long, device: the position the next leaving token takes
+    indexed: torch.Tensor  # () long, device: positions [0, indexed) are voted on; the rest is the buffer
+    signs: torch.Tensor  # (D,) float32: the layer's SRHT signs
+    subspaces: int
+    update_buffer: int  # tokens the buffer holds before they join the retrieval zone
+    num_prompt_units: int  # host: prompt positions (units are single tokens)
+    length: int  # host: positions written (buffer sizes only)
+
+    @property
+    def capacity(self) -> int:
+        return self.weight.shape[-1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.signs.shape[0]
+
+    @classmethod
+    def from_prompt(
+        cls,
+        zone_keys: torch.Tensor,
+        retrievable: torch.Tensor,
+        signs: torch.Tensor,
+        subspaces: int,
+        update_buffer: int,
+    ) -> "AnalyticIndex":
+        """Encode the prompt's retrieval zone (``zone_keys (B, H, n, D)``; ``retrievable (B, n)``).
+
+        Every zone token is in the retrieval zone at once (ParisKV indexes the prompt at prefill);
+        the update buffer starts empty.
+        """
+        batch, heads, n, dim = zone_keys.shape
+        device = zone_keys.device
+        analytic.check_subspaces(dim, subspaces)
+        capacity = n + _spare(n)
+        encoded = analytic.encode_keys(zone_keys, signs, subspaces)
+        index = cls(
+            centroids=torch.zeros(batch, heads, capacity, subspaces, dtype=torch.uint8, device=device),
+            codes=torch.zeros(batch, heads, capacity, dim // 2, dtype=torch.uint8, device=device),
+            weight=torch.zeros(batch, heads, capacity, device=device),
+            norms=torch.zeros(batch, heads, capacity, device=device),
+            token_valid=torch.zeros(batch, capacity, dtype=torch.bool, device=device),
+            slots=torch.zeros(capacity, dtype=torch.long, device=device),
+            next_position=torch.tensor(n, dtype=torch.long, device=device),
+            indexed=torch.tensor(n, dtype=torch.long, device=device),
+            signs=signs,
+            subspaces=subspaces,
+            update_buffer=update_buffer,
+            num_prompt_units=n,
+            length=n,
+        )
+        index.centroids[:, :, :n] = encoded.centroids
+        index.codes[:, :, :n] = encoded.codes
+        index.weight[:, :, :n] = encoded.weight
+        index.norms[:, :, :n] = encoded.norms
+        index.token_valid[:, :n] = retrievable
+        index.slots[:n] = torch.arange(n, device=device)
+        return index
+
+    def zone_order(self) -> None:
+        """None: single tokens have no runs to keep together, so the pool keeps slot order."""
+        return None
+
+    # -- host counters (what a graph replay leaves behind) -----------------------------------
+
+    def host_counters(self) -> dict:
+        return {"length": self.length}
+
+    def set_host_counters(self, counters: dict) -> None:
+        self.length = counters["length"]
+
+    def count_replayed_token(self) -> None:
+        self.length += 1
+
+    # -- capacity ------------------------------------------------------------------------------
+
+    def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` more leaving tokens without growing (before a graph is captured)."""
+        if self.length + tokens > self.capacity:
+            self._grow(self.length + tokens)
+
+    def _grow(self, new: int) -> None:
+        self.centroids = _grow(self.centroids, 2, new, 0)
+        self.codes = _grow(self.codes, 2, new, 0)
+        self.weight = _grow(self.weight, 2, new, 0.0)
+        self.norms = _grow(self.norms, 2, new, 0.0)
+        self.token_valid = _grow(self.token_valid, 1, new, False)
+        self.slots = _grow(self.slots, 0, new, 0)
+
+    # -- the decode step -----------------------------------------------------------------------
+
+    def append_leaving_token(
+        self,
+        slot: torch.Tensor,
+        key: torch.Tensor,
+        valid: torch.Tensor,
+        boundary: torch.Tensor,
+        builder=None,
+        backend: str | None = None,
+    ) -> None:
+        """A token leaves the local window: flush a full update buffer, then buffer the token.
+
+        ``slot``: a 0-dim device tensor; ``key``: ``(B, H, D)``; ``valid``: ``(B,)`` False for
+        padding (and while the local ring is still filling). ``boundary``, ``builder`` and
+        ``backend`` are the unit table's and unused here: tokens are units of their own, encoded
+        in PyTorch.
+        """
+        if self.length >= self.capacity:
+            self._grow(self.capacity + _spare(self.capacity))
+        # in place throughout: a captured step must update the tensors it was captured with
+        full = (self.next_position - self.indexed) >= self.update_buffer
+        self.indexed.copy_(torch.where(full, self.next_position, self.indexed))
+
+        encoded = analytic.encode_keys(key, self.signs, self.subspaces)
+        position = self.next_position.view(1)
+        self.centroids.index_copy_(2, position, encoded.centroids.unsqueeze(2))
+        self.codes.index_copy_(2, position, encoded.codes.unsqueeze(2))
+        self.weight.index_copy_(2, position, encoded.weight.unsqueeze(2))
+        self.norms.index_copy_(2, position, encoded.norms.unsqueeze(2))
+        self.token_valid.index_copy_(1, position, valid.view(-1, 1))
+        self.slots.index_copy_(0, position, slot.view(1))
+        self.next_position.add_(1)
+        self.length += 1
+
+    # -- what the selector reads -----------------------------------------------------------------
+
+    def retrieval_mask(self) -> torch.Tensor:
+        """``(B, capacity)`` True for the real tokens of the retrieval zone (voted on)."""
+        position = torch.arange(self.capacity, device=self.token_valid.device)
+        return self.token_valid & (position < self.indexed)
+
+    def buffered(self) -> torch.Tensor:
+        """``()`` long, device: tokens in the update buffer."""
+        return self.next_position - self.indexed
