@@ -1,5 +1,9 @@
 """Triton budget fill against the reference: exactly equal outputs on fresh random inputs.
 
+Rows of sequences outside ``take`` must hold the Triton op's empty selection; the in-kernel
+ranking (``U <= _SORT_LIMIT``) and the torch.sort one (above, or forced by setting the limit
+to 0) must both give the reference's stable descending order, ties and special values included.
+
 Without CUDA the kernel runs on CPU tensors through Triton's interpreter (conftest turns it
 on); with CUDA the same cases run on the GPU, plus decode-sized ones.
 """
@@ -36,12 +40,17 @@ def _random_units(batch, heads, units, tokens, max_size, seed, p_inf=0.15, p_emp
     return scores, sizes, starts, order
 
 
-def _check(scores, sizes, starts, order, capacity):
-    got = _select_budget()(scores, sizes, starts, order, capacity)
+def _check(scores, sizes, starts, order, capacity, take=None):
+    """Triton equals the reference on the rows of sequences in ``take`` (all when None); the
+    other rows hold the documented empty selection, in range."""
+    got = _select_budget()(scores, sizes, starts, order, capacity, take)
     want = reference.select_budget(scores, sizes, starts, order, capacity)
+    rows = torch.ones(scores.shape[0], dtype=torch.bool, device=DEVICE) if take is None else take
     for name, a, b in zip(("unit_ids", "num_units", "slots", "slot_valid"), got, want):
         assert a.dtype == b.dtype and a.shape == b.shape, name
-        assert torch.equal(a, b), name
+        assert torch.equal(a[rows], b[rows]), name
+    unit_ids, num_units, slots, slot_valid = (t[~rows] for t in got)
+    assert (slots == 0).all() and not slot_valid.any() and (num_units == 0).all() and (unit_ids == -1).all()
     return got
 
 
@@ -95,16 +104,108 @@ def test_dispatch_reaches_the_triton_op():
 
 @settings(max_examples=25, deadline=None)
 @given(
-    batch=st.integers(1, 2),
+    batch=st.integers(1, 3),
     heads=st.integers(1, 3),
     units=st.integers(1, 70),
     max_size=st.integers(1, 40),
     capacity=st.integers(0, 300),
     levels=st.sampled_from([None, 2, 5]),
+    take_bits=st.integers(0, 7),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_select_budget_property(batch, heads, units, max_size, capacity, levels, seed):
-    _check(*_random_units(batch, heads, units, 600, max_size, seed, levels=levels), capacity)
+def test_select_budget_property(batch, heads, units, max_size, capacity, levels, take_bits, seed):
+    take = None if take_bits == 7 else torch.tensor([bool(take_bits >> b & 1) for b in range(batch)], device=DEVICE)
+    _check(*_random_units(batch, heads, units, 600, max_size, seed, levels=levels), capacity, take)
+
+
+# ---- take: sequences that do not re-select ------------------------------------------------
+
+@pytest.mark.parametrize("sort_limit", [None, 0])  # in-kernel ranking, and torch.sort for every U
+def test_rows_without_take_get_an_empty_selection(sort_limit, monkeypatch):
+    from kvpolicy.kernels.triton import select
+
+    if sort_limit is not None:
+        monkeypatch.setattr(select, "_SORT_LIMIT", sort_limit)
+    inputs = _random_units(3, 2, 50, 400, 8, seed=3, levels=4)
+    _check(*inputs, 37, torch.tensor([True, False, True], device=DEVICE))
+    _check(*inputs, 37, torch.tensor([False, False, False], device=DEVICE))
+    _check(*inputs, 37, torch.tensor([True, True, True], device=DEVICE))
+    _check(*inputs, 0, torch.tensor([False, True, False], device=DEVICE))
+
+
+def test_take_must_have_one_entry_per_sequence():
+    inputs = _random_units(2, 2, 10, 100, 5, seed=4)
+    with pytest.raises(ValueError, match="take"):
+        _select_budget()(*inputs, 8, torch.ones(3, dtype=torch.bool, device=DEVICE))
+
+
+# ---- the in-kernel ranking: the order of torch.sort(descending=True, stable=True) -----------
+
+def _special_scores(batch, heads, units, seed):
+    """Quantised scores with -0.0 next to 0.0, +-inf, NaN, float extremes and denormals."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    specials = torch.tensor(
+        [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 3.4028235e38, -3.4028235e38,
+         1e-45, -1e-45, 1.1754944e-38, 1.0, -1.0, 2.0, -2.0, 0.5],
+        device=DEVICE,
+    )
+    pick = torch.randint(0, specials.numel(), (batch, heads, units), generator=g, device=DEVICE)
+    return specials[pick]
+
+
+@pytest.mark.parametrize("sort_limit", [None, 0])
+@pytest.mark.parametrize("units, capacity, block", [(7, 20, None), (64, 100, None), (300, 250, 64)])
+def test_ranking_of_special_scores_and_ties(units, capacity, block, sort_limit, monkeypatch):
+    from kvpolicy.kernels.triton import select
+
+    if sort_limit is not None:
+        monkeypatch.setattr(select, "_SORT_LIMIT", sort_limit)
+    if block is not None:  # several blocks of units and of positions
+        monkeypatch.setattr(select, "_BLOCK", block)
+    _, sizes, starts, order = _random_units(2, 2, units, 3 * units, 4, seed=units, p_empty=0.2)
+    scores = _special_scores(2, 2, units, seed=units + 1)
+    _check(scores, sizes, starts, order, capacity, torch.tensor([True, False], device=DEVICE))
+    _check(scores, sizes, starts, order, capacity)
+
+
+def test_descending_key_orders_like_a_stable_descending_sort():
+    from kvpolicy.kernels.triton import select
+
+    # one row of special and quantised scores: every selectable unit's rank must match
+    units = 1024
+    scores = _special_scores(1, 1, units, seed=11)
+    scores[..., ::3] = torch.randint(-3, 4, (1, 1, len(range(0, units, 3))), device=DEVICE).float() / 4
+    sizes = torch.ones(1, 1, units, dtype=torch.long, device=DEVICE)
+    starts = torch.arange(units, device=DEVICE).view(1, 1, -1)
+    order = torch.arange(units, device=DEVICE).view(1, 1, -1)
+    unit_ids, num_units, _, _ = _check(scores, sizes, starts, order, units)
+    ranked = torch.sort(scores[0, 0], descending=True, stable=True).indices
+    selectable = scores[0, 0][ranked] > float("-inf")
+    assert unit_ids[0, 0, : int(num_units)].tolist() == ranked[selectable].tolist()
+    assert select._SORT_LIMIT >= units  # the kernel ranked it
+
+
+@pytest.mark.parametrize("units", [255, 256, 257])
+def test_select_budget_around_the_in_kernel_ranking_limit(units, monkeypatch):
+    # the limit lowered to 256 so the interpreter stays quick: a padded block, a full one, and
+    # torch.sort just above; small blocks so both walks take several steps
+    from kvpolicy.kernels.triton import select
+
+    monkeypatch.setattr(select, "_SORT_LIMIT", 256)
+    monkeypatch.setattr(select, "_BLOCK", 32)
+    inputs = _random_units(2, 2, units, 1000, 4, seed=units, levels=20)
+    _check(*inputs, 150, torch.tensor([False, True], device=DEVICE))
+    _check(*inputs, 150)
+
+
+def test_select_budget_above_the_in_kernel_ranking_limit():
+    # torch.sort ranks U = _SORT_LIMIT + 1 (the in-kernel 16384 block is left to the CUDA
+    # tests: the interpreter takes ~40 s to sort it)
+    from kvpolicy.kernels.triton import select
+
+    units = select._SORT_LIMIT + 1
+    inputs = _random_units(2, 1, units, 40000, 3, seed=units, levels=200)
+    _check(*inputs, 700, torch.tensor([True, False], device=DEVICE))
 
 
 # ---- CUDA only: decode-sized problems --------------------------------------------------
@@ -116,6 +217,36 @@ def test_select_budget_at_decode_sizes(levels, max_size):
     inputs = _random_units(4, 8, 8192, 131072, max_size, seed=max_size, levels=levels)
     _check(*inputs, 2048)
     _check(*inputs, 4096)
+
+
+@needs_cuda
+@pytest.mark.parametrize("units", [8192, 16384, 30000])
+def test_select_budget_with_take_at_decode_sizes(units):
+    inputs = _random_units(4, 8, units, 131072, 16, seed=units, levels=100)
+    _check(*inputs, 2048, torch.tensor([True, False, False, True], device=DEVICE))
+
+
+@needs_cuda
+@pytest.mark.parametrize("units", [8192, 30000])
+def test_select_budget_with_take_replays_in_a_cuda_graph(units):
+    scores, sizes, starts, order = _random_units(4, 8, units, 65536, 16, seed=1)
+    take = torch.tensor([True, True, False, True], device=DEVICE)
+    fill = _select_budget()
+    fill(scores, sizes, starts, order, 2048, take)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fill(scores, sizes, starts, order, 2048, take)
+    for seed, rows in ((2, [False, True, True, False]), (3, [True, True, True, True]), (4, [False] * 4)):
+        for dst, src in zip((scores, sizes, starts, order), _random_units(4, 8, units, 65536, 16, seed=seed)):
+            dst.copy_(src)
+        take.copy_(torch.tensor(rows, device=DEVICE))
+        graph.replay()
+        want = reference.select_budget(scores, sizes, starts, order, 2048)
+        for a, b in zip(outs, want):
+            assert torch.equal(a[take], b[take])
+        unit_ids, num_units, slots, valid = (t[~take] for t in outs)
+        assert (slots == 0).all() and not valid.any() and (num_units == 0).all() and (unit_ids == -1).all()
 
 
 @needs_cuda

@@ -22,7 +22,7 @@ from . import reference, reference_analytic
 log = logging.getLogger("kvpolicy")
 
 OPS = (
-    "kmeans", "select_budget", "gather_rows", "gather_rows_into", "resident_rows", "refresh_rows", "write_row",
+    "kmeans", "unit_scores", "select_budget", "gather_rows", "gather_rows_into", "resident_rows", "refresh_rows", "write_row",
     "sparse_decode_attention", "collision_count", "candidate_topk", "rerank", "append_to_unit", "admit_row",
 )
 # ParisKV's ops have their reference in their own file

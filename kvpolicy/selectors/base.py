@@ -42,6 +42,9 @@ class Selector:
     registered_name: ClassVar[str] = ""
     #: The kind of per-layer index it reads (``UnitBuilder.index_kind``): "table" is a UnitTable.
     index_kind: ClassVar[str] = "table"
+    # the ``unit_scores`` kernel op method that computes ``score`` ("mean", "bound"), set by the
+    # class that defines ``score``; None: ``select`` calls ``score`` (plain PyTorch)
+    score_method: ClassVar[str | None] = None
 
     def validate(self) -> None:
         """Raise ``ConfigError`` for bad options. Called when the policy is built."""
@@ -53,12 +56,37 @@ class Selector:
         """``query_group``: ``(B, H, G, D)`` float32 -> ``(B, H, U)`` scores (any finite values)."""
         raise NotImplementedError
 
-    def select(self, query: torch.Tensor, units: UnitTable, capacity: int, backend: str) -> Selection:
-        """``query``: ``(B, Hq, D)``; fill ``capacity`` tokens."""
+    def select(
+        self, query: torch.Tensor, units: UnitTable, capacity: int, backend: str, take: torch.Tensor | None = None
+    ) -> Selection:
+        """``query``: ``(B, Hq, D)``; fill ``capacity`` tokens.
+
+        ``take``: optional ``(B,)`` bool device tensor, the sequences whose selection will be
+        used (the decode step's ``reselect``). Fast backends skip the others' scoring and fill;
+        their outputs are then unspecified but safe to consume: ``slots`` in
+        ``[0, order.shape[-1])``, ``unit_ids`` in ``[-1, U)`` (the Triton ops write an empty
+        selection: slots 0, ``slot_valid`` False, ``num_units`` 0, ``unit_ids`` -1).
+        """
         batch, q_heads, dim = query.shape
         kv_heads = units.start.shape[1]
         group = query.float().view(batch, kv_heads, q_heads // kv_heads, dim)
-        scores = self.score(group, units).masked_fill(~units.selectable, float("-inf"))
+        method = self._unit_score_method()
+        if method is not None:
+            unit_scores = dispatch.get("unit_scores", backend, query.device)
+            scores = unit_scores(
+                group, units.key_sum, units.key_min, units.key_max, units.size, units.selectable, method, take
+            )
+        else:
+            scores = self.score(group, units).masked_fill(~units.selectable, float("-inf"))
         fill = dispatch.get("select_budget", backend, query.device)
-        unit_ids, num_units, slots, slot_valid = fill(scores, units.size, units.start, units.order, capacity)
+        unit_ids, num_units, slots, slot_valid = fill(scores, units.size, units.start, units.order, capacity, take)
         return Selection(unit_ids, num_units, slots, slot_valid)
+
+    @classmethod
+    def _unit_score_method(cls) -> str | None:
+        """``score_method`` if the class that defines the ``score`` in effect declared it: a
+        subclass overriding ``score`` alone is scored by its own ``score``."""
+        for klass in cls.__mro__:
+            if "score" in vars(klass):
+                return vars(klass).get("score_method")
+        return None

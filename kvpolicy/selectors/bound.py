@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from ..kernels import reference
 from ..registry import register
 from .base import Selector
 
@@ -17,14 +19,9 @@ class Bound(Selector):
     query heads is taken, so the unit is kept if any head of the group could need it.
     """
 
+    # ``select`` computes this score with the ``unit_scores`` kernel op
+    score_method: ClassVar[str] = "bound"
+
     def score(self, query_group: torch.Tensor, units) -> torch.Tensor:
-        # max(q*lo, q*hi) = relu(q)*hi + min(q, 0)*lo since lo <= hi: two matmuls instead of a
-        # (B, H, G, U, D) product (which cost Quest 3.6 ms per step at 128K, batch 8)
-        filled = units.selectable.unsqueeze(-1)
-        # empty units have +-inf bounds; they are masked by the caller, keep them finite here
-        low = torch.where(filled, units.key_min, 0.0)
-        high = torch.where(filled, units.key_max, 0.0)
-        positive = query_group.clamp(min=0)
-        negative = query_group - positive
-        bound = torch.einsum("bhgd,bhud->bhgu", positive, high) + torch.einsum("bhgd,bhud->bhgu", negative, low)
-        return bound.amax(dim=2)
+        # relu(q) . max + min(q, 0) . min, largest over the group; see reference.key_bound_scores
+        return reference.key_bound_scores(query_group, units.key_min, units.key_max, units.selectable)

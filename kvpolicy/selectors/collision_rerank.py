@@ -95,8 +95,9 @@ class CollisionRerank(Selector):
     def score(self, query_group, units):
         raise NotImplementedError("collision_rerank selects tokens of an analytic index directly (select)")
 
-    def select(self, query: torch.Tensor, index, capacity: int, backend: str) -> Selection:
-        """``query (B, Hq, D)``; ``index``: an ``AnalyticIndex``; ``capacity``: the retrieval budget R."""
+    def select(self, query: torch.Tensor, index, capacity: int, backend: str, take: torch.Tensor | None = None) -> Selection:
+        """``query (B, Hq, D)``; ``index``: an ``AnalyticIndex``; ``capacity``: the retrieval budget R.
+        ``take`` (the sequences whose selection is used) is not read: every row is computed."""
         batch, q_heads, dim = query.shape
         kv_heads = index.weight.shape[1]
         device = query.device

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from ..kernels import reference
 from ..registry import register
 from .base import Selector
 
@@ -17,7 +19,9 @@ class TopBudget(Selector):
     per KV head, so every query head of a GQA group sees the same KV.
     """
 
+    # ``select`` computes this score with the ``unit_scores`` kernel op
+    score_method: ClassVar[str] = "mean"
+
     def score(self, query_group: torch.Tensor, units) -> torch.Tensor:
-        # q . (sum / size) = (q . sum) / size: no (B, H, U, D) table of means each step
-        summed = torch.einsum("bhgd,bhud->bhu", query_group, units.key_sum)
-        return summed / (units.size.clamp(min=1) * query_group.shape[2])
+        # (sum_g q_g) . key_sum / (size * G); see reference.mean_key_scores
+        return reference.mean_key_scores(query_group, units.key_sum, units.size)
