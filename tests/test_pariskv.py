@@ -275,7 +275,7 @@ def test_nearest_centroid_scores_a_generated_token_by_its_prompt_cluster():
     leaving = (centres[2] + torch.randn(16, generator=gen)).view(1, 1, 16)
     builder = NearestCentroid()
     table.append_leaving_token(torch.tensor(64), leaving, torch.ones(1, dtype=torch.bool),
-                               torch.zeros(1, dtype=torch.bool), builder)
+                               torch.zeros(1, dtype=torch.bool), builder, "reference")
     new = table.num_prompt_units  # the token's own unit
     nearest = (prompt_means - centres[2]).norm(dim=-1).argmin()
     torch.testing.assert_close(table.key_sum[0, 0, new], prompt_means[nearest])
