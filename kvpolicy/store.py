@@ -114,7 +114,7 @@ class TieredStore:
     # (B,) long, cumulative: buffer rows fetch read from the pool, over all heads (a row is one
     # token's key and value of one head); a fetch of R fresh rows adds H * R
     pool_rows_read: torch.Tensor | None = None
-    # (B, H, zone_end) long: the pool row of each zone slot once ``lay_out_zone`` ran (None: row = slot)
+    # (B, H, zone_end) int32: the pool row of each zone slot once ``lay_out_zone`` ran (None: row = slot)
     zone_rows: torch.Tensor | None = None
     # fetch's work buffers, shared by the stores of one shape (see _shared): (B, H, R, D) where
     # the new rows are assembled, and (B, H, R) int32, the buffer row holding each wanted slot
@@ -231,8 +231,9 @@ class TieredStore:
         index = order.unsqueeze(-1).expand(*order.shape, keys.shape[-1])
         _copy_prompt(self.pool_keys, keys[:, :, :zone].gather(2, index))
         _copy_prompt(self.pool_values, values[:, :, :zone].gather(2, index))
-        rows = torch.empty_like(order)
-        rows.scatter_(2, order, torch.arange(zone, device=order.device).expand_as(order))
+        # int32: the table is held per layer for the whole generation (4 x 128K: 16 MB a layer)
+        rows = torch.empty(order.shape, dtype=torch.int32, device=order.device)
+        rows.scatter_(2, order, torch.arange(zone, dtype=torch.int32, device=order.device).expand_as(order))
         self.zone_rows = rows
 
     def pool_rows(self, slots: torch.Tensor) -> torch.Tensor:
@@ -241,7 +242,7 @@ class TieredStore:
             return slots
         zone = self.zone_end
         in_zone = self.zone_rows.gather(2, slots.clamp(0, zone - 1))
-        return torch.where(slots < zone, in_zone, slots)
+        return torch.where(slots < zone, in_zone.long(), slots)
 
     def sink_slot_mask(self) -> torch.Tensor:
         """``(B, zone_end)`` True where a zone slot is a sink token (so not retrievable)."""
