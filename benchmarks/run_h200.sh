@@ -2,7 +2,7 @@
 # Every GPU measurement of BENCHMARKS.md in one device call (about 9 minutes on the H200).
 # Usage on the device machine, from the repository root:
 #     bash benchmarks/run_h200.sh /root/bench "$OUT/bench.tar" [STEPS]
-# STEPS: a comma-separated subset of kernels,profile,gather,e2e,targets,layer,ttft (default: all; all of them
+# STEPS: a comma-separated subset of kernels,profile,profile_policy,gather,e2e,targets,layer,paris,ttft (default: all; all of them
 # take more than one 10-minute device call, so split them over two calls on a warm machine).
 # Each step has its own time limit and writes its JSON into the folder as soon as it finishes,
 # so a step that runs out of time costs only itself; after every step the folder is re-packed
@@ -11,7 +11,7 @@
 set -u
 OUT=${1:?output folder}
 TAR=${2:?tar file to re-pack after each step}
-STEPS=",${3:-kernels,profile,gather,e2e,targets,layer,ttft},"
+STEPS=",${3:-kernels,profile,gather,e2e,targets,layer,paris,ttft},"
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 step() {  # step NAME SECONDS command...
@@ -23,13 +23,16 @@ step() {  # step NAME SECONDS command...
     tar cf "$TAR" -C "$(dirname "$OUT")" "$(basename "$OUT")"
 }
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
-step kernels 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_gather.py \
+step kernels 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_gather.py \
     tests/test_triton_select.py tests/test_triton_kmeans.py tests/test_triton_write.py tests/test_decode_graph.py tests/test_graph_ready.py \
     tests/test_pinned_pool.py tests/test_static_full_attention.py tests/test_triton_analytic.py \
-    tests/test_triton_unit_append.py tests/test_triton_admit.py
+    tests/test_triton_unit_append.py tests/test_triton_admit.py tests/test_triton_score.py tests/test_pariskv.py \
+    tests/test_pool_layout.py tests/test_pinned_recycling.py
 step profile 150 bash -c "python3 benchmarks/profile_step.py --preset full --context 131072 --batch 4 --out $OUT/profile_full.txt &&
     python3 benchmarks/profile_step.py --preset louiskv --context 131072 --batch 4 --trigger '{\"name\":\"interval\",\"n\":9}' \
         --out $OUT/profile_louiskv.txt"
+step profile_policy 150 python3 benchmarks/profile_step.py --preset louiskv --context 131072 --batch 4 \
+    --trigger '{"name":"interval","n":9}' --out "$OUT/profile_louiskv.txt"
 step gather 40 python3 -m kvpolicy bench gather --batches 1,4,8 --runs 1,16 --budget 2048 --json "$OUT/gather.json"
 step e2e 420 python3 -m kvpolicy bench e2e --contexts 32768,131072 --batches 1,4 --presets louiskv,arkvale,quest \
     --placements cpu,gpu --budget 2048 --steps 30 --json "$OUT/e2e.json"
@@ -40,5 +43,8 @@ step targets 340 bash -c "python3 -m kvpolicy bench e2e --contexts 131072 --batc
     --full-kinds full-graph --budget 2048 --steps 20 --json $OUT/e2e_512k_b1.json"
 step layer 90 python3 -m kvpolicy bench layer --contexts 131072,524288 --batches 1,4,8 --presets louiskv,quest \
     --placements cpu --repeats 20 --json "$OUT/layer.json"
+# issue 5: ParisKV's decode layer at 128K and 1M tokens beside louiskv and full attention (SDPA over the same KV)
+step paris 200 python3 -m kvpolicy bench layer --contexts 131072,1048576 --batches 1,4 --presets pariskv,louiskv \
+    --placements cpu --repeats 20 --json "$OUT/layer_pariskv.json"
 step ttft 90 python3 -m kvpolicy bench ttft --contexts 2048,8192,32768,65536 --batches 1 --presets louiskv \
     --placements cpu,gpu --budget 2048 --repeats 2 --json "$OUT/ttft.json"
