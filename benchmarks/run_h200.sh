@@ -2,7 +2,7 @@
 # Every GPU measurement of BENCHMARKS.md in one device call (about 9 minutes on the H200).
 # Usage on the device machine, from the repository root:
 #     bash benchmarks/run_h200.sh /root/bench "$OUT/bench.tar" [STEPS]
-# STEPS: a comma-separated subset of kernels,profile,profile_policy,gather,e2e,targets,layer,paris,ttft (default: all; all of them
+# STEPS: a comma-separated subset of kernels,profile,profile_policy,sortbench,gather,e2e,targets,layer,paris,ttft (default: all; all of them
 # take more than one 10-minute device call, so split them over two calls on a warm machine).
 # Each step has its own time limit and writes its JSON into the folder as soon as it finishes,
 # so a step that runs out of time costs only itself; after every step the folder is re-packed
@@ -11,7 +11,7 @@
 set -u
 OUT=${1:?output folder}
 TAR=${2:?tar file to re-pack after each step}
-STEPS=",${3:-kernels,profile,gather,e2e,targets,layer,paris,ttft},"
+STEPS=",${3:-kernels,profile,sortbench,gather,e2e,targets,layer,paris,ttft},"
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 step() {  # step NAME SECONDS command...
@@ -33,9 +33,11 @@ step profile 150 bash -c "python3 benchmarks/profile_step.py --preset full --con
         --out $OUT/profile_louiskv.txt"
 step profile_policy 150 python3 benchmarks/profile_step.py --preset louiskv --context 131072 --batch 4 \
     --trigger '{"name":"interval","n":9}' --out "$OUT/profile_louiskv.txt"
+step sortbench 60 python3 benchmarks/select_sort.py
 step gather 40 python3 -m kvpolicy bench gather --batches 1,4,8 --runs 1,16 --budget 2048 --json "$OUT/gather.json"
-step e2e 420 python3 -m kvpolicy bench e2e --contexts 32768,131072 --batches 1,4 --presets louiskv,arkvale,quest \
-    --placements cpu,gpu --budget 2048 --steps 30 --json "$OUT/e2e.json"
+# issue 4b's grid in one run: louiskv at both placements, the peers with the pool in pinned host memory
+step e2e 300 python3 -m kvpolicy bench e2e --contexts 32768,131072 --batches 1,4 --presets louiskv,arkvale@cpu,quest@cpu \
+    --placements cpu,gpu --full-kinds full-graph,full-eager --budget 2048 --steps 10 --json "$OUT/e2e.json"
 # the two throughput targets' cells (each policy cell pins 77 GB of host memory: about 50 s)
 step targets 340 bash -c "python3 -m kvpolicy bench e2e --contexts 131072 --batches 4 --presets louiskv,arkvale \
     --placements cpu --full-kinds full-graph --budget 2048 --steps 20 --json $OUT/e2e_128k_b4.json &&
@@ -44,7 +46,9 @@ step targets 340 bash -c "python3 -m kvpolicy bench e2e --contexts 131072 --batc
 step layer 90 python3 -m kvpolicy bench layer --contexts 131072,524288 --batches 1,4,8 --presets louiskv,quest \
     --placements cpu --repeats 20 --json "$OUT/layer.json"
 # issue 5: ParisKV's decode layer at 128K and 1M tokens beside louiskv and full attention (SDPA over the same KV)
-step paris 200 python3 -m kvpolicy bench layer --contexts 131072,1048576 --batches 1,4 --presets pariskv,louiskv \
-    --placements cpu --repeats 20 --json "$OUT/layer_pariskv.json"
-step ttft 90 python3 -m kvpolicy bench ttft --contexts 2048,8192,32768,65536 --batches 1 --presets louiskv \
+# (graph-replayed parts; if a part cannot be captured the log says so and the eager timing runs instead)
+step paris 150 bash -c "python3 -m kvpolicy bench layer --contexts 131072,1048576 --batches 1,4 --presets pariskv,louiskv \
+    --placements cpu --repeats 20 --json $OUT/layer_pariskv.json || python3 -m kvpolicy bench layer --eager \
+    --contexts 131072,1048576 --batches 1,4 --presets pariskv,louiskv --placements cpu --repeats 20 --json $OUT/layer_pariskv_eager.json"
+step ttft 100 python3 -m kvpolicy bench ttft --contexts 2048,8192,32768,65536 --batches 1 --presets louiskv \
     --placements cpu,gpu --budget 2048 --repeats 2 --json "$OUT/ttft.json"

@@ -107,8 +107,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--layers", type=int, default=36, help="ttft: layers of the random Qwen3-8B-shaped model")
     bench.add_argument("--batches", default="1,4,8")
     bench.add_argument("--budget", type=int, default=2048)
-    bench.add_argument("--presets", default="louiskv,quest,arkvale")
+    bench.add_argument("--presets", default="louiskv,quest,arkvale",
+                       help="comma-separated presets; NAME@PLACEMENT runs that preset at that placement only "
+                            "(e.g. louiskv,arkvale@cpu)")
     bench.add_argument("--placements", default="cpu,gpu", help="where the full KV lives: cpu (pinned), gpu")
+    bench.add_argument("--eager", action="store_true",
+                       help="layer: time each part launched from Python (default on a GPU: as a CUDA-graph replay)")
     bench.add_argument("--runs", default="1,16", help="gather: consecutive rows per run (1: random rows; 16: a "
                        "unit of the unit-ordered pool)")
     bench.add_argument("--full-kinds", default="full-graph,full-sdpa-graph,full-eager",
@@ -455,7 +459,16 @@ def _bench(args) -> int:
     dispatch.check(args.backend, device)
     if device.type != "cuda":
         print("kvpolicy bench: no CUDA device; timings on the CPU say nothing about the GPU path", file=sys.stderr)
-    rows: list[dict] = []
+    _preset_placements(args)  # a bad --presets or --placements fails before any model is built
+    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "args": {k: v for k, v in vars(args).items() if k != "sub_plugin"}}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    rows = _BenchRows(args.json, meta)
     failed = False
     if args.what == "e2e":
         from .bench.e2e import full_throughput, policy_throughput
@@ -476,8 +489,8 @@ def _bench(args) -> int:
             for batch in _ints(args.batches, "batches"):
                 base = None
                 cells = [("full-graph", None)] + [(kind, None) for kind in full_kinds if kind != "full-graph"]
-                for name in [p for p in args.presets.split(",") if p]:
-                    for placement in args.placements.split(","):
+                for name, placements in _preset_placements(args):
+                    for placement in placements:
                         triggers = [{"name": "interval", "n": every}, {"name": "every_step"}] if name == "louiskv" else [None]
                         for trigger in triggers:
                             options = {"budget": args.budget, "placement": placement, "backend": args.backend}
@@ -519,8 +532,7 @@ def _bench(args) -> int:
         for batch in _ints(args.batches, "batches"):
             for length in lengths:
                 full = None
-                for name in ["full"] + [p for p in args.presets.split(",") if p and p != "full"]:
-                    placements = [None] if name == "full" else args.placements.split(",")
+                for name, placements in [("full", [None])] + [c for c in _preset_placements(args) if c[0] != "full"]:
                     for placement in placements:
                         options = {} if name == "full" else {"budget": args.budget, "placement": placement,
                                                             "backend": args.backend}
@@ -549,23 +561,21 @@ def _bench(args) -> int:
     else:
         from .bench.layer import LayerShape, layer_policy, time_layer
 
-        presets = [p for p in args.presets.split(",") if p]
-        placements = [p for p in args.placements.split(",") if p]
-        for placement in placements:
-            if placement not in ("cpu", "gpu"):
-                raise KVPolicyError(f"--placements takes cpu and/or gpu, got {placement!r}")
+        cells = _preset_placements(args)
+        replay = device.type == "cuda" and not args.eager
+        print(f"each part timed {'as a CUDA-graph replay' if replay else 'eagerly (launched from Python)'}")
         header = (f"{'preset':9s} {'pool':4s} {'B':>2s} {'context':>8s} {'trigger':>8s} {'select':>8s} {'transfer':>9s} "
                   f"{'attn':>7s} {'reselect':>9s} {'reuse':>7s} {'amortised':>9s} {'full':>7s}   (ms)")
         print(header)
         for context in _ints(args.contexts or "32768,131072,524288", "contexts"):
             for batch in _ints(args.batches, "batches"):
                 first = True
-                for name in presets:
+                for name, placements in cells:
                     rate = args.rate if name == "louiskv" else 1.0
                     for placement in placements:
                         policy = layer_policy(name, args.budget, placement, args.backend, not args.kmeans)
                         t = time_layer(policy, LayerShape(batch=batch, context=context), device,
-                                       repeats=args.repeats, with_full=first)
+                                       repeats=args.repeats, with_full=first, replay=replay)
                         first = False
                         rows.append(t.as_dict(rate))
                         full = "" if t.full_sdpa_ms is None else f"{t.full_sdpa_ms:7.3f}"
@@ -574,17 +584,38 @@ def _bench(args) -> int:
                               f"{t.amortised_ms(rate):9.3f} {full}", flush=True)
                         if device.type == "cuda":
                             torch.cuda.empty_cache()
-    if args.json:
-        meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                "torch": torch.__version__, "args": {k: v for k, v in vars(args).items() if k != "sub_plugin"}}
-        try:
-            import triton
-
-            meta["triton"] = triton.__version__
-        except ImportError:
-            pass
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2, default=str), encoding="utf-8")
     return 1 if failed else 0
+
+
+class _BenchRows(list):
+    """A bench run's rows, rewritten to the JSON file (if any) after each one: a run cut short by a
+    time limit keeps the rows it measured."""
+
+    def __init__(self, path: str | None, meta: dict):
+        super().__init__()
+        self.path, self.meta = path, meta
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        if self.path:
+            Path(self.path).write_text(json.dumps({"meta": self.meta, "rows": list(self)}, indent=2, default=str),
+                                       encoding="utf-8")
+
+
+def _preset_placements(args) -> list[tuple[str, list[str]]]:
+    """``--presets`` with each preset's placements: ``--placements``, or the one after ``NAME@``."""
+    accepted = ("cpu", "gpu")
+    default = [p for p in args.placements.split(",") if p]
+    for placement in default:
+        if placement not in accepted:
+            raise KVPolicyError(f"--placements takes cpu and/or gpu, got {placement!r}")
+    cells = []
+    for entry in (p for p in args.presets.split(",") if p):
+        name, at, placement = entry.partition("@")
+        if at and placement not in accepted:
+            raise KVPolicyError(f"--presets entry {entry!r}: the placement after '@' must be cpu or gpu")
+        cells.append((name, [placement] if at else default))
+    return cells
 
 
 def _print_points(points, chosen: float) -> None:

@@ -50,6 +50,9 @@ def test_presets_lists_presets_and_components():
         (["calibrate", "--tolerance", "2"], "--tolerance must be in [0, 1]"),
         (["calibrate", "--against", "anchor"], "--against anchor is an experiment"),
         (["calibrate", "--merge", "/no/such/shard.json"], "cannot read calibration shard '/no/such/shard.json'"),
+        (["bench", "layer", "--backend", "reference", "--presets", "louiskv@disk"],
+         "the placement after '@' must be cpu or gpu"),
+        (["bench", "e2e", "--backend", "reference", "--placements", "cpu,nvme"], "--placements takes cpu and/or gpu"),
     ],
 )
 def test_bad_input_exits_2_without_traceback(args, message, monkeypatch):
@@ -72,3 +75,29 @@ def test_readme_test_command_is_what_ci_runs():
     commands = [line for line in readme.splitlines() if line.startswith("python3 -m venv") and "pytest" in line]
     assert len(commands) == 1
     assert commands[0] in ci.splitlines()
+
+
+def test_bench_rows_name_each_presets_placements_and_reach_the_json_as_they_come(tmp_path):
+    from argparse import Namespace
+
+    from kvpolicy.cli import _BenchRows, _preset_placements
+
+    args = Namespace(presets="louiskv,arkvale@cpu,quest@gpu", placements="cpu,gpu")
+    assert _preset_placements(args) == [("louiskv", ["cpu", "gpu"]), ("arkvale", ["cpu"]), ("quest", ["gpu"])]
+    path = tmp_path / "rows.json"
+    rows = _BenchRows(str(path), {"device": "cpu"})
+    rows.append({"kind": "a"})
+    import json
+
+    assert json.loads(path.read_text())["rows"] == [{"kind": "a"}]  # written before the run ends
+    rows.append({"kind": "b"})
+    assert [r["kind"] for r in json.loads(path.read_text())["rows"]] == ["a", "b"]
+
+
+def test_graph_replay_timing_needs_a_cuda_device():
+    import torch
+
+    from kvpolicy.bench.timing import time_replay_ms
+
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        time_replay_ms(lambda: None, torch.device("cpu"))

@@ -12,6 +12,10 @@ A re-selecting step pays all four; a reusing step pays trigger and attention, pl
 fetch kernels launched with nothing to move (they read the decision on the device).
 Amortised at re-selection rate ``r``: ``reuse + r * (selection + transfer)``.
 Full attention over the same KV held on the GPU is timed beside it.
+
+On a GPU each part is captured as a CUDA graph and its replay is timed (``replay``): the device
+time a graph-replayed decode step spends on it. Timed eagerly instead, a part of many small
+kernels measures the host's launch rate, not the GPU.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from ..layer import PolicyLayerState
 from ..policy import Policy
 from ..presets import preset
 from ..units.base import UnitBuilder
-from .timing import time_ms
+from .timing import time_ms, time_replay_ms
 
 
 @dataclass
@@ -72,6 +76,7 @@ class LayerTimes:
     attention_ms: float
     full_sdpa_ms: float | None  # full attention over the same KV on the GPU (None if it did not fit)
     transfer_bytes: int
+    timing: str = "eager"  # "replay": each part timed as a CUDA-graph replay; "eager": launched from Python
 
     @property
     def reselect_ms(self) -> float:
@@ -110,7 +115,11 @@ def time_layer(
     repeats: int = 30,
     with_full: bool = True,
     seed: int = 0,
+    replay: bool = False,
 ) -> LayerTimes:
+    """Each part timed on its own; ``replay``: as a CUDA-graph replay (device time, as a replayed
+    decode step runs it; CUDA only), else eagerly (including the host's launch gaps)."""
+    timer = time_replay_ms if replay else time_ms
     torch.manual_seed(seed)
     b, h, n, d = shape.batch, shape.kv_heads, shape.context, shape.head_dim
     keys = torch.randn(b, h, n, d, dtype=shape.dtype, device=device)
@@ -125,7 +134,7 @@ def time_layer(
         def full_attention(k=keys, v=values):
             return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
 
-        full_ms = time_ms(full_attention, device, repeats)
+        full_ms = timer(full_attention, device, repeats)
 
     pool_device = torch.device("cpu") if policy.placement == "cpu" else device
     state = PolicyLayerState(policy, 0, pool_device)
@@ -140,27 +149,27 @@ def time_layer(
     every = torch.ones(b, dtype=torch.bool, device=device)
     none = torch.zeros(b, dtype=torch.bool, device=device)
 
-    trigger_ms = time_ms(lambda: policy.trigger.decide(query, state.trigger_state), device, repeats)
-    selection_ms = time_ms(lambda: policy.selector.select(query, units, capacity, backend), device, repeats)
+    trigger_ms = timer(lambda: policy.trigger.decide(query, state.trigger_state), device, repeats)
+    selection_ms = timer(lambda: policy.selector.select(query, units, capacity, backend), device, repeats)
     selection = policy.selector.select(query, units, capacity, backend)
     def cold_fetch():
         # the store keeps rows it already holds; forget them so every repeat moves the whole selection
         store.forget_resident()
         store.fetch(selection.slots, selection.slot_valid, every, backend)
 
-    transfer_ms = time_ms(cold_fetch, device, repeats)
-    reuse_transfer_ms = time_ms(lambda: store.fetch(selection.slots, selection.slot_valid, none, backend), device, repeats)
+    transfer_ms = timer(cold_fetch, device, repeats)
+    reuse_transfer_ms = timer(lambda: store.fetch(selection.slots, selection.slot_valid, none, backend), device, repeats)
     attention = dispatch.get("sparse_decode_attention", backend, device)
     parts = [
         (store.sink_keys, store.sink_values, store.sink_valid),
         (store.retrieved_keys, store.retrieved_values, store.retrieved_valid),
         (store.local_keys, store.local_values, store.local_valid),
     ]
-    attention_ms = time_ms(lambda: attention(query, parts, scale), device, repeats)
+    attention_ms = timer(lambda: attention(query, parts, scale), device, repeats)
     row = d * store.pool_keys.element_size()
     return LayerTimes(
         preset=policy.name, placement=policy.placement, backend=backend, batch=b, context=n, budget=policy.budget,
         trigger_ms=trigger_ms, selection_ms=selection_ms, transfer_ms=transfer_ms,
         reuse_transfer_ms=reuse_transfer_ms, attention_ms=attention_ms, full_sdpa_ms=full_ms,
-        transfer_bytes=2 * b * h * capacity * row,
+        transfer_bytes=2 * b * h * capacity * row, timing="replay" if replay else "eager",
     )
