@@ -155,7 +155,8 @@ class PolicyLayerState:
                 evicted.slot, evicted.key, evicted.valid, self.boundary.index_select(1, evicted.slot.view(1))[:, 0],
                 policy.decode_units, policy.backend,
             )
-            selection = policy.selector.select(query, self.units, store.retrieval_capacity, policy.backend, take=reselect)
+            take = None if policy.trigger.always_reselects else reselect
+            selection = policy.selector.select(query, self.units, store.retrieval_capacity, policy.backend, take=take)
             store.fetch(selection.slots, selection.slot_valid, reselect, policy.backend)
             store.admit(evicted, ~reselect, policy.backend)
             self.has_selection.fill_(True)

@@ -182,7 +182,7 @@ def test_descending_key_orders_like_a_stable_descending_sort():
     ranked = torch.sort(scores[0, 0], descending=True, stable=True).indices
     selectable = scores[0, 0][ranked] > float("-inf")
     assert unit_ids[0, 0, : int(num_units)].tolist() == ranked[selectable].tolist()
-    assert select._SORT_LIMIT >= units  # the kernel ranked it
+    assert min(select._SORT_LIMIT, select._SORT_LIMIT_WITHOUT_TAKE) >= units  # the kernel ranked it
 
 
 @pytest.mark.parametrize("units", [255, 256, 257])
@@ -196,6 +196,26 @@ def test_select_budget_around_the_in_kernel_ranking_limit(units, monkeypatch):
     inputs = _random_units(2, 2, units, 1000, 4, seed=units, levels=20)
     _check(*inputs, 150, torch.tensor([False, True], device=DEVICE))
     _check(*inputs, 150)
+
+
+@pytest.mark.parametrize("units", [128, 129])
+def test_without_take_the_kernel_ranks_only_up_to_its_own_lower_limit(units, monkeypatch):
+    # limits lowered (256 with take, 128 without) so the interpreter stays quick
+    from kvpolicy.kernels.triton import select
+
+    monkeypatch.setattr(select, "_SORT_LIMIT", 256)
+    monkeypatch.setattr(select, "_SORT_LIMIT_WITHOUT_TAKE", 128)
+    monkeypatch.setattr(select, "_BLOCK", 32)
+    sorts = []
+    real_sort = torch.sort
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(1) or real_sort(*a, **k))
+    inputs = _random_units(2, 2, units, 1000, 4, seed=units, levels=20)
+    _check(*inputs, 150, torch.tensor([True, True], device=DEVICE))
+    with_take = len(sorts)
+    _check(*inputs, 150)
+    without_take = len(sorts) - with_take
+    # the reference sorts in both calls (its own torch.sort calls); only the Triton op's count differs
+    assert without_take - with_take == (1 if units > 128 else 0)
 
 
 def test_select_budget_above_the_in_kernel_ranking_limit():

@@ -150,8 +150,10 @@ def time_layer(
     none = torch.zeros(b, dtype=torch.bool, device=device)
 
     trigger_ms = timer(lambda: policy.trigger.decide(query, state.trigger_state), device, repeats)
-    selection_ms = timer(lambda: policy.selector.select(query, units, capacity, backend), device, repeats)
-    selection = policy.selector.select(query, units, capacity, backend)
+    # as the decode step calls it on a re-selecting step (a take mask unless the trigger always re-selects)
+    take = None if policy.trigger.always_reselects else every
+    selection_ms = timer(lambda: policy.selector.select(query, units, capacity, backend, take=take), device, repeats)
+    selection = policy.selector.select(query, units, capacity, backend, take=take)
     def cold_fetch():
         # the store keeps rows it already holds; forget them so every repeat moves the whole selection
         store.forget_resident()

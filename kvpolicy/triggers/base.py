@@ -23,6 +23,9 @@ class Trigger:
     """
 
     registered_name: ClassVar[str] = ""
+    # True for a trigger whose decision is always "re-select": the selector then gets no
+    # ``take`` mask, so its kernels pick what is fastest when every row ranks
+    always_reselects: ClassVar[bool] = False
 
     def validate(self) -> None:
         """Raise ``ConfigError`` for bad options. Called when the policy is built."""

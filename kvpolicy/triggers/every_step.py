@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -12,6 +13,8 @@ from .base import Trigger
 @dataclass
 class EveryStep(Trigger):
     """Re-select at every decode step (Quest, ArkVale, ClusterKV)."""
+
+    always_reselects: ClassVar[bool] = True
 
     def decide(self, query: torch.Tensor, state: None) -> torch.Tensor:
         return torch.ones(query.shape[0], dtype=torch.bool, device=query.device)

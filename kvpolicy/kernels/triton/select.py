@@ -6,7 +6,8 @@ One kernel launch, one program per (sequence, KV head):
    ``slot_valid`` False, ``num_units`` 0, ``unit_ids`` -1) and returns: in a replayed decode
    graph the fill (and, for ``U <= _SORT_LIMIT``, the ranking) costs nothing on the steps where
    the sequence keeps its selection;
-1. rank the units: ``U <= _SORT_LIMIT`` (16384): in the kernel, ``tl.sort`` of one 64-bit key
+1. rank the units: ``U <= _SORT_LIMIT`` (16384; 2048 when no ``take`` is given, as then no row
+   can skip the ranking and ``torch.sort`` is faster above that size): in the kernel, ``tl.sort`` of one 64-bit key
    per unit over a power-of-two block (see ``_descending_key``: the score's bits made
    order-preserving and inverted in the high word, the unit index in the low word, so the
    ascending key order is exactly ``torch.sort(descending=True, stable=True)``'s order of the
@@ -46,6 +47,11 @@ _BLOCK = 2048
 _NUM_WARPS = 8
 # largest U ranked inside the kernel (a power of two); above it torch.sort ranks every row
 _SORT_LIMIT = 16384
+# without ``take`` every row ranks, so the in-kernel sort only pays where it is faster than
+# torch.sort (H200, benchmarks/select_sort.py, 8 rows: 31 vs 34 us at 2,048 units, 87 vs 42 at
+# 4,096, 228 vs 98 at 8,192); with ``take`` rows that keep their selection skip it (9 us against
+# torch.sort's 77 at 8,192), which wins below a re-selection rate of about a third
+_SORT_LIMIT_WITHOUT_TAKE = 2048
 # warps for the in-kernel sort of more than 4096 keys. ptxas for sm_90a (offline, CUDA 13.4;
 # no GPU timing yet): 8192 keys take 230 registers at 8 warps, 128 at 16, neither spills;
 # 16384 keys at 16 warps take 128 registers and spill ~2.4 KB a thread (32 warps: 64 registers,
@@ -179,7 +185,7 @@ def select_budget(
 
     Rows of sequences with ``take[b]`` False get an empty selection (slots 0, ``slot_valid``
     False, ``num_units`` 0, ``unit_ids`` -1) without being ranked or filled (the ranking still
-    runs for them when ``U > _SORT_LIMIT``).
+    runs for them when ``U > _SORT_LIMIT``). Without ``take`` every row is ranked and filled.
     """
     *lead, units = scores.shape
     device = scores.device
@@ -202,7 +208,8 @@ def select_budget(
         take = take.to(device).reshape(batch).contiguous().view(torch.uint8)
         rows_per_sequence = programs // batch
     scores = scores.contiguous()
-    sort_block = triton.next_power_of_2(units) if units <= _SORT_LIMIT else 0
+    limit = _SORT_LIMIT if take is not None else min(_SORT_LIMIT, _SORT_LIMIT_WITHOUT_TAKE)
+    sort_block = triton.next_power_of_2(units) if units <= limit else 0
     if sort_block:
         # in-kernel ranking: the ranked unit ids (int32) go to a scratch row
         ranked = torch.empty(programs, units, dtype=torch.int32, device=device)
