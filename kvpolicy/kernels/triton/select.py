@@ -6,7 +6,7 @@ One kernel launch, one program per (sequence, KV head):
    ``slot_valid`` False, ``num_units`` 0, ``unit_ids`` -1) and returns: in a replayed decode
    graph the fill (and, for ``U <= _SORT_LIMIT``, the ranking) costs nothing on the steps where
    the sequence keeps its selection;
-1. rank the units: ``U <= _SORT_LIMIT`` (16384; 2048 when no ``take`` is given, as then no row
+1. rank the units: ``U <= _SORT_LIMIT`` (8192; 2048 when no ``take`` is given, as then no row
    can skip the ranking and ``torch.sort`` is faster above that size): in the kernel, ``tl.sort`` of one 64-bit key
    per unit over a power-of-two block (see ``_descending_key``: the score's bits made
    order-preserving and inverted in the high word, the unit index in the low word, so the
@@ -45,12 +45,19 @@ from . import score as _score  # noqa: F401  (registers ``unit_scores``, the sel
 # barely mattered)
 _BLOCK = 2048
 _NUM_WARPS = 8
-# largest U ranked inside the kernel (a power of two); above it torch.sort ranks every row
-_SORT_LIMIT = 16384
+# largest U ranked inside the kernel (a power of two); above it torch.sort ranks every row.
+# U is the unit table's capacity, which a decode grows past the prompt's units (a 128K prompt's
+# 8,189 units become 8,211 with a 20-step graph's reserve, 16,378 after an eager doubling), and
+# the sort runs over the next power of two. Measured on the H200 (benchmarks/select_sort.py,
+# batch 4 x 8 heads): a block of 16,384 keys took 522 us against torch.sort's 152 (it spills),
+# and a row that keeps its selection saves only ~90 us by skipping it, so the kernel wins there
+# only below a 15-20% re-selection rate; at 8,192 the break-even is about a third. LouisKV's rate
+# is 11.7% at tau 0.8 but 84-91% at SmolLM2's calibrated 0.95 (EVAL.md)
+_SORT_LIMIT = 8192
 # without ``take`` every row ranks, so the in-kernel sort only pays where it is faster than
-# torch.sort (H200, benchmarks/select_sort.py, 8 rows: 31 vs 34 us at 2,048 units, 87 vs 42 at
-# 4,096, 228 vs 98 at 8,192); with ``take`` rows that keep their selection skip it (9 us against
-# torch.sort's 77 at 8,192), which wins below a re-selection rate of about a third
+# torch.sort (H200, benchmarks/select_sort.py with take all True, the same work: 8 rows, 31 vs
+# 34 us at 2,048 units, 87 vs 42 at 4,096, 228 vs 98 at 8,192); with ``take`` rows that keep their selection skip it (9 us against
+# torch.sort's 77 at 8,192), which wins below a re-selection rate of about a third (see above)
 _SORT_LIMIT_WITHOUT_TAKE = 2048
 # warps for the in-kernel sort of more than 4096 keys. ptxas for sm_90a (offline, CUDA 13.4;
 # no GPU timing yet): 8192 keys take 230 registers at 8 warps, 128 at 16, neither spills;
