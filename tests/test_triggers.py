@@ -49,3 +49,35 @@ def test_decision_is_per_sequence():
 def test_unknown_reference_is_a_clear_error():
     with pytest.raises(ConfigError, match="against must be one of previous, anchor; got 'last'"):
         QueryCosine(tau=0.8, against="last").validate()
+
+
+@pytest.mark.parametrize("preset, expects_mask", [("quest", False), ("louiskv", True)])
+def test_the_decode_step_passes_the_trigger_decision_unless_it_always_reselects(preset, expects_mask, monkeypatch):
+    # every_step triggers declare always_reselects, so the selector gets no take mask (its
+    # kernels may then rank however is fastest); other triggers pass their (B,) decision
+    import kvpolicy
+    from kvpolicy.layer import PolicyLayerState
+
+    policy = kvpolicy.preset(preset, budget=96, sink=4, local=16)
+    assert policy.trigger.always_reselects is (not expects_mask)
+    state = PolicyLayerState(policy, 0, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    state.prefill(torch.randn(2, 2, 160, 16, generator=gen), torch.randn(2, 2, 160, 16, generator=gen),
+                  torch.ones(2, 160, dtype=torch.bool), 4)
+    seen = []
+    real_select = policy.selector.select
+
+    def spy(*args, take=None, **kwargs):
+        seen.append(take)
+        return real_select(*args, take=take, **kwargs)
+
+    monkeypatch.setattr(policy.selector, "select", spy)
+    for _ in range(3):
+        q, k, v = torch.randn(3, 2, 4, 16, generator=gen)
+        state.decode(q, k[:, :2], v[:, :2], 0.25)
+    assert len(seen) == 3
+    if expects_mask:
+        assert all(t is not None and t.dtype == torch.bool and t.shape == (2,) for t in seen)
+        assert bool(seen[0].all())  # the first step always selects
+    else:
+        assert all(t is None for t in seen)
