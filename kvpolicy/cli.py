@@ -111,6 +111,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="comma-separated presets; NAME@PLACEMENT runs that preset at that placement only "
                             "(e.g. louiskv,arkvale@cpu)")
     bench.add_argument("--placements", default="cpu,gpu", help="where the full KV lives: cpu (pinned), gpu")
+    bench.add_argument("--decode-steps", type=int, default=1024,
+                       help="layer: generated tokens the index has room for (its capacity is what selection ranks)")
     bench.add_argument("--eager", action="store_true",
                        help="layer: time each part launched from Python (default on a GPU: as a CUDA-graph replay)")
     bench.add_argument("--runs", default="1,16", help="gather: consecutive rows per run (1: random rows; 16: a "
@@ -575,7 +577,8 @@ def _bench(args) -> int:
                     for placement in placements:
                         policy = layer_policy(name, args.budget, placement, args.backend, not args.kmeans)
                         t = time_layer(policy, LayerShape(batch=batch, context=context), device,
-                                       repeats=args.repeats, with_full=first, replay=replay)
+                                       repeats=args.repeats, with_full=first, replay=replay,
+                                       decode_steps=args.decode_steps)
                         first = False
                         rows.append(t.as_dict(rate))
                         full = "" if t.full_sdpa_ms is None else f"{t.full_sdpa_ms:7.3f}"
@@ -598,8 +601,12 @@ class _BenchRows(list):
     def append(self, row: dict) -> None:
         super().append(row)
         if self.path:
-            Path(self.path).write_text(json.dumps({"meta": self.meta, "rows": list(self)}, indent=2, default=str),
-                                       encoding="utf-8")
+            # a whole new file, then renamed over the old one: a run killed mid-write keeps the last
+            path = Path(self.path)
+            partial = path.with_name(path.name + ".partial")
+            partial.write_text(json.dumps({"meta": self.meta, "rows": list(self)}, indent=2, default=str),
+                               encoding="utf-8")
+            partial.replace(path)
 
 
 def _preset_placements(args) -> list[tuple[str, list[str]]]:
@@ -612,6 +619,8 @@ def _preset_placements(args) -> list[tuple[str, list[str]]]:
     cells = []
     for entry in (p for p in args.presets.split(",") if p):
         name, at, placement = entry.partition("@")
+        if not name:
+            raise KVPolicyError(f"--presets entry {entry!r} names no preset (NAME or NAME@PLACEMENT)")
         if at and placement not in accepted:
             raise KVPolicyError(f"--presets entry {entry!r}: the placement after '@' must be cpu or gpu")
         cells.append((name, [placement] if at else default))

@@ -53,6 +53,7 @@ def test_presets_lists_presets_and_components():
         (["bench", "layer", "--backend", "reference", "--presets", "louiskv@disk"],
          "the placement after '@' must be cpu or gpu"),
         (["bench", "e2e", "--backend", "reference", "--placements", "cpu,nvme"], "--placements takes cpu and/or gpu"),
+        (["bench", "e2e", "--backend", "reference", "--presets", "louiskv,@cpu"], "names no preset"),
     ],
 )
 def test_bad_input_exits_2_without_traceback(args, message, monkeypatch):
@@ -92,6 +93,7 @@ def test_bench_rows_name_each_presets_placements_and_reach_the_json_as_they_come
     assert json.loads(path.read_text())["rows"] == [{"kind": "a"}]  # written before the run ends
     rows.append({"kind": "b"})
     assert [r["kind"] for r in json.loads(path.read_text())["rows"]] == ["a", "b"]
+    assert [p.name for p in tmp_path.iterdir()] == ["rows.json"]  # the partial file was renamed over it
 
 
 def test_graph_replay_timing_needs_a_cuda_device():

@@ -294,3 +294,15 @@ def test_bench_layer_runs_pariskv_with_its_own_index():
     shape = LayerShape(batch=1, context=600, q_heads=4, kv_heads=2, head_dim=64, dtype=torch.float32)
     times = time_layer(policy, shape, torch.device("cpu"), repeats=1, with_full=False)
     assert times.preset == "pariskv" and times.selection_ms > 0 and times.transfer_bytes > 0
+    assert times.units >= 600 - 4 - 64  # every retrievable token is a unit of the analytic index
+
+
+def test_bench_layer_ranks_the_capacity_a_decode_reserves():
+    from kvpolicy.bench.layer import LayerShape, layer_policy, time_layer
+
+    shape = LayerShape(batch=1, context=640, q_heads=4, kv_heads=2, head_dim=64, dtype=torch.float32)
+    policy = layer_policy("louiskv", 128, "cpu", "reference", random_units=True)
+    bare = time_layer(policy, shape, torch.device("cpu"), repeats=1, with_full=False, decode_steps=0)
+    policy = layer_policy("louiskv", 128, "cpu", "reference", random_units=True)
+    room = time_layer(policy, shape, torch.device("cpu"), repeats=1, with_full=False, decode_steps=100)
+    assert room.units >= bare.units + 100  # one possible unit per generated token

@@ -9,12 +9,16 @@ into the tiered store, then each part of a decode step is timed on its own:
     attention   sparse attention over sink + retrieved + local
 
 A re-selecting step pays all four; a reusing step pays trigger and attention, plus the
-fetch kernels launched with nothing to move (they read the decision on the device).
-Amortised at re-selection rate ``r``: ``reuse + r * (selection + transfer)``.
+selection and fetch kernels launched for rows that keep their selection (they read the
+decision on the device and exit early, except a ranking done by torch.sort, which runs for
+every row). Amortised at re-selection rate ``r``: ``reuse + r * (re-selecting - reuse)``.
+The unit table first gets the room a decode of ``decode_steps`` tokens reserves: its capacity,
+not the prompt's unit count, is what the selection ranks.
 Full attention over the same KV held on the GPU is timed beside it.
 
-On a GPU each part is captured as a CUDA graph and its replay is timed (``replay``): the device
-time a graph-replayed decode step spends on it. Timed eagerly instead, a part of many small
+On a GPU each part is captured as a CUDA graph of its own and its replay is timed (``replay``):
+close to the device time a graph-replayed decode step spends on it (each part's graph launch
+adds a few microseconds that one whole-step graph pays once). Timed eagerly instead, a part of many small
 kernels measures the host's launch rate, not the GPU.
 """
 
@@ -73,10 +77,12 @@ class LayerTimes:
     selection_ms: float
     transfer_ms: float
     reuse_transfer_ms: float  # the fetch launched with no sequence re-selecting
+    reuse_selection_ms: float  # the selection launched with no sequence re-selecting (0: the trigger always re-selects)
     attention_ms: float
     full_sdpa_ms: float | None  # full attention over the same KV on the GPU (None if it did not fit)
     transfer_bytes: int
     timing: str = "eager"  # "replay": each part timed as a CUDA-graph replay; "eager": launched from Python
+    units: int = 0  # units the selection ranks per (sequence, KV head): the index's capacity after the reserve
 
     @property
     def reselect_ms(self) -> float:
@@ -84,11 +90,13 @@ class LayerTimes:
 
     @property
     def reuse_ms(self) -> float:
-        return self.trigger_ms + self.reuse_transfer_ms + self.attention_ms
+        return self.trigger_ms + self.reuse_selection_ms + self.reuse_transfer_ms + self.attention_ms
 
     def amortised_ms(self, rate: float) -> float:
-        """Mean step time when a share ``rate`` of steps re-select (selection runs only then)."""
-        return self.reuse_ms + rate * (self.selection_ms + self.transfer_ms - self.reuse_transfer_ms)
+        """Mean step time when a share ``rate`` of steps re-select."""
+        return self.reuse_ms + rate * (
+            self.selection_ms + self.transfer_ms - self.reuse_selection_ms - self.reuse_transfer_ms
+        )
 
     def as_dict(self, rate: float) -> dict:
         out = asdict(self)
@@ -116,9 +124,13 @@ def time_layer(
     with_full: bool = True,
     seed: int = 0,
     replay: bool = False,
+    decode_steps: int = 1024,
 ) -> LayerTimes:
     """Each part timed on its own; ``replay``: as a CUDA-graph replay (device time, as a replayed
-    decode step runs it; CUDA only), else eagerly (including the host's launch gaps)."""
+    decode step runs it; CUDA only), else eagerly (including the host's launch gaps).
+    ``decode_steps``: room reserved for that many generated tokens, as a decode graph of that
+    length reserves it: the unit table grows past the prompt's units, and its capacity is what
+    the selection ranks."""
     timer = time_replay_ms if replay else time_ms
     torch.manual_seed(seed)
     b, h, n, d = shape.batch, shape.kv_heads, shape.context, shape.head_dim
@@ -143,6 +155,7 @@ def time_layer(
     if device.type == "cuda":
         torch.cuda.empty_cache()
     state.wait_for_units()
+    state.reserve(decode_steps)
     store, units = state.store, state.units
     capacity = store.retrieval_capacity
     backend = policy.backend
@@ -154,6 +167,12 @@ def time_layer(
     take = None if policy.trigger.always_reselects else every
     selection_ms = timer(lambda: policy.selector.select(query, units, capacity, backend, take=take), device, repeats)
     selection = policy.selector.select(query, units, capacity, backend, take=take)
+    # a reusing step still launches the selection: its kernels exit early for rows that keep
+    # their selection, but a ranking done by torch.sort (above the in-kernel limit) runs anyway
+    reuse_selection_ms = 0.0 if take is None else timer(
+        lambda: policy.selector.select(query, units, capacity, backend, take=none), device, repeats
+    )
+
     def cold_fetch():
         # the store keeps rows it already holds; forget them so every repeat moves the whole selection
         store.forget_resident()
@@ -172,6 +191,7 @@ def time_layer(
     return LayerTimes(
         preset=policy.name, placement=policy.placement, backend=backend, batch=b, context=n, budget=policy.budget,
         trigger_ms=trigger_ms, selection_ms=selection_ms, transfer_ms=transfer_ms,
-        reuse_transfer_ms=reuse_transfer_ms, attention_ms=attention_ms, full_sdpa_ms=full_ms,
-        transfer_bytes=2 * b * h * capacity * row, timing="replay" if replay else "eager",
+        reuse_transfer_ms=reuse_transfer_ms, reuse_selection_ms=reuse_selection_ms, attention_ms=attention_ms,
+        full_sdpa_ms=full_ms,
+        transfer_bytes=2 * b * h * capacity * row, timing="replay" if replay else "eager", units=units.capacity,
     )
