@@ -43,7 +43,7 @@ step targets 340 bash -c "python3 -m kvpolicy bench e2e --contexts 131072 --batc
     --placements cpu --full-kinds full-graph --budget 2048 --steps 20 --json $OUT/e2e_128k_b4.json &&
     python3 -m kvpolicy bench e2e --contexts 524288 --batches 1 --presets louiskv --placements cpu \
     --full-kinds full-graph --budget 2048 --steps 20 --json $OUT/e2e_512k_b1.json"
-# issue 4a's grid as graph replays (about 150 s on the H200 in session 4)
+# issue 4a's grid as graph replays (under 150 s on the H200 in session 4)
 step layer 200 python3 -m kvpolicy bench layer --contexts 32768,131072,524288 --batches 1,4,8 --presets louiskv,quest \
     --placements cpu,gpu --repeats 20 --json "$OUT/layer.json"
 # issue 5: ParisKV's decode layer at 128K and 1M tokens beside louiskv and full attention (SDPA over the same KV)
