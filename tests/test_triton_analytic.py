@@ -26,7 +26,50 @@ def _encoded(seed: int, batch: int, heads: int, n: int, dim: int, subspaces: int
 
 def test_every_op_has_a_triton_version():
     dispatch.check("triton", DEVICE)  # all ops, ParisKV's included
-    assert dispatch.get("candidate_topk", "triton", DEVICE) is reference_analytic.candidate_topk
+    for op in ("collision_count", "candidate_topk", "rerank"):
+        assert dispatch.get(op, "triton", DEVICE) is not getattr(reference_analytic, op)
+
+
+@pytest.mark.parametrize(
+    "rows, n, max_score, k, p_invalid",
+    [
+        (1, 700, 96, 70, 0.2),  # one partial chunk, many ties
+        (3, 2500, 96, 250, 0.1),  # several chunks, the last partial
+        (2, 1030, 7, 600, 0.3),  # few votes: ties across chunk boundaries
+        (2, 300, 96, 280, 0.3),  # k above the valid keys: a -1 tail
+        (1, 90, 0, 120, 0.5),  # every valid key has 0 votes; k > n
+        (2, 2048, 96, 2048, 0.0),  # every key, exactly
+    ],
+)
+def test_candidate_topk_matches_reference_exactly(rows, n, max_score, k, p_invalid):
+    gen = _gen(rows * n + k)
+    votes = torch.randint(0, max_score + 1, (rows, 2, n), generator=gen, dtype=torch.int32)
+    votes = votes.masked_fill(torch.rand(rows, 2, n, generator=gen) < p_invalid, -1)
+    want = reference_analytic.candidate_topk(votes, k)
+    got = dispatch.get("candidate_topk", "triton", DEVICE)(votes.to(DEVICE), k, max_score)
+    assert got.dtype == torch.long and got.shape == want.shape
+    assert torch.equal(got.cpu(), want)
+
+
+def test_candidate_topk_reads_a_strided_view():
+    gen = _gen(5)
+    pool = torch.randint(-1, 20, (2, 3, 1500), generator=gen, dtype=torch.int32)
+    votes = pool[:, :, 200:1400:2]  # strided along tokens
+    want = reference_analytic.candidate_topk(votes, 90)
+    got = dispatch.get("candidate_topk", "triton", DEVICE)(pool.to(DEVICE)[:, :, 200:1400:2], 90, 19)
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({}, "needs max_score"), ({"max_score": -1}, "needs max_score"), ({"max_score": 5000}, "below 1024")],
+)
+def test_candidate_topk_names_bad_arguments(kwargs, message):
+    votes = torch.zeros(1, 1, 10, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=message):
+        dispatch.get("candidate_topk", "triton", DEVICE)(votes, 3, **kwargs)
+    with pytest.raises(ValueError, match="int32"):
+        dispatch.get("candidate_topk", "triton", DEVICE)(votes.long(), 3, 5)
 
 
 @pytest.mark.parametrize("dim,subspaces,rho", [(128, 16, 63), (64, 8, 6), (16, 16, 2)])
@@ -110,3 +153,16 @@ def test_triton_ops_refuse_misshaped_inputs():
         rerank(torch.zeros(1, 2, 32, device=DEVICE), torch.zeros(1, 2, 5, 8, dtype=torch.uint8, device=DEVICE),
                torch.ones(1, 2, 5, device=DEVICE), torch.ones(1, 2, 5, device=DEVICE),
                torch.zeros(1, 2, 3, dtype=torch.long, device=DEVICE), 2)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("n", [131072, 1048576])
+def test_candidate_topk_at_decode_sizes(n):
+    # ParisKV's candidate width: 10% of the tokens, votes of 16 subspaces x 6 tiers
+    gen = torch.Generator(device=DEVICE).manual_seed(n)
+    votes = torch.randint(0, 97, (1, 8, n), generator=gen, device=DEVICE, dtype=torch.int32)
+    votes = votes.masked_fill(torch.rand(1, 8, n, generator=gen, device=DEVICE) < 0.01, -1)
+    k = n // 10
+    want = reference_analytic.candidate_topk(votes, k)
+    got = dispatch.get("candidate_topk", "triton", DEVICE)(votes, k, 96)
+    assert torch.equal(got, want)

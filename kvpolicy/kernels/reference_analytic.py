@@ -61,12 +61,13 @@ def collision_count(
     return torch.where(valid, votes, -1)
 
 
-def candidate_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+def candidate_topk(scores: torch.Tensor, k: int, max_score: int | None = None) -> torch.Tensor:
     """The ``k`` best-voted keys, ``(B, H, k)`` long token indices, best first.
 
     ``scores``: ``(B, H, N)`` int32 from ``collision_count`` (-1 = invalid). Ties go to the
     lower token index. Invalid keys never enter; where fewer than ``k`` keys are valid
-    (or ``k > N``) the tail is -1.
+    (or ``k > N``) the tail is -1. ``max_score``: the largest vote a key can have; the Triton
+    version sizes its counting sort with it, this one does not need it.
     """
     n = scores.shape[-1]
     index = torch.arange(n, device=scores.device)

@@ -114,7 +114,10 @@ class CollisionRerank(Selector):
             _votes_on(tiers, device),
         )
         width = self.candidates_for(positions, capacity)
-        candidates = dispatch.get("candidate_topk", backend, device)(votes, width)  # (B, H, C), best first
+        # a key's votes: at most `tiers` (its rank-0 weight) in each subspace
+        candidates = dispatch.get("candidate_topk", backend, device)(
+            votes, width, index.subspaces * tiers
+        )  # (B, H, C), best first
         # keep candidate_fraction of the tokens indexed so far (at least the floor): the same
         # tokens whatever the capacity, since candidate_topk's order is fully determined
         indexed = voted.sum(-1)  # (B,)

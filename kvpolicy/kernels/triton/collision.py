@@ -6,9 +6,8 @@ table read per subspace whatever ``rho`` is (63 by default; comparing against ev
 would cost ``S * rho`` compares per key). One program per (sequence, KV head, block of keys)
 loads the block's ids of all subspaces at once (``(BLOCK_N, S)`` bytes, contiguous per key),
 looks them up in its head's table (L1/L2-resident) and sums over subspaces in registers:
-each key's ids are read once and only the int32 votes are written. ``candidate_topk`` is the
-reference's (a ``torch.topk`` on unique integer keys), registered here so
-``backend="triton"`` covers the whole pipeline.
+each key's ids are read once and only the int32 votes are written. The candidate top-k
+that follows is ``candidates.py``.
 """
 
 from __future__ import annotations
@@ -74,7 +73,3 @@ def collision_count(
         S=subspaces, IDS=reference_analytic.NUM_IDS, BLOCK_S=triton.next_power_of_2(subspaces), BLOCK_N=_BLOCK_N,
     )
     return out
-
-
-# the reference is already one device-side topk with no host reads
-implement("triton", "candidate_topk", supports=triton_runs_on)(reference_analytic.candidate_topk)
