@@ -2,7 +2,7 @@
 # Every GPU measurement of BENCHMARKS.md in one device call (about 9 minutes on the H200).
 # Usage on the device machine, from the repository root:
 #     bash benchmarks/run_h200.sh /root/bench "$OUT/bench.tar" [STEPS]
-# STEPS: a comma-separated subset of kernels,profile,profile_policy,sortbench,gather,e2e,targets,layer,paris,ttft (default: all; all of them
+# STEPS: a comma-separated subset of kernels,profile,profile_policy,sortbench,candidates,gather,e2e,targets,layer,paris,ttft (default: all; all of them
 # take more than one 10-minute device call, so split them over two calls on a warm machine).
 # Each step has its own time limit and writes its JSON into the folder as soon as it finishes,
 # so a step that runs out of time costs only itself; after every step the folder is re-packed
@@ -11,7 +11,7 @@
 set -u
 OUT=${1:?output folder}
 TAR=${2:?tar file to re-pack after each step}
-STEPS=",${3:-kernels,profile,sortbench,gather,e2e,targets,layer,paris,ttft},"
+STEPS=",${3:-kernels,profile,sortbench,candidates,gather,e2e,targets,layer,paris,ttft},"
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 step() {  # step NAME SECONDS command...
@@ -34,6 +34,7 @@ step profile 150 bash -c "python3 benchmarks/profile_step.py --preset full --con
 step profile_policy 150 python3 benchmarks/profile_step.py --preset louiskv --context 131072 --batch 4 \
     --trigger '{"name":"interval","n":9}' --out "$OUT/profile_louiskv.txt"
 step sortbench 60 python3 benchmarks/select_sort.py
+step candidates 60 python3 benchmarks/candidate_topk.py
 step gather 40 python3 -m kvpolicy bench gather --batches 1,4,8 --runs 1,16 --budget 2048 --json "$OUT/gather.json"
 # issue 4b's grid in one run: louiskv at both placements, the peers with the pool in pinned host memory
 step e2e 300 python3 -m kvpolicy bench e2e --contexts 32768,131072 --batches 1,4 --presets louiskv,arkvale@cpu,quest@cpu \
