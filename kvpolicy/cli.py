@@ -440,6 +440,12 @@ def _drift(args) -> int:
         raise KVPolicyError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
     for name in names:
         drift.drift_policy(name, args.budget)  # a bad name or budget fails before the model loads
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            # the run takes an hour; say so now rather than skip the plot at the end
+            raise KVPolicyError("--plot needs matplotlib: pip install 'kvpolicy[plot]' (or leave out --plot)") from None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_model(args.model, device=device)
     payload = drift.run(model, tokenizer, length=args.length, new_tokens=args.new_tokens, budget=args.budget,

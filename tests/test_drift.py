@@ -69,3 +69,22 @@ def test_table_and_plot(tmp_path):
     assert (tmp_path / "d.json").exists()
     pytest.importorskip("matplotlib")
     assert (tmp_path / "d.png").stat().st_size > 1000 and len(written) == 2
+
+
+def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch, tmp_path, capsys):
+    import builtins
+
+    from kvpolicy.cli import main
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("no matplotlib here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    # the model path does not exist: reaching the model load would fail with another message
+    code = main(["drift", "--model", str(tmp_path / "no-model"), "--plot", str(tmp_path / "p.png")])
+    assert code == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
