@@ -27,7 +27,7 @@ step kernels 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_atte
     tests/test_triton_select.py tests/test_triton_kmeans.py tests/test_triton_write.py tests/test_decode_graph.py tests/test_graph_ready.py \
     tests/test_pinned_pool.py tests/test_static_full_attention.py tests/test_triton_analytic.py \
     tests/test_triton_unit_append.py tests/test_triton_admit.py tests/test_triton_score.py tests/test_pariskv.py \
-    tests/test_pool_layout.py tests/test_pinned_recycling.py
+    tests/test_pool_layout.py tests/test_pinned_recycling.py tests/test_bench_timing.py
 step profile 150 bash -c "python3 benchmarks/profile_step.py --preset full --context 131072 --batch 4 --out $OUT/profile_full.txt &&
     python3 benchmarks/profile_step.py --preset louiskv --context 131072 --batch 4 --trigger '{\"name\":\"interval\",\"n\":9}' \
         --out $OUT/profile_louiskv.txt"
