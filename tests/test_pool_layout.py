@@ -66,3 +66,14 @@ def test_a_deferred_zone_laid_out_without_order_keeps_row_equal_to_slot():
     store.lay_out_zone(keys, values, None)
     assert store.zone_rows is None
     assert torch.equal(store.pool_keys[:, :, :300], keys) and torch.equal(store.pool_values[:, :, :300], values)
+
+
+def test_the_eval_meters_read_keys_by_slot_not_by_pool_row():
+    # the recall and drift meters compute the oracle over keys_by_slot: with a unit-ordered
+    # pool, reading pool rows as slots would score the wrong tokens
+    from kvpolicy.eval.decode import keys_by_slot
+
+    state, keys, _ = _prefilled("clusterkv")
+    store = state.store
+    assert not torch.equal(store.pool_keys[:, :, : keys.shape[2]], keys)  # the zone is permuted
+    assert torch.equal(keys_by_slot(store, torch.device("cpu"))[:, :, : keys.shape[2]], keys.float())

@@ -66,11 +66,8 @@ class _RecallMeter:
 
     def __call__(self, state, query: torch.Tensor) -> None:
         store = state.store
-        keys = store.pool_keys.to(query.device).float()  # (B, H, capacity, D), by pool row
+        keys = keys_by_slot(store, query.device)
         batch, kv_heads, capacity, dim = keys.shape
-        slot_order = torch.arange(capacity, device=query.device).expand(batch, kv_heads, capacity)
-        rows = store.pool_rows(slot_order)  # the prompt zone is laid out by unit, not by slot
-        keys = keys.gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, dim))
         q = query.float().view(batch, kv_heads, -1, dim)
         logits = torch.einsum("bhgd,bhnd->bhgn", q, keys) * dim**-0.5
         logits = logits.masked_fill(~store.slot_valid[:, None, None, :capacity], float("-inf"))
@@ -88,6 +85,16 @@ class _RecallMeter:
 
     def per_layer(self) -> dict[int, float]:
         return {layer: float(self.sums[layer]) / self.states[layer].decode_steps for layer in sorted(self.sums)}
+
+
+def keys_by_slot(store, device: torch.device) -> torch.Tensor:
+    """``(B, H, capacity, D)`` float32: the pool's keys in slot order, on ``device`` (the pool
+    holds the prompt zone unit by unit, so row ``i`` is not slot ``i`` there)."""
+    keys = store.pool_keys.to(device).float()
+    batch, kv_heads, capacity, dim = keys.shape
+    slot_order = torch.arange(capacity, device=device).expand(batch, kv_heads, capacity)
+    rows = store.pool_rows(slot_order)
+    return keys.gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, dim))
 
 
 def _cache_from_prefill(session, prefilled: Prefilled, num_q_heads: int):

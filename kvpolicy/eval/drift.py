@@ -76,7 +76,7 @@ class DriftMeter:
     def __call__(self, state, query: torch.Tensor) -> None:
         store = state.store
         length = store.length
-        keys = store.pool_keys[:, :, :length].to(query.device).float()
+        keys = decoding.keys_by_slot(store, query.device)[:, :, :length]
         batch, kv_heads, _, dim = keys.shape
         q = query.float().view(batch, kv_heads, -1, dim)
         logits = torch.einsum("bhgd,bhnd->bhgn", q, keys) * dim**-0.5
