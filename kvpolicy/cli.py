@@ -95,8 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     dr.add_argument("--seed", type=int, default=0, help="seed of the document and of the sampling")
     dr.add_argument("--device", default=None)
     dr.add_argument("--json", default="drift.json", metavar="FILE", help="results (default drift.json)")
-    dr.add_argument("--plot", default="drift.png", metavar="FILE",
-                    help="PNG plot, written when matplotlib is installed (default drift.png)")
+    dr.add_argument("--plot", default=None, metavar="FILE",
+                    help="PNG plot (default drift.png when matplotlib is installed; naming one requires it)")
     dr.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
 
     bench = sub.add_parser("bench", help="GPU benchmarks: one decode layer's time split, the pool gather's bandwidth")
@@ -440,19 +440,23 @@ def _drift(args) -> int:
         raise KVPolicyError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
     for name in names:
         drift.drift_policy(name, args.budget)  # a bad name or budget fails before the model loads
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            # the run takes an hour; say so now rather than skip the plot at the end
+    try:
+        import matplotlib  # noqa: F401
+
+        plot_path = args.plot or "drift.png"
+    except ImportError:
+        # the run takes an hour: say now what it will not write
+        if args.plot:
             raise KVPolicyError("--plot needs matplotlib: pip install 'kvpolicy[plot]' (or leave out --plot)") from None
+        print("no plot: matplotlib is not installed (pip install 'kvpolicy[plot]')", file=sys.stderr)
+        plot_path = None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_model(args.model, device=device)
     payload = drift.run(model, tokenizer, length=args.length, new_tokens=args.new_tokens, budget=args.budget,
                         window=args.window, policies=names, temperature=args.temperature, seed=args.seed,
                         log=lambda line: print(line, flush=True))
     payload["command"] = "kvpolicy " + " ".join(sys.argv[1:]) if sys.argv[1:] else None
-    written = drift.save(payload, args.json, args.plot)
+    written = drift.save(payload, args.json, plot_path)
     print(drift.table(payload))
     print("\nwrote " + ", ".join(str(p) for p in written))
     return 0
