@@ -32,13 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import analytic
-
-
-def _grow(tensor: torch.Tensor, dim: int, new_size: int, fill) -> torch.Tensor:
-    shape = list(tensor.shape)
-    shape[dim] = new_size - tensor.shape[dim]
-    pad = torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)
-    return torch.cat([tensor, pad], dim=dim)
+from .table import grow_along
 
 
 def _spare(capacity: int) -> int:
@@ -131,15 +125,15 @@ class AnalyticIndex:
     def reserve(self, tokens: int) -> None:
         """Room for ``tokens`` more leaving tokens without growing (before a graph is captured)."""
         if self.length + tokens > self.capacity:
-            self._grow(self.length + tokens)
+            self._grow_positions(self.length + tokens)
 
-    def _grow(self, new: int) -> None:
-        self.centroids = _grow(self.centroids, 2, new, 0)
-        self.codes = _grow(self.codes, 2, new, 0)
-        self.weight = _grow(self.weight, 2, new, 0.0)
-        self.norms = _grow(self.norms, 2, new, 0.0)
-        self.token_valid = _grow(self.token_valid, 1, new, False)
-        self.slots = _grow(self.slots, 0, new, 0)
+    def _grow_positions(self, new: int) -> None:
+        self.centroids = grow_along(self.centroids, 2, new, 0)
+        self.codes = grow_along(self.codes, 2, new, 0)
+        self.weight = grow_along(self.weight, 2, new, 0.0)
+        self.norms = grow_along(self.norms, 2, new, 0.0)
+        self.token_valid = grow_along(self.token_valid, 1, new, False)
+        self.slots = grow_along(self.slots, 0, new, 0)
 
     # -- the decode step -----------------------------------------------------------------------
 
@@ -160,7 +154,7 @@ class AnalyticIndex:
         in PyTorch.
         """
         if self.length >= self.capacity:
-            self._grow(self.capacity + _spare(self.capacity))
+            self._grow_positions(self.capacity + _spare(self.capacity))
         # in place throughout: a captured step must update the tensors it was captured with
         full = (self.next_position - self.indexed) >= self.update_buffer
         self.indexed.copy_(torch.where(full, self.next_position, self.indexed))

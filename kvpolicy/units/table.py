@@ -17,7 +17,8 @@ from ..kernels import dispatch
 from .base import UnitBuilder
 
 
-def _grow(tensor: torch.Tensor, dim: int, new_size: int, fill) -> torch.Tensor:
+def grow_along(tensor: torch.Tensor, dim: int, new_size: int, fill) -> torch.Tensor:
+    """``tensor`` padded with ``fill`` to ``new_size`` along ``dim`` (host-side growth of an index)."""
     shape = list(tensor.shape)
     shape[dim] = new_size - tensor.shape[dim]
     pad = torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)
@@ -72,7 +73,7 @@ class UnitTable:
         labels = torch.where(token_valid[:, None, :], labels, torch.full_like(labels, dead))
         perm = torch.sort(labels, dim=-1, stable=True).indices
         # spare room so decode tokens can be appended without growing at once
-        order = _grow(slots.to(device)[perm], 2, n + 16, 0)
+        order = grow_along(slots.to(device)[perm], 2, n + 16, 0)
         units = num_units + 1
         size = torch.zeros(batch, heads, units, dtype=torch.long, device=device)
         size.scatter_add_(2, labels, torch.ones_like(labels))
@@ -117,25 +118,25 @@ class UnitTable:
     def reserve(self, tokens: int) -> None:
         """Room for ``tokens`` more leaving tokens (each may open a unit) without growing."""
         if self.order_len + tokens > self.order.shape[-1]:
-            self.order = _grow(self.order, 2, self.order_len + tokens, 0)
+            self.order = grow_along(self.order, 2, self.order_len + tokens, 0)
         if self.num_prompt_units + self.decode_tokens + tokens > self.capacity:
             self._grow_units(self.num_prompt_units + self.decode_tokens + tokens)
 
     def _reserve(self) -> None:
         """Room for one more token and one more unit (host-side doubling)."""
         if self.order_len >= self.order.shape[-1]:
-            self.order = _grow(self.order, 2, max(16, 2 * self.order.shape[-1]), 0)
+            self.order = grow_along(self.order, 2, max(16, 2 * self.order.shape[-1]), 0)
         if self.num_prompt_units + self.decode_tokens >= self.capacity:
             self._grow_units(max(self.capacity + 16, 2 * self.capacity))
 
     def _grow_units(self, new: int) -> None:
         if new > self.capacity:
-            self.start = _grow(self.start, 2, new, 0)
-            self.size = _grow(self.size, 2, new, 0)
-            self.key_sum = _grow(self.key_sum, 2, new, 0.0)
-            self.key_min = _grow(self.key_min, 2, new, float("inf"))
-            self.key_max = _grow(self.key_max, 2, new, float("-inf"))
-            self.selectable = _grow(self.selectable, 2, new, False)
+            self.start = grow_along(self.start, 2, new, 0)
+            self.size = grow_along(self.size, 2, new, 0)
+            self.key_sum = grow_along(self.key_sum, 2, new, 0.0)
+            self.key_min = grow_along(self.key_min, 2, new, float("inf"))
+            self.key_max = grow_along(self.key_max, 2, new, float("-inf"))
+            self.selectable = grow_along(self.selectable, 2, new, False)
 
     def append_leaving_token(
         self,
