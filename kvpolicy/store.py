@@ -242,7 +242,7 @@ class TieredStore:
             return slots
         zone = self.zone_end
         in_zone = self.zone_rows.gather(2, slots.clamp(0, zone - 1))
-        return torch.where(slots < zone, in_zone.long(), slots)
+        return torch.where(slots < zone, in_zone, slots)  # int32 rows promote to long in the same kernel
 
     def sink_slot_mask(self) -> torch.Tensor:
         """``(B, zone_end)`` True where a zone slot is a sink token (so not retrievable)."""
