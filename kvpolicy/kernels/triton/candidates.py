@@ -99,7 +99,7 @@ def candidate_topk(scores: torch.Tensor, k: int, max_score: int | None = None) -
     hist = torch.empty(rows, chunks, bins, dtype=torch.int32, device=scores.device)
     _histogram[(rows, chunks)](scores, hist, n, chunks, CHUNK=_CHUNK, SUB=_SUB, BINS=bins)
     per_vote = hist.sum(1)  # (rows, bins)
-    more_votes = per_vote.flip(-1).cumsum(-1).flip(-1) - per_vote  # keys of the row with a higher vote
+    more_votes = per_vote.sum(-1, keepdim=True) - per_vote.cumsum(-1)  # keys of the row with a higher vote
     earlier_chunks = hist.cumsum(1) - hist  # keys with the same vote in earlier chunks
     next_place = (more_votes[:, None, :] + earlier_chunks).to(torch.int32).contiguous()
     _place[(rows, chunks)](scores, next_place, out, n, k, chunks, CHUNK=_CHUNK, SUB=_SUB, BINS=bins)
