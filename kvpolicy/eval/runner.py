@@ -2,21 +2,32 @@
 
 Each finished cell is appended to ``results.jsonl`` in the output folder as soon as it is
 done, so an interrupted run resumes where it stopped (a finished cell is never recomputed).
+A cell is keyed by everything that decides it: the model, the task, the length, the seed, the
+column's label and the policy's full spec (``Policy.to_dict()``: components and their options,
+budget, zones, placement, backend), so a column re-run with other options, or another model,
+runs again rather than reusing a result it did not produce. Every row records its model and
+spec. A folder holds one model's results unless ``add_model`` (``--add-model``) allows more.
 Prefill runs once per prompt and is shared by every preset and budget.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 from ..errors import ConfigError
 from ..presets import PRESETS, preset
 from . import decode as decoding
 from .tasks import TASKS, build_chat, get_task, make_sample, score
+
+RESULTS = "results.jsonl"
+EMBEDDED = "smollm2"
 
 
 @dataclass
@@ -32,23 +43,128 @@ class CellResult:
     recall: float | None
     recall_per_layer: dict[str, float]
     seconds: float
+    # absent from rows written before they were recorded: such rows are never reused
+    model: str | None = None
+    policy: dict | None = None  # Policy.to_dict() without its name
 
     @property
     def key(self) -> str:
-        return cell_key(self.task, self.length, self.seed, self.preset, self.budget)
+        return cell_key(self.model, self.task, self.length, self.seed, self.preset, self.budget, self.policy)
 
 
-def cell_key(task: str, length: int, seed: int, preset_name: str, budget: int | None) -> str:
-    return f"{task}|{length}|{seed}|{preset_name}|{budget if preset_name != 'full' else 'all'}"
+def policy_spec(policy) -> dict:
+    """What decides a policy's results: ``Policy.to_dict()`` less its display name."""
+    spec = policy.to_dict()
+    spec.pop("name", None)
+    return spec
 
 
-def load_results(path: Path) -> dict[str, CellResult]:
+def _canonical(spec: Any) -> str:
+    return json.dumps(spec, sort_keys=True, default=str)
+
+
+def cell_key(model: str | None, task: str, length: int, seed: int, preset_name: str, budget: int | None,
+             spec: dict | None) -> str:
+    digest = hashlib.sha1(_canonical(spec).encode()).hexdigest()[:12]
+    return f"{model}|{task}|{length}|{seed}|{preset_name}|{'all' if budget is None else budget}|{digest}"
+
+
+def model_identity(model: Any) -> str:
+    """A name for the model a result came from: ``"smollm2"`` for the embedded model, else the
+    resolved path it was loaded from (a spec string such as ``--model`` takes, or a model's
+    ``config._name_or_path``). A model built in memory has no path: it is named by its class,
+    so pass ``run_grid(model_name=...)`` to tell two such models apart."""
+    if isinstance(model, (str, os.PathLike)):
+        text = os.fspath(model)
+    else:
+        text = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
+        if not text:
+            return type(model).__name__
+    if text.strip().lower() == EMBEDDED:
+        return EMBEDDED
+    path = Path(text).expanduser()
+    if not path.exists():
+        return text
+    resolved = path.resolve()
+    from ..models import cache_dir
+
+    if resolved == (cache_dir() / "models" / "smollm2-135m-instruct").resolve():
+        return EMBEDDED  # where load_model("smollm2") keeps the embedded model
+    return str(resolved)
+
+
+def _note(message: str) -> None:
+    print(f"kvpolicy: note: {message}", file=sys.stderr, flush=True)
+
+
+def load_results(path: Path, note: Callable[[str], None] | None = _note) -> dict[str, CellResult]:
+    """The rows of ``results.jsonl`` by key. A last line that does not parse (a write cut short
+    by an interrupted run) is skipped with a ``note``; any other line that does not parse is a
+    ``ConfigError`` naming it."""
+    path = Path(path)
     results: dict[str, CellResult] = {}
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                cell = CellResult(**json.loads(line))
-                results[cell.key] = cell
+    if not path.exists():
+        return results
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for number, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            fields = json.loads(line)
+            cell = CellResult(**fields)
+        except (ValueError, TypeError) as exc:
+            if number == last:
+                if note:
+                    note(f"{path}: skipped its last line, cut short by an interrupted write; that cell runs again")
+                continue
+            raise ConfigError(f"{path} line {number + 1} is not an eval result ({exc}); "
+                              "fix or delete that line, or use another output folder") from None
+        results[cell.key] = cell
+    return results
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Make the file end with a whole line before appending to it: a torn last line is cut off."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return
+    start = data.rfind(b"\n") + 1
+    try:
+        CellResult(**json.loads(data[start:]))
+    except (ValueError, TypeError):
+        with path.open("r+b") as handle:
+            handle.truncate(start)
+        return
+    with path.open("ab") as handle:  # whole, only its newline is missing
+        handle.write(b"\n")
+
+
+def check_out_dir(out_dir: str | Path, model_name: str, *, add_model: bool = False,
+                  note: Callable[[str], None] | None = None) -> dict[str, CellResult]:
+    """Create ``out_dir`` if needed and return its results; raise ``ConfigError`` if it is not a
+    folder that can be written, or holds another model's results and ``add_model`` is false."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output folder {str(out)!r} is a file; name a folder (created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".{RESULTS}.probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"cannot write in output folder {str(out)!r} ({exc.strerror}); "
+                          "name a writable folder") from None
+    results = load_results(out / RESULTS, note=note)
+    others = sorted({c.model or "(not recorded: written by an older kvpolicy)" for c in results.values()}
+                    - {model_name})
+    if others and not add_model:
+        raise ConfigError(
+            f"{out / RESULTS} holds results of another model ({', '.join(others)}), not of {model_name!r}; "
+            "use another output folder, or --add-model (add_model=True) to add this model's results beside them"
+        )
     return results
 
 
@@ -95,12 +211,18 @@ def run_grid(
     variants: dict[str, tuple[str, dict]] | None = None,
     progress: bool = True,
     dry_run: bool = False,
+    model_name: str | None = None,
+    add_model: bool = False,
 ) -> list[CellResult]:
-    """Run (or resume) the grid; returns every cell's result, finished earlier or now.
+    """Run (or resume) the grid; returns this model's results in ``out_dir``, finished earlier or
+    now: for the columns of this run, those of their current spec; for other columns, the last one
+    written per cell.
 
     ``variants`` names extra columns: ``{label: (preset_name, options)}``, e.g.
     ``{"louiskv-anchor": ("louiskv", {"trigger": {"name": "query_cosine", "against": "anchor"}})}``;
     a label may then be used in ``presets`` like a preset name.
+    ``model_name`` names the model in ``results.jsonl`` (default: ``model_identity(model)``);
+    ``out_dir`` holding another model's results is a ``ConfigError`` unless ``add_model``.
     ``dry_run`` only validates the arguments (every preset is built at every budget).
     """
     variants = dict(variants or {})
@@ -116,6 +238,10 @@ def run_grid(
     for length in lengths:
         if length <= 0:
             raise ConfigError(f"lengths must be positive integers, got {length}")
+
+    def base_of(name: str) -> str:
+        return variants.get(name, (name, {}))[0]
+
     def build(name: str, budget: int | None, model=None):
         base, options = variants.get(name, (name, {}))
         policy = preset(base, model=model, **({} if base == "full" else {"budget": budget}), **options)
@@ -127,27 +253,43 @@ def run_grid(
             build(name, budget)  # raises on a bad budget or option
     if dry_run:
         return []
+    model_name = model_name or model_identity(model)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "results.jsonl"
-    results = load_results(path)
+    results = check_out_dir(out, model_name, add_model=add_model, note=_note)
+    path = out / RESULTS
 
-    plan = []
+    specs: dict[tuple[str, int | None], str | None] = {}
+
+    def spec_of(name: str, budget: int | None) -> str | None:
+        """This run's spec of column ``name`` at ``budget``, canonical (None: it cannot be built)."""
+        if (name, budget) not in specs:
+            try:
+                specs[(name, budget)] = _canonical(policy_spec(build(name, budget, model)))
+            except ConfigError:
+                specs[(name, budget)] = None
+        return specs[(name, budget)]
+
+    plan, done = [], 0
     for length in lengths:
         for task in tasks:
             for seed in seeds:
                 cells = []
                 for name in presets:
-                    for budget in ([None] if name == "full" else budgets):
-                        key = cell_key(task, length, seed, name, budget)
-                        if key not in results and key not in {c[2] for c in cells}:
+                    for budget in ([None] if base_of(name) == "full" else budgets):
+                        spec = json.loads(spec_of(name, budget))
+                        key = cell_key(model_name, task, length, seed, name, budget, spec)
+                        if key in {c[2] for c in cells}:
+                            continue
+                        if key in results:
+                            done += 1
+                        else:
                             cells.append((name, budget, key))
                 plan.append((length, task, seed, cells))
-    total = len(results) + sum(len(cells) for *_, cells in plan)
-    bar = _Progress(total, len(results), progress)
+    bar = _Progress(done + sum(len(cells) for *_, cells in plan), done, progress)
     stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     device = next(model.parameters()).device
 
+    _drop_torn_tail(path)
     with path.open("a", encoding="utf-8") as sink:
         for length, task, seed, cells in plan:
             if not cells:
@@ -162,16 +304,27 @@ def run_grid(
                                           measure_recall=True, stop_ids=stop_ids)
                 text = tokenizer.decode(decoded.tokens, skip_special_tokens=True)
                 cell = CellResult(
-                    task=task, length=length, seed=seed, preset=name, budget=None if name == "full" else budget,
+                    task=task, length=length, seed=seed, preset=name, budget=budget,
                     score=score(task, text, sample.answers), prediction=text,
                     reselect_share=decoded.reselect_share,
                     recall=1.0 if policy.is_dense else decoded.recall,
                     recall_per_layer={str(k): v for k, v in decoded.recall_per_layer.items()},
                     seconds=time.perf_counter() - started,
+                    model=model_name, policy=json.loads(_canonical(policy_spec(policy))),
                 )
+                assert cell.key == key
                 sink.write(json.dumps(asdict(cell)) + "\n")
                 sink.flush()
                 results[key] = cell
                 bar.step(f"{task} {length} seed {seed} {name} {budget or ''}")
     bar.close()
-    return list(results.values())
+
+    current = set(presets)
+    latest: dict[tuple, CellResult] = {}
+    for cell in results.values():  # in the order written: a later row of a cell wins
+        if cell.model != model_name:
+            continue
+        if cell.preset in current and _canonical(cell.policy) != spec_of(cell.preset, cell.budget):
+            continue  # an earlier definition of a column this run defines anew
+        latest[(cell.task, cell.length, cell.seed, cell.preset, cell.budget)] = cell
+    return list(latest.values())
