@@ -17,6 +17,7 @@ import kvpolicy
 from kvpolicy.integrations.transformers import PolicyCache, cache_argument_name
 
 from conftest import FAMILIES, build_model, left_padded_batch
+from reuse_check import checking_reuse
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -31,7 +32,13 @@ _FLUSHING = {"name": "analytic", "update_buffer": 16}
 VARIANTS = {
     # pariskv's default update buffer (64) is not flushed in 64 steps: flush it 3 times
     "pariskv-flushing": ("pariskv", {"prefill_units": _FLUSHING, "decode_units": _FLUSHING}),
+    # triggers that keep their selection, so reuse and admission are on the compared path:
+    # query_cosine at the lowest tau selects once (the forced first step) and admits from then on
+    "louiskv-keep": ("louiskv", {"trigger": {"name": "query_cosine", "tau": -1.0}}),
+    "quest-interval": ("quest", {"trigger": {"name": "interval", "n": 8}}),
 }
+# variant -> re-selections after ``steps`` decode steps, per layer and sequence
+REUSING = {"louiskv-keep": lambda steps: 1, "quest-interval": lambda steps: -(-steps // 8)}
 POLICIES = list(kvpolicy.PRESETS) + list(VARIANTS)
 
 
@@ -97,8 +104,10 @@ def assert_close(actual, expected, what):
     assert error <= TOLERANCE, f"{what}: max |difference| {error:.3g} > {TOLERANCE}"
 
 
-def check_policy_ran(session, policy, decode_steps):
-    """The policy really served the decode, with a non-empty retrieval zone where it retrieves."""
+def check_policy_ran(session, policy, decode_steps, name=None, reuse=None):
+    """The policy really served the decode, with a non-empty retrieval zone where it retrieves;
+    a variant in ``REUSING`` re-selected exactly as often as its trigger says and kept its
+    selection (checked by ``reuse``, a ``ReuseCount``) on the other steps."""
     if policy.is_dense:
         return
     cache = session.cache
@@ -112,11 +121,15 @@ def check_policy_ran(session, policy, decode_steps):
         assert state.store.zone_end > policy.sink, "the retrieval zone should not be empty"
         assert state.units.num_prompt_units > 0
         assert int(state.reselections.min()) >= 1
+        if name in REUSING:
+            assert state.reselections.tolist() == [REUSING[name](decode_steps)] * len(state.reselections)
         assert bool(state.store.retrieved_valid.any())
         if hasattr(state.units, "indexed"):  # an analytic index: generated tokens were indexed too
             flushed = int(state.units.indexed) - state.units.num_prompt_units
             buffer = state.units.update_buffer
             assert flushed == buffer * ((decode_steps - 1) // buffer)
+    if name in REUSING:
+        assert reuse is not None and reuse.reusing > 0 and reuse.admitted > 0, reuse
 
 
 @pytest.mark.parametrize("preset_name", POLICIES)
@@ -124,9 +137,9 @@ def check_policy_ran(session, policy, decode_steps):
 def test_generate_matches_dense(reference, family, preset_name):
     model, ids, mask, plain, _ = reference(family)
     policy = make_policy(preset_name)
-    with torch.no_grad(), policy.apply(model) as session:
+    with torch.no_grad(), policy.apply(model) as session, checking_reuse() as reuse:
         out = generate(model, ids, mask)
-    check_policy_ran(session, policy, NEW_TOKENS - 1)  # generate never feeds back its last token
+    check_policy_ran(session, policy, NEW_TOKENS - 1, preset_name, reuse)  # generate never feeds back its last token
 
     assert len(out.scores) == len(plain.scores) == NEW_TOKENS
     # step 0's logits come from the prefill forward
@@ -146,9 +159,9 @@ def test_manual_forward_matches_dense(reference, family, preset_name):
     assert torch.equal(plain_tokens, generated.sequences[:, PROMPT:])
 
     policy = make_policy(preset_name)
-    with torch.no_grad(), policy.apply(model) as session:
+    with torch.no_grad(), policy.apply(model) as session, checking_reuse() as reuse:
         prefill, steps, tokens = manual_decode(model, ids, mask, session.new_cache())
-    check_policy_ran(session, policy, NEW_TOKENS)
+    check_policy_ran(session, policy, NEW_TOKENS, preset_name, reuse)
 
     real = mask.bool()  # padding positions' logits are meaningless in both
     assert_close(prefill[real], plain_prefill[real], "prefill logits (every real position)")

@@ -14,10 +14,23 @@ import kvpolicy
 from kvpolicy.integrations.transformers import PolicyCache, PolicyCacheLayer, cache_argument_name
 
 from conftest import TINY, build_from_config, build_model, left_padded_batch
+from reuse_check import checking_reuse
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 RETRIEVAL_PRESETS = [name for name in kvpolicy.PRESETS if not kvpolicy.preset(name).is_dense]
+# presets whose trigger keeps the selection between re-selections at the small budget below
+REUSE_VARIANTS = {
+    "louiskv-interval": ("louiskv", {"trigger": {"name": "interval", "n": 4}}),
+    "louiskv-keep": ("louiskv", {"trigger": {"name": "query_cosine", "tau": -1.0}}),
+    "clusterkv-interval": ("clusterkv", {"trigger": {"name": "interval", "n": 5}}),
+    "pariskv-interval": ("pariskv", {"trigger": {"name": "interval", "n": 3}}),
+}
+
+
+def small_budget_policy(name: str, budget: int) -> kvpolicy.Policy:
+    name, options = REUSE_VARIANTS.get(name, (name, {}))
+    return kvpolicy.preset(name, budget=budget, **options)
 
 
 def greedy(model, ids, mask, new_tokens):
@@ -53,11 +66,12 @@ def test_sampled_generate_matches_plain_at_full_budget(llama, preset_name):
 # --- batch with left padding at a small budget ----------------------------------------------
 
 
-@pytest.mark.parametrize("preset_name", RETRIEVAL_PRESETS)
+@pytest.mark.parametrize("preset_name", RETRIEVAL_PRESETS + list(REUSE_VARIANTS))
 def test_left_padded_batch_small_budget(llama, preset_name):
     prompt, budget, new_tokens = 300, 96, 32
     ids, mask = left_padded_batch(prompt)
-    with kvpolicy.preset(preset_name, budget=budget).apply(llama) as session:
+    policy = small_budget_policy(preset_name, budget)
+    with policy.apply(llama) as session, checking_reuse() as reuse:
         out = greedy(llama, ids, mask, new_tokens)
     assert out.sequences.shape == (2, prompt + new_tokens)
     assert len(out.scores) == new_tokens
@@ -70,8 +84,16 @@ def test_left_padded_batch_small_budget(llama, preset_name):
     assert stats.served_layers == llama.config.num_hidden_layers
     if stats.reselect_share is not None:
         assert 0.0 <= stats.reselect_share <= 1.0
-    if kvpolicy.preset(preset_name, budget=budget).selector is not None:
+    if policy.selector is not None:
         assert stats.reselect_share > 0  # the first decode step always selects
+    if preset_name in REUSE_VARIANTS:
+        # the selection was kept on most steps, and each such step attended the previous
+        # selection exactly, reading nothing from the pool (checked by checking_reuse; the
+        # selection fills the buffer here, so nothing is admitted: the dense matrix admits)
+        assert stats.reselect_share < 0.5
+        assert reuse.reusing > 0, reuse
+    elif policy.selector is not None and policy.trigger.always_reselects:
+        assert stats.reselect_share == 1.0 and reuse.reusing == 0
     assert 0 < stats.device_kv_bytes < stats.full_kv_bytes
     # the full KV: (B, H, tokens, D) keys and values of every layer, float32
     config = llama.config
