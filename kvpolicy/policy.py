@@ -170,13 +170,18 @@ class Policy:
         ...                   "selector": "top_budget", "budget": 1024}).budget
         1024
         """
+        known = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(config, Mapping):
+            raise ConfigError(
+                f"a policy config is a mapping of field names to values, got {type(config).__name__} {config!r}; "
+                f"fields: {', '.join(sorted(known | {'preset'}))}"
+            )
         config = dict(config)
         preset_name = config.pop("preset", None)
-        known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(config) - known
         if unknown:
             raise ConfigError(
-                f"unknown policy field(s) {', '.join(sorted(unknown))}; fields: {', '.join(sorted(known | {'preset'}))}"
+                f"unknown policy field(s) {', '.join(sorted(map(repr, unknown)))}; fields: {', '.join(sorted(known | {'preset'}))}"
             )
         if preset_name is not None:
             from .presets import preset
@@ -219,7 +224,8 @@ class Policy:
     def describe(self) -> str:
         if self.is_dense:
             return f"{self.name}: dense attention over the whole cache"
-        parts = [f"budget={self.budget}", f"sink={self.sink}", f"local={self.local}"]
+        parts = [f"budget={self.budget}", f"sink={self.sink}", f"local={self.local}",
+                 f"placement={self.placement}", f"backend={self.backend}"]
         if self.selector is not None:
             parts = [
                 f"trigger={_short(self.trigger)}",
