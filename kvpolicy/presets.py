@@ -16,6 +16,8 @@ from .units.analytic import DEFAULT_UPDATE_BUFFER
 DEFAULT_BUDGET = 512
 DEFAULT_SINK = 4
 DEFAULT_LOCAL = 64
+# ``model="smollm2"`` (kvpolicy.models.EMBEDDED_MODEL) is the embedded model, loaded from a copy named EMBEDDED_ID
+EMBEDDED_NAME, EMBEDDED_ID = "smollm2", "smollm2-135m-instruct"
 
 
 def _full(**options: Any) -> Policy:
@@ -52,6 +54,8 @@ def _louiskv(model: Any = None, **options: Any) -> Policy:
     clusters of ~16 prompt tokens, generated tokens in segments cut at those boundaries,
     group-consistent top_budget selection. tau is the model's calibrated value when a model
     is given (0.95 for the embedded SmolLM2, calibrated), else 0.7 (LouisKV's for Qwen3-8B)."""
+    if isinstance(model, str) and model.strip().lower() == EMBEDDED_NAME:
+        model = EMBEDDED_ID  # the name the CLI takes for the embedded model, as its loaded copy is named
     tau = calibrated_tau(model) if model is not None else DEFAULT_TAU
     return _retrieval(
         "louiskv", {"name": "query_cosine", "tau": tau}, {"name": "kmeans", "tokens_per_cluster": 16},
