@@ -34,8 +34,15 @@ def register(kind: str, name: str) -> Callable[[T], T]:
     _check_kind(kind)
 
     def decorate(cls: T) -> T:
+        base = _base_class(kind)
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            what = f"class {cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else repr(cls)
+            raise ConfigError(f"cannot register {what} as {kind} {name!r}: a {kind} must subclass "
+                              f"{base.__module__}.{base.__qualname__}")
         existing = _REGISTRY[kind].get(name)
-        if existing is not None and existing is not cls:
+        # the same definition run again (a re-run notebook cell, a reloaded module) replaces the old one
+        same = existing is not None and (existing.__module__, existing.__qualname__) == (cls.__module__, cls.__qualname__)
+        if existing is not None and existing is not cls and not same:
             raise ConfigError(
                 f"{kind} {name!r} is already registered by {existing.__module__}.{existing.__qualname__}"
             )
@@ -44,6 +51,21 @@ def register(kind: str, name: str) -> Callable[[T], T]:
         return cls
 
     return decorate
+
+
+def _base_class(kind: str) -> type:
+    """The class every component of ``kind`` subclasses (imported here: its module registers built-ins)."""
+    if kind == "trigger":
+        from .triggers.base import Trigger
+
+        return Trigger
+    if kind == "units":
+        from .units.base import UnitBuilder
+
+        return UnitBuilder
+    from .selectors.base import Selector
+
+    return Selector
 
 
 def lookup(kind: str, name: str) -> type:
