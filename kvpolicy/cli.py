@@ -67,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
                          "'louis-anchor=louiskv:{\"trigger\": {\"name\": \"query_cosine\", \"tau\": 0.8, \"against\": \"anchor\"}}'; "
                          "list LABEL in --presets to run it")
     ev.add_argument("--out", default="eval-out", help="output folder (results.jsonl, summary.json, table.md, PNGs)")
+    ev.add_argument("--add-model", action="store_true",
+                    help="add this model's results to an --out folder that holds another model's (default: refused)")
     ev.add_argument("--device", default=None)
     ev.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
 
@@ -186,16 +188,59 @@ def _policy_for(args, name: str, model: Any = None):
     return preset(name, **options)
 
 
-def _prompt(args, tokenizer):
+def _read_prompt_file(path: str) -> str:
+    """The text of ``--prompt-file``, read before the model loads: UTF-8 and not empty."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as exc:
+        raise KVPolicyError(f"cannot read --prompt-file {path!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise KVPolicyError(f"--prompt-file {path!r} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
+                            f"offset {exc.start}); give a text file") from None
+    if not text.strip():
+        raise KVPolicyError(f"--prompt-file {path!r} is empty; give the text of the user's message")
+    return text
+
+
+def _check_writable(path: str | None, flag: str) -> None:
+    """Fail now, not after the run, if ``path`` cannot be written (a file that is missing stays missing)."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise KVPolicyError(f"{flag} {path!r} is a folder; name a file to write")
+    existed = target.exists()
+    try:
+        with open(target, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise KVPolicyError(f"{flag} {path!r} cannot be written ({exc.strerror}); name a file in a writable folder") from None
+    if not existed:
+        target.unlink(missing_ok=True)
+
+
+def _write_text(path: str, text: str, flag: str) -> None:
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise KVPolicyError(f"{flag} {path!r} cannot be written ({exc.strerror})") from None
+
+
+def _warn_past_positions(model, tokens: int, what: str) -> None:
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and tokens > limit:
+        print(f"kvpolicy: warning: {what} ({tokens} tokens) exceeds the model's max_position_embeddings ({limit}); "
+              "past it the model runs at positions it was not trained for", file=sys.stderr, flush=True)
+
+
+def _prompt(args, tokenizer, text: str | None = None):
     from .demo import needle_prompt
 
     if args.prompt_file is None:
         return needle_prompt(tokenizer, target_tokens=args.demo_tokens), "needle demo"
-    try:
-        with open(args.prompt_file, encoding="utf-8") as handle:
-            text = handle.read()
-    except OSError as exc:
-        raise KVPolicyError(f"cannot read --prompt-file {args.prompt_file!r}: {exc.strerror}") from None
+    if text is None:
+        text = _read_prompt_file(args.prompt_file)
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)
@@ -312,25 +357,35 @@ def _run(args) -> int:
     names = [args.preset] + (["full"] if args.compare == "full" and args.preset != "full" else [])
     # validate before loading anything; rebuilt below with the model's calibrated defaults
     policies = [_policy_for(args, name, model=args.model) for name in names]
+    if args.preset == "full" and (args.placement is not None or args.backend is not None):
+        given = " and ".join(f for f, v in (("--placement", args.placement), ("--backend", args.backend)) if v)
+        raise KVPolicyError(f"{given} apply only to retrieval presets, not to --preset full (dense attention keeps "
+                            "the model's own cache on its device and runs no kvpolicy kernel); leave them out")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise KVPolicyError(f"--device {device}: no CUDA device is available here; use --device cpu")
     for policy in policies:
         if not policy.is_dense:
             dispatch.check(policy.backend, torch.device(device))
+            if policy.placement == "gpu" and not device.startswith("cuda"):
+                raise KVPolicyError(f"--placement gpu keeps the full KV in GPU memory, but the model runs on {device}; "
+                                    "use --placement cpu, or a CUDA --device")
+    text = _read_prompt_file(args.prompt_file) if args.prompt_file is not None else None
+    _check_writable(args.json, "--json")
     print(f"loading {args.model} on {device} ...", file=sys.stderr, flush=True)
     model, tokenizer = load_model(args.model, device=device)
     policies = [_policy_for(args, name, model=model) for name in names]
-    prompt, source = _prompt(args, tokenizer)
+    prompt, source = _prompt(args, tokenizer, text)
     print(f"prompt: {source}, {prompt.input_ids.shape[1]} tokens", file=sys.stderr, flush=True)
+    _warn_past_positions(model, int(prompt.input_ids.shape[1]) + args.max_new_tokens,
+                         "the prompt plus --max-new-tokens")
     results = []
     for policy in policies:
         print(f"generating with {policy.describe()} ...", file=sys.stderr, flush=True)
         results.append(_generate(model, tokenizer, prompt, policy, args.max_new_tokens, args.ignore_eos))
     _report(results)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump([r.__dict__ for r in results], handle, indent=2)
+        _write_text(args.json, json.dumps([r.__dict__ for r in results], indent=2), "--json")
     return 0
 
 
@@ -362,7 +417,7 @@ def _eval(args) -> int:
     import torch
 
     from .eval.report import summarize, table, write_outputs
-    from .eval.runner import run_grid
+    from .eval.runner import check_out_dir, model_identity, run_grid
     from .eval.tasks import TASKS
     from .models import load_model
 
@@ -371,9 +426,17 @@ def _eval(args) -> int:
                    presets=args.presets.split(","), seeds=_ints(args.seeds, "seeds"),
                    variants=_variants(args.variant))
     run_grid(None, None, out_dir=args.out, dry_run=True, **options)  # validate names before loading
+    model_name = model_identity(args.model)
+    check_out_dir(args.out, model_name, add_model=args.add_model)  # --out a file, or another model's folder
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("kvpolicy: note: no plots: matplotlib is not installed (pip install 'kvpolicy[plot]'); "
+              "results.jsonl, summary.json and table.md are written", file=sys.stderr, flush=True)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_model(args.model, device=device)
-    cells = run_grid(model, tokenizer, out_dir=args.out, **options)
+    _warn_past_positions(model, max(options["lengths"]), "the longest --lengths")
+    cells = run_grid(model, tokenizer, out_dir=args.out, model_name=model_name, add_model=args.add_model, **options)
     written = write_outputs(cells, args.out)
     print(table(summarize(cells)))
     print("\nwrote " + ", ".join(str(p) for p in written.values()))
@@ -398,6 +461,7 @@ def _fidelity(args) -> int:
     for name in names:
         if name != "full":
             preset(name, budget=args.budget)  # a bad budget fails before the model loads
+    _check_writable(args.json, "--json")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_model(args.model, device=device)
     policies = [preset(n, model=model, budget=args.budget) for n in names if n != "full"]
@@ -421,7 +485,7 @@ def _fidelity(args) -> int:
 
         payload = {"length": int(chat["input_ids"].shape[1]), "new_tokens": args.new_tokens, "seed": args.seed,
                    "results": [asdict(r) for r in results]}
-        Path(args.json).write_text(json.dumps(payload, indent=2), encoding="utf-8")
+        _write_text(args.json, json.dumps(payload, indent=2), "--json")
     return 0
 
 
@@ -440,6 +504,7 @@ def _drift(args) -> int:
         raise KVPolicyError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
     for name in names:
         drift.drift_policy(name, args.budget)  # a bad name or budget fails before the model loads
+    _check_writable(args.json, "--json")
     try:
         import matplotlib  # noqa: F401
 
@@ -450,6 +515,7 @@ def _drift(args) -> int:
             raise KVPolicyError("--plot needs matplotlib: pip install 'kvpolicy[plot]' (or leave out --plot)") from None
         print("no plot: matplotlib is not installed (pip install 'kvpolicy[plot]')", file=sys.stderr)
         plot_path = None
+    _check_writable(plot_path, "--plot")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_model(args.model, device=device)
     payload = drift.run(model, tokenizer, length=args.length, new_tokens=args.new_tokens, budget=args.budget,
@@ -472,6 +538,7 @@ def _bench(args) -> int:
     if device.type != "cuda":
         print("kvpolicy bench: no CUDA device; timings on the CPU say nothing about the GPU path", file=sys.stderr)
     _preset_placements(args)  # a bad --presets or --placements fails before any model is built
+    _check_writable(args.json, "--json")
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "args": {k: v for k, v in vars(args).items() if k != "sub_plugin"}}
     try:
@@ -689,6 +756,7 @@ def _calibrate(args) -> int:
     if args.against != "previous" and not args.shard_out:
         raise KVPolicyError("--against anchor is an experiment: use it with --shard-out (the louiskv preset's tau "
                             "is calibrated with the previous-query trigger)")
+    _check_writable(args.shard_out, "--shard-out")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     from .models import load_model
 

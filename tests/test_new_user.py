@@ -48,10 +48,10 @@ def tokenizer():
 
 
 def tiny_llama(tokenizer, seed: int = 0, **overrides):
-    config = transformers.LlamaConfig(
+    config = transformers.LlamaConfig(**{**dict(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-        pad_token_id=0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False, **overrides)
+        pad_token_id=0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False), **overrides})
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).float().eval()
@@ -144,3 +144,167 @@ def test_model_identity_names_the_embedded_model_and_resolves_paths(tmp_path, mo
     assert runner.model_identity(str(embedded)) == "smollm2"
     monkeypatch.chdir(tmp_path)
     assert runner.model_identity("models") == str(tmp_path.resolve() / "models")
+
+
+# --- item 5: one-line errors, exit 2, before the model loads ---------------------------------------------
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading a model fails the test: every check below must come before it."""
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the bad input was refused")
+
+    monkeypatch.setattr("kvpolicy.models.load_model", load_model)
+
+
+def refused(argv, capsys) -> str:
+    assert cli.main(argv) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    lines = err.splitlines()  # notes may come first; the error is the last line, and one line
+    assert lines and lines[-1].startswith("kvpolicy: error: ") and err.count("error:") == 1, err
+    assert "Traceback" not in err
+    return lines[-1]
+
+
+def test_a_binary_prompt_file_is_refused(tmp_path, no_model, capsys):
+    binary = tmp_path / "doc.bin"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe")
+    assert "is not UTF-8 text (byte 0x89 at offset 0)" in refused(
+        ["run", "--preset", "quest", "--prompt-file", str(binary)], capsys)
+
+
+def test_an_empty_prompt_file_is_refused(tmp_path, no_model, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text(" \n\n")
+    assert "is empty" in refused(["run", "--preset", "quest", "--prompt-file", str(empty)], capsys)
+
+
+@pytest.mark.parametrize("command", [["run", "--preset", "quest"], ["fidelity"], ["drift"], ["bench", "layer", "--backend", "reference"]])
+def test_an_unwritable_json_is_refused_before_the_run(tmp_path, no_model, capsys, command):
+    missing = tmp_path / "no-such-folder" / "out.json"
+    assert "--json" in refused([*command, "--json", str(missing)], capsys)
+    assert "is a folder" in refused([*command, "--json", str(tmp_path)], capsys)
+    assert not missing.parent.exists()
+
+
+def test_an_existing_json_is_not_touched_by_the_check(tmp_path):
+    target = tmp_path / "figures.json"
+    target.write_text("[1]")
+    cli._check_writable(str(target), "--json")
+    assert target.read_text() == "[1]"
+    cli._check_writable(str(tmp_path / "new.json"), "--json")
+    assert not (tmp_path / "new.json").exists()
+
+
+def test_eval_out_naming_a_file_is_refused_before_the_model_loads(tmp_path, no_model, capsys):
+    target = tmp_path / "results"
+    target.write_text("")
+    assert "is a file; name a folder" in refused(["eval", "--out", str(target)], capsys)
+
+
+def test_eval_into_another_models_folder_is_refused_unless_add_model(tmp_path, no_model, capsys):
+    row = dict(task="niah_single", length=LENGTH, seed=0, preset="full", budget=None, score=100.0, prediction="x",
+               reselect_share=None, recall=1.0, recall_per_layer={}, seconds=1.0, model="/models/other", policy={})
+    (tmp_path / RESULTS).write_text(json.dumps(row) + "\n")
+    err = refused(["eval", "--out", str(tmp_path), "--model", "smollm2"], capsys)
+    assert "another model (/models/other), not of 'smollm2'" in err and "--add-model" in err
+    with pytest.raises(AssertionError, match="model was loaded"):  # past the check: it loads the model
+        cli.main(["eval", "--out", str(tmp_path), "--model", "smollm2", "--add-model"])
+
+
+def test_from_dict_of_a_list_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"a policy config is a mapping.*got list \[1, 2\]; fields: backend"):
+        kvpolicy.Policy.from_dict([1, 2])
+
+
+# --- item 7: the smaller ones ---------------------------------------------------------------------------
+
+
+def test_describe_names_placement_and_backend():
+    text = kvpolicy.preset("quest", placement="gpu", backend="reference").describe()
+    assert "placement=gpu" in text and "backend=reference" in text
+    assert "placement=cpu, backend=auto" in kvpolicy.preset("streaming").describe()
+
+
+@pytest.mark.parametrize("flags", [["--placement", "gpu"], ["--backend", "reference"]])
+def test_preset_full_with_placement_or_backend_is_refused(no_model, capsys, flags):
+    assert "apply only to retrieval presets, not to --preset full" in refused(["run", "--preset", "full", *flags],
+                                                                              capsys)
+
+
+def test_placement_gpu_without_cuda_is_refused_before_the_model_loads(no_model, capsys):
+    assert "--placement gpu keeps the full KV in GPU memory, but the model runs on cpu" in refused(
+        ["run", "--preset", "quest", "--placement", "gpu", "--device", "cpu"], capsys)
+
+
+def test_a_prompt_past_max_position_embeddings_warns(tokenizer, tmp_path, monkeypatch, capsys):
+    short = tiny_llama(tokenizer, max_position_embeddings=64)
+    monkeypatch.setattr("kvpolicy.models.load_model", lambda *a, **k: (short, tokenizer))
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("the quick brown fox jumps over the lazy dog " * 12)
+    assert cli.main(["run", "--preset", "full", "--prompt-file", str(prompt), "--max-new-tokens", "2",
+                     "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: the prompt plus --max-new-tokens (" in err
+    assert "exceeds the model's max_position_embeddings (64)" in err
+
+
+def test_eval_says_at_the_start_that_it_will_draw_no_plots(tmp_path, no_model, monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # not installed
+    with pytest.raises(AssertionError, match="model was loaded"):
+        cli.main(["eval", "--out", str(tmp_path / "out")])
+    assert "no plots: matplotlib is not installed (pip install 'kvpolicy[plot]')" in capsys.readouterr().err
+
+
+def test_louiskv_for_the_embedded_models_name_gets_its_calibrated_tau(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPOLICY_CACHE", str(tmp_path))  # no user calibration file
+    from kvpolicy.calibration import BUILTIN_TAU
+
+    by_name = kvpolicy.preset("louiskv", model="smollm2").trigger.tau
+    assert by_name == BUILTIN_TAU["smollm2-135m-instruct"] == kvpolicy.preset(
+        "louiskv", model="smollm2-135m-instruct").trigger.tau
+
+
+@dataclass
+class _NotATrigger:
+    tau: float = 0.5
+
+
+def test_registering_a_non_trigger_as_a_trigger_is_refused():
+    from kvpolicy.registry import register
+
+    with pytest.raises(ConfigError, match="must subclass kvpolicy.triggers.base.Trigger"):
+        register("trigger", "not_a_trigger")(_NotATrigger)
+    with pytest.raises(ConfigError, match="must subclass kvpolicy.units.base.UnitBuilder"):
+        register("units", "not_units")(_NotATrigger)
+
+
+def test_registering_the_same_definition_twice_is_no_error():
+    from kvpolicy.registry import _REGISTRY
+
+    source = (
+        "from dataclasses import dataclass\n"
+        "from kvpolicy.registry import register\n"
+        "from kvpolicy.triggers.base import Trigger\n"
+        "@register('trigger', 'notebook_cell')\n"
+        "@dataclass\n"
+        "class NotebookCell(Trigger):\n"
+        "    pass\n"
+    )
+    try:
+        for _ in range(2):  # a notebook cell run twice
+            namespace = {"__name__": "__main__"}
+            exec(source, namespace)
+        assert kvpolicy.registry.lookup("trigger", "notebook_cell") is namespace["NotebookCell"]
+    finally:
+        _REGISTRY["trigger"].pop("notebook_cell", None)
+
+
+def test_the_plugin_readme_variant_command_builds(tmp_path):
+    readme = (__import__("pathlib").Path(__file__).parents[1] / "plugins" / "kvpolicy-query-drift" / "README.md").read_text()
+    assert "still being written" not in readme
+    pytest.importorskip("kvpolicy_query_drift")
+    variants = cli._variants(['drift=louiskv:{"trigger": {"name": "query_drift", "tau": 0.8}}'])
+    assert run_grid(None, None, out_dir=tmp_path, presets=["full", "louiskv", "drift"], variants=variants,
+                    dry_run=True) == []
