@@ -2,7 +2,8 @@
 
 On a CPU there is no CUDA graph; ``emulate=True`` re-runs the captured step with the host state
 frozen at capture time, which is what a replay does. Tokens must equal eager decoding with the
-same policy (on a GPU the same test runs the real graph).
+same policy (on a GPU the same test runs the real graph). Emulated replays run under
+``no_host_reads``: a step that read a device value on the host would be frozen by a real replay.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from kvpolicy.graph import DecodeGraph, greedy_decode
 from kvpolicy.integrations.transformers import cache_argument_name
 
 from conftest import build_model, left_padded_batch
+from host_reads import no_host_reads
 
 NEW_TOKENS = 24
 CUDA = torch.cuda.is_available()
@@ -28,9 +30,23 @@ def _eager(model, policy, ids, mask):
     return out[:, ids.shape[1]:]
 
 
+@pytest.fixture
+def replays_read_nothing(monkeypatch):
+    """Emulated replays (the whole model's step, not only the policy's) run under ``no_host_reads``."""
+    real_replay = DecodeGraph._replay
+
+    def guarded(self):
+        if not self.emulate:
+            return real_replay(self)
+        with no_host_reads("an emulated graph replay"):
+            return real_replay(self)
+
+    monkeypatch.setattr(DecodeGraph, "_replay", guarded)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("name,budget", [("louiskv", 96), ("quest", 96), ("clusterkv", 512), ("streaming", 40), ("pariskv", 96)])
-def test_replayed_decode_matches_eager(family, name, budget, single_thread):
+def test_replayed_decode_matches_eager(family, name, budget, single_thread, replays_read_nothing):
     device = torch.device("cuda" if CUDA else "cpu")
     model = build_model(family).to(device)
     ids, mask = left_padded_batch(200)

@@ -4,7 +4,9 @@ A captured graph re-runs the step's kernels on the tensors it was captured with;
 around them does not run again. So a replayable step (1) keeps every state tensor in place
 (never rebinds an attribute to a new tensor) and (2) reads nothing that changes between steps
 from the host. The emulation: reserve room, snapshot every host-side attribute, then before
-each step restore that snapshot; the outputs must equal an ordinary run's.
+each step restore that snapshot; the outputs must equal an ordinary run's. The emulated replay
+re-runs the Python, so a host read of a device value would still give the right value here: it
+runs under ``no_host_reads``, where any such read raises.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch
 
 import kvpolicy
 from kvpolicy.layer import PolicyLayerState
+
+from host_reads import HostReadError, no_host_reads
 
 B, HQ, H, D, PROMPT, STEPS = 2, 4, 2, 16, 150, 40
 
@@ -80,7 +84,8 @@ def test_decode_step_replays_with_frozen_host_state(name):
         q, k, v = inputs[step, 0], inputs[step, 1, :, :H], inputs[step, 2, :, :H]
         want = eager.decode(q, k, v, D**-0.5)
         _restore(replayed, host)
-        got = replayed.decode(q, k, v, D**-0.5)
+        with no_host_reads(f"{name}'s decode step"):
+            got = replayed.decode(q, k, v, D**-0.5)
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{name}: step {step} differs under replay")
     now = _tensors(replayed)
     moved = [k for k, t in captured.items() if now[k] is not t or now[k].data_ptr() != pointers[k]]
@@ -95,3 +100,25 @@ def test_decode_step_replays_with_frozen_host_state(name):
             zone = PROMPT - 16
             assert int(state.units.next_position) == zone + STEPS
             assert int(state.units.indexed) == zone + STEPS - 8
+
+
+def test_a_host_read_in_the_step_is_caught(monkeypatch):
+    """The guard is not vacuous: a step that reads its slot counter on the host fails under it."""
+    state, inputs = _layer("quest", seed=3)
+    state.reserve(2)
+    store = state.store
+    real_append = type(store).append
+
+    def append_reading_the_slot(self, key, value, backend):
+        int(self.next_slot)  # what a step must not do
+        return real_append(self, key, value, backend)
+
+    monkeypatch.setattr(type(store), "append", append_reading_the_slot)
+    q, k, v = inputs[0, 0], inputs[0, 1, :, :H], inputs[0, 2, :, :H]
+    with pytest.raises(HostReadError, match="Tensor.__int__"):
+        with no_host_reads():
+            state.decode(q, k, v, D**-0.5)
+    for read in (lambda t: t.item(), lambda t: t.tolist(), lambda t: t.cpu(), lambda t: bool(t), lambda t: float(t)):
+        with pytest.raises(HostReadError), no_host_reads():
+            read(torch.ones(()))
+    assert torch.ones(()).item() == 1.0  # restored on exit
