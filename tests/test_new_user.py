@@ -129,6 +129,20 @@ def test_a_bad_line_before_the_last_names_its_line(tmp_path):
         load_results(tmp_path / RESULTS)
 
 
+def test_the_summary_never_averages_two_models():
+    from kvpolicy.eval.report import summarize, table
+
+    def cell(model, score):
+        return runner.CellResult(task="niah_single", length=LENGTH, seed=0, preset="full", budget=None, score=score,
+                                 prediction="", reselect_share=None, recall=1.0, recall_per_layer={}, seconds=1.0,
+                                 model=model, policy={})
+
+    rows = summarize([cell("smollm2", 100.0), cell("/models/random", 0.0)])
+    assert sorted((r["model"], r["score"]) for r in rows) == [("/models/random", 0.0), ("smollm2", 100.0)]
+    assert "| smollm2 | 300 | all | full | 100.0 |" in table(rows)
+    assert table(rows[:1]).startswith("| length |")  # one model: no model column
+
+
 def test_out_naming_a_file_is_refused(tmp_path):
     target = tmp_path / "file"
     target.write_text("")

@@ -14,13 +14,14 @@ NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiqu
 
 
 def summarize(cells: Iterable[CellResult]) -> list[dict]:
-    """One row per (preset, budget, length): mean score over all tasks and over needle tasks,
-    re-selection share and attention recall."""
+    """One row per (model, preset, budget, length): mean score over all tasks and over needle tasks,
+    re-selection share and attention recall. Cells of two models are never averaged together."""
     groups: dict[tuple, list[CellResult]] = defaultdict(list)
     for cell in cells:
-        groups[(cell.preset, cell.budget, cell.length)].append(cell)
+        groups[(cell.model or "", cell.preset, cell.budget, cell.length)].append(cell)
     rows = []
-    for (name, budget, length), group in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][1] or 0, kv[0][0])):
+    for (model, name, budget, length), group in sorted(
+            groups.items(), key=lambda kv: (kv[0][0], kv[0][3], kv[0][2] or 0, kv[0][1])):
         needles = [c.score for c in group if c.task in NEEDLE_TASKS]
         shares = [c.reselect_share for c in group if c.reselect_share is not None]
         recalls = [c.recall for c in group if c.recall is not None]
@@ -28,6 +29,7 @@ def summarize(cells: Iterable[CellResult]) -> list[dict]:
         for c in group:
             per_task[c.task].append(c.score)
         rows.append({
+            "model": model or None,
             "preset": name,
             "budget": budget,
             "length": length,
@@ -48,12 +50,14 @@ def _fmt(value, pct: bool = False) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """A markdown table (it reads as plain text in a terminal too)."""
-    lines = ["| length | budget | preset | score | needle score | re-selecting | recall | cells |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    """A markdown table (it reads as plain text in a terminal too); a model column when rows hold two or more."""
+    several = len({r.get("model") for r in rows}) > 1
+    lines = [("| model " if several else "") + "| length | budget | preset | score | needle score | re-selecting | recall | cells |",
+             ("|---" if several else "") + "|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
-            f"| {r['length']} | {r['budget'] or 'all'} | {r['preset']} | {_fmt(r['score'])} | "
+            (f"| {r.get('model') or '-'} " if several else "")
+            + f"| {r['length']} | {r['budget'] or 'all'} | {r['preset']} | {_fmt(r['score'])} | "
             f"{_fmt(r['needle_score'])} | {_fmt(r['reselect_share'], True)} | {_fmt(r['recall'], True)} | {r['cells']} |"
         )
     return "\n".join(lines)
