@@ -44,10 +44,15 @@ class Run:
         self.state.prefill(keys, values, valid, HQ)
         self.keys = list(keys.unbind(2))  # slot -> (B, H, D)
         self.valid = valid
+        self.fired: list[list[bool]] = []  # per decode step, per sequence: re-selected
 
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         self.keys.append(key)
-        return self.state.decode(query, key, value, D**-0.5)
+        before = None if self.state.reselections is None else self.state.reselections.clone()
+        out = self.state.decode(query, key, value, D**-0.5)
+        if before is not None:
+            self.fired.append((self.state.reselections > before).tolist())
+        return out
 
     def attended(self) -> list[list[set[int]]]:
         """Per (sequence, KV head), the slots this step attended."""
@@ -303,3 +308,27 @@ def test_the_analytic_index_encodes_the_pool_rows_of_its_slots():
     retrievable = store.slot_valid[:, slots] & ~torch.isin(slots, store.sink_slots[0])[None]
     retrievable[1] = store.slot_valid[1, slots] & ~torch.isin(slots, store.sink_slots[1])
     assert torch.equal(index.token_valid[:, :n], retrievable)
+
+
+@pytest.mark.parametrize("name, page", [("quest", 16), ("arkvale", 32), ("clusterkv", 16), ("louiskv", None)])
+def test_decode_units_are_cut_where_their_builder_says(name, page):
+    """Pages: every ``size`` leaving tokens. Segments: at the first leaving token and at each token
+    produced by a step at which the trigger fired (LouisKV's semantic boundaries)."""
+    run = _decoded(name, STEPS)
+    table = run.state.units
+    first = PROMPT - LOCAL  # the first token to leave the ring (a prompt token of the window)
+    left = PROMPT + STEPS - LOCAL  # slots [first, left) left the ring
+    for b in range(B):
+        if page is not None:
+            starts = list(range(first, left, page))
+        else:
+            fired = [PROMPT + step for step, seqs in enumerate(run.fired) if seqs[b] and PROMPT + step < left]
+            starts = sorted({first, *fired})
+            assert len(starts) >= 3, "the test's queries turn every 7 steps: the trigger should fire"
+        ends = starts[1:] + [left]
+        for h in range(H):
+            for k, (start, end) in enumerate(zip(starts, ends)):
+                u = table.num_prompt_units + k
+                slots = table.order[b, h, int(table.start[b, h, u]): int(table.start[b, h, u]) + int(table.size[b, h, u])]
+                assert slots.tolist() == list(range(start, end)), f"{name}: seq {b} head {h} decode unit {k}"
+        assert int(table.decode_units[b]) == len(starts), name
