@@ -322,3 +322,16 @@ def test_the_plugin_readme_variant_command_builds(tmp_path):
     variants = cli._variants(['drift=louiskv:{"trigger": {"name": "query_drift", "tau": 0.8}}'])
     assert run_grid(None, None, out_dir=tmp_path, presets=["full", "louiskv", "drift"], variants=variants,
                     dry_run=True) == []
+
+
+def test_cli_eval_records_the_model_and_refuses_another_in_its_folder(model, tokenizer, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("kvpolicy.models.load_model", lambda *a, **k: (model, tokenizer))
+    grid = ["eval", "--tasks", "niah_single", "--lengths", str(LENGTH), "--budgets", str(BUDGET), "--presets",
+            "full,streaming", "--seeds", "0", "--out", str(tmp_path), "--device", "cpu"]
+    assert cli.main([*grid, "--model", "smollm2"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / RESULTS).read_text().splitlines()]
+    assert [(r["model"], r["preset"]) for r in rows] == [("smollm2", "full"), ("smollm2", "streaming")]
+    capsys.readouterr()
+    assert "holds results of another model (smollm2)" in refused([*grid, "--model", str(tmp_path / "random")], capsys)
+    assert cli.main([*grid, "--model", "smollm2"]) == 0  # resumed: nothing run again
+    assert len((tmp_path / RESULTS).read_text().splitlines()) == 2
