@@ -1,0 +1,188 @@
+"""The named mutations ``scripts/mutation_check.py`` applies, one at a time, to a copy of the tree.
+
+Each is a deliberate bug in the decode path that the named tests must catch (fail on). ``original``
+must occur exactly once in ``file``: when the code it names is rewritten, the check reports the
+mutation as STALE and fails, and whoever rewrote the code updates the entry here (the same bug,
+written against the new code) rather than deleting it.
+
+``tests`` are pytest arguments (files, node ids, ``-k`` expressions), run with ``-x``; keep them
+to the few files that should catch the bug, so the whole check stays minutes, not the suite's time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str  # relative to the repository root
+    original: str  # exact text, found exactly once in ``file``
+    replacement: str
+    tests: tuple[str, ...]  # pytest arguments
+    why: str  # the bug, in a line
+
+
+MUTATIONS: tuple[Mutation, ...] = (
+    # --- the five of issue 11 (each passed the whole relevant suite before these tests) -------
+    Mutation(
+        name="mean-key-scores-negated",
+        file="kvpolicy/kernels/reference.py",
+        original="    return summed / (size.clamp(min=1) * query_group.shape[2])",
+        replacement="    return -summed / (size.clamp(min=1) * query_group.shape[2])",
+        tests=("tests/test_selectors.py", "tests/test_policy_behaviour.py"),
+        why="top_budget ranks units worst first",
+    ),
+    Mutation(
+        name="query-cosine-max-over-heads",
+        file="kvpolicy/triggers/query_cosine.py",
+        original="similarity = torch.nn.functional.cosine_similarity(q, state.previous, dim=-1).mean(dim=-1)",
+        replacement="similarity = torch.nn.functional.cosine_similarity(q, state.previous, dim=-1).amax(dim=-1)",
+        tests=("tests/test_policy_behaviour.py", "tests/test_triggers.py"),
+        why="query_cosine decides on the most similar head, not the mean over heads",
+    ),
+    Mutation(
+        name="layer-ignores-the-trigger",
+        file="kvpolicy/layer.py",
+        original=(
+            "            store.fetch(selection.slots, selection.slot_valid, reselect, policy.backend)\n"
+            "            store.admit(evicted, ~reselect, policy.backend)"
+        ),
+        replacement=(
+            "            store.fetch(selection.slots, selection.slot_valid, torch.ones_like(reselect), policy.backend)\n"
+            "            store.admit(evicted, torch.zeros_like(reselect), policy.backend)"
+        ),
+        tests=("tests/test_transformers_integration.py", "-k", "small_budget"),
+        why="every step re-fetches and no leaving token is admitted, whatever the trigger says",
+    ),
+    Mutation(
+        name="index-files-the-new-token",
+        file="kvpolicy/layer.py",
+        original="                evicted.slot, evicted.key, evicted.valid,",
+        replacement="                evicted.slot, key, evicted.valid,",
+        tests=("tests/test_policy_behaviour.py",),
+        why="the unit table and the analytic index take this step's key for the slot that left the window",
+    ),
+    Mutation(
+        name="host-read-of-next-slot",
+        file="kvpolicy/layer.py",
+        original="        slot = store.next_slot.clone()",
+        replacement="        slot = torch.tensor(int(store.next_slot), device=store.next_slot.device)",
+        tests=("tests/test_graph_ready.py",),
+        why="the step reads its slot on the host: a graph replay would write every token to the captured slot",
+    ),
+    # --- weak spots found by breaking the code ----------------------------------------------
+    Mutation(
+        name="bound-mean-over-group",
+        file="kvpolicy/kernels/reference.py",
+        original="    return bound.amax(dim=2)",
+        replacement="    return bound.mean(dim=2)",
+        tests=("tests/test_selectors.py",),
+        why="Quest's bound averaged over the GQA group instead of its largest head",
+    ),
+    Mutation(
+        name="bound-min-max-swapped",
+        file="kvpolicy/kernels/reference.py",
+        original='torch.einsum("bhgd,bhud->bhgu", positive, high) + torch.einsum("bhgd,bhud->bhgu", negative, low)',
+        replacement='torch.einsum("bhgd,bhud->bhgu", positive, low) + torch.einsum("bhgd,bhud->bhgu", negative, high)',
+        tests=("tests/test_selectors.py", "tests/test_policy_behaviour.py"),
+        why="the bound takes the smallest q.k in the box, not the largest",
+    ),
+    Mutation(
+        name="oracle-max-over-group",
+        file="kvpolicy/selectors/oracle.py",
+        original="        return torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=2)",
+        replacement="        return torch.softmax(logits, dim=-1).nan_to_num(0.0).amax(dim=2)",
+        tests=("tests/test_selectors.py",),
+        why="the oracle ranks by the largest head's mass, not the group's total",
+    ),
+    Mutation(
+        name="segments-ignore-boundaries",
+        file="kvpolicy/units/segments.py",
+        original="        return (open_size == 0) | boundary | (open_size >= self.max_size)",
+        replacement="        return (open_size == 0) | (open_size >= self.max_size)",
+        tests=("tests/test_policy_behaviour.py",),
+        why="LouisKV's segments are never cut at a semantic boundary",
+    ),
+    Mutation(
+        name="segments-cut-on-the-new-tokens-boundary",
+        file="kvpolicy/layer.py",
+        original="self.boundary.index_select(1, evicted.slot.view(1))[:, 0]",
+        replacement="self.boundary.index_select(1, slot.view(1))[:, 0]",
+        tests=("tests/test_policy_behaviour.py",),
+        why="a segment is cut when the trigger fires now, not where the leaving token's step fired",
+    ),
+    Mutation(
+        name="pages-one-token-too-long",
+        file="kvpolicy/units/pages.py",
+        original="        return (open_size == 0) | (open_size >= self.size)",
+        replacement="        return (open_size == 0) | (open_size > self.size)",
+        tests=("tests/test_policy_behaviour.py",),
+        why="decode pages hold size + 1 tokens",
+    ),
+    Mutation(
+        name="unit-min-takes-max",
+        file="kvpolicy/kernels/reference.py",
+        original="torch.where(keep, torch.minimum(old_min, k), old_min)",
+        replacement="torch.where(keep, torch.maximum(old_min, k), old_min)",
+        tests=("tests/test_policy_behaviour.py",),
+        why="a decode unit's key_min keeps the largest key",
+    ),
+    Mutation(
+        name="admit-on-reselecting-steps",
+        file="kvpolicy/layer.py",
+        original="            store.admit(evicted, ~reselect, policy.backend)",
+        replacement="            store.admit(evicted, reselect, policy.backend)",
+        tests=("tests/test_dense_equivalence.py", "-k", "keep or interval"),
+        why="a leaving token is admitted only where the buffer was just re-selected, so reuse steps drop it",
+    ),
+    Mutation(
+        name="fetch-fills-the-whole-buffer",
+        file="kvpolicy/store.py",
+        original="torch.where(take[..., 0], slot_valid.sum(-1), self.retrieved_fill)",
+        replacement="torch.where(take[..., 0], torch.full_like(self.retrieved_fill, slot_valid.shape[-1]), self.retrieved_fill)",
+        tests=("tests/test_dense_equivalence.py", "-k", "keep or interval"),
+        why="a selection marks the buffer full, so nothing is ever admitted",
+    ),
+    Mutation(
+        name="interval-off-by-one",
+        file="kvpolicy/triggers/interval.py",
+        original="        fire = state.steps % self.n == 0",
+        replacement="        fire = state.steps % self.n == 1",
+        tests=("tests/test_dense_equivalence.py", "-k", "interval"),
+        why="interval(n) fires at steps 1, n + 1, ... (and the forced first)",
+    ),
+    Mutation(
+        name="collision-rerank-no-candidate-floor",
+        file="kvpolicy/selectors/collision_rerank.py",
+        original="keep = torch.ceil(indexed * self.candidate_fraction).long().clamp(min=self.floor_for(capacity))",
+        replacement="keep = torch.ceil(indexed * self.candidate_fraction).long()",
+        tests=("tests/test_selectors.py", "tests/test_pariskv.py"),
+        why="ParisKV's candidates are 10% of the tokens even where that is less than twice the budget",
+    ),
+    Mutation(
+        name="collision-votes-ignore-tiers",
+        file="kvpolicy/selectors/collision_rerank.py",
+        original="            _votes_on(tiers, device),",
+        replacement="            torch.ones_like(_votes_on(tiers, device)),",
+        tests=("tests/test_selectors.py", "tests/test_pariskv.py"),
+        why="every ranked centroid gets one vote, whatever its tier",
+    ),
+    Mutation(
+        name="kmeans-farthest-centroid",
+        file="kvpolicy/kernels/reference.py",
+        original="        labels = distance.argmin(dim=-1)",
+        replacement="        labels = distance.argmax(dim=-1)",
+        tests=("tests/test_policy_behaviour.py", "-k", "clusterkv or louiskv"),
+        why="K-means assigns each key to its farthest centroid",
+    ),
+    Mutation(
+        name="resident-rows-trust-unwritten-slots",
+        file="kvpolicy/store.py",
+        original="        held = (slots >= 0) & (slots < self.next_slot)",
+        replacement="        held = slots >= 0",
+        tests=("tests/test_store_refresh.py",),
+        why="a buffer row read before its slot was written is reused after the write",
+    ),
+)
