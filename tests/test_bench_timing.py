@@ -1,4 +1,8 @@
-"""kvpolicy.bench.timing on a GPU: a replayed graph really runs the captured work."""
+"""kvpolicy.bench.timing on a GPU: a replayed graph really runs the captured work.
+
+What is checked is that the captured kernels run, counted on the device; how long they take is
+a benchmark's business (benchmarks/, BENCHMARKS.md), never a test's.
+"""
 
 import pytest
 import torch
@@ -9,19 +13,18 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @needs_cuda
-def test_replay_timing_runs_the_captured_kernels_and_grows_with_their_work():
+def test_replay_timing_runs_the_captured_kernels():
     device = torch.device("cuda")
     counter = torch.zeros((), device=device)
-    small = torch.randn(256, 256, device=device)
-    large = torch.randn(4096, 4096, device=device)
+    x = torch.randn(256, 256, device=device)
+    out = torch.zeros_like(x)
 
-    def bump(x):
+    def bump():
         counter.add_(1)
-        return x @ x
+        out.copy_(x @ x)
 
-    small_ms = time_replay_ms(lambda: bump(small), device, repeats=5, warmup=2)
-    runs = int(counter.item())
+    ms = time_replay_ms(bump, device, repeats=5, warmup=2)
     # 2 warm-up calls, then 1 warm-up replay and 5 timed ones (the capture itself runs nothing)
-    assert runs == 2 + 1 + 5
-    large_ms = time_replay_ms(lambda: bump(large), device, repeats=5, warmup=2)
-    assert large_ms > small_ms > 0
+    assert int(counter.item()) == 2 + 1 + 5
+    assert ms > 0
+    torch.testing.assert_close(out, x @ x)
