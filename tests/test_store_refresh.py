@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import kvpolicy
-from kvpolicy.kernels import reference
 from kvpolicy.layer import PolicyLayerState
 from kvpolicy.store import TieredStore
 
@@ -29,15 +28,21 @@ def _stores(seed, device, pool_device):
 
 
 def _old_fetch(store, slots, slot_valid, reselect):
-    """What fetch did before it reused rows: gather every selected row from the pool."""
-    reference.gather_rows_into(store.pool_keys, slots, reselect, store.retrieved_keys)
-    reference.gather_rows_into(store.pool_values, slots, reselect, store.retrieved_values)
-    batch = slots.shape[0]
-    valid = slot_valid & store.slot_valid.gather(1, slots.view(batch, -1)).view_as(slots)
-    take = reselect.view(-1, 1, 1)
-    store.retrieved_valid.copy_(torch.where(take, valid, store.retrieved_valid))
-    store.retrieved_slots.copy_(torch.where(take, slots, store.retrieved_slots))
-    store.retrieved_fill.copy_(torch.where(take[..., 0], slot_valid.sum(-1), store.retrieved_fill))
+    """What a fetch must leave, written out row by row (not fetch's own code): for each sequence
+    that re-selects, every buffer row gathered afresh from the pool (the shadow's pool keeps
+    row = slot), attended where the selection and the slot are valid, ``fill`` the selection's
+    count; the other sequences untouched."""
+    for b in range(slots.shape[0]):
+        if not bool(reselect[b]):
+            continue
+        for h in range(slots.shape[1]):
+            for r in range(slots.shape[2]):
+                slot = int(slots[b, h, r])
+                store.retrieved_keys[b, h, r] = store.pool_keys[b, h, slot]
+                store.retrieved_values[b, h, r] = store.pool_values[b, h, slot]
+                store.retrieved_slots[b, h, r] = slot
+                store.retrieved_valid[b, h, r] = bool(slot_valid[b, h, r]) and bool(store.slot_valid[b, slot])
+            store.retrieved_fill[b, h] = int(slot_valid[b, h].sum())
 
 
 def _assert_same(store, shadow, step):
