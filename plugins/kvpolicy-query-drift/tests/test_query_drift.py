@@ -142,7 +142,16 @@ def test_bad_tau_is_caught_when_the_policy_is_built():
 
 @pytest.mark.parametrize("tau", [-1.0, 0.0, 0.7, 1.0])
 def test_good_tau_validates(tau):
-    QueryDrift(tau=tau).validate()
+    assert QueryDrift(tau=tau).validate() is None
+    # a policy builds around it and keeps the value
+    policy = kvpolicy.Policy(trigger=QueryDrift(tau=tau), prefill_units="kmeans", decode_units="segments",
+                             selector="top_budget", budget=1024)
+    assert policy.trigger.tau == tau
+    # and it is the threshold decide uses: a query 120 degrees from the anchor (cos -0.5) fires
+    # exactly when tau > -0.5
+    u, v = _planes(1)
+    fired = _run(policy.trigger, [_turned(u, v, 0.0), _turned(u, v, 120.0)])
+    assert fired == [[True], [tau > -0.5]]
 
 
 # ---------------------------------------------------------------- (c) entry-point discovery
