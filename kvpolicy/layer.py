@@ -2,7 +2,7 @@
 
 Decode step, per layer (no host reads of tensor values anywhere):
     1. the new token goes to the pool and the local ring; the ring pushes out its oldest token
-    2. trigger -> ``reselect`` (B,) bool, forced on the first step
+    2. trigger -> ``reselect`` (B,) bool, forced on the first step (``note_decision``)
     3. the pushed-out token joins the retrieval index: a decode unit of the unit table (segments
        are cut where the trigger fired), or whatever index the prefill builder made (``analytic``)
     4. selector + budgeted fill -> selection; the store fetches it where ``reselect``
@@ -50,7 +50,9 @@ class PolicyLayerState:
         self.units: Any = None  # the retrieval index (UnitTable, AnalyticIndex...)
         self.trigger_state: Any = None
         self.boundary: torch.Tensor | None = None  # (B, capacity) bool: trigger fired when slot was made
+        self.ops: dispatch.Ops | None = None  # bound at prefill, on the attention device
         self.has_selection: torch.Tensor | None = None  # (B,) bool
+        self.reselect: torch.Tensor | None = None  # (B,) bool
         self.reselections: torch.Tensor | None = None  # (B,) long, summed over decode steps
         self.decode_steps = 0
         self.units_ready: torch.cuda.Event | None = None  # set while the prompt's units build on a side stream
@@ -66,6 +68,7 @@ class PolicyLayerState:
         policy = self.policy
         batch, heads, prompt, dim = keys.shape
         device = keys.device
+        self.ops = dispatch.bind(policy.backend, device)
         selects = policy.selector is not None
         # with units, the zone's pool rows are written unit by unit once the units exist
         self.store = TieredStore.from_prefill(
@@ -91,6 +94,7 @@ class PolicyLayerState:
         self.boundary = torch.zeros(batch, self.store.slot_valid.shape[1], dtype=torch.bool, device=device)
         self.trigger_state = policy.trigger.init_state(batch, num_q_heads, dim, device)
         self.has_selection = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.reselect = torch.zeros(batch, dtype=torch.bool, device=device)  # this step's decision
         self.reselections = torch.zeros(batch, dtype=torch.long, device=device)
 
     def host_counters(self) -> dict:
@@ -125,9 +129,7 @@ class PolicyLayerState:
 
     def _build_index_and_pool(self, keys: torch.Tensor, values: torch.Tensor, retrievable: torch.Tensor) -> None:
         zone = self.store.zone_end
-        self.units = self.policy.prefill_units.build_index(
-            keys[:, :, :zone], retrievable, self.policy.backend, self.layer_idx
-        )
+        self.units = self.policy.prefill_units.build_index(keys[:, :, :zone], retrievable, self.ops, self.layer_idx)
         # a unit table lays the pool out unit by unit; an index of single tokens keeps slot order
         self.store.lay_out_zone(keys, values, self.units.zone_order())
 
@@ -139,36 +141,31 @@ class PolicyLayerState:
 
     def decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
         """``query (B, Hq, D)``, ``key``/``value`` ``(B, H, D)`` -> attention output ``(B, Hq, D)``."""
-        policy, store = self.policy, self.store
+        policy, store, ops = self.policy, self.store, self.ops
         self.wait_for_units()
-        slot = store.next_slot.clone()  # device: the step never reads slot numbers on the host
-        evicted = store.append(key, value, policy.backend)
+        evicted = store.append(key, value, ops)
         if self.boundary.shape[1] < store.slot_valid.shape[1]:
             grown = torch.zeros_like(store.slot_valid)
             grown[:, : self.boundary.shape[1]] = self.boundary
             self.boundary = grown
 
         if policy.selector is not None:
-            reselect = policy.trigger.decide(query, self.trigger_state) | ~self.has_selection
-            self.boundary.index_copy_(1, slot.view(1), reselect.view(-1, 1))
-            self.units.append_leaving_token(
-                evicted.slot, evicted.key, evicted.valid, self.boundary.index_select(1, evicted.slot.view(1))[:, 0],
-                policy.decode_units, policy.backend,
-            )
+            fire = policy.trigger.decide_fast(query, self.trigger_state, ops)
+            reselect = self.reselect
+            ops.note_decision(fire, self.has_selection, self.reselections, self.boundary, store.current_slot, reselect)
+            self.units.append_leaving_token(evicted.slot, evicted.key, evicted.valid, self.boundary,
+                                            policy.decode_units, ops)
             take = None if policy.trigger.always_reselects else reselect
-            selection = policy.selector.select(query, self.units, store.retrieval_capacity, policy.backend, take=take)
-            store.fetch(selection.slots, selection.slot_valid, reselect, policy.backend)
-            store.admit(evicted, ~reselect, policy.backend)
-            self.has_selection.fill_(True)
-            self.reselections += reselect.long()
+            selection = policy.selector.select(query, self.units, store.retrieval_capacity, ops, take=take)
+            store.fetch(selection.slots, selection.slot_valid, reselect, ops)
+            store.admit(evicted, ~reselect, ops)
         self.decode_steps += 1
         for observer in self.observers:
             observer(self, query)
 
-        attention = dispatch.get("sparse_decode_attention", policy.backend, query.device)
         parts = [
             (store.sink_keys, store.sink_values, store.sink_valid),
             (store.retrieved_keys, store.retrieved_values, store.retrieved_valid),
             (store.local_keys, store.local_values, store.local_valid),
         ]
-        return attention(query, parts, scale)
+        return ops.sparse_decode_attention(query, parts, scale)

@@ -120,6 +120,10 @@ class TieredStore:
     # the new rows are assembled, and (B, H, R) int32, the buffer row holding each wanted slot
     scratch: torch.Tensor | None = field(default=None, repr=False)
     source: torch.Tensor | None = field(default=None, repr=False)
+    # what ``append`` writes each step, in fixed buffers (a replay refills them): the token the
+    # ring pushed out, and () long, the slot the step's token took
+    evicted: Evicted | None = field(default=None, repr=False)
+    current_slot: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         keys = self.retrieved_keys
@@ -134,6 +138,17 @@ class TieredStore:
         if self.source is None:
             # -1 (nothing resident) until written: a backend may read entries it was not asked to fill
             self.source = _shared(keys.shape[:3], torch.int32, keys, fill=-1)
+        if self.evicted is None:
+            ring = self.local_keys
+            batch, heads, _, dim = ring.shape
+            self.evicted = Evicted(
+                slot=torch.zeros((), dtype=torch.long, device=ring.device),
+                key=ring.new_zeros(batch, heads, dim),
+                value=self.local_values.new_zeros(batch, heads, dim),
+                valid=torch.zeros(batch, dtype=torch.bool, device=ring.device),
+            )
+        if self.current_slot is None:
+            self.current_slot = self.next_slot.clone()
 
     @property
     def local_capacity(self) -> int:
@@ -263,71 +278,45 @@ class TieredStore:
         pad = torch.zeros(self.slot_valid.shape[0], new - capacity, dtype=torch.bool, device=self.slot_valid.device)
         self.slot_valid = torch.cat([self.slot_valid, pad], dim=1)
 
-    def append(self, key: torch.Tensor, value: torch.Tensor, backend: str) -> Evicted:
+    def append(self, key: torch.Tensor, value: torch.Tensor, ops) -> Evicted:
         """Write one decode token (``(B, H, D)``) to the pool and the local ring.
 
-        Returns the token the ring pushed out (not valid while the ring is still filling).
+        Returns the token the ring pushed out (``self.evicted``, refilled each step; not valid
+        while the ring is still filling). ``ops``: the bound kernel ops (``dispatch.bind``).
         """
         if self.length >= self.pool_keys.shape[2]:
             self.reserve(self.pool_keys.shape[2])  # double
-        slot = self.next_slot
-        write = dispatch.get("write_row", backend, key.device)
-        write(self.pool_keys, slot, key)
-        write(self.pool_values, slot, value)
-        self.slot_valid.index_fill_(1, slot.view(1), True)
-
-        capacity = self.local_capacity
-        position = (slot % capacity).view(1)
-        evicted = Evicted(
-            slot=(slot - capacity).clamp(min=0),
-            key=self.local_keys.index_select(2, position).squeeze(2),
-            value=self.local_values.index_select(2, position).squeeze(2),
-            valid=self.local_valid.index_select(1, position).squeeze(1) & (slot >= capacity),
-        )
-        self.local_keys.index_copy_(2, position, key.unsqueeze(2))
-        self.local_values.index_copy_(2, position, value.unsqueeze(2))
-        self.local_valid.index_fill_(1, position, True)
+        dispatch.as_ops(ops, key.device).append_token(self, key, value)
         self.next_slot.add_(1)
         self.length += 1
-        return evicted
+        return self.evicted
 
-    def fetch(self, slots: torch.Tensor, slot_valid: torch.Tensor, reselect: torch.Tensor, backend: str) -> None:
+    def fetch(self, slots: torch.Tensor, slot_valid: torch.Tensor, reselect: torch.Tensor, ops) -> None:
         """Replace the retrieved buffer with ``slots`` for the sequences where ``reselect``.
 
         In place (fixed buffers, so a captured step replays); rows are read from the pool only
         for sequences that re-select, and only those whose slot the buffer does not already hold
         (counted in ``pool_rows_read``).
         """
-        device = self.retrieved_keys.device
-        locate = dispatch.get("resident_rows", backend, device)
-        refresh = dispatch.get("refresh_rows", backend, device)
+        ops = dispatch.as_ops(ops, self.retrieved_keys.device)
         # rows the buffer already holds are copied on the device; only the others are read
         # from the pool (over PCIe for a host pool). Same contents as gathering every row.
-        locate(slots, reselect, self.retrieved_slots, self.retrieved_held, self.source, self.pool_rows_read)
+        ops.resident_rows(slots, reselect, self.retrieved_slots, self.retrieved_held, self.source, self.pool_rows_read)
         rows = self.pool_rows(slots)
-        refresh(self.pool_keys, rows, reselect, self.source, self.retrieved_keys, self.scratch)
-        refresh(self.pool_values, rows, reselect, self.source, self.retrieved_values, self.scratch)
-        # padding slots inside a unit are fetched but never attended
-        batch = slots.shape[0]
-        valid = slot_valid & self.slot_valid.gather(1, slots.view(batch, -1)).view_as(slots)
-        take = reselect.view(-1, 1, 1)
-        self.retrieved_valid.copy_(torch.where(take, valid, self.retrieved_valid))
-        self.retrieved_slots.copy_(torch.where(take, slots, self.retrieved_slots))
-        self.retrieved_fill.copy_(torch.where(take[..., 0], slot_valid.sum(-1), self.retrieved_fill))
-        # a slot not written yet was read as whatever the pool memory held: never reuse that
-        held = (slots >= 0) & (slots < self.next_slot)
-        self.retrieved_held.copy_(torch.where(take, held, self.retrieved_held))
+        ops.refresh_rows(self.pool_keys, rows, reselect, self.source, self.retrieved_keys, self.scratch)
+        ops.refresh_rows(self.pool_values, rows, reselect, self.source, self.retrieved_values, self.scratch)
+        # the buffer's slots, validity (padding inside a unit is fetched, never attended), fill
+        # and held flags (a slot not written yet was read as whatever the pool held: never reused)
+        ops.commit_selection(self, slots, slot_valid, reselect)
 
-    def admit(self, evicted: Evicted, mask: torch.Tensor, backend: str) -> None:
+    def admit(self, evicted: Evicted, mask: torch.Tensor, ops) -> None:
         """Keep a token that left the local window attended while the retrieved buffer has room.
 
-        ``mask (B,)``: the sequences that may admit; in place, by the ``admit_row`` kernel op of
-        ``backend``.
+        ``mask (B,)``: the sequences that may admit; in place, by the ``admit_row`` kernel op.
         """
         if self.retrieval_capacity == 0:
             return
-        admit = dispatch.get("admit_row", backend, self.retrieved_keys.device)
-        admit(
+        dispatch.as_ops(ops, self.retrieved_keys.device).admit_row(
             self.retrieved_keys, self.retrieved_values, self.retrieved_slots, self.retrieved_valid,
             self.retrieved_held, self.retrieved_fill, evicted.key, evicted.value, evicted.slot, mask, evicted.valid,
         )

@@ -17,16 +17,21 @@ from typing import Callable
 import torch
 
 from ..errors import BackendUnavailableError, ConfigError
-from . import reference, reference_analytic
+from . import reference, reference_analytic, reference_step
 
 log = logging.getLogger("kvpolicy")
 
 OPS = (
     "kmeans", "unit_scores", "select_budget", "gather_rows", "gather_rows_into", "resident_rows", "refresh_rows", "write_row",
     "sparse_decode_attention", "collision_count", "candidate_topk", "rerank", "append_to_unit", "admit_row",
+    "append_token", "note_decision", "query_cosine_fire", "commit_selection", "append_leaving_by_rule",
 )
-# ParisKV's ops have their reference in their own file
-_REFERENCE_MODULE = {"collision_count": reference_analytic, "candidate_topk": reference_analytic, "rerank": reference_analytic}
+# ParisKV's ops and the decode step's bookkeeping have their reference in their own files
+_REFERENCE_MODULE = {
+    "collision_count": reference_analytic, "candidate_topk": reference_analytic, "rerank": reference_analytic,
+    **{op: reference_step for op in ("append_token", "note_decision", "query_cosine_fire", "commit_selection",
+                                     "append_leaving_by_rule")},
+}
 BACKENDS = ("auto", "reference", "triton")
 # auto tries these in order
 _PREFERENCE = ("triton", "reference")
@@ -117,7 +122,9 @@ def check(backend: str, device: torch.device, ops: tuple[str, ...] = OPS) -> Non
 
 
 def get(op: str, backend: str, device: torch.device) -> Callable:
-    """The implementation of ``op`` for ``backend`` on ``device``."""
+    """The implementation of ``op`` for ``backend`` on ``device`` (a bound ``Ops`` table works too)."""
+    if isinstance(backend, Ops):
+        return getattr(backend, op)
     if backend == "auto":
         for candidate in _PREFERENCE:
             if _auto_may_use(candidate, device) and why_unavailable(candidate, op, device) is None:
@@ -131,3 +138,37 @@ def get(op: str, backend: str, device: torch.device) -> Callable:
     if reason is not None:
         raise BackendUnavailableError(reason)
     return _IMPLEMENTATIONS[backend][op].fn
+
+
+class Ops:
+    """The kernel ops of one backend on one device, resolved once (``bind``): the decode step
+    calls ``ops.write_row(...)`` and never looks an op up by name or backend string."""
+
+    def __init__(self, backend: str, device: torch.device):
+        check(backend, device)
+        self.backend, self.device = backend, device
+        for op in OPS:
+            setattr(self, op, get(op, backend, device))
+
+    def __repr__(self) -> str:
+        return f"Ops(backend={self.backend!r}, device={str(self.device)!r})"
+
+
+_BOUND: dict[tuple[str, torch.device], Ops] = {}
+
+
+def bind(backend: str, device: torch.device) -> Ops:
+    """The ops table for ``backend`` on ``device`` (made once per pair; errors as ``check``)."""
+    device = torch.device(device)
+    key = (backend, device)
+    if key not in _BOUND:
+        _BOUND[key] = Ops(backend, device)
+    return _BOUND[key]
+
+
+def as_ops(ops_or_backend: "Ops | str", device: torch.device) -> Ops:
+    """``ops_or_backend`` if it is an ops table, else ``bind(ops_or_backend, device)`` (for
+    callers outside the decode step, tests and benchmarks, that name a backend)."""
+    if isinstance(ops_or_backend, Ops):
+        return ops_or_backend
+    return bind(ops_or_backend, device)

@@ -57,7 +57,7 @@ class Selector:
         raise NotImplementedError
 
     def select(
-        self, query: torch.Tensor, units: UnitTable, capacity: int, backend: str, take: torch.Tensor | None = None
+        self, query: torch.Tensor, units: UnitTable, capacity: int, ops, take: torch.Tensor | None = None
     ) -> Selection:
         """``query``: ``(B, Hq, D)``; fill ``capacity`` tokens.
 
@@ -70,16 +70,15 @@ class Selector:
         batch, q_heads, dim = query.shape
         kv_heads = units.start.shape[1]
         group = query.float().view(batch, kv_heads, q_heads // kv_heads, dim)
+        ops = dispatch.as_ops(ops, query.device)
         method = self._unit_score_method()
         if method is not None:
-            unit_scores = dispatch.get("unit_scores", backend, query.device)
-            scores = unit_scores(
+            scores = ops.unit_scores(
                 group, units.key_sum, units.key_min, units.key_max, units.size, units.selectable, method, take
             )
         else:
             scores = self.score(group, units).masked_fill(~units.selectable, float("-inf"))
-        fill = dispatch.get("select_budget", backend, query.device)
-        unit_ids, num_units, slots, slot_valid = fill(scores, units.size, units.start, units.order, capacity, take)
+        unit_ids, num_units, slots, slot_valid = ops.select_budget(scores, units.size, units.start, units.order, capacity, take)
         return Selection(unit_ids, num_units, slots, slot_valid)
 
     @classmethod

@@ -95,12 +95,13 @@ class CollisionRerank(Selector):
     def score(self, query_group, units):
         raise NotImplementedError("collision_rerank selects tokens of an analytic index directly (select)")
 
-    def select(self, query: torch.Tensor, index, capacity: int, backend: str, take: torch.Tensor | None = None) -> Selection:
+    def select(self, query: torch.Tensor, index, capacity: int, ops, take: torch.Tensor | None = None) -> Selection:
         """``query (B, Hq, D)``; ``index``: an ``AnalyticIndex``; ``capacity``: the retrieval budget R.
         ``take`` (the sequences whose selection is used) is not read: every row is computed."""
         batch, q_heads, dim = query.shape
         kv_heads = index.weight.shape[1]
         device = query.device
+        ops = dispatch.as_ops(ops, device)
         positions = index.capacity
         dims = dim // index.subspaces
         tiers = self.tiers_for(dims)
@@ -109,13 +110,13 @@ class CollisionRerank(Selector):
         encoded = analytic.encode_query(group_mean, index.signs, index.subspaces, (1 << tiers) - 1)
 
         voted = index.retrieval_mask()  # (B, N)
-        votes = dispatch.get("collision_count", backend, device)(
+        votes = ops.collision_count(
             encoded.centroids, index.centroids, voted[:, None, :].expand(batch, kv_heads, positions),
             _votes_on(tiers, device),
         )
         width = self.candidates_for(positions, capacity)
         # a key's votes: at most `tiers` (its rank-0 weight) in each subspace
-        candidates = dispatch.get("candidate_topk", backend, device)(
+        candidates = ops.candidate_topk(
             votes, width, index.subspaces * tiers
         )  # (B, H, C), best first
         # keep candidate_fraction of the tokens indexed so far (at least the floor): the same
@@ -124,7 +125,7 @@ class CollisionRerank(Selector):
         keep = torch.ceil(indexed * self.candidate_fraction).long().clamp(min=self.floor_for(capacity))
         rank = torch.arange(width, device=device)
         candidates = torch.where(rank < keep.view(batch, 1, 1), candidates, -1)
-        best = dispatch.get("rerank", backend, device)(
+        best = ops.rerank(
             encoded.rotated, index.codes, index.weight, index.norms, candidates, capacity
         )  # (B, H, R) positions, best first, -1 pads
 

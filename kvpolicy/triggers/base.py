@@ -37,3 +37,8 @@ class Trigger:
     def decide(self, query: torch.Tensor, state: Any) -> torch.Tensor:
         """``query``: ``(batch, num_q_heads, head_dim)``, this step's post-RoPE query."""
         raise NotImplementedError
+
+    def decide_fast(self, query: torch.Tensor, state: Any, ops) -> torch.Tensor:
+        """``decide`` through the bound kernel ops (``dispatch.bind``) where the trigger has a
+        fused op; the default is ``decide`` itself, so a plugin need not know about ops."""
+        return self.decide(query, state)

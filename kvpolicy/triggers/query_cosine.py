@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
+from ..kernels import reference_step
 from ..registry import register
 from .base import Trigger
 
@@ -47,12 +48,11 @@ class QueryCosine(Trigger):
         )
 
     def decide(self, query: torch.Tensor, state: QueryCosineState) -> torch.Tensor:
-        q = query.float()
-        similarity = torch.nn.functional.cosine_similarity(q, state.previous, dim=-1).mean(dim=-1)
-        fire = (similarity < self.tau) | ~state.has_previous
-        if self.against == "anchor":
-            # the layer also forces a first selection; has_previous marks exactly that step
-            q = torch.where(fire.view(-1, 1, 1), q, state.previous)
-        state.previous.copy_(q)
-        state.has_previous.fill_(True)
-        return fire
+        # the layer also forces a first selection; has_previous marks exactly that step
+        return reference_step.query_cosine_fire(query, state.previous, state.has_previous, self.tau,
+                                                self.against == "anchor")
+
+    def decide_fast(self, query: torch.Tensor, state: QueryCosineState, ops) -> torch.Tensor:
+        if type(self).decide is not QueryCosine.decide:  # a subclass with its own decision
+            return self.decide(query, state)
+        return ops.query_cosine_fire(query, state.previous, state.has_previous, self.tau, self.against == "anchor")

@@ -40,23 +40,24 @@ class UnitBuilder:
     def validate_in(self, policy: "Policy") -> None:
         """Raise ``ConfigError`` for options that do not fit the rest of ``policy`` (its budget...)."""
 
-    def build_index(self, zone_keys: torch.Tensor, retrievable: torch.Tensor, backend: str, layer_idx: int) -> Any:
+    def build_index(self, zone_keys: torch.Tensor, retrievable: torch.Tensor, ops, layer_idx: int) -> Any:
         """The layer's retrieval index over the prompt's retrieval zone (``zone_keys (B, H, n, D)``,
         ``retrievable (B, n)``: False for padding and sink tokens; zone token ``i`` is slot ``i``).
 
+        ``ops``: the layer's bound kernel ops (``kernels.dispatch.bind``; ``ops.kmeans(...)``).
         The default groups the zone with ``build_labels`` into a :class:`UnitTable`.
         """
         from .table import UnitTable
 
         batch, heads, zone, _ = zone_keys.shape
         if zone > 0:
-            labels, num_units = self.build_labels(zone_keys, retrievable, backend)
+            labels, num_units = self.build_labels(zone_keys, retrievable, ops)
         else:
             labels, num_units = torch.zeros(batch, heads, 0, dtype=torch.long, device=zone_keys.device), 0
         slots = torch.arange(zone, device=zone_keys.device)
         return UnitTable.from_prompt(zone_keys, slots, retrievable, labels, num_units)
 
-    def build_labels(self, keys: torch.Tensor, token_valid: torch.Tensor, backend: str) -> tuple[torch.Tensor, int]:
+    def build_labels(self, keys: torch.Tensor, token_valid: torch.Tensor, ops) -> tuple[torch.Tensor, int]:
         """Group the prompt's retrieval zone.
 
         ``keys``: ``(batch, kv_heads, n, head_dim)``; ``token_valid``: ``(batch, n)`` bool
@@ -74,7 +75,34 @@ class UnitBuilder:
         """
         raise NotImplementedError
 
+    def cut_rule(self) -> tuple[int, bool] | None:
+        """``(max_size, at_boundary)`` when ``starts_new_unit`` is exactly "open a unit when none
+        is open, when the open one holds ``max_size`` tokens, or (``at_boundary``) where the
+        trigger fired": the decode step then decides it inside one fused kernel. None (the
+        default): the step calls ``starts_new_unit``."""
+        return None
+
+    def fused_cut_rule(self) -> tuple[int, bool] | None:
+        """``cut_rule()`` where it still describes this class: a subclass that overrides
+        ``starts_new_unit`` or ``decode_key`` without ``cut_rule`` keeps its own logic."""
+        rule = self.cut_rule()
+        if rule is None:
+            return None
+        for method in ("starts_new_unit", "decode_key"):
+            if _defining_class(type(self), method) is not _defining_class(type(self), "cut_rule") and not (
+                method == "decode_key" and _defining_class(type(self), method) is UnitBuilder
+            ):
+                return None
+        return rule
+
     def decode_key(self, key: torch.Tensor, table: Any) -> torch.Tensor:
         """The key a leaving token adds to its unit's statistics (sum, min, max): its own,
         ``(batch, kv_heads, head_dim)``, unless a builder scores it by something else."""
         return key
+
+
+def _defining_class(cls: type, name: str) -> type | None:
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return klass
+    return None

@@ -29,9 +29,9 @@ class KMeans(UnitBuilder):
         if not isinstance(self.iters, int) or self.iters < 1:
             raise ConfigError(f"kmeans: iters must be an integer >= 1, got {self.iters!r}")
 
-    def build_labels(self, keys, token_valid, backend):
+    def build_labels(self, keys, token_valid, ops):
         n = keys.shape[2]
         num_clusters = max(1, -(-n // self.tokens_per_cluster))
-        kmeans = dispatch.get("kmeans", backend, keys.device)
+        kmeans = dispatch.as_ops(ops, keys.device).kmeans
         labels, _ = kmeans(keys, token_valid, num_clusters, self.iters)
         return labels, num_clusters

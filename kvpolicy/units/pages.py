@@ -33,3 +33,6 @@ class Pages(UnitBuilder):
 
     def starts_new_unit(self, boundary, open_size):
         return (open_size == 0) | (open_size >= self.size)
+
+    def cut_rule(self):
+        return self.size, False

@@ -26,3 +26,6 @@ class Segments(UnitBuilder):
 
     def starts_new_unit(self, boundary, open_size):
         return (open_size == 0) | boundary | (open_size >= self.max_size)
+
+    def cut_rule(self):
+        return self.max_size, True

@@ -145,30 +145,40 @@ class UnitTable:
         valid: torch.Tensor,
         boundary: torch.Tensor,
         builder: UnitBuilder,
-        backend: str,
+        ops,
     ) -> None:
         """A token leaves the local window: file it under the open decode unit or a new one.
 
         ``slot``: its slot, a 0-dim device tensor (the same for every sequence: they decode
         in lockstep);
-        ``key``: ``(B, H, D)``; ``valid``: ``(B,)`` False for padding; ``boundary``: ``(B,)``.
+        ``key``: ``(B, H, D)``; ``valid``: ``(B,)`` False for padding; ``boundary``:
+        ``(B, capacity)`` bool, True at the slots made at a step where the trigger fired (the
+        decode step's), or ``(B,)``, already the flag of this token.
         Tokens leave in slot order, so a sequence's (left) padding leaves before its first real
         token and a unit's tokens stay one contiguous range of ``order``. The table's tensors
-        are updated in place by the ``append_to_unit`` kernel op of ``backend``.
+        are updated in place by kernel ops: one launch (``append_leaving_by_rule``) for a
+        builder with a ``cut_rule``, else the builder's own ``starts_new_unit`` and
+        ``decode_key`` and then ``append_to_unit``.
         """
         self._reserve()
-        batch, heads, _ = key.shape
-        has_open = self.open_unit >= 0
-        index = self.open_unit.clamp(min=0).view(batch, 1, 1).expand(batch, heads, 1)
-        open_size = torch.where(has_open, self.size.gather(2, index)[:, 0, 0], 0)
-        cut = builder.starts_new_unit(boundary, open_size) & valid
-        # in place throughout: a captured step must update the tensors it was captured with
-        append = dispatch.get("append_to_unit", backend, key.device)
-        append(
-            self.order, self.start, self.size, self.key_sum, self.key_min, self.key_max, self.selectable,
-            self.open_unit, self.decode_units, self.order_next, slot, builder.decode_key(key, self), valid, cut,
-            self.num_prompt_units,
-        )
+        ops = dispatch.as_ops(ops, key.device)
+        rule = builder.fused_cut_rule() if boundary.dim() == 2 else None
+        if rule is not None:
+            max_size, at_boundary = rule
+            ops.append_leaving_by_rule(self, slot, key, valid, boundary, max_size, at_boundary)
+        else:
+            batch, heads, _ = key.shape
+            fired = boundary.index_select(1, slot.view(1))[:, 0] if boundary.dim() == 2 else boundary
+            has_open = self.open_unit >= 0
+            index = self.open_unit.clamp(min=0).view(batch, 1, 1).expand(batch, heads, 1)
+            open_size = torch.where(has_open, self.size.gather(2, index)[:, 0, 0], 0)
+            cut = builder.starts_new_unit(fired, open_size) & valid
+            # in place throughout: a captured step must update the tensors it was captured with
+            ops.append_to_unit(
+                self.order, self.start, self.size, self.key_sum, self.key_min, self.key_max, self.selectable,
+                self.open_unit, self.decode_units, self.order_next, slot, builder.decode_key(key, self), valid, cut,
+                self.num_prompt_units,
+            )
         self.order_next.add_(1)
         self.order_len += 1
         self.decode_tokens += 1

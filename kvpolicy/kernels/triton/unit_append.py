@@ -26,8 +26,8 @@ _TILE = 2048
 @triton.jit
 def _append_kernel(
     order_ptr, start_ptr, size_ptr, sum_ptr, min_ptr, max_ptr, sel_ptr, open_ptr, units_ptr,
-    position_ptr, slot_ptr, key_ptr, valid_ptr, cut_ptr,
-    H, num_prompt_units,
+    position_ptr, slot_ptr, key_ptr, valid_ptr, cut_ptr, boundary_ptr,
+    H, num_prompt_units, max_size, boundary_sb,
     order_sb, order_sh, order_sp,
     start_sb, start_sh, start_su,
     size_sb, size_sh, size_su,
@@ -38,14 +38,23 @@ def _append_kernel(
     open_s, units_s,
     key_sb, key_sh, key_sd,
     valid_s, cut_s,
-    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BY_RULE: tl.constexpr, AT_BOUNDARY: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     position = tl.load(position_ptr).to(tl.int64)
     slot = tl.load(slot_ptr).to(tl.int64)
     valid = tl.load(valid_ptr + b * valid_s) != 0
-    cut = tl.load(cut_ptr + b * cut_s) != 0
     old_open = tl.load(open_ptr + b * open_s).to(tl.int64)
+    if BY_RULE:
+        # the builder's cut rule (UnitBuilder.cut_rule), decided here rather than in ~10 launches
+        open_size = tl.load(size_ptr + b * size_sb + tl.maximum(old_open, 0) * size_su)
+        open_size = tl.where(old_open >= 0, open_size, 0)
+        cut = (open_size == 0) | (open_size >= max_size)
+        if AT_BOUNDARY:
+            cut = cut | (tl.load(boundary_ptr + b * boundary_sb + slot) != 0)
+        cut = cut & valid
+    else:
+        cut = tl.load(cut_ptr + b * cut_s) != 0
     opened_so_far = tl.load(units_ptr + b * units_s).to(tl.int64)
     # a cut opens unit num_prompt_units + decode_units[b]
     opened = tl.where(cut, opened_so_far + num_prompt_units, old_open)
@@ -87,6 +96,42 @@ def _append_kernel(
 
     tl.store(open_ptr + b * open_s, opened)
     tl.store(units_ptr + b * units_s, opened_so_far + cut.to(tl.int64))
+
+
+def _launch(table_tensors, position, slot, key, valid, cut, boundary, max_size, at_boundary, num_prompt_units):
+    order, start, size, key_sum, key_min, key_max, selectable, open_unit, decode_units = table_tensors
+    batch, heads, dim = key.shape
+    sel = selectable.view(torch.uint8)  # same memory: the kernel writes the table's tensor
+    block_d = triton.next_power_of_2(max(dim, 1))
+    block_h = min(triton.next_power_of_2(heads), max(1, _TILE // block_d))
+    by_rule = cut is None
+    cut_arg = valid if by_rule else cut  # unread under the rule
+    boundary_arg = boundary if boundary is not None else cut_arg  # unread without the rule
+    _append_kernel[(batch,)](
+        order, start, size, key_sum, key_min, key_max, sel, open_unit, decode_units,
+        position, slot, key, valid.view(torch.uint8), cut_arg.view(torch.uint8), boundary_arg.view(torch.uint8),
+        heads, num_prompt_units, max_size, boundary_arg.stride(0),
+        *order.stride(), *start.stride(), *size.stride(),
+        *key_sum.stride(), *key_min.stride(), *key_max.stride(),
+        *sel.stride(), open_unit.stride(0), decode_units.stride(0),
+        *key.stride(), valid.stride(0), cut_arg.stride(0),
+        D=dim, BLOCK_H=block_h, BLOCK_D=block_d, BY_RULE=by_rule, AT_BOUNDARY=bool(at_boundary),
+    )
+
+
+@implement("triton", "append_leaving_by_rule", supports=triton_runs_on)
+def append_leaving_by_rule(table, slot, key, valid, boundary, max_size: int, at_boundary: bool) -> None:
+    """One launch of ``reference_step.append_leaving_by_rule`` (the cut decided in the kernel)."""
+    batch, heads, _ = key.shape
+    if batch == 0 or heads == 0:
+        return
+    if boundary.dtype != torch.bool or boundary.shape[0] != batch or boundary.stride(1) != 1:
+        raise ValueError(f"triton append_leaving_by_rule: boundary must be bool (B, capacity), got "
+                         f"{boundary.dtype} {tuple(boundary.shape)}")
+    tensors = (table.order, table.start, table.size, table.key_sum, table.key_min, table.key_max,
+               table.selectable, table.open_unit, table.decode_units)
+    _launch(tensors, table.order_next, slot, key, valid, None, boundary, int(max_size), at_boundary,
+            table.num_prompt_units)
 
 
 @implement("triton", "append_to_unit", supports=triton_runs_on)
@@ -132,16 +177,5 @@ def append_to_unit(
             raise ValueError(f"triton append_to_unit: {name} must be a one-element tensor on the key's device")
     if batch == 0 or heads == 0:
         return
-    sel = selectable.view(torch.uint8)  # same memory: the kernel writes the table's tensor
-    block_d = triton.next_power_of_2(max(dim, 1))
-    block_h = min(triton.next_power_of_2(heads), max(1, _TILE // block_d))
-    _append_kernel[(batch,)](
-        order, start, size, key_sum, key_min, key_max, sel, open_unit, decode_units,
-        position, slot, key, valid.view(torch.uint8), cut.view(torch.uint8),
-        heads, num_prompt_units,
-        *order.stride(), *start.stride(), *size.stride(),
-        *key_sum.stride(), *key_min.stride(), *key_max.stride(),
-        *sel.stride(), open_unit.stride(0), decode_units.stride(0),
-        *key.stride(), valid.stride(0), cut.stride(0),
-        D=dim, BLOCK_H=block_h, BLOCK_D=block_d,
-    )
+    tensors = (order, start, size, key_sum, key_min, key_max, selectable, open_unit, decode_units)
+    _launch(tensors, position, slot, key, valid, cut, None, 0, False, num_prompt_units)

@@ -1,0 +1,112 @@
+"""Reference (plain PyTorch) of the decode step's bookkeeping ops.
+
+Each op is one launch on a fast backend (``kernels/triton/step.py``) where this reference takes
+ten or more small PyTorch kernels: on a step that keeps its selection these launches are most
+of what a policy adds to attention, so they are fused. Everything is in place on fixed
+buffers, and slots come from device counters: a captured step replays.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def append_token(store, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Write one decode token (``key``/``value`` ``(B, H, D)``) at slot ``store.next_slot``.
+
+    The pool row and the local ring's position ``slot % L`` take it, ``slot_valid`` and the
+    ring's validity mark it. Before the ring position is overwritten, its token goes to
+    ``store.evicted`` (key, value, ``valid`` False while the ring is still filling, and
+    ``slot = max(slot - L, 0)``); ``store.current_slot`` gets ``slot``. ``next_slot`` itself is
+    not advanced here (the caller does, after every reader of it).
+    """
+    slot = store.next_slot
+    evicted = store.evicted
+    store.current_slot.copy_(slot)
+    store.pool_keys.index_copy_(2, slot.view(1).to(store.pool_keys.device),
+                                key.unsqueeze(2).to(store.pool_keys.device, store.pool_keys.dtype))
+    store.pool_values.index_copy_(2, slot.view(1).to(store.pool_values.device),
+                                  value.unsqueeze(2).to(store.pool_values.device, store.pool_values.dtype))
+    store.slot_valid.index_fill_(1, slot.view(1), True)
+    capacity = store.local_capacity
+    position = (slot % capacity).view(1)
+    evicted.slot.copy_((slot - capacity).clamp(min=0))
+    evicted.key.copy_(store.local_keys.index_select(2, position).squeeze(2))
+    evicted.value.copy_(store.local_values.index_select(2, position).squeeze(2))
+    evicted.valid.copy_(store.local_valid.index_select(1, position).squeeze(1) & (slot >= capacity))
+    store.local_keys.index_copy_(2, position, key.unsqueeze(2).to(store.local_keys.dtype))
+    store.local_values.index_copy_(2, position, value.unsqueeze(2).to(store.local_values.dtype))
+    store.local_valid.index_fill_(1, position, True)
+
+
+def note_decision(
+    fire: torch.Tensor, has_selection: torch.Tensor, reselections: torch.Tensor, boundary: torch.Tensor,
+    slot: torch.Tensor, reselect: torch.Tensor,
+) -> None:
+    """The step's decision from the trigger's ``fire (B,)``: ``reselect = fire | ~has_selection``
+    (the first step always selects), written into ``reselect`` and ``boundary[:, slot]``; then
+    ``has_selection`` becomes True and ``reselections`` counts it."""
+    decided = fire | ~has_selection
+    reselect.copy_(decided)
+    boundary.index_copy_(1, slot.view(1), decided.view(-1, 1))
+    has_selection.fill_(True)
+    reselections.add_(decided.long())
+
+
+def query_cosine_fire(
+    query: torch.Tensor, previous: torch.Tensor, has_previous: torch.Tensor, tau: float, anchor: bool
+) -> torch.Tensor:
+    """LouisKV's decision: mean over query heads of cos(q, previous) < ``tau`` (or no previous).
+
+    ``query``/``previous`` ``(B, Hq, D)``; ``previous`` becomes ``query`` (``anchor``: only where
+    it fired) and ``has_previous`` True. Returns ``fire (B,)`` bool.
+    """
+    q = query.float()
+    similarity = torch.nn.functional.cosine_similarity(q, previous, dim=-1).mean(dim=-1)
+    fire = (similarity < tau) | ~has_previous
+    if anchor:
+        q = torch.where(fire.view(-1, 1, 1), q, previous)
+    previous.copy_(q)
+    has_previous.fill_(True)
+    return fire
+
+
+def commit_selection(store, slots: torch.Tensor, slot_valid: torch.Tensor, reselect: torch.Tensor) -> None:
+    """After a fetch wrote the retrieved rows: the buffer's slots, validity, fill and held flags
+    for the sequences where ``reselect (B,)``. ``slots``/``slot_valid``: ``(B, H, R)``.
+
+    A slot is attended where the selection lists it and it holds a real token (padding inside a
+    unit is fetched, never attended); a row is held (reusable by the next fetch without a pool
+    read) where its slot was written already.
+    """
+    batch = slots.shape[0]
+    valid = slot_valid & store.slot_valid.gather(1, slots.view(batch, -1)).view_as(slots)
+    take = reselect.view(-1, 1, 1)
+    store.retrieved_valid.copy_(torch.where(take, valid, store.retrieved_valid))
+    store.retrieved_slots.copy_(torch.where(take, slots, store.retrieved_slots))
+    store.retrieved_fill.copy_(torch.where(take[..., 0], slot_valid.sum(-1), store.retrieved_fill))
+    held = (slots >= 0) & (slots < store.next_slot)
+    store.retrieved_held.copy_(torch.where(take, held, store.retrieved_held))
+
+
+def append_leaving_by_rule(table, slot, key, valid, boundary, max_size: int, at_boundary: bool) -> None:
+    """File the token leaving the local window (``slot``: 0-dim; ``key (B, H, D)``; ``valid (B,)``)
+    in ``table``, cutting a new unit by the rule of ``UnitBuilder.cut_rule``: when none is open,
+    when the open one holds ``max_size`` tokens, or (``at_boundary``) where the trigger fired
+    at the step that made the token (``boundary (B, capacity)`` at ``slot``). ``order_next`` is
+    not advanced here."""
+    from .reference import append_to_unit
+
+    batch, heads, _ = key.shape
+    fired = boundary.index_select(1, slot.view(1))[:, 0]
+    has_open = table.open_unit >= 0
+    index = table.open_unit.clamp(min=0).view(batch, 1, 1).expand(batch, heads, 1)
+    open_size = torch.where(has_open, table.size.gather(2, index)[:, 0, 0], 0)
+    cut = (open_size == 0) | (open_size >= max_size)
+    if at_boundary:
+        cut = cut | fired
+    append_to_unit(
+        table.order, table.start, table.size, table.key_sum, table.key_min, table.key_max, table.selectable,
+        table.open_unit, table.decode_units, table.order_next, slot, key, valid, cut & valid,
+        table.num_prompt_units,
+    )

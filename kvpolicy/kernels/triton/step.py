@@ -1,0 +1,208 @@
+"""Triton decode-step bookkeeping (ops ``append_token``, ``note_decision``, ``query_cosine_fire``,
+``commit_selection``), one launch each; the semantics are ``kernels/reference_step.py``'s.
+
+On a step that keeps its selection these launches and attention are all a policy adds to the
+model, and in a replayed graph every launch costs about as much as a small kernel runs, so
+each op is one launch where the reference takes 10-17. Slots and counters are read from device
+tensors and grids come from shapes alone: the launches can be graph-captured. A program that
+owns a value reads it before it writes it, and no program reads what another writes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..dispatch import implement, triton_runs_on
+from .gather import _pool_argument
+
+
+@triton.jit
+def _append_token_kernel(
+    pool_k_ptr, pool_v_ptr, local_k_ptr, local_v_ptr, local_valid_ptr, slot_valid_ptr, next_slot_ptr,
+    key_ptr, value_ptr, ev_k_ptr, ev_v_ptr, ev_valid_ptr, ev_slot_ptr, current_ptr,
+    H, L,
+    pk_sb, pk_sh, pk_sr, pv_sb, pv_sh, pv_sr,
+    lk_sb, lk_sh, lk_sr, lv_sb, lv_sh, lv_sr,
+    lvalid_sb, svalid_sb,
+    k_sb, k_sh, v_sb, v_sh, ek_sb, ek_sh, ev_sb, ev_sh,
+    D: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    h = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    slot = tl.load(next_slot_ptr).to(tl.int64)
+    position = slot % L
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    k = tl.load(key_ptr + b * k_sb + h * k_sh + cols, mask=mask)
+    v = tl.load(value_ptr + b * v_sb + h * v_sh + cols, mask=mask)
+    tl.store(pool_k_ptr + b * pk_sb + h * pk_sh + slot * pk_sr + cols, k.to(pool_k_ptr.dtype.element_ty), mask=mask)
+    tl.store(pool_v_ptr + b * pv_sb + h * pv_sh + slot * pv_sr + cols, v.to(pool_v_ptr.dtype.element_ty), mask=mask)
+    # the ring position's old token is pushed out before the new one takes it
+    ring_k = local_k_ptr + b * lk_sb + h * lk_sh + position * lk_sr + cols
+    ring_v = local_v_ptr + b * lv_sb + h * lv_sh + position * lv_sr + cols
+    old_k = tl.load(ring_k, mask=mask)
+    old_v = tl.load(ring_v, mask=mask)
+    tl.store(ev_k_ptr + b * ek_sb + h * ek_sh + cols, old_k, mask=mask)
+    tl.store(ev_v_ptr + b * ev_sb + h * ev_sh + cols, old_v, mask=mask)
+    tl.store(ring_k, k.to(local_k_ptr.dtype.element_ty), mask=mask)
+    tl.store(ring_v, v.to(local_v_ptr.dtype.element_ty), mask=mask)
+    if h == 0:  # per-sequence state: one program of the sequence owns it
+        was_valid = tl.load(local_valid_ptr + b * lvalid_sb + position) != 0
+        tl.store(ev_valid_ptr + b, (was_valid & (slot >= L)).to(tl.uint8))
+        tl.store(local_valid_ptr + b * lvalid_sb + position, tl.full([], 1, tl.uint8))
+        tl.store(slot_valid_ptr + b * svalid_sb + slot, tl.full([], 1, tl.uint8))
+        if b == 0:
+            tl.store(ev_slot_ptr, tl.maximum(slot - L, 0))
+            tl.store(current_ptr, slot)
+
+
+@implement("triton", "append_token", supports=triton_runs_on)
+def append_token(store, key: torch.Tensor, value: torch.Tensor) -> None:
+    """One launch of ``reference_step.append_token``."""
+    batch, heads, dim = key.shape
+    evicted = store.evicted
+    for name, t in (("local_keys", store.local_keys), ("local_values", store.local_values)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"triton append_token: {name} must be contiguous in its last dim")
+    if batch * heads == 0:
+        return
+    device = key.device
+    pool_k, pool_v = _pool_argument(store.pool_keys, device), _pool_argument(store.pool_values, device)
+    key, value = key.contiguous(), value.contiguous()
+    _append_token_kernel[(heads, batch)](
+        pool_k, pool_v, store.local_keys, store.local_values, store.local_valid.view(torch.uint8),
+        store.slot_valid.view(torch.uint8), store.next_slot,
+        key, value, evicted.key, evicted.value, evicted.valid.view(torch.uint8), evicted.slot, store.current_slot,
+        heads, store.local_capacity,
+        *store.pool_keys.stride()[:3], *store.pool_values.stride()[:3],
+        *store.local_keys.stride()[:3], *store.local_values.stride()[:3],
+        store.local_valid.stride(0), store.slot_valid.stride(0),
+        *key.stride()[:2], *value.stride()[:2], *evicted.key.stride()[:2], *evicted.value.stride()[:2],
+        D=dim, BLOCK_D=triton.next_power_of_2(dim),
+    )
+
+
+@triton.jit
+def _note_decision_kernel(
+    fire_ptr, has_ptr, count_ptr, boundary_ptr, slot_ptr, out_ptr, B, boundary_sb, BLOCK_B: tl.constexpr,
+):
+    b = tl.arange(0, BLOCK_B)
+    ok = b < B
+    fire = tl.load(fire_ptr + b, mask=ok, other=0) != 0
+    has = tl.load(has_ptr + b, mask=ok, other=0) != 0
+    decided = fire | ~has
+    slot = tl.load(slot_ptr).to(tl.int64)
+    tl.store(out_ptr + b, decided.to(tl.uint8), mask=ok)
+    tl.store(boundary_ptr + b * boundary_sb + slot, decided.to(tl.uint8), mask=ok)
+    tl.store(has_ptr + b, tl.full([BLOCK_B], 1, tl.uint8), mask=ok)
+    count = tl.load(count_ptr + b, mask=ok, other=0)
+    tl.store(count_ptr + b, count + decided.to(tl.int64), mask=ok)
+
+
+@implement("triton", "note_decision", supports=triton_runs_on)
+def note_decision(fire, has_selection, reselections, boundary, slot, reselect) -> None:
+    """One launch of ``reference_step.note_decision``."""
+    batch = fire.shape[0]
+    if batch == 0:
+        return
+    _note_decision_kernel[(1,)](
+        fire.view(torch.uint8), has_selection.view(torch.uint8), reselections, boundary.view(torch.uint8), slot,
+        reselect.view(torch.uint8), batch, boundary.stride(0), BLOCK_B=triton.next_power_of_2(batch),
+    )
+
+
+@triton.jit
+def _query_cosine_kernel(
+    q_ptr, prev_ptr, has_ptr, fire_ptr, tau, HQ, q_sb, q_sh, p_sb, p_sh,
+    ANCHOR: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (heads[:, None] < HQ) & (cols[None, :] < D)
+    q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    prev_at = prev_ptr + b * p_sb + heads[:, None] * p_sh + cols[None, :]
+    p = tl.load(prev_at, mask=mask, other=0.0)
+    # as torch.cosine_similarity: each vector divided by max(norm, 1e-8), then the dot product
+    qn = tl.maximum(tl.sqrt(tl.sum(q * q, axis=1)), 1e-8)
+    pn = tl.maximum(tl.sqrt(tl.sum(p * p, axis=1)), 1e-8)
+    cos = tl.sum((q / qn[:, None]) * (p / pn[:, None]), axis=1)
+    cos = tl.where(heads < HQ, cos, 0.0)
+    similarity = tl.sum(cos, axis=0) / HQ
+    has = tl.load(has_ptr + b) != 0
+    fire = (similarity < tau) | ~has
+    tl.store(fire_ptr + b, fire.to(tl.uint8))
+    if ANCHOR:
+        q = tl.where(fire, q, p)
+    tl.store(prev_at, q, mask=mask)
+    tl.store(has_ptr + b, tl.full([], 1, tl.uint8))
+
+
+@implement("triton", "query_cosine_fire", supports=triton_runs_on)
+def query_cosine_fire(query, previous, has_previous, tau: float, anchor: bool) -> torch.Tensor:
+    """One launch of ``reference_step.query_cosine_fire``."""
+    batch, q_heads, dim = query.shape
+    fire = torch.empty(batch, dtype=torch.bool, device=query.device)
+    if batch == 0:
+        return fire
+    if previous.stride(-1) != 1:
+        raise ValueError("triton query_cosine_fire: previous must be contiguous in its last dim")
+    query = query.contiguous()
+    _query_cosine_kernel[(batch,)](
+        query, previous, has_previous.view(torch.uint8), fire.view(torch.uint8), float(tau), q_heads,
+        query.stride(0), query.stride(1), previous.stride(0), previous.stride(1),
+        ANCHOR=bool(anchor), D=dim, BLOCK_H=triton.next_power_of_2(q_heads), BLOCK_D=triton.next_power_of_2(dim),
+    )
+    return fire
+
+
+@triton.jit
+def _commit_kernel(
+    slots_ptr, sv_ptr, take_ptr, pool_valid_ptr, next_slot_ptr,
+    rvalid_ptr, rslots_ptr, rfill_ptr, rheld_ptr,
+    H, R,
+    s_sb, s_sh, sv_sb, sv_sh, pv_sb, rv_sb, rv_sh, rs_sb, rs_sh, rf_sb, rh_sb, rh_sh,
+    BLOCK: tl.constexpr,
+):
+    h = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    if tl.load(take_ptr + b) == 0:
+        return
+    next_slot = tl.load(next_slot_ptr)
+    fill = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
+    for r0 in range(0, R, BLOCK):
+        rows = r0 + tl.arange(0, BLOCK)
+        ok = rows < R
+        slot = tl.load(slots_ptr + b * s_sb + h * s_sh + rows, mask=ok, other=0)
+        listed = tl.load(sv_ptr + b * sv_sb + h * sv_sh + rows, mask=ok, other=0) != 0
+        real = tl.load(pool_valid_ptr + b * pv_sb + slot, mask=ok, other=0) != 0
+        tl.store(rvalid_ptr + b * rv_sb + h * rv_sh + rows, (listed & real).to(tl.uint8), mask=ok)
+        tl.store(rslots_ptr + b * rs_sb + h * rs_sh + rows, slot, mask=ok)
+        held = (slot >= 0) & (slot < next_slot)
+        tl.store(rheld_ptr + b * rh_sb + h * rh_sh + rows, held.to(tl.uint8), mask=ok)
+        fill += tl.sum(listed.to(tl.int64), axis=0)
+    tl.store(rfill_ptr + b * rf_sb + h, fill)
+
+
+@implement("triton", "commit_selection", supports=triton_runs_on)
+def commit_selection(store, slots: torch.Tensor, slot_valid: torch.Tensor, reselect: torch.Tensor) -> None:
+    """One launch of ``reference_step.commit_selection``."""
+    batch, heads, rows = slots.shape
+    if batch * heads * rows == 0:
+        return
+    for name, t in (("slots", slots), ("slot_valid", slot_valid), ("retrieved_valid", store.retrieved_valid),
+                    ("retrieved_slots", store.retrieved_slots), ("retrieved_held", store.retrieved_held)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"triton commit_selection: {name} must be contiguous in its last dim")
+    _commit_kernel[(heads, batch)](
+        slots, slot_valid.view(torch.uint8), reselect.view(torch.uint8), store.slot_valid.view(torch.uint8),
+        store.next_slot, store.retrieved_valid.view(torch.uint8), store.retrieved_slots, store.retrieved_fill,
+        store.retrieved_held.view(torch.uint8),
+        heads, rows,
+        *slots.stride()[:2], *slot_valid.stride()[:2], store.slot_valid.stride(0),
+        *store.retrieved_valid.stride()[:2], *store.retrieved_slots.stride()[:2], store.retrieved_fill.stride(0),
+        *store.retrieved_held.stride()[:2],
+        BLOCK=min(1024, triton.next_power_of_2(rows)),
+    )
