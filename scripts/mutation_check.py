@@ -39,7 +39,9 @@ class Source:
     def __init__(self, rev: str | None):
         self.rev = rev
         if rev is not None:
-            subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{tree}}"], cwd=ROOT, check=True, capture_output=True)
+            # resolved once: a branch that moves during the run must not mix two trees
+            self.rev = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=ROOT, check=True,
+                                      capture_output=True, text=True).stdout.strip()
 
     def files(self) -> list[str]:
         if self.rev is None:

@@ -36,9 +36,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="query-cosine-max-over-heads",
-        file="kvpolicy/triggers/query_cosine.py",
-        original="similarity = torch.nn.functional.cosine_similarity(q, state.previous, dim=-1).mean(dim=-1)",
-        replacement="similarity = torch.nn.functional.cosine_similarity(q, state.previous, dim=-1).amax(dim=-1)",
+        file="kvpolicy/kernels/reference_step.py",
+        original="similarity = torch.nn.functional.cosine_similarity(q, previous, dim=-1).mean(dim=-1)",
+        replacement="similarity = torch.nn.functional.cosine_similarity(q, previous, dim=-1).amax(dim=-1)",
         tests=("tests/test_policy_behaviour.py", "tests/test_triggers.py"),
         why="query_cosine decides on the most similar head, not the mean over heads",
     ),
@@ -46,12 +46,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         name="layer-ignores-the-trigger",
         file="kvpolicy/layer.py",
         original=(
-            "            store.fetch(selection.slots, selection.slot_valid, reselect, policy.backend)\n"
-            "            store.admit(evicted, ~reselect, policy.backend)"
+            "            store.fetch(selection.slots, selection.slot_valid, reselect, ops)\n"
+            "            store.admit(evicted, ~reselect, ops)"
         ),
         replacement=(
-            "            store.fetch(selection.slots, selection.slot_valid, torch.ones_like(reselect), policy.backend)\n"
-            "            store.admit(evicted, torch.zeros_like(reselect), policy.backend)"
+            "            store.fetch(selection.slots, selection.slot_valid, torch.ones_like(reselect), ops)\n"
+            "            store.admit(evicted, torch.zeros_like(reselect), ops)"
         ),
         tests=("tests/test_transformers_integration.py", "-k", "small_budget"),
         why="every step re-fetches and no leaving token is admitted, whatever the trigger says",
@@ -59,16 +59,16 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="index-files-the-new-token",
         file="kvpolicy/layer.py",
-        original="                evicted.slot, evicted.key, evicted.valid,",
-        replacement="                evicted.slot, key, evicted.valid,",
+        original="self.units.append_leaving_token(evicted.slot, evicted.key, evicted.valid, self.boundary,",
+        replacement="self.units.append_leaving_token(evicted.slot, key, evicted.valid, self.boundary,",
         tests=("tests/test_policy_behaviour.py",),
         why="the unit table and the analytic index take this step's key for the slot that left the window",
     ),
     Mutation(
         name="host-read-of-next-slot",
-        file="kvpolicy/layer.py",
-        original="        slot = store.next_slot.clone()",
-        replacement="        slot = torch.tensor(int(store.next_slot), device=store.next_slot.device)",
+        file="kvpolicy/kernels/reference_step.py",
+        original="    slot = store.next_slot\n    evicted = store.evicted",
+        replacement="    slot = torch.tensor(int(store.next_slot), device=store.next_slot.device)\n    evicted = store.evicted",
         tests=("tests/test_graph_ready.py",),
         why="the step reads its slot on the host: a graph replay would write every token to the captured slot",
     ),
@@ -100,26 +100,26 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="segments-ignore-boundaries",
         file="kvpolicy/units/segments.py",
-        original="        return (open_size == 0) | boundary | (open_size >= self.max_size)",
-        replacement="        return (open_size == 0) | (open_size >= self.max_size)",
+        original="        return self.max_size, True",
+        replacement="        return self.max_size, False",
         tests=("tests/test_policy_behaviour.py",),
         why="LouisKV's segments are never cut at a semantic boundary",
     ),
     Mutation(
-        name="segments-cut-on-the-new-tokens-boundary",
-        file="kvpolicy/layer.py",
-        original="self.boundary.index_select(1, evicted.slot.view(1))[:, 0]",
-        replacement="self.boundary.index_select(1, slot.view(1))[:, 0]",
+        name="segment-cut-one-slot-late",
+        file="kvpolicy/kernels/reference_step.py",
+        original="    fired = boundary.index_select(1, slot.view(1))[:, 0]",
+        replacement="    fired = boundary.index_select(1, (slot + 1).view(1))[:, 0]",
         tests=("tests/test_policy_behaviour.py",),
-        why="a segment is cut when the trigger fires now, not where the leaving token's step fired",
+        why="a segment is cut after the token whose step fired, not at it",
     ),
     Mutation(
-        name="pages-one-token-too-long",
-        file="kvpolicy/units/pages.py",
-        original="        return (open_size == 0) | (open_size >= self.size)",
-        replacement="        return (open_size == 0) | (open_size > self.size)",
+        name="cut-rule-one-token-late",
+        file="kvpolicy/kernels/reference_step.py",
+        original="    cut = (open_size == 0) | (open_size >= max_size)",
+        replacement="    cut = (open_size == 0) | (open_size > max_size)",
         tests=("tests/test_policy_behaviour.py",),
-        why="decode pages hold size + 1 tokens",
+        why="decode pages (and capped segments) hold one token more than their size",
     ),
     Mutation(
         name="unit-min-takes-max",
@@ -132,16 +132,16 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="admit-on-reselecting-steps",
         file="kvpolicy/layer.py",
-        original="            store.admit(evicted, ~reselect, policy.backend)",
-        replacement="            store.admit(evicted, reselect, policy.backend)",
+        original="            store.admit(evicted, ~reselect, ops)",
+        replacement="            store.admit(evicted, reselect, ops)",
         tests=("tests/test_dense_equivalence.py", "-k", "keep or interval"),
         why="a leaving token is admitted only where the buffer was just re-selected, so reuse steps drop it",
     ),
     Mutation(
         name="fetch-fills-the-whole-buffer",
-        file="kvpolicy/store.py",
-        original="torch.where(take[..., 0], slot_valid.sum(-1), self.retrieved_fill)",
-        replacement="torch.where(take[..., 0], torch.full_like(self.retrieved_fill, slot_valid.shape[-1]), self.retrieved_fill)",
+        file="kvpolicy/kernels/reference_step.py",
+        original="torch.where(take[..., 0], slot_valid.sum(-1), store.retrieved_fill)",
+        replacement="torch.where(take[..., 0], torch.full_like(store.retrieved_fill, slot_valid.shape[-1]), store.retrieved_fill)",
         tests=("tests/test_dense_equivalence.py", "-k", "keep or interval"),
         why="a selection marks the buffer full, so nothing is ever admitted",
     ),
@@ -179,9 +179,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="resident-rows-trust-unwritten-slots",
-        file="kvpolicy/store.py",
-        original="        held = (slots >= 0) & (slots < self.next_slot)",
-        replacement="        held = slots >= 0",
+        file="kvpolicy/kernels/reference_step.py",
+        original="    held = (slots >= 0) & (slots < store.next_slot)",
+        replacement="    held = slots >= 0",
         tests=("tests/test_store_refresh.py",),
         why="a buffer row read before its slot was written is reused after the write",
     ),
