@@ -169,3 +169,43 @@ def test_run_louiskv_answers_as_full_attention(gemma3, capsys: pytest.CaptureFix
     louiskv, full = json.loads(figures.read_text())
     assert louiskv["correct"] and full["correct"] and louiskv["answer"] == full["answer"]
     assert 0.0 < louiskv["figures"]["reselect_share"] < 1.0
+
+
+# --- a tiny random Gemma 3 (no model needed): the eval harness's shared prefill -----------------
+
+
+def _tiny_gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from conftest import TINY, build_from_config
+
+    config = Gemma3TextConfig(**{**TINY, "num_hidden_layers": 3, "num_key_value_heads": 1, "sliding_window": 16,
+                                 "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                                 "query_pre_attn_scalar": 8})  # scaling 8 ** -0.5, not head_dim ** -0.5
+    return build_from_config(config, Gemma3ForCausalLM)
+
+
+@pytest.mark.usefixtures("single_thread")
+@pytest.mark.parametrize("name", ["full", "louiskv"])
+def test_eval_decode_from_a_shared_prefill_matches_generate_on_a_hybrid_model(name: str) -> None:
+    """``kvpolicy eval`` prefills once and hands each policy the prompt's KV. A sliding-window
+    layer's cache holds only its window; rebuilt from it, its length must still be the prompt's
+    (Gemma 3 reads decode positions from layer 0, a sliding one), or every policy, full attention
+    included, decodes at the wrong positions."""
+    import kvpolicy
+    from kvpolicy.eval import decode as decoding
+
+    from conftest import random_prompt
+
+    model = _tiny_gemma3()
+    ids = random_prompt(60)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        plain = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True)
+    policy = kvpolicy.preset(name) if name == "full" else kvpolicy.preset(name, budget=128)
+    decoded = decoding.decode(model, decoding.prefill(model, ids, mask), policy, 10, keep_logits=True)
+    assert decoded.tokens == plain.sequences[0, 60:].tolist()
+    for step, (got, want) in enumerate(zip(decoded.logits, plain.logits)):
+        error = (got - want[0]).abs().max().item()
+        assert error <= 1e-4, f"step {step}: max |logit difference| {error:.3g}"

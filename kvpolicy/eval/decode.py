@@ -22,7 +22,9 @@ class Prefilled:
     input_ids: torch.Tensor  # (1, P)
     attention_mask: torch.Tensor
     last_logits: torch.Tensor  # (1, vocab) float32
-    keys: list[torch.Tensor | None]  # per layer (1, H, P, D), None where the model has no KV
+    # per layer (1, H, P, D), None where the model has no KV; a sliding-window layer (Gemma 3's
+    # local layers) holds only its window's last tokens, as transformers' cache keeps them
+    keys: list[torch.Tensor | None]
     values: list[torch.Tensor | None]
 
 
@@ -110,6 +112,10 @@ def _cache_from_prefill(session, prefilled: Prefilled, num_q_heads: int):
             layer.state.prefill(k, v, valid.to(k.device), num_q_heads)
         else:
             layer.update(k, v)
+            if hasattr(layer, "cumulative_length"):
+                # a sliding-window layer was handed only its window: its length is still the prompt's
+                # (the model reads its decode positions and masks from it, layer 0 being one in Gemma 3)
+                layer.cumulative_length = prefilled.input_ids.shape[-1]
     return cache
 
 
