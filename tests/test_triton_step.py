@@ -161,3 +161,13 @@ def test_append_leaving_by_rule_matches_reference(max_size, at_boundary):
             if isinstance(t, torch.Tensor):
                 assert torch.equal(t, getattr(fast, name)), f"step {step}: {name} differs"
     assert int(ref.decode_units.min()) >= 2  # units were cut
+
+
+def test_interval_fire_matches_reference():
+    ref = torch.tensor([0, 3, 5, 8], device=DEVICE)
+    fast = ref.clone()
+    for step in range(7):
+        want = reference_step.interval_fire(ref, 4)
+        got = _triton().interval_fire(fast, 4)
+        assert torch.equal(got, want) and torch.equal(fast, ref), f"step {step}"
+    assert int(ref[0]) == 7

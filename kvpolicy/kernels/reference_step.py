@@ -71,6 +71,13 @@ def query_cosine_fire(
     return fire
 
 
+def interval_fire(steps: torch.Tensor, n: int) -> torch.Tensor:
+    """Re-select every ``n`` decode steps: ``fire = steps % n == 0``, then ``steps += 1`` (``(B,)`` long)."""
+    fire = steps % n == 0
+    steps.add_(1)
+    return fire
+
+
 def commit_selection(store, slots: torch.Tensor, slot_valid: torch.Tensor, reselect: torch.Tensor) -> None:
     """After a fetch wrote the retrieved rows: the buffer's slots, validity, fill and held flags
     for the sequences where ``reselect (B,)``. ``slots``/``slot_valid``: ``(B, H, R)``.

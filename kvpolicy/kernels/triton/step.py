@@ -1,5 +1,5 @@
 """Triton decode-step bookkeeping (ops ``append_token``, ``note_decision``, ``query_cosine_fire``,
-``commit_selection``), one launch each; the semantics are ``kernels/reference_step.py``'s.
+``interval_fire``, ``commit_selection``), one launch each; the semantics are ``kernels/reference_step.py``'s.
 
 On a step that keeps its selection these launches and attention are all a policy adds to the
 model, and in a replayed graph every launch costs about as much as a small kernel runs, so
@@ -155,6 +155,25 @@ def query_cosine_fire(query, previous, has_previous, tau: float, anchor: bool) -
         query.stride(0), query.stride(1), previous.stride(0), previous.stride(1),
         ANCHOR=bool(anchor), D=dim, BLOCK_H=triton.next_power_of_2(q_heads), BLOCK_D=triton.next_power_of_2(dim),
     )
+    return fire
+
+
+@triton.jit
+def _interval_kernel(steps_ptr, fire_ptr, n, B, BLOCK_B: tl.constexpr):
+    b = tl.arange(0, BLOCK_B)
+    ok = b < B
+    steps = tl.load(steps_ptr + b, mask=ok, other=0)
+    tl.store(fire_ptr + b, (steps % n == 0).to(tl.uint8), mask=ok)
+    tl.store(steps_ptr + b, steps + 1, mask=ok)
+
+
+@implement("triton", "interval_fire", supports=triton_runs_on)
+def interval_fire(steps: torch.Tensor, n: int) -> torch.Tensor:
+    """One launch of ``reference_step.interval_fire``."""
+    batch = steps.shape[0]
+    fire = torch.empty(batch, dtype=torch.bool, device=steps.device)
+    if batch:
+        _interval_kernel[(1,)](steps, fire.view(torch.uint8), int(n), batch, BLOCK_B=triton.next_power_of_2(batch))
     return fire
 
 
