@@ -564,23 +564,34 @@ def _bench(args) -> int:
         every = max(1, round(1 / args.rate))
         print(f"louiskv's trigger runs as interval({every}) = {100 / every:.1f}% re-selection (measured rate "
               f"{100 * args.rate:.1f}%), and as every_step (worst case)")
-        print(f"{'kind':28s} {'B':>2s} {'context':>8s} {'ms/step':>8s} {'tokens/s':>9s} {'vs full-graph':>13s}")
+        print(f"budget-floor: full-graph at the {args.budget}-token context a step of the budget attends (sink + "
+              "retrieved + local), the best any policy can do on this stack; 'over floor' is a row's ms above it. "
+              "louiskv's /reuse row never re-selects after its first step (a reusing step alone), /every_step "
+              "re-selects at every step")
+        print(f"{'kind':28s} {'B':>2s} {'context':>8s} {'ms/step':>8s} {'tokens/s':>9s} {'vs full-graph':>13s} "
+              f"{'over floor':>10s}")
+        louiskv_triggers = [("interval", {"name": "interval", "n": every}), ("reuse", {"name": "interval", "n": 1 << 40}),
+                            ("every_step", {"name": "every_step"})]
         for context in _ints(args.contexts or "32768,131072", "contexts"):
             for batch in _ints(args.batches, "batches"):
-                base = None
-                cells = [("full-graph", None)] + [(kind, None) for kind in full_kinds if kind != "full-graph"]
+                base = floor = None
+                cells = [("full-graph", None), ("budget-floor", None)]
+                cells += [(kind, None) for kind in full_kinds if kind != "full-graph"]
                 for name, placements in _preset_placements(args):
                     for placement in placements:
-                        triggers = [{"name": "interval", "n": every}, {"name": "every_step"}] if name == "louiskv" else [None]
-                        for trigger in triggers:
+                        triggers = louiskv_triggers if name == "louiskv" else [(None, None)]
+                        for tag, trigger in triggers:
                             options = {"budget": args.budget, "placement": placement, "backend": args.backend}
                             if trigger:
                                 options["trigger"] = trigger
-                            label = f"{name}/{placement}" + (f"/{trigger['name']}" if trigger else "")
+                            label = f"{name}/{placement}" + (f"/{tag}" if tag else "")
                             cells.append((label, preset(name, **options)))
                 for label, policy in cells:
                     try:
-                        if policy is None:
+                        if label == "budget-floor":
+                            r = full_throughput(model, "full-graph", batch, args.budget, args.steps, backend=args.backend)
+                            r.kind = label
+                        elif policy is None:
                             r = full_throughput(model, label, batch, context, args.steps, backend=args.backend)
                         else:
                             r = policy_throughput(model, policy, batch, context, args.steps, emulate=device.type != "cuda")
@@ -596,10 +607,16 @@ def _bench(args) -> int:
                         failed = True
                         continue
                     base = r.ms_per_step if label == "full-graph" else base
+                    floor = r.ms_per_step if label == "budget-floor" else floor
                     ratio = f"{base / r.ms_per_step:13.2f}" if base else ""
+                    over = r.ms_per_step - floor if floor and policy is not None else None
                     rows.append({**r.__dict__, "kind": label, "tokens_per_s": r.tokens_per_s,
-                                 "speedup_vs_full_graph": base / r.ms_per_step if base else None})
-                    print(f"{label:28s} {batch:2d} {context:8d} {r.ms_per_step:8.2f} {r.tokens_per_s:9.1f} {ratio}", flush=True)
+                                 "speedup_vs_full_graph": base / r.ms_per_step if base else None,
+                                 "budget_floor_ms": floor, "over_floor_ms": over})
+                    over_text = f"{over:10.2f}" if over is not None else ""
+                    shown = args.budget if label == "budget-floor" else context
+                    print(f"{label:28s} {batch:2d} {shown:8d} {r.ms_per_step:8.2f} {r.tokens_per_s:9.1f} {ratio} {over_text}",
+                          flush=True)
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
     elif args.what == "ttft":
