@@ -209,3 +209,24 @@ def test_eval_decode_from_a_shared_prefill_matches_generate_on_a_hybrid_model(na
     for step, (got, want) in enumerate(zip(decoded.logits, plain.logits)):
         error = (got - want[0]).abs().max().item()
         assert error <= 1e-4, f"step {step}: max |logit difference| {error:.3g}"
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_drift_meters_only_the_served_layers_of_a_hybrid_model() -> None:
+    """``kvpolicy drift`` averages over the layers the policy serves; Gemma 3's sliding-window
+    layers (never observed) divided its mass recall by 6 before."""
+    import kvpolicy
+    from kvpolicy.eval import decode as decoding
+    from kvpolicy.eval import drift
+
+    from conftest import random_prompt
+
+    model = _tiny_gemma3()
+    ids = random_prompt(150)  # past sink 4 + local 64: a retrieval zone of prompt tokens
+    continuation = random_prompt(21, seed=3)[0].tolist()
+    prefilled = decoding.prefill(model, ids, torch.ones_like(ids))
+    result = drift.measure_drift(model, prefilled, continuation, kvpolicy.preset("clusterkv", budget=256), window=10)
+    assert [w["steps"] for w in result.windows] == [10, 10]
+    for w in result.windows:
+        for metric in ("topk_recall", "prompt_recall", "mass_recall"):
+            assert w[metric] == pytest.approx(1.0)

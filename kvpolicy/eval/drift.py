@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..errors import ConfigError
-from ..integrations.transformers import cache_argument_name
+from ..integrations.transformers import PolicyCache, cache_argument_name
 from ..presets import PRESETS, preset
 from . import decode as decoding
 
@@ -163,7 +163,9 @@ def measure_drift(model, prefilled: decoding.Prefilled, continuation: list[int],
                   progress: Callable[[int], None] | None = None) -> DriftResult:
     """Teacher-force ``continuation`` under ``policy``; recall per window of decode steps."""
     prompt_length = prefilled.input_ids.shape[1]
-    layers = [i for i, k in enumerate(prefilled.keys) if k is not None]
+    # the layers the policy serves (the meter sees no other): not Gemma 3's sliding-window layers,
+    # whose KV the prefill also holds
+    layers = PolicyCache(policy, model.config, torch.device("cpu")).served
     steps = len(continuation) - 1  # the last token is never fed
     meter = DriftMeter(policy.budget, prompt_length, steps, layers)
     observers = [meter]
