@@ -7,7 +7,7 @@ Decode step, per layer (no host reads of tensor values anywhere):
        are cut where the trigger fired), or whatever index the prefill builder made (``analytic``)
     4. selector + budgeted fill -> selection; the store fetches it where ``reselect``
     5. where not ``reselect``, the pushed-out token stays attended while the buffer has room
-    6. sparse attention over sink + retrieved + local
+    6. sparse attention over sink + retrieved + local: one buffer, one part
 """
 
 from __future__ import annotations
@@ -163,9 +163,4 @@ class PolicyLayerState:
         for observer in self.observers:
             observer(self, query)
 
-        parts = [
-            (store.sink_keys, store.sink_values, store.sink_valid),
-            (store.retrieved_keys, store.retrieved_values, store.retrieved_valid),
-            (store.local_keys, store.local_values, store.local_valid),
-        ]
-        return ops.sparse_decode_attention(query, parts, scale)
+        return ops.sparse_decode_attention(query, store.attention_parts(), scale)

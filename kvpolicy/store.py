@@ -5,6 +5,8 @@
                tokens and the prompt's local window sit at row = slot; the prompt's retrieval
                zone is laid out unit by unit (``lay_out_zone``), so a fetched unit is one
                contiguous run of rows, not scattered single rows.
+    attended   one buffer on the attention device, sink | retrieved | local: the three tiers
+               below are views of it, so a step's attention is one launch over one part.
     sink       the first ``sink`` tokens of each sequence, on the attention device.
     local      a fixed ring of the last ``local`` slots, on the attention device.
     retrieved  a fixed buffer of ``retrieval`` tokens fetched from the pool, reused until the
@@ -124,6 +126,13 @@ class TieredStore:
     # ring pushed out, and () long, the slot the step's token took
     evicted: Evicted | None = field(default=None, repr=False)
     current_slot: torch.Tensor | None = field(default=None, repr=False)
+    # (B, H, S + R + L): the buffer the sink, retrieved and local tiers above are views of (and
+    # its validity), so a step's attention reads one part; ``local_valid`` is head 0's view of
+    # ``local_valid_heads (B, H, L)``, which writers update for every head
+    attended_keys: torch.Tensor | None = field(default=None, repr=False)
+    attended_values: torch.Tensor | None = field(default=None, repr=False)
+    attended_valid: torch.Tensor | None = field(default=None, repr=False)
+    local_valid_heads: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         keys = self.retrieved_keys
@@ -194,20 +203,26 @@ class TieredStore:
         sink_slots = torch.searchsorted(seen.contiguous(), wanted)
         sink_valid = sink_slots < zone_end
         sink_slots = sink_slots.clamp(max=max(zone_end - 1, 0))
-        index = sink_slots[:, None, :, None].expand(batch, heads, sink, dim)
-        if zone_end > 0:
-            sink_keys, sink_values = keys.gather(2, index), values.gather(2, index)
-        else:
-            sink_keys = keys.new_zeros(batch, heads, sink, dim)
-            sink_values = values.new_zeros(batch, heads, sink, dim)
 
-        local_keys = keys.new_zeros(batch, heads, local, dim)
-        local_values = values.new_zeros(batch, heads, local, dim)
-        local_valid = torch.zeros(batch, local, dtype=torch.bool, device=device)
+        # what a step attends lives in one buffer, sink | retrieved | local, so attention is one
+        # launch over one part; the tiers are views of it (validity per head: the retrieved tier's
+        # differs by head, the sink's and the ring's are the same for every head)
+        attended = sink + retrieval + local
+        attended_keys = keys.new_zeros(batch, heads, attended, dim)
+        attended_values = values.new_zeros(batch, heads, attended, dim)
+        attended_valid = torch.zeros(batch, heads, attended, dtype=torch.bool, device=device)
+        sink_part, retrieved_part, local_part = slice(0, sink), slice(sink, sink + retrieval), slice(sink + retrieval, None)
+        if zone_end > 0:
+            index = sink_slots[:, None, :, None].expand(batch, heads, sink, dim)
+            attended_keys[:, :, sink_part] = keys.gather(2, index)
+            attended_values[:, :, sink_part] = values.gather(2, index)
+        attended_valid[:, :, sink_part] = sink_valid[:, None, :]
         positions = torch.arange(zone_end, prompt, device=device) % local
+        local_keys, local_values = attended_keys[:, :, local_part], attended_values[:, :, local_part]
         local_keys[:, :, positions] = keys[:, :, zone_end:]
         local_values[:, :, positions] = values[:, :, zone_end:]
-        local_valid[:, positions] = token_valid[:, zone_end:]
+        local_valid_heads = attended_valid[:, :, local_part]
+        local_valid_heads[:, :, positions] = token_valid[:, None, zone_end:]
 
         return cls(
             pool_keys=pool_keys,
@@ -215,19 +230,23 @@ class TieredStore:
             length=prompt,
             next_slot=torch.tensor(prompt, dtype=torch.long, device=device),
             slot_valid=slot_valid,
-            sink_keys=sink_keys,
-            sink_values=sink_values,
-            sink_valid=sink_valid,
+            sink_keys=attended_keys[:, :, sink_part],
+            sink_values=attended_values[:, :, sink_part],
+            sink_valid=attended_valid[:, 0, sink_part],
             sink_slots=sink_slots,
             local_keys=local_keys,
             local_values=local_values,
-            local_valid=local_valid,
-            retrieved_keys=keys.new_zeros(batch, heads, retrieval, dim),
-            retrieved_values=values.new_zeros(batch, heads, retrieval, dim),
-            retrieved_valid=torch.zeros(batch, heads, retrieval, dtype=torch.bool, device=device),
+            local_valid=attended_valid[:, 0, local_part],
+            retrieved_keys=attended_keys[:, :, retrieved_part],
+            retrieved_values=attended_values[:, :, retrieved_part],
+            retrieved_valid=attended_valid[:, :, retrieved_part],
             retrieved_slots=torch.zeros(batch, heads, retrieval, dtype=torch.long, device=device),
             retrieved_fill=torch.zeros(batch, heads, dtype=torch.long, device=device),
             zone_end=zone_end,
+            attended_keys=attended_keys,
+            attended_values=attended_values,
+            attended_valid=attended_valid,
+            local_valid_heads=local_valid_heads,
         )
 
     def lay_out_zone(self, keys: torch.Tensor, values: torch.Tensor, order: torch.Tensor | None) -> None:
@@ -320,6 +339,10 @@ class TieredStore:
             self.retrieved_keys, self.retrieved_values, self.retrieved_slots, self.retrieved_valid,
             self.retrieved_held, self.retrieved_fill, evicted.key, evicted.value, evicted.slot, mask, evicted.valid,
         )
+
+    def attention_parts(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The ``(keys, values, valid)`` parts a step attends to: the one attended buffer."""
+        return [(self.attended_keys, self.attended_values, self.attended_valid)]
 
     def forget_resident(self) -> None:
         """Treat no retrieved row as reusable, so the next fetch reads every row from the pool

@@ -181,11 +181,7 @@ def time_layer(
     transfer_ms = timer(cold_fetch, device, repeats)
     reuse_transfer_ms = timer(lambda: store.fetch(selection.slots, selection.slot_valid, none, backend), device, repeats)
     attention = dispatch.get("sparse_decode_attention", backend, device)
-    parts = [
-        (store.sink_keys, store.sink_values, store.sink_valid),
-        (store.retrieved_keys, store.retrieved_values, store.retrieved_valid),
-        (store.local_keys, store.local_values, store.local_valid),
-    ]
+    parts = store.attention_parts()
     attention_ms = timer(lambda: attention(query, parts, scale), device, repeats)
     row = d * store.pool_keys.element_size()
     return LayerTimes(

@@ -36,7 +36,7 @@ def append_token(store, key: torch.Tensor, value: torch.Tensor) -> None:
     evicted.valid.copy_(store.local_valid.index_select(1, position).squeeze(1) & (slot >= capacity))
     store.local_keys.index_copy_(2, position, key.unsqueeze(2).to(store.local_keys.dtype))
     store.local_values.index_copy_(2, position, value.unsqueeze(2).to(store.local_values.dtype))
-    store.local_valid.index_fill_(1, position, True)
+    store.local_valid_heads.index_fill_(2, position, True)
 
 
 def note_decision(

@@ -25,7 +25,7 @@ def _append_token_kernel(
     H, L,
     pk_sb, pk_sh, pk_sr, pv_sb, pv_sh, pv_sr,
     lk_sb, lk_sh, lk_sr, lv_sb, lv_sh, lv_sr,
-    lvalid_sb, svalid_sb,
+    lvalid_sb, lvalid_sh, svalid_sb,
     k_sb, k_sh, v_sb, v_sh, ek_sb, ek_sh, ev_sb, ev_sh,
     D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -48,14 +48,16 @@ def _append_token_kernel(
     tl.store(ev_v_ptr + b * ev_sb + h * ev_sh + cols, old_v, mask=mask)
     tl.store(ring_k, k.to(local_k_ptr.dtype.element_ty), mask=mask)
     tl.store(ring_v, v.to(local_v_ptr.dtype.element_ty), mask=mask)
+    # the ring's validity is kept per head (the attended buffer's); head 0's is read first
+    valid_at = local_valid_ptr + b * lvalid_sb + h * lvalid_sh + position
     if h == 0:  # per-sequence state: one program of the sequence owns it
-        was_valid = tl.load(local_valid_ptr + b * lvalid_sb + position) != 0
+        was_valid = tl.load(valid_at) != 0
         tl.store(ev_valid_ptr + b, (was_valid & (slot >= L)).to(tl.uint8))
-        tl.store(local_valid_ptr + b * lvalid_sb + position, tl.full([], 1, tl.uint8))
         tl.store(slot_valid_ptr + b * svalid_sb + slot, tl.full([], 1, tl.uint8))
         if b == 0:
             tl.store(ev_slot_ptr, tl.maximum(slot - L, 0))
             tl.store(current_ptr, slot)
+    tl.store(valid_at, tl.full([], 1, tl.uint8))
 
 
 @implement("triton", "append_token", supports=triton_runs_on)
@@ -72,13 +74,13 @@ def append_token(store, key: torch.Tensor, value: torch.Tensor) -> None:
     pool_k, pool_v = _pool_argument(store.pool_keys, device), _pool_argument(store.pool_values, device)
     key, value = key.contiguous(), value.contiguous()
     _append_token_kernel[(heads, batch)](
-        pool_k, pool_v, store.local_keys, store.local_values, store.local_valid.view(torch.uint8),
+        pool_k, pool_v, store.local_keys, store.local_values, store.local_valid_heads.view(torch.uint8),
         store.slot_valid.view(torch.uint8), store.next_slot,
         key, value, evicted.key, evicted.value, evicted.valid.view(torch.uint8), evicted.slot, store.current_slot,
         heads, store.local_capacity,
         *store.pool_keys.stride()[:3], *store.pool_values.stride()[:3],
         *store.local_keys.stride()[:3], *store.local_values.stride()[:3],
-        store.local_valid.stride(0), store.slot_valid.stride(0),
+        *store.local_valid_heads.stride()[:2], store.slot_valid.stride(0),
         *key.stride()[:2], *value.stride()[:2], *evicted.key.stride()[:2], *evicted.value.stride()[:2],
         D=dim, BLOCK_D=triton.next_power_of_2(dim),
     )
