@@ -147,9 +147,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="interval-off-by-one",
-        file="kvpolicy/triggers/interval.py",
-        original="        fire = state.steps % self.n == 0",
-        replacement="        fire = state.steps % self.n == 1",
+        file="kvpolicy/kernels/reference_step.py",
+        original="    fire = steps % n == 0",
+        replacement="    fire = steps % n == 1",
         tests=("tests/test_dense_equivalence.py", "-k", "interval"),
         why="interval(n) fires at steps 1, n + 1, ... (and the forced first)",
     ),
