@@ -722,20 +722,18 @@ def _preset_placements(args) -> list[tuple[str, list[str]]]:
     return cells
 
 
-def _print_points(points, chosen: float) -> None:
-    print(f"{'tau':>6s} {'re-selecting':>13s} {'top-1 agree':>12s} {'KL':>8s}")
-    for p in points:
-        mark = "  <- chosen" if p.tau == chosen else ""
-        print(f"{p.tau:6.2f} {100 * p.reselect_share:12.1f}% {100 * p.top1_agreement:11.1f}% {p.kl_mean:8.4f}{mark}")
+def _print_points(measured, chosen: float, tolerance: float) -> None:
+    from .eval.calibrate import frontier_table
+
+    print(frontier_table(measured, tolerance, chosen))
 
 
 def _choose_and_store(measured, tolerance: float) -> float:
     from .eval.calibrate import choose, store
 
-    points = measured.points()
-    chosen = choose(points, tolerance)
+    chosen = choose(measured.points(), tolerance)
     store(measured, chosen, tolerance)
-    _print_points(points, chosen)
+    _print_points(measured, chosen, tolerance)
     return chosen
 
 
@@ -792,7 +790,7 @@ def _calibrate(args) -> int:
         from dataclasses import asdict
 
         Path(args.shard_out).write_text(json.dumps(asdict(measured)), encoding="utf-8")
-        _print_points(measured.points(), chosen=float("nan"))
+        _print_points(measured, float("nan"), tolerance)
         print(f"wrote the figures of {len(sample_ids)} samples to {args.shard_out}; merge shards with --merge")
         return 0
     chosen = _choose_and_store(measured, tolerance)
