@@ -3,6 +3,10 @@
 Lookup order: the user's calibration file (``$KVPOLICY_CACHE/calibration.json``, written by
 ``kvpolicy calibrate``), then the values measured for models kvpolicy ships with, then the
 published default 0.7 (LouisKV's value for Qwen3-8B).
+
+Each value is the one ``kvpolicy calibrate``'s rule chooses (``kvpolicy.eval.calibrate.RULE``): the
+candidate tau with the fewest re-selections whose top-1 agreement with full attention is within 2
+points of the best candidate's. The calibration file also keeps every candidate's figures.
 """
 
 from __future__ import annotations
