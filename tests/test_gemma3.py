@@ -230,3 +230,19 @@ def test_drift_meters_only_the_served_layers_of_a_hybrid_model() -> None:
     for w in result.windows:
         for metric in ("topk_recall", "prompt_recall", "mass_recall"):
             assert w[metric] == pytest.approx(1.0)
+
+
+def test_eval_decodes_a_hybrid_model_eagerly_on_cuda_by_default() -> None:
+    """DecodeGraph refuses layers left to transformers' cache: on CUDA, eval's decode of a
+    hybrid model must not default to it (a plain model still does)."""
+    import kvpolicy
+    from kvpolicy.eval.decode import graph_by_default
+
+    from conftest import build_model
+
+    cuda, policy = torch.device("cuda"), kvpolicy.preset("louiskv")
+    assert not graph_by_default(_tiny_gemma3(), policy, cuda)
+    plain = build_model("llama")
+    assert graph_by_default(plain, policy, cuda)
+    assert not graph_by_default(plain, policy, torch.device("cpu"))
+    assert not graph_by_default(plain, kvpolicy.preset("full"), cuda)

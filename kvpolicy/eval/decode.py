@@ -99,6 +99,15 @@ def keys_by_slot(store, device: torch.device) -> torch.Tensor:
     return keys.gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, dim))
 
 
+def graph_by_default(model, policy: Policy, device: torch.device) -> bool:
+    """Whether ``decode`` replays a CUDA graph when not told: on CUDA, unless the policy would
+    leave layers to transformers' own cache (``DecodeGraph`` refuses those)."""
+    if device.type != "cuda" or policy.is_dense:
+        return False
+    cache = PolicyCache(policy, model.config, torch.device("cpu"))
+    return len(cache.served) == len(cache.layers)
+
+
 def _cache_from_prefill(session, prefilled: Prefilled, num_q_heads: int):
     cache = session.new_cache()
     valid = prefilled.attention_mask.bool()
@@ -184,7 +193,9 @@ def decode(
 
     ``forced``: feed these tokens instead of the argmax (teacher forcing); the logits are
     still the policy's. Stops at ``stop_ids`` unless forced. ``graph``: replay the decode step
-    as a CUDA graph (default: on CUDA, for retrieval policies); ``"emulate"`` runs the same
+    as a CUDA graph (default: on CUDA, for retrieval policies serving every layer: a hybrid
+    model's sliding-window layers keep transformers' cache, which a graph cannot replay, so
+    Gemma 3 decodes eagerly); ``"emulate"`` runs the same
     protocol on any device (tests). With a graph every step runs and the tokens are cut at the
     first stop token afterwards (the same tokens as eager decoding; the re-selection share and
     recall then also count the steps after the stop token). ``observers``: more callables run
@@ -192,7 +203,7 @@ def decode(
     """
     device = prefilled.input_ids.device
     if graph is None:
-        graph = device.type == "cuda"
+        graph = graph_by_default(model, policy, device)
     if graph and not policy.is_dense:
         meter = _RecallMeter(policy.budget) if measure_recall else None
         return _graph_decode(model, prefilled, policy, max_new_tokens, forced, keep_logits, meter, stop_ids,
