@@ -1,8 +1,9 @@
 """Triton budget fill against the reference: exactly equal outputs on fresh random inputs.
 
-Rows of sequences outside ``take`` must hold the Triton op's empty selection; the in-kernel
-ranking (``U <= _SORT_LIMIT``) and the torch.sort one (above, or forced by setting the limit
-to 0) must both give the reference's stable descending order, ties and special values included.
+Rows of sequences outside ``take`` must hold the Triton op's empty selection; the three
+rankings (the full in-kernel sort, ``U <= _FULL_SORT_MAX``; the threshold select above it, forced
+for every ``U`` by setting the limit to 0; and ``RANKING = "torch.sort"``) must all give the
+reference's stable descending order, ties and special values included.
 
 Without CUDA the kernel runs on CPU tensors through Triton's interpreter (conftest turns it
 on); with CUDA the same cases run on the GPU, plus decode-sized ones.
@@ -38,6 +39,18 @@ def _random_units(batch, heads, units, tokens, max_size, seed, p_inf=0.15, p_emp
     starts = (torch.rand(shape, generator=g, device=DEVICE) * (tokens - sizes + 1)).long()
     order = torch.argsort(torch.rand(batch, heads, tokens, generator=g, device=DEVICE), dim=-1)
     return scores, sizes, starts, order
+
+
+RANKINGS = ["full", "threshold", "torch.sort"]
+
+
+def _use_ranking(name, monkeypatch):
+    from kvpolicy.kernels.triton import select
+
+    if name == "threshold":
+        monkeypatch.setattr(select, "_FULL_SORT_MAX", 0)
+    elif name == "torch.sort":
+        monkeypatch.setattr(select, "RANKING", "torch.sort")
 
 
 def _check(scores, sizes, starts, order, capacity, take=None):
@@ -120,12 +133,9 @@ def test_select_budget_property(batch, heads, units, max_size, capacity, levels,
 
 # ---- take: sequences that do not re-select ------------------------------------------------
 
-@pytest.mark.parametrize("sort_limit", [None, 0])  # in-kernel ranking, and torch.sort for every U
-def test_rows_without_take_get_an_empty_selection(sort_limit, monkeypatch):
-    from kvpolicy.kernels.triton import select
-
-    if sort_limit is not None:
-        monkeypatch.setattr(select, "_SORT_LIMIT", sort_limit)
+@pytest.mark.parametrize("ranking", RANKINGS)
+def test_rows_without_take_get_an_empty_selection(ranking, monkeypatch):
+    _use_ranking(ranking, monkeypatch)
     inputs = _random_units(3, 2, 50, 400, 8, seed=3, levels=4)
     _check(*inputs, 37, torch.tensor([True, False, True], device=DEVICE))
     _check(*inputs, 37, torch.tensor([False, False, False], device=DEVICE))
@@ -153,15 +163,15 @@ def _special_scores(batch, heads, units, seed):
     return specials[pick]
 
 
-@pytest.mark.parametrize("sort_limit", [None, 0])
-@pytest.mark.parametrize("units, capacity, block", [(7, 20, None), (64, 100, None), (300, 250, 64)])
-def test_ranking_of_special_scores_and_ties(units, capacity, block, sort_limit, monkeypatch):
+@pytest.mark.parametrize("ranking", RANKINGS)
+@pytest.mark.parametrize("units, capacity, block", [(7, 20, None), (64, 100, None), (300, 250, 64), (300, 40, 64)])
+def test_ranking_of_special_scores_and_ties(units, capacity, block, ranking, monkeypatch):
     from kvpolicy.kernels.triton import select
 
-    if sort_limit is not None:
-        monkeypatch.setattr(select, "_SORT_LIMIT", sort_limit)
+    _use_ranking(ranking, monkeypatch)
     if block is not None:  # several blocks of units and of positions
         monkeypatch.setattr(select, "_BLOCK", block)
+        monkeypatch.setattr(select, "_THRESHOLD_BLOCK", block)
     _, sizes, starts, order = _random_units(2, 2, units, 3 * units, 4, seed=units, p_empty=0.2)
     scores = _special_scores(2, 2, units, seed=units + 1)
     _check(scores, sizes, starts, order, capacity, torch.tensor([True, False], device=DEVICE))
@@ -182,50 +192,52 @@ def test_descending_key_orders_like_a_stable_descending_sort():
     ranked = torch.sort(scores[0, 0], descending=True, stable=True).indices
     selectable = scores[0, 0][ranked] > float("-inf")
     assert unit_ids[0, 0, : int(num_units)].tolist() == ranked[selectable].tolist()
-    assert min(select._SORT_LIMIT, select._SORT_LIMIT_WITHOUT_TAKE) >= units  # the kernel ranked it
+    assert select._FULL_SORT_MAX >= units and select.RANKING == "kernel"  # the kernel ranked it
 
 
 @pytest.mark.parametrize("units", [255, 256, 257])
-def test_select_budget_around_the_in_kernel_ranking_limit(units, monkeypatch):
+def test_select_budget_around_the_full_sort_limit(units, monkeypatch):
     # the limit lowered to 256 so the interpreter stays quick: a padded block, a full one, and
-    # torch.sort just above; small blocks so both walks take several steps
+    # the threshold select just above; small blocks so every walk takes several steps
     from kvpolicy.kernels.triton import select
 
-    monkeypatch.setattr(select, "_SORT_LIMIT", 256)
+    monkeypatch.setattr(select, "_FULL_SORT_MAX", 256)
     monkeypatch.setattr(select, "_BLOCK", 32)
+    monkeypatch.setattr(select, "_THRESHOLD_BLOCK", 32)
     inputs = _random_units(2, 2, units, 1000, 4, seed=units, levels=20)
     _check(*inputs, 150, torch.tensor([False, True], device=DEVICE))
     _check(*inputs, 150)
 
 
 @pytest.mark.parametrize("units", [128, 129])
-def test_without_take_the_kernel_ranks_only_up_to_its_own_lower_limit(units, monkeypatch):
-    # limits lowered (256 with take, 128 without) so the interpreter stays quick
+def test_the_kernel_never_calls_torch_sort(units, monkeypatch):
+    # with or without take, below and above the full-sort limit (lowered to 128): only the
+    # reference's own torch.sort calls are counted
     from kvpolicy.kernels.triton import select
 
-    monkeypatch.setattr(select, "_SORT_LIMIT", 256)
-    monkeypatch.setattr(select, "_SORT_LIMIT_WITHOUT_TAKE", 128)
+    monkeypatch.setattr(select, "_FULL_SORT_MAX", 128)
     monkeypatch.setattr(select, "_BLOCK", 32)
     sorts = []
     real_sort = torch.sort
     monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(1) or real_sort(*a, **k))
     inputs = _random_units(2, 2, units, 1000, 4, seed=units, levels=20)
-    _check(*inputs, 150, torch.tensor([True, True], device=DEVICE))
-    with_take = len(sorts)
-    _check(*inputs, 150)
-    without_take = len(sorts) - with_take
-    # the reference sorts in both calls (its own torch.sort calls); only the Triton op's count differs
-    assert without_take - with_take == (1 if units > 128 else 0)
+    for take in (torch.tensor([True, True], device=DEVICE), None):
+        before = len(sorts)
+        got = _select_budget()(*inputs, 150, take)
+        assert len(sorts) == before
+        want = reference.select_budget(*inputs, 150)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def test_select_budget_above_the_in_kernel_ranking_limit():
-    # torch.sort ranks U = _SORT_LIMIT + 1 (the in-kernel 8192 block is left to the CUDA
-    # tests: the interpreter is slow to sort it)
+@pytest.mark.parametrize("capacity", [700, 40000, 90000])
+def test_threshold_select_above_the_full_sort_limit(capacity):
+    # U = _FULL_SORT_MAX + 1 at the default limits: the budget cut mid-ranking, and a budget of
+    # more tokens than all units hold (every unit taken)
     from kvpolicy.kernels.triton import select
 
-    units = select._SORT_LIMIT + 1
+    units = select._FULL_SORT_MAX + 1
     inputs = _random_units(2, 1, units, 40000, 3, seed=units, levels=200)
-    _check(*inputs, 700, torch.tensor([True, False], device=DEVICE))
+    _check(*inputs, capacity, torch.tensor([True, False], device=DEVICE))
 
 
 # ---- CUDA only: decode-sized problems --------------------------------------------------
@@ -237,6 +249,15 @@ def test_select_budget_at_decode_sizes(levels, max_size):
     inputs = _random_units(4, 8, 8192, 131072, max_size, seed=max_size, levels=levels)
     _check(*inputs, 2048)
     _check(*inputs, 4096)
+    _check(*inputs, 2048, torch.tensor([True, False, True, False], device=DEVICE))
+
+
+@needs_cuda
+@pytest.mark.parametrize("units", [16400, 40000])
+def test_threshold_select_at_long_context_unit_counts(units):
+    inputs = _random_units(2, 8, units, 600000, 16, seed=units, levels=None)
+    _check(*inputs, 2048)
+    _check(*inputs, 2048, torch.tensor([False, True], device=DEVICE))
 
 
 @needs_cuda

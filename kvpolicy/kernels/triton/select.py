@@ -4,19 +4,20 @@ One kernel launch, one program per (sequence, KV head):
 
 0. a program whose sequence has ``take[b]`` False writes an empty selection (slots 0,
    ``slot_valid`` False, ``num_units`` 0, ``unit_ids`` -1) and returns: in a replayed decode
-   graph the fill (and, for ``U <= _SORT_LIMIT``, the ranking) costs nothing on the steps where
+   graph the fill and the ranking cost nothing on the steps where
    the sequence keeps its selection;
-1. rank the units: ``U <= _SORT_LIMIT`` (8192; 2048 when no ``take`` is given, as then no row
-   can skip the ranking and ``torch.sort`` is faster above that size): in the kernel, ``tl.sort`` of one 64-bit key
+1. rank the units: ``U <= _FULL_SORT_MAX`` (2048): in the kernel, ``tl.sort`` of one 64-bit key
    per unit over a power-of-two block (see ``_descending_key``: the score's bits made
    order-preserving and inverted in the high word, the unit index in the low word, so the
    ascending key order is exactly ``torch.sort(descending=True, stable=True)``'s order of the
    selectable units, ties by ascending index). Units that cannot be taken (``-inf``/NaN) get
    one key above every selectable one (their relative order never changes the outputs: they
    cover no tokens), padding the largest key. The ranked unit ids (-1 for the unselectable)
-   go to a scratch row. Above ``_SORT_LIMIT`` the ranking is ``torch.sort(stable=True)`` before
-   the launch, for every sequence whatever ``take`` says (a size choice: the sorted block is
-   held in registers, 64 bits a unit, and 16384 units already spill at 16 warps);
+   go to a scratch row. Above ``_FULL_SORT_MAX``, a threshold select (``_threshold_rank``):
+   a radix select of the cut unit's key, then an in-register sort of the at most ``R`` units
+   the fill can take; any number of units, and skipped like the rest by rows outside ``take``.
+   (``RANKING = "torch.sort"`` ranks every row with ``torch.sort`` before the launch instead,
+   as before; kept for comparisons);
 2. zero a per-program scratch row of ``R`` "a unit starts here" flags;
 3. walk the ranking in blocks, carrying the running token total and taken count: a block
    prefix sum of the ranked sizes gives each unit's ``[begin, end)`` in the budget; taken
@@ -45,25 +46,18 @@ from . import score as _score  # noqa: F401  (registers ``unit_scores``, the sel
 # barely mattered)
 _BLOCK = 2048
 _NUM_WARPS = 8
-# largest U ranked inside the kernel (a power of two); above it torch.sort ranks every row.
-# U is the unit table's capacity, which a decode grows past the prompt's units (a 128K prompt's
-# 8,189 units become 8,211 with a 20-step graph's reserve, 16,378 after an eager doubling), and
-# the sort runs over the next power of two. Measured on the H200 (benchmarks/select_sort.py,
-# batch 4 x 8 heads): a block of 16,384 keys took 522 us against torch.sort's 152 (it spills),
-# and a row that keeps its selection saves only ~90 us by skipping it, so the kernel wins there
-# only below a 15-20% re-selection rate; at 8,192 the break-even is about a third. LouisKV's rate
-# is 11.7% at tau 0.8 but 84-91% at SmolLM2's calibrated 0.95 (EVAL.md)
-_SORT_LIMIT = 8192
-# without ``take`` every row ranks, so the in-kernel sort only pays where it is faster than
-# torch.sort (H200, benchmarks/select_sort.py with take all True, the same work: 8 rows, 31 vs
-# 34 us at 2,048 units, 87 vs 42 at 4,096, 228 vs 98 at 8,192); with ``take`` rows that keep their selection skip it (9 us against
-# torch.sort's 77 at 8,192), which wins below a re-selection rate of about a third (see above)
-_SORT_LIMIT_WITHOUT_TAKE = 2048
-# warps for the in-kernel sort of more than 4096 keys. ptxas for sm_90a (offline, CUDA 13.4;
-# no GPU timing yet): 8192 keys take 230 registers at 8 warps, 128 at 16, neither spills;
-# 16384 keys at 16 warps take 128 registers and spill ~2.4 KB a thread (32 warps: 64 registers,
-# the same spills). With one program per (sequence, head) the grid is a few dozen programs, so
-# more threads per program is what shortens the sort
+# up to this many units a row ranks all of them with one in-kernel ``tl.sort`` (H200,
+# benchmarks/select_sort.py, 8 rows: 31 us against torch.sort's 34 at 2,048 units; 87 vs 42 at
+# 4,096, 228 vs 98 at 8,192, so a full sort stops paying above it); above, a threshold select
+# ranks only the units the fill can take (``_threshold_rank``), for any number of units, and a
+# row that keeps its selection skips it like the rest of the fill
+_FULL_SORT_MAX = 2048
+# units per block step of the threshold select's passes (a [block, 16] digit histogram each)
+_THRESHOLD_BLOCK = 512
+# "kernel" (the default) or "torch.sort": rank every row with torch.sort before the launch, as
+# before the threshold select existed (kept for benchmarks/select_sort.py and the tests)
+RANKING = "kernel"
+# warps for the in-kernel sort of more than 4096 keys (only reachable with a larger _FULL_SORT_MAX)
 _SORT_NUM_WARPS = 16
 
 
@@ -95,12 +89,79 @@ def _rank_row(scores_ptr, ranked_ptr, U, SORT_BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _threshold_rank(scores_ptr, sizes_ptr, cand_ptr, ranked_ptr, U, R,
+                    BLOCK: tl.constexpr, CAND_BLOCK: tl.constexpr):
+    """``ranked[k]``, ``k < CAND_BLOCK``: the units the fill can take, in rank order, then -1.
+
+    The taken units are a prefix of the ranking ending at the unit whose tokens reach ``R``
+    (the cut unit). A radix select finds that unit's key (``_descending_key``, made unsigned) 4
+    bits at a time: each pass histograms, by the next digit, the tokens of the non-empty
+    selectable units that match the digits found so far, and keeps the digit whose bucket holds
+    the ``R``-th token. The at most ``R`` non-empty units with keys up to it are compacted and
+    sorted in registers (``CAND_BLOCK`` keys). Work grows with ``U`` linearly, without a sort
+    of ``U`` keys; empty and unselectable units cover no tokens and are left out.
+    """
+    # the sign bit flipped: signed key order becomes unsigned order, digits read most significant first
+    top = tl.full([], 1, tl.int64) << 63
+    digits = tl.arange(0, 16).to(tl.uint64)
+    prefix = tl.full([], 0, tl.uint64)
+    mask = tl.full([], 0, tl.uint64)
+    before = tl.full([], 0, tl.int64)  # tokens of units in buckets below the current one
+    everything = tl.full([], 0, tl.int1)
+    for level in tl.static_range(16):
+        shift = 60 - 4 * level
+        hist = tl.zeros([16], tl.int64)
+        for u0 in range(0, U, BLOCK):
+            index = u0 + tl.arange(0, BLOCK)
+            in_range = index < U
+            score = tl.load(scores_ptr + index, mask=in_range, other=float("-inf"))
+            size = tl.load(sizes_ptr + index, mask=in_range, other=0).to(tl.int64)
+            live = in_range & (score > float("-inf")) & (size > 0)
+            key = (_descending_key(score, index, in_range) ^ top).to(tl.uint64, bitcast=True)
+            match = live & ((key & mask) == prefix)
+            digit = (key >> shift) & 15
+            weight = tl.where(match, size, 0)
+            hist += tl.sum(tl.where(digit[:, None] == digits[None, :], weight[:, None], 0), axis=0)
+        inclusive = tl.cumsum(hist, 0) + before
+        if level == 0:
+            everything = (tl.max(inclusive, 0) < R).to(tl.int1)  # fewer tokens than the budget: take every unit
+        chosen = tl.sum((inclusive < R).to(tl.int64), 0)  # the bucket holding the R-th token
+        chosen = tl.minimum(chosen, 15)
+        before = tl.max(tl.where(digits.to(tl.int64) < chosen, inclusive, before), 0)
+        prefix = prefix | (chosen.to(tl.uint64) << shift)
+        mask = mask | (tl.full([], 15, tl.uint64) << shift)
+
+    # compact the candidates (keys up to the cut unit's), then sort them
+    count = tl.full([], 0, tl.int64)
+    for u0 in range(0, U, BLOCK):
+        index = u0 + tl.arange(0, BLOCK)
+        in_range = index < U
+        score = tl.load(scores_ptr + index, mask=in_range, other=float("-inf"))
+        size = tl.load(sizes_ptr + index, mask=in_range, other=0).to(tl.int64)
+        live = in_range & (score > float("-inf")) & (size > 0)
+        signed = _descending_key(score, index, in_range)
+        key = (signed ^ top).to(tl.uint64, bitcast=True)
+        # (!= 0: the interpreter gives an unsigned comparison as int32)
+        keep = (live & ((key <= prefix) | (everything != 0))) != 0
+        position = tl.cumsum(keep.to(tl.int64), 0) + count - 1
+        tl.store(cand_ptr + position, signed, mask=keep & (position < CAND_BLOCK))
+        count += tl.sum(keep.to(tl.int64), 0)
+    tl.debug_barrier()
+    slot = tl.arange(0, CAND_BLOCK)
+    keys = tl.load(cand_ptr + slot, mask=slot < count, other=0x7FFFFFFFFFFFFFFF)
+    keys = tl.sort(keys)
+    unit = tl.where(slot < count, keys.to(tl.int32), -1)
+    tl.store(ranked_ptr + slot, unit)
+
+
+@triton.jit
 def _fill_kernel(
     scores_ptr, ranked_ptr, ranked_scores_ptr, sizes_ptr, starts_ptr, order_ptr, take_ptr,
     unit_ids_ptr, num_units_ptr, slots_ptr, slot_valid_ptr,
-    heads_ptr, shift_ptr,
+    heads_ptr, shift_ptr, cand_ptr,
     U, N, R, SHIFT_LEN, ROWS_PER_SEQUENCE,
     BLOCK_U: tl.constexpr, BLOCK_R: tl.constexpr, SORT_BLOCK: tl.constexpr, HAS_TAKE: tl.constexpr,
+    CAND_BLOCK: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     u_base = bh * U
@@ -121,9 +182,15 @@ def _fill_kernel(
             tl.store(num_units_ptr + bh, zero)
             return
 
-    # 1. rank in the kernel: ranked unit ids to the scratch row, -1 for the unselectable
+    # 1. rank in the kernel: ranked unit ids to the scratch row, -1 for the unselectable; or
+    # (CAND_BLOCK) only the units the fill can take, by a threshold select
     if SORT_BLOCK > 0:
         _rank_row(scores_ptr + u_base, ranked_ptr + u_base, U, SORT_BLOCK)
+    if CAND_BLOCK > 0:
+        _threshold_rank(scores_ptr + u_base, sizes_ptr + u_base, cand_ptr + bh * CAND_BLOCK,
+                        ranked_ptr + bh * CAND_BLOCK, U, R, BLOCK_U, CAND_BLOCK)
+    ranked_base = bh * CAND_BLOCK if CAND_BLOCK > 0 else u_base
+    ranked_len = CAND_BLOCK if CAND_BLOCK > 0 else U
 
     # 2. no unit starts anywhere yet
     for r0 in range(0, R, BLOCK_R):
@@ -134,11 +201,11 @@ def _fill_kernel(
     # 3. units in score order
     total = zero  # tokens of all selectable units so far (not capped at R, like the reference)
     count = zero  # units taken so far
-    for u0 in range(0, U, BLOCK_U):
+    for u0 in range(0, ranked_len, BLOCK_U):
         i = u0 + tl.arange(0, BLOCK_U)
-        in_range = i < U
-        if SORT_BLOCK > 0:
-            unit = tl.load(ranked_ptr + u_base + i, mask=in_range, other=-1).to(tl.int64)
+        in_range = i < ranked_len
+        if SORT_BLOCK > 0 or CAND_BLOCK > 0:
+            unit = tl.load(ranked_ptr + ranked_base + i, mask=in_range, other=-1).to(tl.int64)
             selectable = unit >= 0
         else:
             unit = tl.load(ranked_ptr + u_base + i, mask=in_range, other=0)
@@ -191,8 +258,8 @@ def select_budget(
     """Fill a token budget with the best-scoring units; see ``reference.select_budget``.
 
     Rows of sequences with ``take[b]`` False get an empty selection (slots 0, ``slot_valid``
-    False, ``num_units`` 0, ``unit_ids`` -1) without being ranked or filled (the ranking still
-    runs for them when ``U > _SORT_LIMIT``). Without ``take`` every row is ranked and filled.
+    False, ``num_units`` 0, ``unit_ids`` -1) without being ranked or filled. Without ``take``
+    every row is ranked and filled.
     """
     *lead, units = scores.shape
     device = scores.device
@@ -215,14 +282,21 @@ def select_budget(
         take = take.to(device).reshape(batch).contiguous().view(torch.uint8)
         rows_per_sequence = programs // batch
     scores = scores.contiguous()
-    limit = _SORT_LIMIT if take is not None else min(_SORT_LIMIT, _SORT_LIMIT_WITHOUT_TAKE)
-    sort_block = triton.next_power_of_2(units) if units <= limit else 0
-    if sort_block:
-        # in-kernel ranking: the ranked unit ids (int32) go to a scratch row
+    sort_block = cand_block = 0
+    cand = scores  # not read unless the threshold select runs
+    if RANKING == "torch.sort":
+        ranked_scores, ranked = torch.sort(scores, dim=-1, descending=True, stable=True)
+    elif units <= _FULL_SORT_MAX:
+        # in-kernel ranking of every unit: the ranked unit ids (int32) go to a scratch row
+        sort_block = triton.next_power_of_2(units)
         ranked = torch.empty(programs, units, dtype=torch.int32, device=device)
         ranked_scores = scores  # not read
     else:
-        ranked_scores, ranked = torch.sort(scores, dim=-1, descending=True, stable=True)
+        # threshold select: only the (at most R) units the fill can take are ranked
+        cand_block = triton.next_power_of_2(max(1, min(units, capacity)))
+        ranked = torch.empty(programs, cand_block, dtype=torch.int32, device=device)
+        cand = torch.empty(programs, cand_block, dtype=torch.long, device=device)
+        ranked_scores = scores  # not read
     # scratch: per program, R flags and one shift per taken unit (at most min(U, R) of them)
     heads = torch.empty(programs, capacity, dtype=torch.int8, device=device)
     shift_len = max(1, min(units, capacity))
@@ -230,11 +304,11 @@ def select_budget(
     _fill_kernel[(programs,)](
         scores, ranked, ranked_scores, sizes.contiguous(), starts.contiguous(), order.contiguous(), take,
         unit_ids, num_units, slots, slot_valid,
-        heads, shift,
+        heads, shift, cand,
         units, order.shape[-1], capacity, shift_len, rows_per_sequence,
-        BLOCK_U=min(_BLOCK, triton.next_power_of_2(units)),
+        BLOCK_U=min(_THRESHOLD_BLOCK if cand_block else _BLOCK, triton.next_power_of_2(units)),
         BLOCK_R=min(_BLOCK, triton.next_power_of_2(max(capacity, 1))),
-        SORT_BLOCK=sort_block, HAS_TAKE=take is not None,
+        SORT_BLOCK=sort_block, HAS_TAKE=take is not None, CAND_BLOCK=cand_block,
         num_warps=_SORT_NUM_WARPS if sort_block > 4096 else _NUM_WARPS,
     )
     return unit_ids, num_units, slots, slot_valid
