@@ -1,8 +1,9 @@
-"""Where ranking units inside ``select_budget``'s kernel (``tl.sort``) beats ``torch.sort`` before it.
+"""``select_budget``'s three rankings side by side: a full in-kernel ``tl.sort``, the threshold
+select, and ``torch.sort`` before the launch.
 
-Times the Triton op as a CUDA-graph replay at decode sizes, both ways, for steps that re-select
-(``take`` all True) and steps that keep their selection (``take`` all False: the in-kernel path
-skips the ranking, the torch.sort path still sorts every row). Usage (GPU):
+Times the Triton op as a CUDA-graph replay at decode sizes, each way, for steps that re-select
+(``take`` all True) and steps that keep their selection (``take`` all False: the in-kernel paths
+skip the ranking, the torch.sort path still sorts every row). Usage (GPU):
     python3 benchmarks/select_sort.py [--units 1024,2048,4096,8192,16384] [--batches 1,4]
 """
 
@@ -25,9 +26,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args()
     device = torch.device("cuda")
-    limit = triton_select._SORT_LIMIT
+    limit = triton_select._FULL_SORT_MAX
     print(f"select_budget, R={args.budget}, {args.kv_heads} KV heads; us per replay (median of {args.repeats})")
-    print(f"{'B':>2s} {'units':>6s} {'take':>5s} {'in-kernel sort':>15s} {'torch.sort':>11s}")
+    print(f"{'B':>2s} {'units':>6s} {'take':>5s} {'full tl.sort':>13s} {'threshold':>10s} {'torch.sort':>11s}")
     for batch in (int(b) for b in args.batches.split(",")):
         for units in (int(u) for u in args.units.split(",")):
             torch.manual_seed(0)
@@ -39,17 +40,21 @@ def main() -> None:
             for take_all in (True, False):
                 take = torch.full((batch,), take_all, dtype=torch.bool, device=device)
                 times = []
-                for sort_limit in (limit, 0):
-                    triton_select._SORT_LIMIT = sort_limit
+                # (full-sort limit, ranking): the full sort only where it fits its block
+                for full_max, ranking in ((1 << 30, "kernel"), (0, "kernel"), (limit, "torch.sort")):
+                    if full_max and ranking == "kernel" and units > 8192:
+                        times.append(None)
+                        continue
+                    triton_select._FULL_SORT_MAX, triton_select.RANKING = full_max, ranking
                     try:
                         ms = time_replay_ms(lambda: triton_select.select_budget(scores, sizes, starts, order,
                                                                                 args.budget, take),
                                             device, args.repeats)
                     finally:
-                        triton_select._SORT_LIMIT = limit
+                        triton_select._FULL_SORT_MAX, triton_select.RANKING = limit, "kernel"
                     times.append(1e3 * ms)
-                kernel = f"{times[0]:15.1f}" if units <= limit else f"{'(over limit)':>15s}"
-                print(f"{batch:2d} {units:6d} {str(take_all):>5s} {kernel} {times[1]:11.1f}", flush=True)
+                full = f"{times[0]:13.1f}" if times[0] is not None else f"{'-':>13s}"
+                print(f"{batch:2d} {units:6d} {str(take_all):>5s} {full} {times[1]:10.1f} {times[2]:11.1f}", flush=True)
 
 
 if __name__ == "__main__":
