@@ -19,8 +19,8 @@ step targets_128k4 150 python3 -m kvpolicy bench e2e --contexts 131072 --batches
 step targets_512k 120 python3 -m kvpolicy bench e2e --contexts 524288 --batches 1 --presets louiskv@cpu --full-kinds full-graph --budget 2048 --steps 10 --json "$OUT/e2e_512k_b1_cpu.json"
 ;;
 third)
-step kernels 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_triton_select.py tests/test_triton_step.py tests/test_decode_graph.py
-step sortbench 60 python3 benchmarks/select_sort.py --units 2048,4096,8192,16384,32768 --batches 1,4
-step e2e 330 python3 -m kvpolicy bench e2e --contexts 32768,131072 --batches 1,4 --presets louiskv@gpu --full-kinds full-graph --budget 2048 --steps 10 --json "$OUT/e2e.json"
+step kernels 100 python3 -m pytest -q -p no:cacheprovider -x tests/test_triton_select.py tests/test_triton_step.py tests/test_decode_graph.py
+step sortbench 45 python3 benchmarks/select_sort.py --units 2048,8192,16384,32768 --batches 1,4 --repeats 20
+step e2e 230 python3 -m kvpolicy bench e2e --contexts 32768,131072 --batches 1,4 --presets louiskv@gpu --full-kinds full-graph --budget 2048 --steps 10 --json "$OUT/e2e.json"
 ;;
 esac
