@@ -1,7 +1,11 @@
 """A small slice of the accuracy harness on the embedded model, with bounds a broken policy misses.
 
-2 tasks x 1 length x 3 presets (full, streaming, oracle), 2 seeds each. Streaming must fail every
-needle outside its window; oracle must match full attention within 1 point.
+2 tasks x 1 length x 5 presets (full, streaming, oracle, louiskv, quest), 2 seeds each. Streaming
+must fail every needle outside its window; oracle must match full attention within 1 point;
+louiskv and quest must hold more of the oracle's attention mass than streaming by a margin, and
+louiskv must score near full attention. This slice measured (2026-12-01, CPU): recall streaming
+0.798, quest 0.896, louiskv 0.971 (louiskv re-selecting in 81-83% of steps); scores full 87.5,
+louiskv 87.5, quest 62.5, streaming 43.8. louiskv and quest add 8 of the 20 cells.
 """
 
 import importlib.util
@@ -16,6 +20,10 @@ from kvpolicy.eval.runner import load_results, run_grid  # noqa: E402
 from kvpolicy.eval.tasks import build_chat, make_sample  # noqa: E402
 
 LENGTH, BUDGET, SEEDS, TASKS = 2048, 512, (0, 1), ("niah_single", "niah_multivalue")
+PRESETS = ["full", "streaming", "oracle", "louiskv", "quest"]
+# recall over streaming's (mean over the slice's cells): a policy that selects at random, or
+# the worst units, falls to streaming's or below
+RECALL_MARGIN = {"louiskv": 0.08, "quest": 0.04}
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 
@@ -31,7 +39,7 @@ def grid(smollm2, tmp_path_factory):
     model, tokenizer = smollm2
     out = tmp_path_factory.mktemp("eval")
     cells = run_grid(model, tokenizer, out_dir=out, tasks=TASKS, lengths=[LENGTH], budgets=[BUDGET],
-                     presets=["full", "streaming", "oracle"], seeds=SEEDS, progress=False)
+                     presets=PRESETS, seeds=SEEDS, progress=False)
     return out, cells
 
 
@@ -47,7 +55,7 @@ def test_slice_scores_are_bounded(grid, smollm2):
     _, tokenizer = smollm2
     out, cells = grid
     by_key = {(c.task, c.seed, c.preset): c for c in cells}
-    assert len(cells) == len(TASKS) * len(SEEDS) * 3
+    assert len(cells) == len(TASKS) * len(SEEDS) * len(PRESETS)
     window = BUDGET - 4  # streaming keeps 4 sink tokens and a window of budget - 4
     outside = 0
     for task in TASKS:
@@ -62,6 +70,16 @@ def test_slice_scores_are_bounded(grid, smollm2):
     assert full >= 50.0  # the model can do the slice with full attention at all
     assert abs(oracle - full) <= 1.0
 
+    def mean(preset, field):
+        return sum(getattr(by_key[(t, s, preset)], field) for t in TASKS for s in SEEDS) / (len(TASKS) * len(SEEDS))
+
+    streaming_recall = mean("streaming", "recall")
+    for preset, margin in RECALL_MARGIN.items():
+        assert mean(preset, "recall") >= streaming_recall + margin, (preset, mean(preset, "recall"), streaming_recall)
+    # louiskv at its calibrated tau against full attention: one multivalue cell may lose a value
+    assert mean("louiskv", "score") >= full - 15.0, (mean("louiskv", "score"), full)
+    assert 0.0 < mean("louiskv", "reselect_share") < 1.0  # it reused selections, and re-selected
+
 
 def test_slice_outputs_and_resume(grid, smollm2):
     model, tokenizer = smollm2
@@ -69,7 +87,7 @@ def test_slice_outputs_and_resume(grid, smollm2):
     written = write_outputs(cells, out)
     assert written["summary"].exists() and written["table"].exists()
     rows = summarize(cells)
-    assert {r["preset"] for r in rows} == {"full", "streaming", "oracle"}
+    assert {r["preset"] for r in rows} == set(PRESETS)
     assert "| 2048 | 512 | oracle |" in table(rows)
     for name in ("score_vs_budget", "score_vs_length", "recall_per_layer"):
         if name in written:
@@ -77,6 +95,6 @@ def test_slice_outputs_and_resume(grid, smollm2):
     # resuming recomputes nothing: every cell is already in results.jsonl
     assert len(load_results(out / "results.jsonl")) == len(cells)
     again = run_grid(model, tokenizer, out_dir=out, tasks=TASKS, lengths=[LENGTH], budgets=[BUDGET],
-                     presets=["full", "streaming", "oracle"], seeds=SEEDS, progress=False)
+                     presets=PRESETS, seeds=SEEDS, progress=False)
     assert sorted(c.key for c in again) == sorted(c.key for c in cells)
     assert [c.seconds for c in sorted(again, key=lambda c: c.key)] == [c.seconds for c in sorted(cells, key=lambda c: c.key)]
