@@ -26,7 +26,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args()
     device = torch.device("cuda")
-    limit = triton_select._FULL_SORT_MAX
     print(f"select_budget, R={args.budget}, {args.kv_heads} KV heads; us per replay (median of {args.repeats})")
     print(f"{'B':>2s} {'units':>6s} {'take':>5s} {'full tl.sort':>13s} {'threshold':>10s} {'torch.sort':>11s}")
     for batch in (int(b) for b in args.batches.split(",")):
@@ -40,18 +39,17 @@ def main() -> None:
             for take_all in (True, False):
                 take = torch.full((batch,), take_all, dtype=torch.bool, device=device)
                 times = []
-                # (full-sort limit, ranking): the full sort only where it fits its block
-                for full_max, ranking in ((1 << 30, "kernel"), (0, "kernel"), (limit, "torch.sort")):
-                    if full_max and ranking == "kernel" and units > 8192:
+                for ranking in ("full", "threshold", "torch.sort"):
+                    if ranking == "full" and units > 8192:  # the full sort's block spills past 8,192
                         times.append(None)
                         continue
-                    triton_select._FULL_SORT_MAX, triton_select.RANKING = full_max, ranking
+                    triton_select.RANKING = ranking
                     try:
                         ms = time_replay_ms(lambda: triton_select.select_budget(scores, sizes, starts, order,
                                                                                 args.budget, take),
                                             device, args.repeats)
                     finally:
-                        triton_select._FULL_SORT_MAX, triton_select.RANKING = limit, "kernel"
+                        triton_select.RANKING = "auto"
                     times.append(1e3 * ms)
                 full = f"{times[0]:13.1f}" if times[0] is not None else f"{'-':>13s}"
                 print(f"{batch:2d} {units:6d} {str(take_all):>5s} {full} {times[1]:10.1f} {times[2]:11.1f}", flush=True)

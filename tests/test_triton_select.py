@@ -1,9 +1,9 @@
 """Triton budget fill against the reference: exactly equal outputs on fresh random inputs.
 
 Rows of sequences outside ``take`` must hold the Triton op's empty selection; the three
-rankings (the full in-kernel sort, ``U <= _FULL_SORT_MAX``; the threshold select above it, forced
-for every ``U`` by setting the limit to 0; and ``RANKING = "torch.sort"``) must all give the
-reference's stable descending order, ties and special values included.
+rankings (the full in-kernel sort, the threshold select and torch.sort, each forced through
+``RANKING``, and the default rule) must all give the reference's stable descending order, ties
+and special values included.
 
 Without CUDA the kernel runs on CPU tensors through Triton's interpreter (conftest turns it
 on); with CUDA the same cases run on the GPU, plus decode-sized ones.
@@ -41,16 +41,13 @@ def _random_units(batch, heads, units, tokens, max_size, seed, p_inf=0.15, p_emp
     return scores, sizes, starts, order
 
 
-RANKINGS = ["full", "threshold", "torch.sort"]
+RANKINGS = ["auto", "full", "threshold", "torch.sort"]
 
 
 def _use_ranking(name, monkeypatch):
     from kvpolicy.kernels.triton import select
 
-    if name == "threshold":
-        monkeypatch.setattr(select, "_FULL_SORT_MAX", 0)
-    elif name == "torch.sort":
-        monkeypatch.setattr(select, "RANKING", "torch.sort")
+    monkeypatch.setattr(select, "RANKING", name)
 
 
 def _check(scores, sizes, starts, order, capacity, take=None):
@@ -192,16 +189,18 @@ def test_descending_key_orders_like_a_stable_descending_sort():
     ranked = torch.sort(scores[0, 0], descending=True, stable=True).indices
     selectable = scores[0, 0][ranked] > float("-inf")
     assert unit_ids[0, 0, : int(num_units)].tolist() == ranked[selectable].tolist()
-    assert select._FULL_SORT_MAX >= units and select.RANKING == "kernel"  # the kernel ranked it
+    assert select._FULL_SORT_MAX_WITHOUT_TAKE >= units and select.RANKING == "auto"  # the kernel ranked it
 
 
 @pytest.mark.parametrize("units", [255, 256, 257])
 def test_select_budget_around_the_full_sort_limit(units, monkeypatch):
-    # the limit lowered to 256 so the interpreter stays quick: a padded block, a full one, and
-    # the threshold select just above; small blocks so every walk takes several steps
+    # the limits lowered to 256 (with take) and 128 (without) so the interpreter stays quick: a
+    # padded block, a full one, and the threshold select or torch.sort just above; small blocks
+    # so every walk takes several steps
     from kvpolicy.kernels.triton import select
 
     monkeypatch.setattr(select, "_FULL_SORT_MAX", 256)
+    monkeypatch.setattr(select, "_FULL_SORT_MAX_WITHOUT_TAKE", 128)
     monkeypatch.setattr(select, "_BLOCK", 32)
     monkeypatch.setattr(select, "_THRESHOLD_BLOCK", 32)
     inputs = _random_units(2, 2, units, 1000, 4, seed=units, levels=20)
@@ -210,34 +209,42 @@ def test_select_budget_around_the_full_sort_limit(units, monkeypatch):
 
 
 @pytest.mark.parametrize("units", [128, 129])
-def test_the_kernel_never_calls_torch_sort(units, monkeypatch):
-    # with or without take, below and above the full-sort limit (lowered to 128): only the
-    # reference's own torch.sort calls are counted
+def test_with_take_the_kernel_never_calls_torch_sort(units, monkeypatch):
+    # with take, below and above the full-sort limit (lowered to 128) the kernel ranks; without
+    # take above 2,048 units... lowered to 64 here, torch.sort ranks (only the Triton op's calls count)
     from kvpolicy.kernels.triton import select
 
     monkeypatch.setattr(select, "_FULL_SORT_MAX", 128)
+    monkeypatch.setattr(select, "_FULL_SORT_MAX_WITHOUT_TAKE", 64)
     monkeypatch.setattr(select, "_BLOCK", 32)
     sorts = []
     real_sort = torch.sort
     monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(1) or real_sort(*a, **k))
     inputs = _random_units(2, 2, units, 1000, 4, seed=units, levels=20)
-    for take in (torch.tensor([True, True], device=DEVICE), None):
+    want = reference.select_budget(*inputs, 150)
+    for take, torch_sorts in ((torch.tensor([True, True], device=DEVICE), 0), (None, 1)):
         before = len(sorts)
         got = _select_budget()(*inputs, 150, take)
-        assert len(sorts) == before
-        want = reference.select_budget(*inputs, 150)
+        assert len(sorts) - before == torch_sorts
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-@pytest.mark.parametrize("capacity", [700, 40000, 90000])
-def test_threshold_select_above_the_full_sort_limit(capacity):
-    # U = _FULL_SORT_MAX + 1 at the default limits: the budget cut mid-ranking, and a budget of
-    # more tokens than all units hold (every unit taken)
+def test_an_unknown_ranking_is_refused(monkeypatch):
     from kvpolicy.kernels.triton import select
 
-    units = select._FULL_SORT_MAX + 1
-    inputs = _random_units(2, 1, units, 40000, 3, seed=units, levels=200)
+    monkeypatch.setattr(select, "RANKING", "bogus")
+    with pytest.raises(ValueError, match="accepted: auto, full, threshold, torch.sort"):
+        _select_budget()(*_random_units(1, 1, 8, 50, 3, seed=1), 10)
+
+
+@pytest.mark.parametrize("capacity", [700, 40000, 90000])
+def test_threshold_select_past_many_blocks(capacity, monkeypatch):
+    # 2,049 units: the budget cut mid-ranking, and a budget of more tokens than all units hold
+    # (every unit taken)
+    _use_ranking("threshold", monkeypatch)
+    inputs = _random_units(2, 1, 2049, 40000, 3, seed=2049, levels=200)
     _check(*inputs, capacity, torch.tensor([True, False], device=DEVICE))
+    _check(*inputs, capacity)
 
 
 # ---- CUDA only: decode-sized problems --------------------------------------------------
@@ -254,7 +261,8 @@ def test_select_budget_at_decode_sizes(levels, max_size):
 
 @needs_cuda
 @pytest.mark.parametrize("units", [16400, 40000])
-def test_threshold_select_at_long_context_unit_counts(units):
+def test_threshold_select_at_long_context_unit_counts(units, monkeypatch):
+    _use_ranking("threshold", monkeypatch)
     inputs = _random_units(2, 8, units, 600000, 16, seed=units, levels=None)
     _check(*inputs, 2048)
     _check(*inputs, 2048, torch.tensor([False, True], device=DEVICE))

@@ -6,18 +6,17 @@ One kernel launch, one program per (sequence, KV head):
    ``slot_valid`` False, ``num_units`` 0, ``unit_ids`` -1) and returns: in a replayed decode
    graph the fill and the ranking cost nothing on the steps where
    the sequence keeps its selection;
-1. rank the units: ``U <= _FULL_SORT_MAX`` (2048): in the kernel, ``tl.sort`` of one 64-bit key
+1. rank the units (which way: see ``_FULL_SORT_MAX``): in the kernel, ``tl.sort`` of one 64-bit key
    per unit over a power-of-two block (see ``_descending_key``: the score's bits made
    order-preserving and inverted in the high word, the unit index in the low word, so the
    ascending key order is exactly ``torch.sort(descending=True, stable=True)``'s order of the
    selectable units, ties by ascending index). Units that cannot be taken (``-inf``/NaN) get
    one key above every selectable one (their relative order never changes the outputs: they
    cover no tokens), padding the largest key. The ranked unit ids (-1 for the unselectable)
-   go to a scratch row. Above ``_FULL_SORT_MAX``, a threshold select (``_threshold_rank``):
-   a radix select of the cut unit's key, then an in-register sort of the at most ``R`` units
-   the fill can take; any number of units, and skipped like the rest by rows outside ``take``.
-   (``RANKING = "torch.sort"`` ranks every row with ``torch.sort`` before the launch instead,
-   as before; kept for comparisons);
+   go to a scratch row. Or a threshold select (``_threshold_rank``): a radix select of the cut
+   unit's key, then an in-register sort of the at most ``R`` units the fill can take; any
+   number of units, and skipped like the rest by rows outside ``take``. Or, without ``take``
+   above 2,048 units, ``torch.sort`` before the launch, where every row ranks anyway;
 2. zero a per-program scratch row of ``R`` "a unit starts here" flags;
 3. walk the ranking in blocks, carrying the running token total and taken count: a block
    prefix sum of the ranked sizes gives each unit's ``[begin, end)`` in the budget; taken
@@ -46,18 +45,34 @@ from . import score as _score  # noqa: F401  (registers ``unit_scores``, the sel
 # barely mattered)
 _BLOCK = 2048
 _NUM_WARPS = 8
-# up to this many units a row ranks all of them with one in-kernel ``tl.sort`` (H200,
-# benchmarks/select_sort.py, 8 rows: 31 us against torch.sort's 34 at 2,048 units; 87 vs 42 at
-# 4,096, 228 vs 98 at 8,192, so a full sort stops paying above it); above, a threshold select
-# ranks only the units the fill can take (``_threshold_rank``), for any number of units, and a
-# row that keeps its selection skips it like the rest of the fill
-_FULL_SORT_MAX = 2048
+# How rows are ranked (H200, benchmarks/select_sort.py, 8 KV heads, R = 2048, us per call at
+# batch 1 / 4; docs/bench/session5/sortbench.log):
+#
+#   units  take   full tl.sort   threshold   torch.sort
+#   2048   all        31 / 33    114 / 116     37 / 37
+#   2048   none       19 / 16     18 / 16      31 / 30
+#   8192   all       230 / 232   320 / 325     98 / 111
+#   8192   none       17 / 16     17 / 17      77 / 89
+#   16384  all          -        666 / 668    126 / 154
+#   16384  none         -         17 / 16      84 / 104
+#   32768  all          -       1284 / 1292   183 / 249
+#
+# A row that keeps its selection skips either in-kernel ranking (~16 us), where torch.sort sorts
+# every row every step. So with ``take`` (triggers that keep selections): the full sort up to
+# ``_FULL_SORT_MAX`` units, the threshold select above it, any number of units, never torch.sort.
+# Without ``take`` every row ranks and nothing can be skipped: the full sort up to
+# ``_FULL_SORT_MAX_WITHOUT_TAKE``, torch.sort above, where it is fastest. The threshold select's
+# re-selecting rows are slow (16 passes of a [block, 16] histogram per row in one program): it
+# wins over torch.sort only below a re-selection rate of roughly 1/4 (8,192 units) to 1/9
+# (32,768); making it cheaper is open work.
+_FULL_SORT_MAX = 8192
+_FULL_SORT_MAX_WITHOUT_TAKE = 2048
 # units per block step of the threshold select's passes (a [block, 16] digit histogram each)
 _THRESHOLD_BLOCK = 512
-# "kernel" (the default) or "torch.sort": rank every row with torch.sort before the launch, as
-# before the threshold select existed (kept for benchmarks/select_sort.py and the tests)
-RANKING = "kernel"
-# warps for the in-kernel sort of more than 4096 keys (only reachable with a larger _FULL_SORT_MAX)
+# "auto" (the rule above) or forced for every call: "full", "threshold", "torch.sort" (for the
+# tests and benchmarks/select_sort.py)
+RANKING = "auto"
+# warps for the in-kernel sort of more than 4096 keys
 _SORT_NUM_WARPS = 16
 
 
@@ -284,9 +299,17 @@ def select_budget(
     scores = scores.contiguous()
     sort_block = cand_block = 0
     cand = scores  # not read unless the threshold select runs
-    if RANKING == "torch.sort":
+    ranking = RANKING
+    if ranking == "auto":
+        if take is not None:
+            ranking = "full" if units <= _FULL_SORT_MAX else "threshold"
+        else:
+            ranking = "full" if units <= _FULL_SORT_MAX_WITHOUT_TAKE else "torch.sort"
+    if ranking not in ("full", "threshold", "torch.sort"):
+        raise ValueError(f"triton select_budget: RANKING {RANKING!r}; accepted: auto, full, threshold, torch.sort")
+    if ranking == "torch.sort":
         ranked_scores, ranked = torch.sort(scores, dim=-1, descending=True, stable=True)
-    elif units <= _FULL_SORT_MAX:
+    elif ranking == "full":
         # in-kernel ranking of every unit: the ranked unit ids (int32) go to a scratch row
         sort_block = triton.next_power_of_2(units)
         ranked = torch.empty(programs, units, dtype=torch.int32, device=device)
