@@ -290,3 +290,41 @@ def test_encoder_decoder_is_refused(build, preset_name):
     with pytest.raises(kvpolicy.UnsupportedModelError, match="encoder-decoder"):
         with policy.apply(model):
             pytest.fail("the block must not run")
+
+
+# --- caches the user passes: refused in words, never a silent dense run ----------------------
+
+
+def test_a_dense_cache_passed_to_generate_is_refused(llama):
+    from transformers import DynamicCache
+
+    from kvpolicy.errors import KVPolicyError
+
+    ids, mask = left_padded_batch(40)
+    with kvpolicy.preset("quest", budget=128).apply(llama):
+        with pytest.raises(KVPolicyError, match="DynamicCache inside policy.apply"):
+            llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                           **{cache_argument_name(llama): DynamicCache(config=llama.config)})
+
+
+def test_generate_without_a_cache_is_refused(llama):
+    from kvpolicy.errors import KVPolicyError
+
+    ids, mask = left_padded_batch(40)
+    with kvpolicy.preset("quest", budget=128).apply(llama):
+        with pytest.raises(KVPolicyError, match="use_cache=False"):
+            llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, use_cache=False)
+
+
+def test_a_second_turn_on_the_same_cache_is_refused_and_a_fresh_one_serves(llama):
+    from kvpolicy.errors import KVPolicyError
+
+    ids, mask = left_padded_batch(40)
+    with kvpolicy.preset("quest", budget=128).apply(llama) as session:
+        cache = session.new_cache()
+        llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                       **{cache_argument_name(llama): cache})
+        assert session.stats().decode_steps == 1  # the passed cache's generation is what stats reports
+        with pytest.raises(KVPolicyError, match="second turn"):
+            llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                           **{cache_argument_name(llama): cache})

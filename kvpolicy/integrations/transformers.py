@@ -248,8 +248,12 @@ class PolicySession:
         cache_arg = cache_argument_name(self.model)
 
         def generate(*args, **kwargs):
-            if kwargs.get("past_key_values") is None and kwargs.get("cache") is None:
+            session._check_generate_arguments(kwargs)
+            passed = kwargs.get("past_key_values", kwargs.get("cache"))
+            if passed is None:
                 kwargs[cache_arg] = session.new_cache()
+            else:
+                session.cache = passed
             inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
             session._prompt_length = inputs.shape[-1] if isinstance(inputs, torch.Tensor) else None
             return original_generate(*args, **kwargs)
@@ -257,6 +261,31 @@ class PolicySession:
         self._saved_generate = self.model.__dict__.get("generate")  # an outer session's wrapper
         self.model.generate = generate  # instance attribute, removed on exit
         return self
+
+    def _check_generate_arguments(self, kwargs: dict) -> None:
+        """Refuse, in words, what would make ``generate`` bypass the policy or fail mid-decode."""
+        if self.policy.is_dense:
+            return
+        if kwargs.get("use_cache") is False:
+            raise KVPolicyError(
+                "generate(use_cache=False) recomputes the whole sequence at every step, so the policy has "
+                "nothing to serve; drop use_cache=False inside policy.apply() (the policy is the cache)"
+            )
+        passed = kwargs.get("past_key_values", kwargs.get("cache"))
+        if passed is None:
+            return
+        if not isinstance(passed, PolicyCache):
+            raise KVPolicyError(
+                f"generate() got a {type(passed).__name__} inside policy.apply(): that cache would run dense "
+                "attention and the policy would not run; pass no cache (the session makes one) or "
+                "session.new_cache()"
+            )
+        if any(state.store is not None for state in passed.policy_layers()):
+            raise KVPolicyError(
+                "this PolicyCache already holds a generation: a second turn on the same cache (a chat) is not "
+                "supported, since the policy's index covers one prompt; pass the whole conversation as the "
+                "prompt with no cache (the session makes a fresh one)"
+            )
 
     def __exit__(self, *exc) -> None:
         self.model.__dict__.pop("generate", None)
