@@ -100,7 +100,7 @@ class TieredStore:
     sink_keys: torch.Tensor  # (B, H, S, D)
     sink_values: torch.Tensor
     sink_valid: torch.Tensor  # (B, S)
-    sink_slots: torch.Tensor  # (B, S) long
+    sink_slots: torch.Tensor  # (B, S) long; -1 where the prompt has fewer valid tokens
     local_keys: torch.Tensor  # (B, H, L, D) ring: slot s lives at s % L
     local_values: torch.Tensor
     local_valid: torch.Tensor  # (B, L)
@@ -133,6 +133,7 @@ class TieredStore:
     attended_values: torch.Tensor | None = field(default=None, repr=False)
     attended_valid: torch.Tensor | None = field(default=None, repr=False)
     local_valid_heads: torch.Tensor | None = field(default=None, repr=False)
+    sink_valid_heads: torch.Tensor | None = field(default=None, repr=False)  # (B, H, S), likewise
 
     def __post_init__(self) -> None:
         keys = self.retrieved_keys
@@ -197,12 +198,17 @@ class TieredStore:
         slot_valid = torch.zeros(batch, prompt + reserve, dtype=torch.bool, device=device)
         slot_valid[:, :prompt] = token_valid
 
-        # the j-th sink token is the j-th valid slot before the local window
-        seen = torch.cumsum(token_valid[:, :zone_end].long(), dim=-1)
+        # the j-th sink token is the j-th valid slot of the prompt. One still in the local window
+        # is attended there: its sink row becomes valid when the ring pushes it out
+        # (``append_token``), so a prompt shorter than the window keeps its sink too
+        seen = torch.cumsum(token_valid.long(), dim=-1)
         wanted = torch.arange(1, sink + 1, device=device).expand(batch, sink).contiguous()
         sink_slots = torch.searchsorted(seen.contiguous(), wanted)
+        sink_found = sink_slots < prompt
         sink_valid = sink_slots < zone_end
-        sink_slots = sink_slots.clamp(max=max(zone_end - 1, 0))
+        # a prompt of fewer valid tokens than the sink: the missing rows stay invalid, at a slot
+        # no token will leave the ring from
+        sink_slots = torch.where(sink_found, sink_slots, -1)
 
         # what a step attends lives in one buffer, sink | retrieved | local, so attention is one
         # launch over one part; the tiers are views of it (validity per head: the retrieved tier's
@@ -212,8 +218,8 @@ class TieredStore:
         attended_values = values.new_zeros(batch, heads, attended, dim)
         attended_valid = torch.zeros(batch, heads, attended, dtype=torch.bool, device=device)
         sink_part, retrieved_part, local_part = slice(0, sink), slice(sink, sink + retrieval), slice(sink + retrieval, None)
-        if zone_end > 0:
-            index = sink_slots[:, None, :, None].expand(batch, heads, sink, dim)
+        if prompt > 0:
+            index = sink_slots.clamp(min=0)[:, None, :, None].expand(batch, heads, sink, dim)
             attended_keys[:, :, sink_part] = keys.gather(2, index)
             attended_values[:, :, sink_part] = values.gather(2, index)
         attended_valid[:, :, sink_part] = sink_valid[:, None, :]
@@ -247,6 +253,7 @@ class TieredStore:
             attended_values=attended_values,
             attended_valid=attended_valid,
             local_valid_heads=local_valid_heads,
+            sink_valid_heads=attended_valid[:, :, sink_part],
         )
 
     def lay_out_zone(self, keys: torch.Tensor, values: torch.Tensor, order: torch.Tensor | None) -> None:
@@ -361,7 +368,7 @@ class TieredStore:
     def attended_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slots, valid)``, both ``(B, H, S + R + L)``: every token this step attends to."""
         batch, heads = self.retrieved_slots.shape[:2]
-        sink = self.sink_slots[:, None, :].expand(batch, heads, -1)
+        sink = self.sink_slots.clamp(min=0)[:, None, :].expand(batch, heads, -1)
         sink_valid = self.sink_valid[:, None, :].expand(batch, heads, -1)
         local = self.local_slots().expand(batch, heads, -1)
         local_valid = self.local_valid[:, None, :].expand(batch, heads, -1)

@@ -58,3 +58,31 @@ def test_small_budget_attends_at_most_the_budget_and_only_real_tokens(tiny_model
             for h in range(slots.shape[1]):
                 picked = slots[b, h][valid[b, h]].tolist()
                 assert len(picked) == len(set(picked))
+
+
+def test_a_prompt_shorter_than_the_window_keeps_its_sink():
+    # issue: zone_end = 0 left the sink empty, so the first tokens dropped once the output
+    # passed the window (streaming became a plain sliding window)
+    from kvpolicy.layer import PolicyLayerState
+    import kvpolicy
+
+    gen = torch.Generator().manual_seed(0)
+    batch, heads, dim, prompt, local = 2, 2, 8, 6, 16
+    policy = kvpolicy.preset("streaming", budget=4 + local, sink=4, local=local)
+    state = PolicyLayerState(policy, 0, torch.device("cpu"))
+    valid = torch.ones(batch, prompt, dtype=torch.bool)
+    valid[1, :3] = False  # left padding: sequence 1 has 3 prompt tokens, so one sink row stays empty
+    state.prefill(torch.randn(batch, heads, prompt, dim, generator=gen),
+                  torch.randn(batch, heads, prompt, dim, generator=gen), valid, heads)
+    for _ in range(40):
+        state.decode(torch.randn(batch, heads, dim, generator=gen), torch.randn(batch, heads, dim, generator=gen),
+                     torch.randn(batch, heads, dim, generator=gen), dim ** -0.5)
+    store = state.store
+    slots, attended = store.attended_slots()
+    wanted_sinks = [{0, 1, 2, 3}, {3, 4, 5}]
+    newest = prompt + 40 - 1
+    for b in range(batch):
+        seen = set(slots[b, 0][attended[b, 0]].tolist())
+        window = set(range(newest - local + 1, newest + 1))
+        assert seen == wanted_sinks[b] | window, f"sequence {b}"
+    assert store.sink_valid.tolist() == [[True] * 4, [True, True, True, False]]

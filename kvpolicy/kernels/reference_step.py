@@ -18,7 +18,8 @@ def append_token(store, key: torch.Tensor, value: torch.Tensor) -> None:
     ring's validity mark it. Before the ring position is overwritten, its token goes to
     ``store.evicted`` (key, value, ``valid`` False while the ring is still filling, and
     ``slot = max(slot - L, 0)``); ``store.current_slot`` gets ``slot``. ``next_slot`` itself is
-    not advanced here (the caller does, after every reader of it).
+    not advanced here (the caller does, after every reader of it). A prompt sink token that
+    leaves the ring makes its sink row valid and is not handed on (``valid`` False).
     """
     slot = store.next_slot
     evicted = store.evicted
@@ -33,7 +34,11 @@ def append_token(store, key: torch.Tensor, value: torch.Tensor) -> None:
     evicted.slot.copy_((slot - capacity).clamp(min=0))
     evicted.key.copy_(store.local_keys.index_select(2, position).squeeze(2))
     evicted.value.copy_(store.local_values.index_select(2, position).squeeze(2))
-    evicted.valid.copy_(store.local_valid.index_select(1, position).squeeze(1) & (slot >= capacity))
+    leaving = store.local_valid.index_select(1, position).squeeze(1) & (slot >= capacity)
+    # a sink token leaving the ring: its sink row becomes valid, and it is not retrieved as well
+    to_sink = (store.sink_slots == evicted.slot) & ~store.sink_valid & leaving[:, None]  # (B, S)
+    store.sink_valid_heads.logical_or_(to_sink[:, None, :])
+    evicted.valid.copy_(leaving & ~to_sink.any(-1))
     store.local_keys.index_copy_(2, position, key.unsqueeze(2).to(store.local_keys.dtype))
     store.local_values.index_copy_(2, position, value.unsqueeze(2).to(store.local_values.dtype))
     store.local_valid_heads.index_fill_(2, position, True)

@@ -22,12 +22,13 @@ from .gather import _pool_argument
 def _append_token_kernel(
     pool_k_ptr, pool_v_ptr, local_k_ptr, local_v_ptr, local_valid_ptr, slot_valid_ptr, next_slot_ptr,
     key_ptr, value_ptr, ev_k_ptr, ev_v_ptr, ev_valid_ptr, ev_slot_ptr, current_ptr,
-    H, L,
+    sink_slots_ptr, sink_valid_ptr,
+    H, L, S, sink_sb, sv_sb, sv_sh,
     pk_sb, pk_sh, pk_sr, pv_sb, pv_sh, pv_sr,
     lk_sb, lk_sh, lk_sr, lv_sb, lv_sh, lv_sr,
     lvalid_sb, lvalid_sh, svalid_sb,
     k_sb, k_sh, v_sb, v_sh, ek_sb, ek_sh, ev_sb, ev_sh,
-    D: tl.constexpr, BLOCK_D: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     h = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
@@ -48,11 +49,22 @@ def _append_token_kernel(
     tl.store(ev_v_ptr + b * ev_sb + h * ev_sh + cols, old_v, mask=mask)
     tl.store(ring_k, k.to(local_k_ptr.dtype.element_ty), mask=mask)
     tl.store(ring_v, v.to(local_v_ptr.dtype.element_ty), mask=mask)
-    # the ring's validity is kept per head (the attended buffer's); head 0's is read first
+    # the ring's validity is kept per head (the attended buffer's); each program reads its own
+    # head's flag before writing it (they are equal across heads)
     valid_at = local_valid_ptr + b * lvalid_sb + h * lvalid_sh + position
+    leaving = (tl.load(valid_at) != 0) & (slot >= L)
+    # a prompt sink token leaving the ring: its sink row (this head's) becomes valid
+    j = tl.arange(0, BLOCK_S)
+    j_ok = j < S
+    sink_slot = tl.load(sink_slots_ptr + b * sink_sb + j, mask=j_ok, other=-1)
+    sink_at = sink_valid_ptr + b * sv_sb + h * sv_sh + j
+    sink_off = tl.load(sink_at, mask=j_ok, other=1) == 0
+    # (!= 0: Triton's interpreter would hand the store an int32 mask)
+    to_sink = (j_ok & (sink_slot == slot - L) & sink_off & leaving) != 0
+    tl.store(sink_at, tl.full([BLOCK_S], 1, tl.uint8), mask=to_sink)
     if h == 0:  # per-sequence state: one program of the sequence owns it
-        was_valid = tl.load(valid_at) != 0
-        tl.store(ev_valid_ptr + b, (was_valid & (slot >= L)).to(tl.uint8))
+        handed_on = leaving & (tl.sum(to_sink.to(tl.int32), 0) == 0)
+        tl.store(ev_valid_ptr + b, handed_on.to(tl.uint8))
         tl.store(slot_valid_ptr + b * svalid_sb + slot, tl.full([], 1, tl.uint8))
         if b == 0:
             tl.store(ev_slot_ptr, tl.maximum(slot - L, 0))
@@ -65,6 +77,7 @@ def append_token(store, key: torch.Tensor, value: torch.Tensor) -> None:
     """One launch of ``reference_step.append_token``."""
     batch, heads, dim = key.shape
     evicted = store.evicted
+    sink = store.sink_slots.shape[1]
     for name, t in (("local_keys", store.local_keys), ("local_values", store.local_values)):
         if t.stride(-1) != 1:
             raise ValueError(f"triton append_token: {name} must be contiguous in its last dim")
@@ -77,12 +90,13 @@ def append_token(store, key: torch.Tensor, value: torch.Tensor) -> None:
         pool_k, pool_v, store.local_keys, store.local_values, store.local_valid_heads.view(torch.uint8),
         store.slot_valid.view(torch.uint8), store.next_slot,
         key, value, evicted.key, evicted.value, evicted.valid.view(torch.uint8), evicted.slot, store.current_slot,
-        heads, store.local_capacity,
+        store.sink_slots, store.sink_valid_heads.view(torch.uint8),
+        heads, store.local_capacity, sink, store.sink_slots.stride(0), *store.sink_valid_heads.stride()[:2],
         *store.pool_keys.stride()[:3], *store.pool_values.stride()[:3],
         *store.local_keys.stride()[:3], *store.local_values.stride()[:3],
         *store.local_valid_heads.stride()[:2], store.slot_valid.stride(0),
         *key.stride()[:2], *value.stride()[:2], *evicted.key.stride()[:2], *evicted.value.stride()[:2],
-        D=dim, BLOCK_D=triton.next_power_of_2(dim),
+        D=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_S=triton.next_power_of_2(max(sink, 1)),
     )
 
 
