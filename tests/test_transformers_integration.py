@@ -231,7 +231,13 @@ def test_hybrid_model(build, full_layers, preset_name):
             assert not isinstance(layer, PolicyCacheLayer)
             assert isinstance(layer, DynamicLayer) and layer.is_sliding
             assert type(layer).__module__ == "transformers.cache_utils"
-    assert session.stats().served_layers == len(full_layers)
+    stats = session.stats()
+    assert stats.served_layers == len(full_layers)
+    # the sliding layers' own KV counts on both sides of the figure
+    sliding = sum(2 * l.keys.numel() * l.keys.element_size() for i, l in enumerate(cache.layers) if i not in full_layers)
+    assert sliding > 0
+    assert stats.full_kv_bytes == sliding + sum(cache.layers[i].state.store.full_bytes() for i in full_layers)
+    assert stats.device_kv_bytes == sliding + sum(cache.layers[i].state.store.device_bytes() for i in full_layers)
     assert max_difference(served.scores, plain.scores) <= 1e-4
     assert torch.equal(served.sequences, plain.sequences)
 

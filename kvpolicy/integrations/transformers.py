@@ -318,8 +318,12 @@ class PolicySession:
             total = sum(int(s.reselections.sum()) for s in states)
             has_selector = self.policy.selector is not None
             share = total / (len(states) * steps * batch) if steps and has_selector else None
-            device_bytes = sum(s.store.device_bytes() for s in states)
-            full_bytes = sum(s.store.full_bytes() for s in states)
+            # layers the policy does not serve (sliding windows) hold their own KV on the device:
+            # counted on both sides, so the figures compare like with like
+            own = sum(2 * l.keys.numel() * l.keys.element_size() for l in cache.layers
+                      if not isinstance(l, PolicyCacheLayer) and getattr(l, "keys", None) is not None)
+            device_bytes = sum(s.store.device_bytes() for s in states) + own
+            full_bytes = sum(s.store.full_bytes() for s in states) + own
             context = states[0].store.length - steps
             served = len(states)
         else:
