@@ -185,4 +185,29 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/test_store_refresh.py",),
         why="a buffer row read before its slot was written is reused after the write",
     ),
+    # --- session 5's code: the sink filled from the ring, the threshold select, passed caches -
+    Mutation(
+        name="sink-never-filled-from-the-ring",
+        file="kvpolicy/kernels/reference_step.py",
+        original="    store.sink_valid_heads.logical_or_(to_sink[:, None, :])\n",
+        replacement="",
+        tests=("tests/test_store.py", "-k", "shorter"),
+        why="a prompt shorter than the window never fills its sink (streaming becomes a sliding window)",
+    ),
+    Mutation(
+        name="threshold-select-cut-one-bucket-late",
+        file="kvpolicy/kernels/triton/select.py",
+        original="        chosen = tl.sum((inclusive < R).to(tl.int64), 0)  # the bucket holding the R-th token",
+        replacement="        chosen = tl.sum((inclusive <= R).to(tl.int64), 0)  # the bucket holding the R-th token",
+        tests=("tests/test_triton_select.py", "-k", "threshold"),
+        why="the radix select keeps the bucket after the one holding the R-th token",
+    ),
+    Mutation(
+        name="a-passed-dense-cache-runs-silently",
+        file="kvpolicy/integrations/transformers.py",
+        original="        if not isinstance(passed, PolicyCache):",
+        replacement="        if False:",
+        tests=("tests/test_transformers_integration.py", "-k", "dense_cache"),
+        why="a DynamicCache passed to generate inside policy.apply() runs dense without a word",
+    ),
 )
