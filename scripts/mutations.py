@@ -195,12 +195,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         why="a prompt shorter than the window never fills its sink (streaming becomes a sliding window)",
     ),
     Mutation(
-        name="threshold-select-cut-one-bucket-late",
+        name="threshold-select-drops-the-cut-unit",
         file="kvpolicy/kernels/triton/select.py",
-        original="        chosen = tl.sum((inclusive < R).to(tl.int64), 0)  # the bucket holding the R-th token",
-        replacement="        chosen = tl.sum((inclusive <= R).to(tl.int64), 0)  # the bucket holding the R-th token",
+        original="        keep = (live & ((key <= prefix) | (everything != 0))) != 0",
+        replacement="        keep = (live & ((key < prefix) | (everything != 0))) != 0",
         tests=("tests/test_triton_select.py", "-k", "threshold"),
-        why="the radix select keeps the bucket after the one holding the R-th token",
+        why="the threshold select leaves out the unit the budget cuts, so the budget is not filled",
     ),
     Mutation(
         name="a-passed-dense-cache-runs-silently",
