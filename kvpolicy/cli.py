@@ -297,6 +297,7 @@ def _generate(model, tokenizer, prompt, policy, max_new_tokens: int, ignore_eos:
         "reselect_share": stats.reselect_share,
         "device_kv_bytes": stats.device_kv_bytes,
         "full_kv_bytes": stats.full_kv_bytes,
+        "index_bytes": stats.index_bytes,
         "time_to_first_token_s": ttft,
         "decode_tokens_per_s": (new.numel() - 1) / decode_time if decode_time and new.numel() > 1 else None,
         "total_s": elapsed,
@@ -333,6 +334,7 @@ def _report(results: list[RunResult]) -> None:
         ("re-selecting (layer, step) pairs", lambda f: "-" if f["reselect_share"] is None else f"{100 * f['reselect_share']:.1f}%"),
         ("KV on attention device", lambda f: f"{_mib(f['device_kv_bytes'])} of {_mib(f['full_kv_bytes'])} "
                                             f"({100 * f['device_kv_bytes'] / max(f['full_kv_bytes'], 1):.0f}%)"),
+        ("retrieval index on attention device", lambda f: _mib(f.get("index_bytes", 0))),
         ("time to first token (s)", lambda f: _fmt(f["time_to_first_token_s"])),
         ("decode tokens/s", lambda f: _fmt(f["decode_tokens_per_s"])),
         ("total (s)", lambda f: _fmt(f["total_s"])),

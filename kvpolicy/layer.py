@@ -97,6 +97,12 @@ class PolicyLayerState:
         self.reselect = torch.zeros(batch, dtype=torch.bool, device=device)  # this step's decision
         self.reselections = torch.zeros(batch, dtype=torch.long, device=device)
 
+    def index_bytes(self) -> int:
+        """Bytes of the retrieval index's tensors (allocated, reserve included; 0 without one)."""
+        if self.units is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in vars(self.units).values() if isinstance(t, torch.Tensor))
+
     def host_counters(self) -> dict:
         """The host-side counters a decode step advances (what a graph replay leaves behind)."""
         out = {"decode_steps": self.decode_steps, "length": self.store.length}

@@ -334,3 +334,17 @@ def test_a_second_turn_on_the_same_cache_is_refused_and_a_fresh_one_serves(llama
         with pytest.raises(KVPolicyError, match="second turn"):
             llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
                            **{cache_argument_name(llama): cache})
+
+
+def test_stats_report_the_retrieval_index(llama):
+    ids, mask = left_padded_batch(100)
+    with kvpolicy.preset("quest", budget=96).apply(llama) as session:
+        greedy(llama, ids, mask, 8)
+    stats = session.stats()
+    states = session.cache.policy_layers()
+    table = states[0].units
+    per_layer = sum(t.numel() * t.element_size() for t in vars(table).values() if isinstance(t, torch.Tensor))
+    assert per_layer > 0 and stats.index_bytes == len(states) * per_layer
+    with kvpolicy.preset("streaming").apply(llama) as session:
+        greedy(llama, ids, mask, 4)
+    assert session.stats().index_bytes == 0

@@ -168,6 +168,9 @@ class RunStats:
     device_kv_bytes: int
     full_kv_bytes: int
     served_layers: int
+    # the retrieval index's tensors (unit table or analytic index) on the attention device, as
+    # allocated: it grows with the generated tokens, beside the budget's fixed buffers
+    index_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -324,6 +327,7 @@ class PolicySession:
                       if not isinstance(l, PolicyCacheLayer) and getattr(l, "keys", None) is not None)
             device_bytes = sum(s.store.device_bytes() for s in states) + own
             full_bytes = sum(s.store.full_bytes() for s in states) + own
+            index = sum(s.index_bytes() for s in states)
             context = states[0].store.length - steps
             served = len(states)
         else:
@@ -333,7 +337,7 @@ class PolicySession:
             length = cache.get_seq_length()
             context = getattr(self, "_prompt_length", None) or length
             steps = length - context  # the last generated token is never fed back
-            share, served = None, len(layers)
+            share, served, index = None, len(layers), 0
         return RunStats(
             context_tokens=context,
             decode_steps=steps,
@@ -342,4 +346,5 @@ class PolicySession:
             device_kv_bytes=device_bytes,
             full_kv_bytes=full_bytes,
             served_layers=served,
+            index_bytes=index,
         )
