@@ -1,6 +1,9 @@
 """One layer's policy state and its two entry points: prefill and the decode step.
 
-Decode step, per layer (no host reads of tensor values anywhere):
+A decode step is a plan and a run. The plan (``plan_step``) is the host side: room in every
+buffer for the step's token, grown before any kernel (a captured graph reserved its steps' room
+up front, so it is a no-op there). The run (``run_step``) is kernels on fixed buffers, through the
+ops bound at prefill (``dispatch.bind``), with no host reads of tensor values anywhere:
     1. the new token goes to the pool and the local ring; the ring pushes out its oldest token
     2. trigger -> ``reselect`` (B,) bool, forced on the first step (``note_decision``)
     3. the pushed-out token joins the retrieval index: a decode unit of the unit table (segments
@@ -147,13 +150,26 @@ class PolicyLayerState:
 
     def decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
         """``query (B, Hq, D)``, ``key``/``value`` ``(B, H, D)`` -> attention output ``(B, Hq, D)``."""
-        policy, store, ops = self.policy, self.store, self.ops
+        self.plan_step()
+        return self.run_step(query, key, value, scale)
+
+    def plan_step(self) -> None:
+        """The host side of a step, before any of its kernels: room for its token in every buffer
+        (a no-op once ``reserve`` made room for a captured graph's steps), and the prompt's units."""
         self.wait_for_units()
-        evicted = store.append(key, value, ops)
+        store = self.store
+        store.make_room()
         if self.boundary.shape[1] < store.slot_valid.shape[1]:
             grown = torch.zeros_like(store.slot_valid)
             grown[:, : self.boundary.shape[1]] = self.boundary
             self.boundary = grown
+        if self.units is not None and self.policy.selector is not None:
+            self.units.make_room()
+
+    def run_step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+        """The device side of a step: kernels on fixed buffers, nothing read back (a replay runs this)."""
+        policy, store, ops = self.policy, self.store, self.ops
+        evicted = store.append(key, value, ops)
 
         if policy.selector is not None:
             fire = policy.trigger.decide_fast(query, self.trigger_state, ops)

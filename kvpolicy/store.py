@@ -304,14 +304,18 @@ class TieredStore:
         pad = torch.zeros(self.slot_valid.shape[0], new - capacity, dtype=torch.bool, device=self.slot_valid.device)
         self.slot_valid = torch.cat([self.slot_valid, pad], dim=1)
 
+    def make_room(self) -> None:
+        """Room for one more token (host-side doubling, before the step's kernels)."""
+        if self.length >= self.pool_keys.shape[2]:
+            self.reserve(self.pool_keys.shape[2])
+
     def append(self, key: torch.Tensor, value: torch.Tensor, ops) -> Evicted:
         """Write one decode token (``(B, H, D)``) to the pool and the local ring.
 
         Returns the token the ring pushed out (``self.evicted``, refilled each step; not valid
         while the ring is still filling). ``ops``: the bound kernel ops (``dispatch.bind``).
         """
-        if self.length >= self.pool_keys.shape[2]:
-            self.reserve(self.pool_keys.shape[2])  # double
+        self.make_room()  # a no-op after the layer's plan step (kept for direct callers)
         dispatch.as_ops(ops, key.device).append_token(self, key, value)
         self.next_slot.add_(1)
         self.length += 1

@@ -127,6 +127,11 @@ class AnalyticIndex:
         if self.length + tokens > self.capacity:
             self._grow_positions(self.length + tokens)
 
+    def make_room(self) -> None:
+        """Room for one more leaving token (host-side growth, before the step's kernels)."""
+        if self.length >= self.capacity:
+            self._grow_positions(self.capacity + _spare(self.capacity))
+
     def _grow_positions(self, new: int) -> None:
         self.centroids = grow_along(self.centroids, 2, new, 0)
         self.codes = grow_along(self.codes, 2, new, 0)
@@ -153,8 +158,7 @@ class AnalyticIndex:
         ``backend`` are the unit table's and unused here: tokens are units of their own, encoded
         in PyTorch.
         """
-        if self.length >= self.capacity:
-            self._grow_positions(self.capacity + _spare(self.capacity))
+        self.make_room()  # a no-op after the layer's plan step (kept for direct callers)
         # in place throughout: a captured step must update the tensors it was captured with
         full = (self.next_position - self.indexed) >= self.update_buffer
         self.indexed.copy_(torch.where(full, self.next_position, self.indexed))

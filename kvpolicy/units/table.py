@@ -122,8 +122,9 @@ class UnitTable:
         if self.num_prompt_units + self.decode_tokens + tokens > self.capacity:
             self._grow_units(self.num_prompt_units + self.decode_tokens + tokens)
 
-    def _reserve(self) -> None:
-        """Room for one more token and one more unit (host-side doubling)."""
+    def make_room(self) -> None:
+        """Room for one more token and one more unit (host-side doubling; the layer's plan step
+        calls it before the step's kernels, so nothing grows inside the step)."""
         if self.order_len >= self.order.shape[-1]:
             self.order = grow_along(self.order, 2, max(16, 2 * self.order.shape[-1]), 0)
         if self.num_prompt_units + self.decode_tokens >= self.capacity:
@@ -160,7 +161,7 @@ class UnitTable:
         builder with a ``cut_rule``, else the builder's own ``starts_new_unit`` and
         ``decode_key`` and then ``append_to_unit``.
         """
-        self._reserve()
+        self.make_room()  # a no-op after the layer's plan step (kept for direct callers)
         ops = dispatch.as_ops(ops, key.device)
         rule = builder.fused_cut_rule() if boundary.dim() == 2 else None
         if rule is not None:
