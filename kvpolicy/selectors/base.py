@@ -59,7 +59,8 @@ class Selector:
     def select(
         self, query: torch.Tensor, units: UnitTable, capacity: int, ops, take: torch.Tensor | None = None
     ) -> Selection:
-        """``query``: ``(B, Hq, D)``; fill ``capacity`` tokens.
+        """``query``: ``(B, Hq, D)``; fill ``capacity`` tokens. ``ops``: the layer's bound kernel
+        ops (``kernels.dispatch.bind``; a backend name is bound here).
 
         ``take``: optional ``(B,)`` bool device tensor, the sequences whose selection will be
         used (the decode step's ``reselect``). Fast backends skip the others' scoring and fill;

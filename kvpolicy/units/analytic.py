@@ -74,7 +74,7 @@ class Analytic(UnitBuilder):
                 f"tokens are attended within it; accepted: 1..{room - 1}"
             )
 
-    def build_index(self, zone_keys, retrievable, backend, layer_idx) -> AnalyticIndex:
+    def build_index(self, zone_keys, retrievable, ops, layer_idx) -> AnalyticIndex:
         head_dim = zone_keys.shape[-1]
         subspaces = subspaces_for(head_dim, self.subspaces)
         analytic.check_subspaces(head_dim, subspaces)

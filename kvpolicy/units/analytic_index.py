@@ -149,13 +149,13 @@ class AnalyticIndex:
         valid: torch.Tensor,
         boundary: torch.Tensor,
         builder=None,
-        backend: str | None = None,
+        ops=None,
     ) -> None:
         """A token leaves the local window: flush a full update buffer, then buffer the token.
 
         ``slot``: a 0-dim device tensor; ``key``: ``(B, H, D)``; ``valid``: ``(B,)`` False for
         padding (and while the local ring is still filling). ``boundary``, ``builder`` and
-        ``backend`` are the unit table's and unused here: tokens are units of their own, encoded
+        ``ops`` are the unit table's and unused here: tokens are units of their own, encoded
         in PyTorch.
         """
         self.make_room()  # a no-op after the layer's plan step (kept for direct callers)

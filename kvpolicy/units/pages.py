@@ -26,7 +26,7 @@ class Pages(UnitBuilder):
         if not isinstance(self.size, int) or self.size < 1:
             raise ConfigError(f"pages: size must be an integer >= 1, got {self.size!r}")
 
-    def build_labels(self, keys, token_valid, backend):
+    def build_labels(self, keys, token_valid, ops):
         batch, kv_heads, n, _ = keys.shape
         labels = (torch.arange(n, device=keys.device) // self.size).expand(batch, kv_heads, n)
         return labels, -(-n // self.size)
