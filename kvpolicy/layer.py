@@ -21,6 +21,7 @@ import torch
 
 from .kernels import dispatch
 from .store import TieredStore
+from .units.index import RetrievalIndex
 
 if TYPE_CHECKING:
     from .policy import Policy
@@ -50,7 +51,7 @@ class PolicyLayerState:
         self.layer_idx = layer_idx
         self.pool_device = pool_device
         self.store: TieredStore | None = None
-        self.units: Any = None  # the retrieval index (UnitTable, AnalyticIndex...)
+        self.units: RetrievalIndex | None = None  # UnitTable, AnalyticIndex... (units/index.py)
         self.trigger_state: Any = None
         self.boundary: torch.Tensor | None = None  # (B, capacity) bool: trigger fired when slot was made
         self.ops: dispatch.Ops | None = None  # bound at prefill, on the attention device
@@ -139,6 +140,9 @@ class PolicyLayerState:
     def _build_index_and_pool(self, keys: torch.Tensor, values: torch.Tensor, retrievable: torch.Tensor) -> None:
         zone = self.store.zone_end
         self.units = self.policy.prefill_units.build_index(keys[:, :, :zone], retrievable, self.ops, self.layer_idx)
+        if not isinstance(self.units, RetrievalIndex):
+            raise TypeError(f"{type(self.policy.prefill_units).__name__}.build_index made a {type(self.units).__name__}, "
+                            "which lacks RetrievalIndex's methods (kvpolicy/units/index.py)")
         # a unit table lays the pool out unit by unit; an index of single tokens keeps slot order
         self.store.lay_out_zone(keys, values, self.units.zone_order())
 
