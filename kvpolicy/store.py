@@ -134,6 +134,9 @@ class TieredStore:
     attended_valid: torch.Tensor | None = field(default=None, repr=False)
     local_valid_heads: torch.Tensor | None = field(default=None, repr=False)
     sink_valid_heads: torch.Tensor | None = field(default=None, repr=False)  # (B, H, S), likewise
+    # the policy's retrieved rows (budget - sink - local); the buffer holds fewer while fewer
+    # tokens have left the local window, and the plan grows it (``make_room``) up to this
+    retrieval_limit: int | None = None
 
     def __post_init__(self) -> None:
         keys = self.retrieved_keys
@@ -159,6 +162,8 @@ class TieredStore:
             )
         if self.current_slot is None:
             self.current_slot = self.next_slot.clone()
+        if self.retrieval_limit is None:
+            self.retrieval_limit = self.retrieval_capacity
 
     @property
     def local_capacity(self) -> int:
@@ -213,6 +218,10 @@ class TieredStore:
         # what a step attends lives in one buffer, sink | retrieved | local, so attention is one
         # launch over one part; the tiers are views of it (validity per head: the retrieved tier's
         # differs by head, the sink's and the ring's are the same for every head)
+        # no more rows than tokens outside the local window at the first step: a short prompt
+        # with a large budget gets a small buffer, grown by the plan as tokens leave the window
+        limit = retrieval
+        retrieval = min(limit, max(prompt + 1 - local, 0))
         attended = sink + retrieval + local
         attended_keys = keys.new_zeros(batch, heads, attended, dim)
         attended_values = values.new_zeros(batch, heads, attended, dim)
@@ -254,6 +263,7 @@ class TieredStore:
             attended_valid=attended_valid,
             local_valid_heads=local_valid_heads,
             sink_valid_heads=attended_valid[:, :, sink_part],
+            retrieval_limit=limit,
         )
 
     def lay_out_zone(self, keys: torch.Tensor, values: torch.Tensor, order: torch.Tensor | None) -> None:
@@ -292,6 +302,9 @@ class TieredStore:
 
     def reserve(self, tokens: int) -> None:
         """Room for ``tokens`` more decode tokens without growing (before capturing a step)."""
+        outside = self.length + tokens - self.local_capacity
+        if self.retrieval_capacity < min(self.retrieval_limit, outside):
+            self._grow_retrieved(min(self.retrieval_limit, outside))
         capacity = self.pool_keys.shape[2]
         if self.length + tokens <= capacity:
             return
@@ -305,9 +318,41 @@ class TieredStore:
         self.slot_valid = torch.cat([self.slot_valid, pad], dim=1)
 
     def make_room(self) -> None:
-        """Room for one more token (host-side doubling, before the step's kernels)."""
+        """Room for one more token (host-side doubling, before the step's kernels): in the pool,
+        and in the retrieved buffer for every token outside the local window (up to the limit)."""
         if self.length >= self.pool_keys.shape[2]:
             self.reserve(self.pool_keys.shape[2])
+        outside = self.length + 1 - self.local_capacity
+        if self.retrieval_capacity < min(self.retrieval_limit, outside):
+            self._grow_retrieved(min(self.retrieval_limit, max(outside, 2 * self.retrieval_capacity)))
+
+    def _grow_retrieved(self, rows: int) -> None:
+        """A retrieved tier of ``rows`` rows in a new attended buffer: sink, the retrieved rows so
+        far and the ring copied over, the new rows empty; the tiers' views re-made (host side,
+        before a step or a capture, never inside one)."""
+        sink, old, local = self.sink_keys.shape[2], self.retrieval_capacity, self.local_capacity
+        batch, heads, _, dim = self.attended_keys.shape
+        keys = self.attended_keys.new_zeros(batch, heads, sink + rows + local, dim)
+        values = self.attended_values.new_zeros(batch, heads, sink + rows + local, dim)
+        valid = self.attended_valid.new_zeros(batch, heads, sink + rows + local)
+        for new, was in ((keys, self.attended_keys), (values, self.attended_values), (valid, self.attended_valid)):
+            new[:, :, : sink + old] = was[:, :, : sink + old]
+            new[:, :, sink + rows :] = was[:, :, sink + old :]
+        sink_part, retrieved_part, local_part = slice(0, sink), slice(sink, sink + rows), slice(sink + rows, None)
+        self.attended_keys, self.attended_values, self.attended_valid = keys, values, valid
+        self.sink_keys, self.sink_values = keys[:, :, sink_part], values[:, :, sink_part]
+        self.sink_valid, self.sink_valid_heads = valid[:, 0, sink_part], valid[:, :, sink_part]
+        self.local_keys, self.local_values = keys[:, :, local_part], values[:, :, local_part]
+        self.local_valid, self.local_valid_heads = valid[:, 0, local_part], valid[:, :, local_part]
+        self.retrieved_keys, self.retrieved_values = keys[:, :, retrieved_part], values[:, :, retrieved_part]
+        self.retrieved_valid = valid[:, :, retrieved_part]
+        for name in ("retrieved_slots", "retrieved_held"):
+            was = getattr(self, name)
+            grown = was.new_zeros(batch, heads, rows)
+            grown[:, :, :old] = was
+            setattr(self, name, grown)
+        self.scratch = _shared(self.retrieved_keys.shape, keys.dtype, keys)
+        self.source = _shared(self.retrieved_keys.shape[:3], torch.int32, keys, fill=-1)
 
     def append(self, key: torch.Tensor, value: torch.Tensor, ops) -> Evicted:
         """Write one decode token (``(B, H, D)``) to the pool and the local ring.

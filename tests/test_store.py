@@ -86,3 +86,29 @@ def test_a_prompt_shorter_than_the_window_keeps_its_sink():
         window = set(range(newest - local + 1, newest + 1))
         assert seen == wanted_sinks[b] | window, f"sequence {b}"
     assert store.sink_valid.tolist() == [[True] * 4, [True, True, True, False]]
+
+
+def test_a_budget_past_the_context_allocates_only_what_can_be_retrieved():
+    # issue: --budget 100000 on a 42-token prompt allocated every layer's buffers at the full
+    # budget (2.56 GB); the retrieved tier now holds at most the tokens outside the local window,
+    # grown by the step's plan as tokens leave it, up to the budget
+    from kvpolicy.layer import PolicyLayerState
+    import kvpolicy
+
+    gen = torch.Generator().manual_seed(1)
+    batch, heads, dim, prompt, local = 1, 2, 8, 42, 16
+    policy = kvpolicy.preset("quest", budget=100_000, local=local, backend="reference")
+    state = PolicyLayerState(policy, 0, torch.device("cpu"))
+    state.prefill(torch.randn(batch, heads, prompt, dim, generator=gen),
+                  torch.randn(batch, heads, prompt, dim, generator=gen), torch.ones(batch, prompt, dtype=torch.bool), heads)
+    store = state.store
+    assert store.retrieval_limit == 100_000 - 4 - local
+    assert store.retrieval_capacity == prompt + 1 - local
+    for step in range(60):
+        state.decode(torch.randn(batch, heads, dim, generator=gen), torch.randn(batch, heads, dim, generator=gen),
+                     torch.randn(batch, heads, dim, generator=gen), dim ** -0.5)
+        outside = store.length - local
+        assert outside <= store.retrieval_capacity <= 2 * outside + 1
+    # every token is attended: the buffer grew with the sequence and nothing was dropped
+    slots, attended = store.attended_slots()
+    assert set(slots[0, 0][attended[0, 0]].tolist()) == set(range(prompt + 60))
