@@ -348,3 +348,18 @@ def test_stats_report_the_retrieval_index(llama):
     with kvpolicy.preset("streaming").apply(llama) as session:
         greedy(llama, ids, mask, 4)
     assert session.stats().index_bytes == 0
+
+
+def test_entering_one_session_twice_is_refused_and_the_model_restored(llama):
+    from kvpolicy.errors import KVPolicyError
+
+    before = _attention_implementations(llama)
+    session = kvpolicy.preset("quest", budget=128).apply(llama)
+    with session:
+        with pytest.raises(KVPolicyError, match="already active"):
+            with session:
+                pass
+    assert _attention_implementations(llama) == before
+    with session:  # once left, it may be entered again
+        pass
+    assert _attention_implementations(llama) == before

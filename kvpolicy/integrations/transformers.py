@@ -239,6 +239,10 @@ class PolicySession:
         return self.cache
 
     def __enter__(self) -> "PolicySession":
+        if getattr(self, "_active", False):
+            # the inner exit would restore the outer entry's attention, and the outer exit nothing
+            raise KVPolicyError("this session is already active (entered twice); use a new policy.apply(model) "
+                                "for a nested block, or leave the first one")
         if not self.policy.is_dense:
             # fail now, not mid-generate, if the model has nothing to serve
             PolicyCache(self.policy, self.config, self.pool_device)
@@ -263,6 +267,7 @@ class PolicySession:
 
         self._saved_generate = self.model.__dict__.get("generate")  # an outer session's wrapper
         self.model.generate = generate  # instance attribute, removed on exit
+        self._active = True  # set last: an entry that failed is not active
         return self
 
     def _check_generate_arguments(self, kwargs: dict) -> None:
@@ -291,6 +296,7 @@ class PolicySession:
             )
 
     def __exit__(self, *exc) -> None:
+        self._active = False
         self.model.__dict__.pop("generate", None)
         if getattr(self, "_saved_generate", None) is not None:
             self.model.generate = self._saved_generate
