@@ -104,6 +104,19 @@ def _rank_row(scores_ptr, ranked_ptr, U, SORT_BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _live_block(scores_ptr, sizes_ptr, u0, U, top, BLOCK: tl.constexpr):
+    """One block of units for the threshold select: their indices, token counts, whether each
+    is non-empty and selectable, the signed ``_descending_key`` and its unsigned form."""
+    index = u0 + tl.arange(0, BLOCK)
+    in_range = index < U
+    score = tl.load(scores_ptr + index, mask=in_range, other=float("-inf"))
+    size = tl.load(sizes_ptr + index, mask=in_range, other=0).to(tl.int64)
+    live = in_range & (score > float("-inf")) & (size > 0)
+    signed = _descending_key(score, index, in_range)
+    return size, live, signed, (signed ^ top).to(tl.uint64, bitcast=True)
+
+
+@triton.jit
 def _threshold_rank(scores_ptr, sizes_ptr, cand_ptr, ranked_ptr, U, R,
                     BLOCK: tl.constexpr, CAND_BLOCK: tl.constexpr):
     """``ranked[k]``, ``k < CAND_BLOCK``: the units the fill can take, in rank order, then -1.
@@ -127,12 +140,7 @@ def _threshold_rank(scores_ptr, sizes_ptr, cand_ptr, ranked_ptr, U, R,
         shift = 60 - 4 * level
         hist = tl.zeros([16], tl.int64)
         for u0 in range(0, U, BLOCK):
-            index = u0 + tl.arange(0, BLOCK)
-            in_range = index < U
-            score = tl.load(scores_ptr + index, mask=in_range, other=float("-inf"))
-            size = tl.load(sizes_ptr + index, mask=in_range, other=0).to(tl.int64)
-            live = in_range & (score > float("-inf")) & (size > 0)
-            key = (_descending_key(score, index, in_range) ^ top).to(tl.uint64, bitcast=True)
+            size, live, _, key = _live_block(scores_ptr, sizes_ptr, u0, U, top, BLOCK)
             match = live & ((key & mask) == prefix)
             digit = (key >> shift) & 15
             weight = tl.where(match, size, 0)
@@ -149,13 +157,7 @@ def _threshold_rank(scores_ptr, sizes_ptr, cand_ptr, ranked_ptr, U, R,
     # compact the candidates (keys up to the cut unit's), then sort them
     count = tl.full([], 0, tl.int64)
     for u0 in range(0, U, BLOCK):
-        index = u0 + tl.arange(0, BLOCK)
-        in_range = index < U
-        score = tl.load(scores_ptr + index, mask=in_range, other=float("-inf"))
-        size = tl.load(sizes_ptr + index, mask=in_range, other=0).to(tl.int64)
-        live = in_range & (score > float("-inf")) & (size > 0)
-        signed = _descending_key(score, index, in_range)
-        key = (signed ^ top).to(tl.uint64, bitcast=True)
+        _, live, signed, key = _live_block(scores_ptr, sizes_ptr, u0, U, top, BLOCK)
         # (!= 0: the interpreter gives an unsigned comparison as int32)
         keep = (live & ((key <= prefix) | (everything != 0))) != 0
         position = tl.cumsum(keep.to(tl.int64), 0) + count - 1
