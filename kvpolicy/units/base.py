@@ -13,6 +13,7 @@ same three entry points: ``append_leaving_token``, ``reserve`` and the host coun
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -85,20 +86,21 @@ class UnitBuilder:
     def fused_cut_rule(self) -> tuple[int, bool] | None:
         """``cut_rule()`` where it still describes this class: a subclass that overrides
         ``starts_new_unit`` or ``decode_key`` without ``cut_rule`` keeps its own logic."""
-        rule = self.cut_rule()
-        if rule is None:
-            return None
-        for method in ("starts_new_unit", "decode_key"):
-            if _defining_class(type(self), method) is not _defining_class(type(self), "cut_rule") and not (
-                method == "decode_key" and _defining_class(type(self), method) is UnitBuilder
-            ):
-                return None
-        return rule
+        return self.cut_rule() if _cut_rule_describes(type(self)) else None
 
     def decode_key(self, key: torch.Tensor, table: Any) -> torch.Tensor:
         """The key a leaving token adds to its unit's statistics (sum, min, max): its own,
         ``(batch, kv_heads, head_dim)``, unless a builder scores it by something else."""
         return key
+
+
+@functools.cache
+def _cut_rule_describes(cls: type) -> bool:
+    """The class defining ``cut_rule`` also defines ``starts_new_unit``, and ``decode_key`` is the
+    base's or that class's own (per class, once: the decode step asks every step)."""
+    rule_class = _defining_class(cls, "cut_rule")
+    return _defining_class(cls, "starts_new_unit") is rule_class and _defining_class(cls, "decode_key") in (
+        rule_class, UnitBuilder)
 
 
 def _defining_class(cls: type, name: str) -> type | None:
