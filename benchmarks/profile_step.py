@@ -33,6 +33,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="replays profiled")
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--out", default=None, help="also write the table here")
+    parser.add_argument("--branches", default="auto", help="DecodeGraph's branch kind: auto, node, inline")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_step needs a CUDA device", file=sys.stderr)
@@ -49,11 +50,12 @@ def main(argv=None) -> int:
         if args.trigger:
             options["trigger"] = json.loads(args.trigger)
         r = policy_throughput(model, preset(args.preset, **options), args.batch, args.context, args.steps,
-                              around=prof)
+                              around=prof, branches=args.branches)
     events = prof.key_averages()
     rows = sorted(events, key=lambda e: e.device_time_total, reverse=True)
     per = args.steps
-    lines = [f"{args.preset} B={args.batch} context={args.context} layers={args.layers}: {r.ms_per_step:.2f} ms/step "
+    lines = [f"{args.preset} B={args.batch} context={args.context} layers={args.layers} branches={args.branches}: "
+             f"{r.ms_per_step:.2f} ms/step "
              f"(wall, under the profiler); per replay:",
              f"{'kernel':70s} {'calls':>7s} {'us/step':>9s} {'avg us':>8s}"]
     for e in rows[: args.rows]:

@@ -123,6 +123,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--full-kinds", default="full-graph,full-sdpa-graph,full-eager",
                        help="e2e: which full-attention baselines run (full-graph always runs: ratios are against it)")
     bench.add_argument("--backend", default="triton", help="kernel backend: reference or triton")
+    bench.add_argument("--branches", default="auto",
+                       help="e2e: comma-separated DecodeGraph branch kinds each policy row runs with (auto, node: "
+                            "the re-selection as a CUDA graph conditional node; inline: kernels that exit at once)")
     bench.add_argument("--rate", type=float, default=0.117,
                        help="LouisKV's re-selection share for the amortised column (default: 11.7%%, measured "
                             "on SmolLM2 at 4K, budget 512, EVAL.md)")
@@ -553,6 +556,7 @@ def _bench(args) -> int:
     rows = _BenchRows(args.json, meta)
     failed = False
     if args.what == "e2e":
+        from . import graph_branch
         from .bench.e2e import full_throughput, policy_throughput
         from .bench.ttft import qwen3_8b_config, random_model
         from .presets import preset
@@ -562,6 +566,9 @@ def _bench(args) -> int:
         if unknown:
             raise SystemExit(f"kvpolicy bench e2e: unknown --full-kinds {', '.join(sorted(unknown))}; "
                              "accepted: full-graph, full-sdpa-graph, full-eager")
+        branch_kinds = [k for k in args.branches.split(",") if k]
+        for kind in branch_kinds:
+            graph_branch.resolve(kind, device, emulate=device.type != "cuda")  # a bad kind fails before the model loads
         model = random_model(qwen3_8b_config(layers=args.layers), device)
         every = max(1, round(1 / args.rate))
         print(f"louiskv's trigger runs as interval({every}) = {100 / every:.1f}% re-selection (measured rate "
@@ -577,8 +584,8 @@ def _bench(args) -> int:
         for context in _ints(args.contexts or "32768,131072", "contexts"):
             for batch in _ints(args.batches, "batches"):
                 base = floor = None
-                cells = [("full-graph", None), ("budget-floor", None)]
-                cells += [(kind, None) for kind in full_kinds if kind != "full-graph"]
+                cells = [("full-graph", None, None), ("budget-floor", None, None)]
+                cells += [(kind, None, None) for kind in full_kinds if kind != "full-graph"]
                 for name, placements in _preset_placements(args):
                     for placement in placements:
                         triggers = louiskv_triggers if name == "louiskv" else [(None, None)]
@@ -587,8 +594,10 @@ def _bench(args) -> int:
                             if trigger:
                                 options["trigger"] = trigger
                             label = f"{name}/{placement}" + (f"/{tag}" if tag else "")
-                            cells.append((label, preset(name, **options)))
-                for label, policy in cells:
+                            for kind in branch_kinds:
+                                shown = label + (f"[{kind}]" if len(branch_kinds) > 1 else "")
+                                cells.append((shown, preset(name, **options), kind))
+                for label, policy, branches in cells:
                     try:
                         if label == "budget-floor":
                             r = full_throughput(model, "full-graph", batch, args.budget, args.steps, backend=args.backend)
@@ -596,7 +605,8 @@ def _bench(args) -> int:
                         elif policy is None:
                             r = full_throughput(model, label, batch, context, args.steps, backend=args.backend)
                         else:
-                            r = policy_throughput(model, policy, batch, context, args.steps, emulate=device.type != "cuda")
+                            r = policy_throughput(model, policy, batch, context, args.steps, emulate=device.type != "cuda",
+                                                  branches=branches)
                     except torch.cuda.OutOfMemoryError:
                         print(f"{label:28s} {batch:2d} {context:8d}   out of GPU memory", flush=True)
                         torch.cuda.empty_cache()
@@ -612,7 +622,7 @@ def _bench(args) -> int:
                     floor = r.ms_per_step if label == "budget-floor" else floor
                     ratio = f"{base / r.ms_per_step:13.2f}" if base else ""
                     over = r.ms_per_step - floor if floor and policy is not None else None
-                    rows.append({**r.__dict__, "kind": label, "tokens_per_s": r.tokens_per_s,
+                    rows.append({**r.__dict__, "kind": label, "branches": branches, "tokens_per_s": r.tokens_per_s,
                                  "speedup_vs_full_graph": base / r.ms_per_step if base else None,
                                  "budget_floor_ms": floor, "over_floor_ms": over})
                     over_text = f"{over:10.2f}" if over is not None else ""

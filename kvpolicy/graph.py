@@ -10,12 +10,20 @@ itself (``tests/test_graph_ready.py`` checks that contract).
 
 ``emulate=True`` runs the same protocol without CUDA: each "replay" re-runs the captured
 Python with the host state frozen at capture time, so the contract is testable on a CPU.
+
+``branches``: how a captured step holds the work that only re-selecting steps do (scoring,
+ranking, the fetch). "node" puts it in a CUDA graph conditional node that a reusing step skips
+(``graph_branch``); "inline" keeps it in the graph, where its kernels exit at once on rows that
+keep their selection; "auto" (default) takes "node" where the driver has conditional nodes.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from . import graph_branch
 from .errors import KVPolicyError
 from .integrations.transformers import PolicyCache, PolicyCacheLayer, cache_argument_name
 
@@ -28,7 +36,8 @@ class DecodeGraph:
     reserved up front, since a replay cannot grow a buffer).
     """
 
-    def __init__(self, model, cache: PolicyCache, positions: torch.Tensor, steps: int, *, emulate: bool = False):
+    def __init__(self, model, cache: PolicyCache, positions: torch.Tensor, steps: int, *, emulate: bool = False,
+                 branches: str = "auto"):
         if not isinstance(cache, PolicyCache):
             raise KVPolicyError("DecodeGraph replays a PolicyCache; dense caches are not captured here")
         unserved = [i for i, layer in enumerate(cache.layers) if not isinstance(layer, PolicyCacheLayer)]
@@ -44,6 +53,7 @@ class DecodeGraph:
         if not emulate and self.device.type != "cuda":
             raise KVPolicyError(f"CUDA graphs need a CUDA device, got {self.device}; use emulate=True to test on CPU")
         self.model, self.cache, self.states, self.emulate = model, cache, states, emulate
+        self.branches = graph_branch.resolve(branches, self.device, emulate=emulate)  # "node" or "inline"
         for state in states:
             state.wait_for_units()
             state.reserve(steps)
@@ -96,7 +106,8 @@ class DecodeGraph:
         if self.emulate:
             return
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        nodes = graph_branch.conditional_nodes(self.graph, self.device) if self.branches == "node" else None
+        with nodes or contextlib.nullcontext(), torch.cuda.graph(self.graph):
             captured = self._forward()
         self.captured_logits = captured
         # capturing ran the step's Python (host counters moved) but none of its kernels
@@ -121,7 +132,7 @@ class DecodeGraph:
 
 @torch.inference_mode()
 def greedy_decode(model, policy, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                  *, emulate: bool = False) -> torch.Tensor:
+                  *, emulate: bool = False, branches: str = "auto") -> torch.Tensor:
     """Prefill with ``policy`` applied, then ``max_new_tokens`` greedy tokens through ``DecodeGraph``.
 
     Returns ``(B, max_new_tokens)`` token ids (no early stop: every step has the same shape).
@@ -135,7 +146,7 @@ def greedy_decode(model, policy, input_ids: torch.Tensor, attention_mask: torch.
                     logits_to_keep=1, **{cache_argument_name(model): cache})
         token = out.logits[:, -1].argmax(-1)
         positions = attention_mask.long().sum(-1)
-        runner = DecodeGraph(model, cache, positions, max_new_tokens - 1, emulate=emulate)
+        runner = DecodeGraph(model, cache, positions, max_new_tokens - 1, emulate=emulate, branches=branches)
         tokens = [token]
         for _ in range(max_new_tokens - 1):
             token = runner.step(token).argmax(-1)

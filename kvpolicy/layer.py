@@ -8,7 +8,8 @@ ops bound at prefill (``dispatch.bind``), with no host reads of tensor values an
     2. trigger -> ``reselect`` (B,) bool, forced on the first step (``note_decision``)
     3. the pushed-out token joins the retrieval index: a decode unit of the unit table (segments
        are cut where the trigger fired), or whatever index the prefill builder made (``analytic``)
-    4. selector + budgeted fill -> selection; the store fetches it where ``reselect``
+    4. selector + budgeted fill -> selection; the store fetches it where ``reselect`` (captured
+       as a conditional node: a replayed step where no row re-selects skips it, ``graph_branch``)
     5. where not ``reselect``, the pushed-out token stays attended while the buffer has room
     6. sparse attention over sink + retrieved + local: one buffer, one part
 """
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import graph_branch
 from .kernels import dispatch
 from .store import TieredStore
 from .units.index import RetrievalIndex
@@ -181,12 +183,19 @@ class PolicyLayerState:
             ops.note_decision(fire, self.has_selection, self.reselections, self.boundary, store.current_slot, reselect)
             self.units.append_leaving_token(evicted.slot, evicted.key, evicted.valid, self.boundary,
                                             policy.decode_units, ops)
-            take = None if policy.trigger.always_reselects else reselect
-            selection = policy.selector.select(query, self.units, store.retrieval_capacity, ops, take=take)
-            store.fetch(selection.slots, selection.slot_valid, reselect, ops)
+            # in a captured step this is a conditional node: a step where no row re-selects skips it
+            graph_branch.run_if_any(reselect, lambda: self._reselect(query))
             store.admit(evicted, ~reselect, ops)
         self.decode_steps += 1
         for observer in self.observers:
             observer(self, query)
 
         return ops.sparse_decode_attention(query, store.attention_parts(), scale)
+
+    def _reselect(self, query: torch.Tensor) -> None:
+        """Select and fetch for the rows where ``reselect`` (device work only: its results are the
+        retrieved buffer's contents, so a graph may skip it when no row re-selects)."""
+        policy, store, reselect = self.policy, self.store, self.reselect
+        take = None if policy.trigger.always_reselects else reselect
+        selection = policy.selector.select(query, self.units, store.retrieval_capacity, self.ops, take=take)
+        store.fetch(selection.slots, selection.slot_valid, reselect, self.ops)

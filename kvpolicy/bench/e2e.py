@@ -66,7 +66,8 @@ def _timed(device, step, steps: int, around=None) -> float:
 
 @torch.inference_mode()
 def policy_throughput(model, policy: Policy, batch: int, context: int, steps: int, *, emulate: bool = False,
-                      seed: int = 0, around=None) -> Throughput:
+                      seed: int = 0, around=None, branches: str = "auto") -> Throughput:
+    """``branches``: ``DecodeGraph``'s (how a captured step holds the re-selection's work)."""
     device = next(model.parameters()).device
     config = model.config
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -80,7 +81,8 @@ def policy_throughput(model, policy: Policy, batch: int, context: int, steps: in
             layer.is_initialized, layer.device = True, device
             layer.state.prefill(keys, values, valid, config.num_attention_heads)
             del keys, values
-        runner = DecodeGraph(model, cache, torch.full((batch,), context, device=device), steps + 2, emulate=emulate)
+        runner = DecodeGraph(model, cache, torch.full((batch,), context, device=device), steps + 2, emulate=emulate,
+                             branches=branches)
         token = torch.zeros(batch, dtype=torch.long, device=device)
         runner.step(token)  # eager warm-up
         runner.step(token)  # capture + first replay

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Session 6's GPU calls: the re-selection as a CUDA graph conditional node against kernels inline.
+# Usage: bash benchmarks/session6_call.sh OUTDIR TAR [first|second|third]
+set -u
+OUT=${1:?}; TAR=${2:?}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+step() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?" >> "$OUT/$name.log"; tail -n 30 "$OUT/$name.log"; tar cf "$TAR" -C "$(dirname "$OUT")" "$(basename "$OUT")"; }
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+REUSE='{"name":"interval","n":1099511627776}'
+case ${3:-first} in
+first)
+step kernels 120 python3 -m pytest -q -p no:cacheprovider -x tests/test_graph_branch.py tests/test_decode_graph.py
+step profile 110 bash -c "for b in node inline; do python3 benchmarks/profile_step.py --rows 45 --preset louiskv --context 2304 --batch 1 --placement gpu --trigger '$REUSE' --branches \$b --out $OUT/profile_reuse_2304_\$b.txt || exit 1; done"
+step e2e 360 python3 -m kvpolicy bench e2e --contexts 32768,131072 --batches 1,4 --presets louiskv@gpu --full-kinds full-graph --budget 2048 --steps 10 --branches node,inline --json "$OUT/e2e.json"
+;;
+esac

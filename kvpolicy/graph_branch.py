@@ -1,0 +1,272 @@
+"""Work a captured decode step runs only when the device says so: CUDA graph conditional nodes.
+
+A step where no sequence of a layer re-selects has no scoring, ranking or fetching to do, but a
+captured graph replays every kernel it holds: each exits at once and still costs its launch
+(about 2 us, some ten of them per layer). ``run_if_any(flags, body)`` instead captures ``body``
+into the body graph of an IF conditional node; a one-thread kernel captured before it sets the
+node's condition from ``flags.any()`` at each replay, so a reusing step skips the whole body.
+
+Outside a capture that ``conditional_nodes`` opened (eager decode, the CPU, an emulated graph,
+a graph captured by someone else), ``run_if_any`` calls ``body()`` inline: its kernels skip the
+rows that keep their selection, which is the same result.
+
+The CUDA driver is reached through ctypes (conditional nodes need a 12.4+ driver; PyTorch 2.11
+has no Python API for them). The body is captured on a stream of its own, whose allocations are
+routed to the graph's memory pool as the main capture's are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+from typing import Callable
+
+import torch
+
+from .errors import KVPolicyError
+
+BRANCH_KINDS = ("auto", "node", "inline")
+
+_CU_GRAPH_NODE_TYPE_CONDITIONAL = 13
+_CU_GRAPH_COND_TYPE_IF = 0
+_CU_GRAPH_COND_ASSIGN_DEFAULT = 1
+_CU_STREAM_SET_CAPTURE_DEPENDENCIES = 1
+_CU_STREAM_CAPTURE_MODE_RELAXED = 2
+_CU_STREAM_CAPTURE_STATUS_ACTIVE = 1
+
+# One thread ORs the (count,) bool flags and sets the node's condition. The driver resolves
+# cudaGraphSetConditional when it loads the PTX (as it does vprintf), so no toolkit is needed.
+_SET_IF_ANY_PTX = rb"""
+.version 8.0
+.target sm_70
+.address_size 64
+
+.extern .func cudaGraphSetConditional(.param .b64 handle, .param .b32 value);
+
+.visible .entry kvpolicy_set_if_any(.param .u64 flags, .param .u32 count, .param .u64 handle)
+{
+    .reg .pred %p<3>;
+    .reg .b32 %r<6>;
+    .reg .b64 %rd<6>;
+    ld.param.u64 %rd1, [flags];
+    ld.param.u32 %r1, [count];
+    ld.param.u64 %rd2, [handle];
+    cvta.to.global.u64 %rd3, %rd1;
+    mov.u32 %r2, 0;
+    mov.u32 %r3, 0;
+$L_next:
+    setp.ge.u32 %p1, %r2, %r1;
+    @%p1 bra $L_done;
+    cvt.u64.u32 %rd4, %r2;
+    add.u64 %rd5, %rd3, %rd4;
+    ld.global.u8 %r4, [%rd5];
+    or.b32 %r3, %r3, %r4;
+    add.u32 %r2, %r2, 1;
+    bra $L_next;
+$L_done:
+    setp.ne.u32 %p2, %r3, 0;
+    selp.u32 %r5, 1, 0, %p2;
+    {
+        .param .b64 param0;
+        .param .b32 param1;
+        st.param.b64 [param0], %rd2;
+        st.param.b32 [param1], %r5;
+        call.uni cudaGraphSetConditional, (param0, param1);
+    }
+    ret;
+}
+"""
+
+
+class _ConditionalParams(ctypes.Structure):  # CUDA_CONDITIONAL_NODE_PARAMS
+    _fields_ = [("handle", ctypes.c_uint64), ("type", ctypes.c_int), ("size", ctypes.c_uint),
+                ("graphs_out", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
+
+
+class _NodeParams(ctypes.Structure):  # CUgraphNodeParams: a type, then a 232-byte union
+    _fields_ = [("type", ctypes.c_int), ("reserved0", ctypes.c_int * 3), ("conditional", _ConditionalParams),
+                ("union_rest", ctypes.c_byte * (232 - ctypes.sizeof(_ConditionalParams))),
+                ("reserved2", ctypes.c_longlong)]
+
+
+class _Driver:
+    """The few driver entry points a conditional node needs, and the set-condition kernel."""
+
+    def __init__(self):
+        try:
+            self.lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as error:
+            raise KVPolicyError(f"conditional graph nodes need the CUDA driver (libcuda.so.1): {error}") from None
+        version = ctypes.c_int()
+        self._check(self.lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
+        if version.value < 12040:
+            raise KVPolicyError(f"conditional graph nodes need a CUDA 12.4+ driver; this one is {version.value}")
+        self.capture_info_has_edges = hasattr(self.lib, "cuStreamGetCaptureInfo_v3")
+        self.module = ctypes.c_void_p()
+        self.set_if_any = ctypes.c_void_p()
+        self._modules: dict[int, tuple] = {}
+
+    def _check(self, result: int, what: str) -> None:
+        if result != 0:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorString(result, ctypes.byref(name))
+            message = name.value.decode() if name.value else "unknown error"
+            raise KVPolicyError(f"{what} failed: CUDA error {result} ({message})")
+
+    def kernel(self) -> ctypes.c_void_p:
+        """The set-condition kernel, loaded once per CUDA context."""
+        context = ctypes.c_void_p()
+        self._check(self.lib.cuCtxGetCurrent(ctypes.byref(context)), "cuCtxGetCurrent")
+        if context.value not in self._modules:
+            module, function = ctypes.c_void_p(), ctypes.c_void_p()
+            self._check(self.lib.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(_SET_IF_ANY_PTX)),
+                        "loading the set-condition kernel (cuModuleLoadData)")
+            self._check(self.lib.cuModuleGetFunction(ctypes.byref(function), module, b"kvpolicy_set_if_any"),
+                        "cuModuleGetFunction")
+            self._modules[context.value] = (context, module, function)
+        return self._modules[context.value]
+
+    def capture_info(self, stream: int) -> tuple:
+        """``(graph, dependencies, edges, count)`` of an active capture on ``stream``."""
+        status, capture_id, graph = ctypes.c_int(), ctypes.c_uint64(), ctypes.c_void_p()
+        deps, edges, count = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_size_t()
+        if self.capture_info_has_edges:
+            self._check(self.lib.cuStreamGetCaptureInfo_v3(
+                ctypes.c_void_p(stream), ctypes.byref(status), ctypes.byref(capture_id), ctypes.byref(graph),
+                ctypes.byref(deps), ctypes.byref(edges), ctypes.byref(count)), "cuStreamGetCaptureInfo")
+        else:
+            self._check(self.lib.cuStreamGetCaptureInfo_v2(
+                ctypes.c_void_p(stream), ctypes.byref(status), ctypes.byref(capture_id), ctypes.byref(graph),
+                ctypes.byref(deps), ctypes.byref(count)), "cuStreamGetCaptureInfo")
+        if status.value != _CU_STREAM_CAPTURE_STATUS_ACTIVE:
+            raise KVPolicyError("a conditional node was asked for on a stream that is not capturing")
+        return graph, deps, edges, count
+
+    def add_if_node(self, stream: int, flags: torch.Tensor) -> ctypes.c_void_p:
+        """Capture the set-condition kernel and an IF node after it on ``stream``; returns the
+        node's (empty) body graph. The stream's later work depends on the node."""
+        context, _, function = self.kernel()
+        graph, _, _, _ = self.capture_info(stream)
+        handle = ctypes.c_uint64()
+        self._check(self.lib.cuGraphConditionalHandleCreate(
+            ctypes.byref(handle), graph, context, ctypes.c_uint(0), ctypes.c_uint(_CU_GRAPH_COND_ASSIGN_DEFAULT)),
+            "cuGraphConditionalHandleCreate")
+        args = (ctypes.c_uint64(flags.data_ptr()), ctypes.c_uint32(flags.numel()), handle)
+        pointers = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
+        self._check(self.lib.cuLaunchKernel(function, 1, 1, 1, 1, 1, 1, 0, ctypes.c_void_p(stream), pointers, None),
+                    "launching the set-condition kernel")
+        graph, deps, edges, count = self.capture_info(stream)
+        params = _NodeParams()
+        params.type = _CU_GRAPH_NODE_TYPE_CONDITIONAL
+        params.conditional.handle = handle.value
+        params.conditional.type = _CU_GRAPH_COND_TYPE_IF
+        params.conditional.size = 1
+        params.conditional.ctx = context.value
+        node = ctypes.c_void_p()
+        if hasattr(self.lib, "cuGraphAddNode_v2"):
+            result = self.lib.cuGraphAddNode_v2(ctypes.byref(node), graph, deps, edges, count, ctypes.byref(params))
+        else:
+            result = self.lib.cuGraphAddNode(ctypes.byref(node), graph, deps, count, ctypes.byref(params))
+        self._check(result, "adding the conditional node (cuGraphAddNode)")
+        body = ctypes.cast(params.conditional.graphs_out, ctypes.POINTER(ctypes.c_void_p))[0]
+        if hasattr(self.lib, "cuStreamUpdateCaptureDependencies_v2"):
+            result = self.lib.cuStreamUpdateCaptureDependencies_v2(
+                ctypes.c_void_p(stream), ctypes.byref(node), None, ctypes.c_size_t(1),
+                ctypes.c_uint(_CU_STREAM_SET_CAPTURE_DEPENDENCIES))
+        else:
+            result = self.lib.cuStreamUpdateCaptureDependencies(
+                ctypes.c_void_p(stream), ctypes.byref(node), ctypes.c_size_t(1),
+                ctypes.c_uint(_CU_STREAM_SET_CAPTURE_DEPENDENCIES))
+        self._check(result, "cuStreamUpdateCaptureDependencies")
+        return ctypes.c_void_p(body)
+
+    def begin_capture_to(self, stream: int, graph: ctypes.c_void_p) -> None:
+        self._check(self.lib.cuStreamBeginCaptureToGraph(
+            ctypes.c_void_p(stream), graph, None, None, ctypes.c_size_t(0), ctypes.c_int(_CU_STREAM_CAPTURE_MODE_RELAXED)),
+            "cuStreamBeginCaptureToGraph")
+
+    def end_capture(self, stream: int) -> None:
+        graph = ctypes.c_void_p()
+        self._check(self.lib.cuStreamEndCapture(ctypes.c_void_p(stream), ctypes.byref(graph)), "cuStreamEndCapture")
+
+
+_DRIVER: _Driver | None = None
+_ACTIVE = threading.local()  # .capture: the (device index, pool id, body stream) of an open capture
+
+
+def _driver() -> _Driver:
+    global _DRIVER
+    if _DRIVER is None:
+        _DRIVER = _Driver()
+    return _DRIVER
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why conditional nodes cannot run on ``device`` (None: they can)."""
+    if device.type != "cuda":
+        return f"conditional graph nodes need a CUDA device, not {device.type}"
+    if not hasattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool"):
+        return f"this PyTorch ({torch.__version__}) cannot route a body's allocations to the graph's pool"
+    try:
+        _driver()
+    except KVPolicyError as error:
+        return str(error)
+    return None
+
+
+def resolve(kind: str, device: torch.device, *, emulate: bool = False) -> str:
+    """``kind`` ("auto", "node", "inline") -> what a capture on ``device`` will use ("node" or
+    "inline"). "auto" takes nodes where the driver has them; "node" where it has not is an error."""
+    if kind not in BRANCH_KINDS:
+        raise KVPolicyError(f"unknown branch kind {kind!r}; accepted: {', '.join(BRANCH_KINDS)}")
+    if kind == "inline":
+        return "inline"
+    reason = "an emulated graph runs its steps as Python" if emulate else unavailable_reason(device)
+    if reason is None:
+        return "node"
+    if kind == "node":
+        raise KVPolicyError(f"branches='node': {reason}; use branches='inline' (or 'auto')")
+    return "inline"
+
+
+@contextlib.contextmanager
+def conditional_nodes(graph: torch.cuda.CUDAGraph, device: torch.device):
+    """Entered before ``torch.cuda.graph(graph)``: inside both, ``run_if_any`` captures its body as
+    a conditional node. The kernel and the body's stream are made here, before the capture."""
+    with torch.cuda.device(device):
+        _driver().kernel()
+        body_stream = torch.cuda.Stream(device)
+    previous = getattr(_ACTIVE, "capture", None)
+    _ACTIVE.capture = (device.index if device.index is not None else torch.cuda.current_device(), graph, body_stream)
+    try:
+        yield
+    finally:
+        _ACTIVE.capture = previous
+
+
+def run_if_any(flags: torch.Tensor, body: Callable[[], None]) -> None:
+    """Run ``body`` (device work only, results left in persistent buffers) where any of ``flags``
+    (a bool device tensor) is True: a conditional node inside a ``conditional_nodes`` capture,
+    inline otherwise (``body``'s kernels then skip the rows themselves)."""
+    capture = getattr(_ACTIVE, "capture", None)
+    if capture is None or not torch.cuda.is_current_stream_capturing():
+        body()
+        return
+    device_index, graph, body_stream = capture
+    pool = graph.pool()
+    driver = _driver()
+    main = torch.cuda.current_stream()
+    if flags.dtype != torch.bool or not flags.is_contiguous():
+        raise KVPolicyError(f"run_if_any needs contiguous bool flags, got {flags.dtype}")
+    body_graph = driver.add_if_node(main.cuda_stream, flags)
+    driver.begin_capture_to(body_stream.cuda_stream, body_graph)
+    # the body's temporaries come from the graph's pool, as the main capture's do
+    torch._C._cuda_beginAllocateCurrentThreadToPool(device_index, pool)
+    try:
+        with torch.cuda.stream(body_stream):
+            body()
+    finally:
+        torch._C._cuda_endAllocateToPool(device_index, pool)
+        torch._C._cuda_releasePool(device_index, pool)
+        driver.end_capture(body_stream.cuda_stream)
