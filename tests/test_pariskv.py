@@ -197,19 +197,21 @@ def test_layer_attends_the_update_buffer_in_full():
 
 def test_triton_backend_attends_what_the_reference_backend_attends():
     # the whole selection (collision votes, counting-sort candidates, rerank) through Triton
-    # (the interpreter on CPU) against the reference ops, step by step
+    # (the interpreter on CPU) against the reference ops, step by step; on a CUDA machine both
+    # backends run on the GPU (Triton without the interpreter cannot take CPU tensors)
     import os
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton needs a CUDA device or TRITON_INTERPRET=1")
     gen = torch.Generator().manual_seed(3)
-    keys, values = torch.randn(2, 2, 2, 1500, 32, generator=gen)
-    steps = torch.randn(6, 3, 2, 4, 32, generator=gen)
+    keys, values = torch.randn(2, 2, 2, 1500, 32, generator=gen).to(device)
+    steps = torch.randn(6, 3, 2, 4, 32, generator=gen).to(device)
     attended = {}
     for backend in ("reference", "triton"):
         policy = kvpolicy.preset("pariskv", budget=128, backend=backend)
-        state = PolicyLayerState(policy, 0, torch.device("cpu"))
-        state.prefill(keys, values, torch.ones(2, 1500, dtype=torch.bool), 4)
+        state = PolicyLayerState(policy, 0, device)
+        state.prefill(keys, values, torch.ones(2, 1500, dtype=torch.bool, device=device), 4)
         seen = []
         for q, k, v in steps:
             state.decode(q, k[:, :2], v[:, :2], 32**-0.5)
