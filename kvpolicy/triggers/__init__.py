@@ -4,5 +4,6 @@ from .base import Trigger
 from .every_step import EveryStep
 from .interval import Interval
 from .query_cosine import QueryCosine
+from .score_gap import ScoreGap
 
-__all__ = ["Trigger", "EveryStep", "Interval", "QueryCosine"]
+__all__ = ["Trigger", "EveryStep", "Interval", "QueryCosine", "ScoreGap"]

@@ -1,0 +1,156 @@
+"""The score-gap trigger on a layer whose pages point in known directions.
+
+Page ``p`` of the prompt holds keys along the basis vector ``e_p``; the retrieval budget holds two
+pages. A query along ``e_j`` scores page ``j`` high and every other page near zero, so what the
+trigger must do is known exactly: keep the selection while the query points at a held page, fire
+at the first step it points at an unheld one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kvpolicy
+from kvpolicy.errors import ConfigError
+from kvpolicy.layer import PolicyLayerState
+from kvpolicy.triggers.score_gap import ScoreGap, held_mask
+
+from host_reads import no_host_reads
+from test_graph_ready import _host_state, _restore, _tensors
+
+HQ, H, D, PAGE, PAGES, LOCAL = 2, 1, 16, 16, 10, 16
+PROMPT = PAGE * PAGES + LOCAL
+RUNNER_UP, FILLER = 9, 12
+
+
+def _layer(trigger: dict, batch: int = 1, seed: int = 0) -> PolicyLayerState:
+    gen = torch.Generator().manual_seed(seed)
+    policy = kvpolicy.Policy(trigger=trigger, prefill_units={"name": "pages", "size": PAGE},
+                             decode_units={"name": "pages", "size": PAGE}, selector="top_budget",
+                             budget=4 + LOCAL + 2 * PAGE, sink=4, local=LOCAL)
+    keys = 0.01 * torch.randn(batch, H, PROMPT, D, generator=gen)
+    for page in range(PAGES):
+        keys[:, :, page * PAGE:(page + 1) * PAGE, page] += 3.0
+    keys[:, :, RUNNER_UP * PAGE:(RUNNER_UP + 1) * PAGE, FILLER] += 1.0
+    values = torch.randn(batch, H, PROMPT, D, generator=gen)
+    state = PolicyLayerState(policy, 0, torch.device("cpu"))
+    state.prefill(keys, values, torch.ones(batch, PROMPT, dtype=torch.bool), HQ)
+    return state
+
+
+def _toward(page: int, batch: int = 1) -> torch.Tensor:
+    q = torch.zeros(batch, HQ, D)
+    q[..., page] = 5.0
+    q[..., FILLER] = 1.0  # page RUNNER_UP is every query's second best, so the two held pages are known
+    return q
+
+
+def _step(state: PolicyLayerState, query: torch.Tensor) -> bool:
+    batch = query.shape[0]
+    noise = torch.Generator().manual_seed(state.decode_steps)
+    k, v = 0.01 * torch.randn(2, batch, H, D, generator=noise)
+    before = state.reselections.clone()
+    state.decode(query, k, v, D**-0.5)
+    return bool((state.reselections - before)[0])
+
+
+def _attended_pages(state: PolicyLayerState) -> set[int]:
+    slots = state.store.retrieved_slots[0, 0][state.store.retrieved_valid[0, 0]]
+    return {int(s) // PAGE for s in slots if int(s) < PAGE * PAGES}
+
+
+@pytest.mark.parametrize("measure, margin", [("weakest", 1.0), ("mass", -1.0)])
+def test_fires_when_the_query_needs_an_unheld_page_and_only_then(measure, margin):
+    state = _layer({"name": "score_gap", "margin": margin, "measure": measure})
+    pages = [2, 2, 2, 7, 7, 7, 2, 2]
+    fired = []
+    for page in pages:
+        fired.append(_step(state, _toward(page)))
+        assert page in _attended_pages(state), f"step {len(fired)}: page {page} not attended"
+    assert fired == [True, False, False, True, False, False, True, False]
+
+
+def test_a_large_margin_keeps_the_first_selection():
+    state = _layer({"name": "score_gap", "margin": 50.0})
+    fired = [_step(state, _toward(page)) for page in (2, 2, 7, 7)]
+    assert fired == [True, False, False, False]
+    assert 7 not in _attended_pages(state)
+
+
+def test_a_slow_turn_fires_against_the_held_selection_not_the_last_query():
+    # the query turns from e_2 to e_7 by 9 degrees a step: never far from the last query, but
+    # page 7 was never selected, so it must fire once page 7 outscores the held pages by the margin
+    state = _layer({"name": "score_gap", "margin": 1.0})
+    fired = []
+    for i in range(11):
+        a = math.radians(9.0 * i)
+        q = _toward(2)
+        q[..., 2], q[..., 7] = 5.0 * math.cos(a), 5.0 * math.sin(a)
+        fired.append(_step(state, q))
+    assert fired[0] and any(fired[1:])
+    # page 7 scores 0.25 * 15 * sin(a) over the weakest held page's 0.25: above that by 1.0 from 27 degrees on
+    assert fired.index(True, 1) == 3
+    assert 7 in _attended_pages(state)
+
+
+def test_the_held_units_are_the_selection_in_use():
+    state = _layer({"name": "score_gap", "margin": 1.0})
+    for page in (3, 3, 8, 8, 8):
+        _step(state, _toward(page))
+    trigger, ts = state.policy.trigger, state.trigger_state
+    held = held_mask(trigger.scores(ts.anchor, state), state.units, state.store.retrieval_capacity, state.ops)
+    starts, sizes, order = state.units.start[0, 0], state.units.size[0, 0], state.units.order[0, 0]
+    held_slots = {int(order[p]) for u in held[0, 0].nonzero().flatten().tolist()
+                  for p in range(int(starts[u]), int(starts[u] + sizes[u]))}
+    retrieved = {int(s) for s in state.store.retrieved_slots[0, 0][state.store.retrieved_valid[0, 0]]}
+    assert retrieved and retrieved <= held_slots
+
+
+def test_the_decision_is_per_sequence():
+    state = _layer({"name": "score_gap", "margin": 1.0}, batch=2)
+    state.decode(_toward(4, 2), torch.zeros(2, H, D), torch.zeros(2, H, D), D**-0.5)
+    before = state.reselections.clone()
+    q = torch.cat([_toward(4), _toward(6)])
+    state.decode(q, torch.zeros(2, H, D), torch.zeros(2, H, D), D**-0.5)
+    assert (state.reselections - before).tolist() == [0, 1]
+
+
+def test_the_step_replays_with_frozen_host_state():
+    steps = 30
+    eager, replayed = (_layer({"name": "score_gap", "margin": 0.5}, batch=2, seed=1) for _ in range(2))
+    eager.reserve(steps)
+    replayed.reserve(steps)
+    captured = _tensors(replayed)
+    pointers = {k: t.data_ptr() for k, t in captured.items()}
+    host = _host_state(replayed)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(steps):
+        q = _toward(step // 4 % PAGES, 2) + torch.randn(2, HQ, D, generator=gen)
+        k, v = 0.01 * torch.randn(2, 2, H, D, generator=gen)
+        want = eager.decode(q, k, v, D**-0.5)
+        _restore(replayed, host)
+        with no_host_reads("score_gap's decode step"):
+            got = replayed.decode(q, k, v, D**-0.5)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"step {step} differs under replay")
+    now = _tensors(replayed)
+    moved = [k for k, t in captured.items() if now[k] is not t or now[k].data_ptr() != pointers[k]]
+    assert not moved, f"state tensors rebound during decode: {moved}"
+    # not vacuous: it both re-selected and reused
+    assert torch.equal(eager.reselections, replayed.reselections)
+    assert (1 < replayed.reselections).all() and (replayed.reselections < steps).all()
+
+
+def test_options_are_checked():
+    with pytest.raises(ConfigError, match="margin must be a number"):
+        ScoreGap(margin="big").validate()
+    with pytest.raises(ConfigError, match="measure must be one of weakest, mass"):
+        ScoreGap(measure="max").validate()
+    state = PolicyLayerState(kvpolicy.preset("pariskv", budget=96, sink=4, local=16,
+                                             trigger={"name": "score_gap"}), 0, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(ConfigError, match="needs a selector that scores a unit table"):
+        state.prefill(torch.randn(1, 2, 200, 16, generator=gen), torch.randn(1, 2, 200, 16, generator=gen),
+                      torch.ones(1, 200, dtype=torch.bool), 4)
