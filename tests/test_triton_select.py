@@ -247,6 +247,20 @@ def test_threshold_select_past_many_blocks(capacity, monkeypatch):
     _check(*inputs, capacity)
 
 
+def test_threshold_select_keeps_better_units_behind_many_ties(monkeypatch):
+    # 250 one-token units tie at the cut, the 50 better ones come after them by index: the
+    # candidates must hold every better unit and the first ties, not the first units by index
+    _use_ranking("threshold", monkeypatch)
+    units, capacity = 300, 64
+    scores = torch.ones(1, 1, units, device=DEVICE)
+    scores[..., 250:] = 2.0
+    sizes = torch.ones(1, 1, units, dtype=torch.int32, device=DEVICE)
+    starts = torch.arange(units, dtype=torch.int32, device=DEVICE).view(1, 1, units)
+    order = torch.arange(units, device=DEVICE).view(1, 1, units)
+    unit_ids = _check(scores, sizes, starts, order, capacity)[0]
+    assert unit_ids[0, 0, :50].tolist() == list(range(250, 300)) and unit_ids[0, 0, 50:64].tolist() == list(range(14))
+
+
 # ---- CUDA only: decode-sized problems --------------------------------------------------
 
 @needs_cuda

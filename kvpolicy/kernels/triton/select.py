@@ -62,9 +62,9 @@ _NUM_WARPS = 8
 # ``_FULL_SORT_MAX`` units, the threshold select above it, any number of units, never torch.sort.
 # Without ``take`` every row ranks and nothing can be skipped: the full sort up to
 # ``_FULL_SORT_MAX_WITHOUT_TAKE``, torch.sort above, where it is fastest. The threshold select's
-# re-selecting rows are slow (16 passes of a [block, 16] histogram per row in one program): it
-# wins over torch.sort only below a re-selection rate of roughly 1/4 (8,192 units) to 1/9
-# (32,768); making it cheaper is open work.
+# figures above are of its first form (16 passes over the 64-bit key, a block reduction per
+# block of each pass); it now takes 8 passes over the score's 32 bits with one reduction per
+# pass (not measured yet).
 _FULL_SORT_MAX = 8192
 _FULL_SORT_MAX_WITHOUT_TAKE = 2048
 # units per block step of the threshold select's passes (a [block, 16] digit histogram each)
@@ -104,16 +104,16 @@ def _rank_row(scores_ptr, ranked_ptr, U, SORT_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _live_block(scores_ptr, sizes_ptr, u0, U, top, BLOCK: tl.constexpr):
+def _live_block(scores_ptr, sizes_ptr, u0, U, BLOCK: tl.constexpr):
     """One block of units for the threshold select: their indices, token counts, whether each
-    is non-empty and selectable, the signed ``_descending_key`` and its unsigned form."""
+    is non-empty and selectable, the signed ``_descending_key`` and its high word (the score's)."""
     index = u0 + tl.arange(0, BLOCK)
     in_range = index < U
     score = tl.load(scores_ptr + index, mask=in_range, other=float("-inf"))
-    size = tl.load(sizes_ptr + index, mask=in_range, other=0).to(tl.int64)
+    size = tl.load(sizes_ptr + index, mask=in_range, other=0)
     live = in_range & (score > float("-inf")) & (size > 0)
     signed = _descending_key(score, index, in_range)
-    return size, live, signed, (signed ^ top).to(tl.uint64, bitcast=True)
+    return size, live, signed, (signed >> 32).to(tl.int32)
 
 
 @triton.jit
@@ -122,47 +122,62 @@ def _threshold_rank(scores_ptr, sizes_ptr, cand_ptr, ranked_ptr, U, R,
     """``ranked[k]``, ``k < CAND_BLOCK``: the units the fill can take, in rank order, then -1.
 
     The taken units are a prefix of the ranking ending at the unit whose tokens reach ``R``
-    (the cut unit). A radix select finds that unit's key (``_descending_key``, made unsigned) 4
-    bits at a time: each pass histograms, by the next digit, the tokens of the non-empty
-    selectable units that match the digits found so far, and keeps the digit whose bucket holds
-    the ``R``-th token. The at most ``R`` non-empty units with keys up to it are compacted and
-    sorted in registers (``CAND_BLOCK`` keys). Work grows with ``U`` linearly, without a sort
-    of ``U`` keys; empty and unselectable units cover no tokens and are left out.
+    (the cut unit). A radix select finds the cut unit's score key (the high word of
+    ``_descending_key``) 4 bits at a time: each pass histograms, by the next digit, the tokens
+    of the non-empty selectable units that match the digits found so far, and keeps the digit
+    whose bucket holds the ``R``-th token. The units that score strictly better than the cut
+    (fewer than ``R``, they hold fewer than ``R`` tokens) are compacted first, then the units
+    tied with it in index order (the fill can take at most ``R`` less the tokens before them),
+    and the at most ``CAND_BLOCK`` candidates are sorted in registers by the whole key (score,
+    then index). Work grows with ``U`` linearly, without a sort of ``U`` keys; empty and
+    unselectable units cover no tokens and are left out.
     """
-    # the sign bit flipped: signed key order becomes unsigned order, digits read most significant first
-    top = tl.full([], 1, tl.int64) << 63
-    digits = tl.arange(0, 16).to(tl.uint64)
-    prefix = tl.full([], 0, tl.uint64)
-    mask = tl.full([], 0, tl.uint64)
-    before = tl.full([], 0, tl.int64)  # tokens of units in buckets below the current one
+    # score keys with the sign bit flipped read as unsigned in score order; digits are taken
+    # most significant first, so a digit is (key >> shift) & 15 whatever the sign extension
+    flip = tl.full([], -2147483648, tl.int32)
+    digits = tl.arange(0, 16)
+    prefix = tl.full([], 0, tl.int32)
+    mask = tl.full([], 0, tl.int32)
+    before = tl.full([], 0, tl.int32)  # tokens of units in buckets below the current one
     everything = tl.full([], 0, tl.int1)
-    for level in tl.static_range(16):
-        shift = 60 - 4 * level
-        hist = tl.zeros([16], tl.int64)
+    for level in tl.static_range(8):
+        shift = 28 - 4 * level
+        # per-lane partial histograms, summed once per pass (a reduction per block costs more
+        # than the block's arithmetic)
+        partial = tl.zeros([BLOCK, 16], tl.int32)
         for u0 in range(0, U, BLOCK):
-            size, live, _, key = _live_block(scores_ptr, sizes_ptr, u0, U, top, BLOCK)
-            match = live & ((key & mask) == prefix)
+            size, live, _, high = _live_block(scores_ptr, sizes_ptr, u0, U, BLOCK)
+            key = high ^ flip
+            match = (live & ((key & mask) == prefix)) != 0  # (!= 0: the interpreter may give an int32 mask)
             digit = (key >> shift) & 15
             weight = tl.where(match, size, 0)
-            hist += tl.sum(tl.where(digit[:, None] == digits[None, :], weight[:, None], 0), axis=0)
-        inclusive = tl.cumsum(hist, 0) + before
+            partial += tl.where(digit[:, None] == digits[None, :], weight[:, None], 0)
+        inclusive = tl.cumsum(tl.sum(partial, axis=0), 0) + before
         if level == 0:
             everything = (tl.max(inclusive, 0) < R).to(tl.int1)  # fewer tokens than the budget: take every unit
-        chosen = tl.sum((inclusive < R).to(tl.int64), 0)  # the bucket holding the R-th token
+        chosen = tl.sum((inclusive < R).to(tl.int32), 0)  # the bucket holding the R-th token
         chosen = tl.minimum(chosen, 15)
-        before = tl.max(tl.where(digits.to(tl.int64) < chosen, inclusive, before), 0)
-        prefix = prefix | (chosen.to(tl.uint64) << shift)
-        mask = mask | (tl.full([], 15, tl.uint64) << shift)
+        before = tl.max(tl.where(digits < chosen, inclusive, before), 0)
+        prefix = prefix | (chosen << shift)
+        mask = mask | (tl.full([], 15, tl.int32) << shift)
+    cut = prefix ^ flip  # the cut unit's score key, signed again
 
-    # compact the candidates (keys up to the cut unit's), then sort them
-    count = tl.full([], 0, tl.int64)
+    # compact the candidates: strictly better than the cut (every live unit if they all fit),
+    # then those tied with it in index order, then sort them
+    count = tl.full([], 0, tl.int32)
     for u0 in range(0, U, BLOCK):
-        _, live, signed, key = _live_block(scores_ptr, sizes_ptr, u0, U, top, BLOCK)
-        # (!= 0: the interpreter gives an unsigned comparison as int32)
-        keep = (live & ((key <= prefix) | (everything != 0))) != 0
-        position = tl.cumsum(keep.to(tl.int64), 0) + count - 1
+        _, live, signed, high = _live_block(scores_ptr, sizes_ptr, u0, U, BLOCK)
+        keep = (live & ((high < cut) | (everything != 0))) != 0
+        position = tl.cumsum(keep.to(tl.int32), 0) + count - 1
         tl.store(cand_ptr + position, signed, mask=keep & (position < CAND_BLOCK))
-        count += tl.sum(keep.to(tl.int64), 0)
+        count += tl.sum(keep.to(tl.int32), 0)
+    if everything == 0:
+        for u0 in range(0, U, BLOCK):
+            _, live, signed, high = _live_block(scores_ptr, sizes_ptr, u0, U, BLOCK)
+            keep = (live & (high == cut)) != 0
+            position = tl.cumsum(keep.to(tl.int32), 0) + count - 1
+            tl.store(cand_ptr + position, signed, mask=keep & (position < CAND_BLOCK))
+            count += tl.sum(keep.to(tl.int32), 0)
     tl.debug_barrier()
     slot = tl.arange(0, CAND_BLOCK)
     keys = tl.load(cand_ptr + slot, mask=slot < count, other=0x7FFFFFFFFFFFFFFF)
