@@ -9,8 +9,9 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 REUSE='{"name":"interval","n":1099511627776}'
 case ${3:-first} in
 first)
-step kernels 120 python3 -m pytest -q -p no:cacheprovider -x tests/test_graph_branch.py tests/test_decode_graph.py
+step kernels 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_graph_branch.py tests/test_decode_graph.py tests/test_triton_select.py
+step sortbench 45 python3 benchmarks/select_sort.py --units 2048,8192,16384,32768 --batches 1,4 --repeats 20
 step profile 110 bash -c "for b in node inline; do python3 benchmarks/profile_step.py --rows 45 --preset louiskv --context 2304 --batch 1 --placement gpu --trigger '$REUSE' --branches \$b --out $OUT/profile_reuse_2304_\$b.txt || exit 1; done"
-step e2e 360 python3 -m kvpolicy bench e2e --contexts 32768,131072 --batches 1,4 --presets louiskv@gpu --full-kinds full-graph --budget 2048 --steps 10 --branches node,inline --json "$OUT/e2e.json"
+step e2e 330 python3 -m kvpolicy bench e2e --contexts 32768,131072 --batches 1,4 --presets louiskv@gpu --full-kinds full-graph --budget 2048 --steps 10 --branches node,inline --json "$OUT/e2e.json"
 ;;
 esac
