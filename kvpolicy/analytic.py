@@ -42,6 +42,23 @@ DEFAULT_SUBSPACES = 16
 DEFAULT_TIERS = 6
 DEFAULT_RHO = (1 << DEFAULT_TIERS) - 1
 
+# ParisKV's length rule (amy-77/ParisKV, cache_hub/polar_cache.py, ``_get_adaptive_ratios``),
+# by the retrieval zone's length n: the share of it kept as candidates, and the collision ratio
+# beside it (the share of the zone its 6 tiers' clusters cover; not used here, see below):
+#     n < 5,000: 0.5 and 0.5;  < 10,000: 0.25 and 0.3;  < 30,000: 0.2 and 0.25;  from 30,000: 0.1 and 0.2
+# (the variants polar_cache_adaptivek_varlen.py and polar_cache_atten_value_indices_adaptive_k.py
+# keep 0.05 from 30,000). The selector's candidate_fraction is the share from 30,000 on
+# (DEFAULT_CANDIDATE_FRACTION); CANDIDATE_BANDS lift it below. ParisKV's tiers are cut by key
+# counts (the query's best clusters until they hold collision_ratio x (5, 15, 30, 50, 75, 100)%
+# of the zone's keys, counted per cluster); kvpolicy's tiers are fixed ranks (1, 2, 4... of the
+# best centroids, tier_weights), which need no per-cluster counts, so the collision ratio has
+# no counterpart here. ParisKV also attends everything while the context is under
+# max(2,000, sink + local + 2 x top-k): collision_rerank selects every token of a zone that fits
+# its retrieval budget (through its floor of at least one budget of candidates).
+CANDIDATE_BANDS = ((5_000, 0.5), (10_000, 0.25), (30_000, 0.2))
+COLLISION_RATIOS = ((5_000, 0.5), (10_000, 0.3), (30_000, 0.25), (None, 0.2))
+DEFAULT_CANDIDATE_FRACTION = 0.1
+
 _LLOYD_GRID = 1 << 16
 _LLOYD_ITERS = 300
 

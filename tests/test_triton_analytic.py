@@ -166,3 +166,93 @@ def test_candidate_topk_at_decode_sizes(n):
     want = reference_analytic.candidate_topk(votes, k)
     got = dispatch.get("candidate_topk", "triton", DEVICE)(votes, k, 96)
     assert torch.equal(got, want)
+
+
+# -- the fused selection pipeline: query_votes, collision_candidates ------------------------
+
+
+@pytest.mark.parametrize("batch,heads,group,dim,subspaces,tiers", [(1, 2, 4, 128, 16, 6), (2, 2, 3, 64, 16, 4), (1, 2, 1, 16, 16, 1)])
+def test_query_votes_matches_reference(batch, heads, group, dim, subspaces, tiers):
+    from kvpolicy.kernels.triton import query_votes
+
+    gen = _gen(dim + group)
+    signs = analytic.srht_signs(dim, 3)
+    weights = torch.tensor(analytic.tier_weights(tiers), dtype=torch.int32)
+    query = torch.randn(batch, heads, group, dim, generator=gen).to(torch.bfloat16)  # the model's dtype
+    want_rotated, want_table = reference_analytic.query_votes(query, signs, subspaces, weights)
+    rotated, table = query_votes.query_votes(query.to(DEVICE), signs.to(DEVICE), subspaces, weights.to(DEVICE))
+    # the table is integer votes: identical (a float near-tie across a tier boundary would differ)
+    assert table.dtype == torch.int32 and torch.equal(table.cpu(), want_table)
+    torch.testing.assert_close(rotated.cpu(), want_rotated, rtol=0, atol=1e-6)  # measured 6e-8
+    assert (want_table > 0).sum(-1).eq((1 << tiers) - 1).all()  # every ranked centroid voted
+
+
+def test_query_votes_refuses_misshaped_inputs():
+    from kvpolicy.kernels.triton import query_votes
+
+    with pytest.raises(ValueError, match=r"triton query_votes: query \(1, 1, 2, 96\)"):
+        query_votes.query_votes(torch.zeros(1, 1, 2, 96, device=DEVICE), torch.ones(96, device=DEVICE), 12, (2, 1))
+    with pytest.raises(ValueError, match=r"\(20,\) tier weights do not fit"):
+        query_votes.query_votes(torch.zeros(1, 1, 2, 16, device=DEVICE), torch.ones(16, device=DEVICE), 4, [1] * 20)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Several chunks and chunk blocks at interpreter sizes."""
+    from kvpolicy.kernels.triton import collision_candidates
+
+    monkeypatch.setattr(collision_candidates, "_CHUNK", 256)
+    monkeypatch.setattr(collision_candidates, "_SUB", 64)
+    monkeypatch.setattr(collision_candidates, "_CHUNK_BLOCK", 2)
+    return collision_candidates.collision_candidates
+
+
+@pytest.mark.parametrize(
+    "n, tiers, indexed, width, floor, fraction, bands",
+    [
+        (1100, 4, 1000, 600, 40, 0.1, ((300, 0.5), (600, 0.25), (900, 0.2))),  # the rule's last band
+        (1100, 4, 500, 600, 40, 0.1, ((300, 0.5), (600, 0.25), (900, 0.2))),  # a lower band, indexed < n
+        (700, 1, 700, 700, 90, 0.05, ()),  # votes 0..16: ties everywhere, the floor decides
+        (700, 4, 650, 120, 10, 0.5, ()),  # the width cuts the rule's count
+        (700, 4, 650, 700, 900, 0.1, ()),  # the floor exceeds the zone: every voted token
+        (300, 4, 0, 50, 10, 0.1, ()),  # nothing indexed yet: all -1
+    ],
+)
+def test_collision_candidates_matches_reference_exactly(small_chunks, n, tiers, indexed, width, floor, fraction, bands):
+    batch, heads, dim, subspaces = 2, 2, 64, 16
+    keys, query = _encoded(n + tiers, batch, heads, n, dim, subspaces, (1 << tiers) - 1)
+    table = reference_analytic.vote_table(query.centroids, analytic.tier_weights(tiers))
+    pool = torch.zeros(batch, heads, n + 37, subspaces, dtype=torch.uint8)  # a pool with spare room
+    pool[:, :, :n] = keys.centroids
+    token_valid = torch.rand(batch, n + 37, generator=_gen(n)) > 0.2
+    args = (torch.tensor(indexed), width, subspaces * tiers, floor, fraction, bands)
+    want = reference_analytic.collision_candidates(table, pool, token_valid, *args)
+    on = [t.to(DEVICE) for t in (table, pool, token_valid)]
+    got = small_chunks(*on, args[0].to(DEVICE), *args[1:])
+    assert got.dtype == torch.long and torch.equal(got.cpu(), want)
+    # the reference is the composed ops' set, listed by position
+    voted = (token_valid & (torch.arange(n + 37) < indexed))[:, None].expand(batch, heads, n + 37)
+    votes = reference_analytic.collision_count(query.centroids, pool, voted, analytic.tier_weights(tiers))
+    keep = reference_analytic.candidate_count(voted.sum(-1), floor, fraction, bands).clamp(max=width)
+    for b in range(batch):
+        for h in range(heads):
+            best = reference_analytic.candidate_topk(votes[b : b + 1, h : h + 1], width)[0, 0, : int(keep[b, h])]
+            listed = sorted(p for p in best.tolist() if p >= 0)
+            assert got[b, h].tolist() == listed + [-1] * (width - len(listed))
+
+
+def test_collision_candidates_refuses_misshaped_inputs():
+    from kvpolicy.kernels.triton import collision_candidates
+
+    keys = torch.zeros(1, 2, 10, 4, dtype=torch.uint8, device=DEVICE)
+    table = torch.zeros(1, 2, 4, 256, dtype=torch.int32, device=DEVICE)
+    valid = torch.ones(1, 10, dtype=torch.bool, device=DEVICE)
+    indexed = torch.tensor(10, device=DEVICE)
+    with pytest.raises(ValueError, match=r"table \(1, 2, 4, 256\) torch.int64"):
+        collision_candidates.collision_candidates(table.long(), keys, valid, indexed, 5, 16, 1, 0.1)
+    with pytest.raises(ValueError, match=r"token_valid \(1, 9\)"):
+        collision_candidates.collision_candidates(table, keys, valid[:, :9], indexed, 5, 16, 1, 0.1)
+    with pytest.raises(ValueError, match="max_votes must be an int"):
+        collision_candidates.collision_candidates(table, keys, valid, indexed, 5, 40_000, 1, 0.1)
+    with pytest.raises(ValueError, match="at most 4 length bands"):
+        collision_candidates.collision_candidates(table, keys, valid, indexed, 5, 16, 1, 0.1, [(9, 0.5)] * 5)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import analytic
 from ..analytic import dequantize
 
 # key centroid ids are uint8 (``analytic.MAX_SUBSPACE_DIMS`` = 8), so 256 ids at most
@@ -53,12 +54,16 @@ def collision_count(
     the query's rank-``r`` centroid (0 where it is none of them). Votes are summed over
     subspaces; invalid keys get -1 (below any valid key).
     """
-    table = vote_table(query_centroids, tier_weights)
+    return torch.where(valid, table_votes(vote_table(query_centroids, tier_weights), key_centroids), -1)
+
+
+def table_votes(table: torch.Tensor, key_centroids: torch.Tensor) -> torch.Tensor:
+    """Each key's votes, ``(B, H, N)`` int32: ``table (B, H, S, 256)`` looked up at its ids ``(B, H, N, S)``."""
     votes = torch.zeros(key_centroids.shape[:-1], dtype=torch.int32, device=key_centroids.device)
     # one subspace at a time: memory (B, H, N), not (B, H, N, S)
     for s in range(key_centroids.shape[-1]):
         votes += table[:, :, s].gather(-1, key_centroids[..., s].long())
-    return torch.where(valid, votes, -1)
+    return votes
 
 
 def candidate_topk(scores: torch.Tensor, k: int, max_score: int | None = None) -> torch.Tensor:
@@ -131,3 +136,76 @@ def rerank(
     """
     scores = rerank_scores(query_rotated, codes, weight, norms, candidates)
     return topk_of_candidates(scores, candidates, k)
+
+
+# -- the fused selection pipeline (ops query_votes, collision_candidates) ---------------------
+
+
+def query_votes(
+    query_group: torch.Tensor,
+    signs: torch.Tensor,
+    subspaces: int,
+    tier_weights: Sequence[int] | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GQA group's mean query, rotated, and its vote table: ``(rotated (B, H, D) float32,
+    table (B, H, S, 256) int32)``.
+
+    ``query_group``: ``(B, H, G, D)`` (any float dtype), the query heads of each KV head;
+    ``signs``: the layer's SRHT signs ``(D,)``; ``tier_weights``: the votes of each of the
+    ``rho`` ranks (``analytic.tier_weights(tiers)``). The same as ``analytic.encode_query`` of
+    the group's mean, then ``vote_table``.
+    """
+    weights = torch.as_tensor(tier_weights, dtype=torch.int32, device=query_group.device)
+    encoded = analytic.encode_query(query_group.float().mean(2), signs, subspaces, weights.shape[0])
+    return encoded.rotated, vote_table(encoded.centroids, weights)
+
+
+def candidate_count(
+    valid_count: torch.Tensor, floor: int, fraction: float, bands: Sequence[tuple[int, float]] = ()
+) -> torch.Tensor:
+    """Candidates to keep per row, ``valid_count``'s shape, long: ``max(floor, ceil(n * share(n)))``.
+
+    ``n`` (``valid_count``, long) is the row's tokens in the retrieval zone; ``share(n)`` is
+    ``fraction``, or for ``n`` below a band's bound the first such band's share if larger
+    (``bands``: ``(bound, share)`` pairs, bounds ascending; ``analytic.CANDIDATE_BANDS``).
+    The product is rounded up in float32, as every backend computes it.
+    """
+    share = torch.full(valid_count.shape, fraction, dtype=torch.float32, device=valid_count.device)
+    for bound, band in reversed(tuple(bands)):  # the smallest bound that n is below wins
+        share = torch.where(valid_count < bound, max(band, fraction), share)
+    return torch.ceil(valid_count.float() * share).long().clamp(min=floor)
+
+
+def collision_candidates(
+    table: torch.Tensor,
+    key_centroids: torch.Tensor,
+    token_valid: torch.Tensor,
+    indexed: torch.Tensor,
+    width: int,
+    max_votes: int,
+    floor: int,
+    fraction: float,
+    bands: Sequence[tuple[int, float]] = (),
+) -> torch.Tensor:
+    """The best-voted keys of the retrieval zone, ``(B, H, width)`` long positions in
+    increasing order, then -1.
+
+    ``table``: ``(B, H, S, 256)`` int32 from ``query_votes``; ``key_centroids``: ``(B, H, N,
+    S)`` uint8; ``token_valid``: ``(B, N)`` bool; ``indexed``: ``()`` long, positions
+    ``[0, indexed)`` are voted on. A row keeps ``candidate_count`` of its ``n`` voted tokens
+    (``floor``, ``fraction``, ``bands``), at most ``width``: the same keys as
+    ``candidate_topk(collision_count(...), width)`` cut there (most votes first, ties to the
+    lower position), listed by position, so the rerank reads the codes in address order.
+    ``max_votes``: the largest vote a key can have (the Triton version sizes its histogram
+    with it).
+    """
+    batch, heads, n, _ = key_centroids.shape
+    position = torch.arange(n, device=key_centroids.device)
+    voted = (token_valid & (position < indexed))[:, None, :].expand(batch, heads, n)
+    votes = torch.where(voted, table_votes(table, key_centroids), -1)
+    best = candidate_topk(votes, width)
+    keep = candidate_count(voted.sum(-1), floor, fraction, bands)  # (B, H)
+    best = torch.where(torch.arange(width, device=best.device) < keep[..., None], best, -1)
+    # by position, the -1 tail last
+    ordered = torch.where(best >= 0, best, n).sort(-1).values
+    return torch.where(ordered < n, ordered, -1)

@@ -8,7 +8,7 @@ import torch
 
 from .. import analytic
 from ..errors import ConfigError
-from ..kernels import dispatch
+from ..kernels import dispatch, reference_analytic
 from ..registry import register
 from .base import Selection, Selector
 
@@ -28,12 +28,17 @@ class CollisionRerank(Selector):
     one selection per KV head. The query is rotated like the keys and, per subspace, its
     ``2**tiers - 1`` best sign-pattern centroids are ranked in ``tiers`` tiers of 1, 2, 4...
     ranks worth ``tiers``, ``tiers - 1``... votes (``tiers``: default ParisKV's 6, at most the
-    subspace's dims). A key's votes over all subspaces (``collision_count``) are a coarse
-    integer score; the ``candidate_fraction`` best-voted tokens (ParisKV: about 10%), but never
-    fewer than ``min_candidates`` times the retrieval budget, are reranked by the 4-bit estimate
-    of ``q·k``
-    (``rerank``), and the best fill the retrieval budget, after the update buffer's tokens,
-    which are always taken. The selection's units are tokens; the store fetches their slots.
+    subspace's dims). A key's votes over all subspaces are a coarse integer score; the
+    best-voted tokens are reranked by the 4-bit estimate of ``q·k`` and the best fill the
+    retrieval budget, after the update buffer's tokens, which are always taken. The
+    selection's units are tokens; the store fetches their slots.
+
+    How many candidates: ParisKV's length rule (``kvpolicy.analytic.CANDIDATE_BANDS``), a share
+    of the ``n`` tokens of the retrieval zone: 0.5 below 5,000, 0.25 below 10,000, 0.2 below
+    30,000, ``candidate_fraction`` (ParisKV: 0.1) from 30,000 on (a larger
+    ``candidate_fraction`` wins everywhere: 1.0 reranks every token), but never fewer than
+    ``min_candidates`` times the retrieval budget. A zone that fits the budget is therefore
+    selected whole (ParisKV attends everything under about 2,000 tokens).
 
     Why a floor of twice the budget: with a floor of one budget, wherever 10% of the tokens is
     less than the budget (under ~4.4K tokens at budget 512) the candidates *are* the selection
@@ -41,13 +46,18 @@ class CollisionRerank(Selector):
     at least 1.5x its top-k. Measured on SmolLM2 at 4K (EVAL.md): recall 0.94 at 1x, 0.96-0.97
     at 2x, 0.98 at 4x; 2x keeps the rerank's cost small.
 
-    Candidates are computed at a fixed width, ``candidate_fraction`` of the index's capacity
-    (host-known), then cut on the device to ``candidate_fraction`` of the tokens indexed so
-    far, so the selection does not depend on how much room was reserved (eager and replayed
-    steps choose the same tokens).
+    Candidates are computed at a fixed width, the most the rule keeps for any zone up to the
+    index's capacity (host-known), and cut on the device to the rule's count for the tokens
+    indexed so far, so the selection does not depend on how much room was reserved (eager and
+    replayed steps choose the same tokens).
+
+    The kernels (``kvpolicy.analytic``'s module docstring maps the pipeline's files): with ops
+    ``query_votes`` and ``collision_candidates`` bound, three launches for the votes and the
+    candidates plus one for the query; otherwise ``collision_count`` and ``candidate_topk``.
+    Then ``rerank``.
     """
 
-    candidate_fraction: float = 0.1
+    candidate_fraction: float = analytic.DEFAULT_CANDIDATE_FRACTION
     min_candidates: float = 2.0
     tiers: int | None = None
     index_kind = "analytic"
@@ -88,9 +98,29 @@ class CollisionRerank(Selector):
         """The fewest candidates: ``min_candidates`` times the retrieval budget."""
         return math.ceil(self.min_candidates * retrieval)
 
+    def fraction_for(self, zone: int) -> float:
+        """The share of a retrieval zone of ``zone`` tokens kept as candidates (ParisKV's length rule)."""
+        for bound, share in analytic.CANDIDATE_BANDS:
+            if zone < bound:
+                return max(share, self.candidate_fraction)
+        return self.candidate_fraction
+
+    def keep_for(self, zone: int, retrieval: int) -> int:
+        """Candidates kept for a zone of ``zone`` tokens at retrieval budget ``retrieval`` (a host
+        mirror of the device's ``reference_analytic.candidate_count``, before the width's cut)."""
+        count = reference_analytic.candidate_count(
+            torch.tensor([zone]), self.floor_for(retrieval), self.candidate_fraction, analytic.CANDIDATE_BANDS
+        )
+        return int(count[0])
+
     def candidates_for(self, capacity: int, retrieval: int) -> int:
-        """The candidate width: ``candidate_fraction`` of ``capacity`` positions, at least the floor."""
-        return min(capacity, max(self.floor_for(retrieval), math.ceil(self.candidate_fraction * capacity)))
+        """The candidate width: the most the length rule keeps for any zone of up to ``capacity``
+        positions (at least the floor, at most ``capacity``)."""
+        # the rule's count rises within a band and drops at its bound: the most is at a band's end
+        ends = [min(capacity, bound - 1) for bound, _ in analytic.CANDIDATE_BANDS] + [capacity]
+        widest = max(math.ceil(end * self.fraction_for(end)) for end in ends)
+        # + 1: the device rounds in float32, this in float64
+        return min(capacity, max(self.floor_for(retrieval), widest + 1))
 
     def score(self, query_group, units):
         raise NotImplementedError("collision_rerank selects tokens of an analytic index directly (select)")
@@ -106,27 +136,35 @@ class CollisionRerank(Selector):
         dims = dim // index.subspaces
         tiers = self.tiers_for(dims)
 
-        group_mean = query.float().view(batch, kv_heads, q_heads // kv_heads, dim).mean(2)
-        encoded = analytic.encode_query(group_mean, index.signs, index.subspaces, (1 << tiers) - 1)
-
-        voted = index.retrieval_mask()  # (B, N)
-        votes = ops.collision_count(
-            encoded.centroids, index.centroids, voted[:, None, :].expand(batch, kv_heads, positions),
-            _votes_on(tiers, device),
-        )
+        group = query.view(batch, kv_heads, q_heads // kv_heads, dim)
+        votes_per_rank = _votes_on(tiers, device)
         width = self.candidates_for(positions, capacity)
-        # a key's votes: at most `tiers` (its rank-0 weight) in each subspace
-        candidates = ops.candidate_topk(
-            votes, width, index.subspaces * tiers
-        )  # (B, H, C), best first
-        # keep candidate_fraction of the tokens indexed so far (at least the floor): the same
-        # tokens whatever the capacity, since candidate_topk's order is fully determined
-        indexed = voted.sum(-1)  # (B,)
-        keep = torch.ceil(indexed * self.candidate_fraction).long().clamp(min=self.floor_for(capacity))
-        rank = torch.arange(width, device=device)
-        candidates = torch.where(rank < keep.view(batch, 1, 1), candidates, -1)
+        floor = self.floor_for(capacity)
+        rule = (floor, self.candidate_fraction, analytic.CANDIDATE_BANDS)
+        max_votes = index.subspaces * tiers  # a key's votes: at most `tiers` in each subspace
+        # the fused ops, where the bound table has them (dispatch.OPS names them)
+        query_votes = getattr(ops, "query_votes", None)
+        collision_candidates = getattr(ops, "collision_candidates", None)
+        if query_votes is not None and collision_candidates is not None:
+            rotated, table = query_votes(group, index.signs, index.subspaces, votes_per_rank)
+            candidates = collision_candidates(
+                table, index.centroids, index.token_valid, index.indexed, width, max_votes, *rule
+            )  # (B, H, C), by position
+        else:
+            encoded = analytic.encode_query(group.float().mean(2), index.signs, index.subspaces, (1 << tiers) - 1)
+            rotated = encoded.rotated
+            voted = index.retrieval_mask()  # (B, N)
+            votes = ops.collision_count(
+                encoded.centroids, index.centroids, voted[:, None, :].expand(batch, kv_heads, positions), votes_per_rank
+            )
+            candidates = ops.candidate_topk(votes, width, max_votes)  # (B, H, C), best first
+            # the rule's count for the tokens indexed so far: the same tokens whatever the
+            # capacity, since candidate_topk's order is fully determined
+            keep = reference_analytic.candidate_count(voted.sum(-1), *rule)
+            rank = torch.arange(width, device=device)
+            candidates = torch.where(rank < keep.view(batch, 1, 1), candidates, -1)
         best = ops.rerank(
-            encoded.rotated, index.codes, index.weight, index.norms, candidates, capacity
+            rotated, index.codes, index.weight, index.norms, candidates, capacity
         )  # (B, H, R) positions, best first, -1 pads
 
         # the update buffer's tokens first (always attended), then the best retrieved ones

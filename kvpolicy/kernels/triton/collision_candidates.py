@@ -1,0 +1,216 @@
+"""Triton collision candidates (op ``collision_candidates``): votes, candidate count and the
+candidate set in three launches, each centroid id read once.
+
+Replaces ``collision_count`` + ``candidate_topk`` + the device-side cut of the selector (a
+histogram launch, a place launch, about fifteen torch ops for the mask, the prefix sums, the
+count and the cut). Votes are small integers (at most ``max_votes``: 96 for 16 subspaces x 6
+tiers), so the ``keep`` best-voted keys of a row are every key with more votes than a
+threshold vote ``v*`` plus the first keys by position with exactly ``v*``:
+
+1. ``_votes_kernel``, one program per (row, chunk of ``_CHUNK`` positions): reads the chunk's
+   centroid ids (``S`` bytes per key, the only pass over them), looks each up in the row's
+   vote table (``(S, 256)`` int32, L1/L2-resident), sums over subspaces, and writes the vote
+   as int16 (-1 where the position is not voted on: padding, sink, update buffer, past
+   ``indexed``) and the chunk's histogram of votes (bin 0: not voted; bin ``v + 1``: vote v).
+2. ``_threshold_kernel``, one program per row: the row's voted tokens ``n`` (the histogram's
+   sum), the candidate count by ParisKV's length rule (``reference_analytic.candidate_count``,
+   the same float32 arithmetic), the threshold vote, and per chunk where its candidates start
+   in the output and how many of its ``v*`` keys are taken (the first by position overall).
+3. ``_compact_kernel``, one program per (row, chunk): reads the votes again (2 bytes a key,
+   an eighth of the ids' 16) and writes the chunk's candidates at their places, in position
+   order, so the rerank reads the candidates' codes in address order.
+
+Per key and step: the ids once (``S`` bytes), the vote written and read once (2 + 2 bytes),
+``token_valid`` once (1 byte per sequence, shared by its heads through the cache). The output
+is the same set as the reference (exact: integer arithmetic, the count in float32 as there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference_analytic
+from ..dispatch import OPS, implement, triton_runs_on
+
+# positions per program of the votes and compaction passes; keys per step inside one
+_CHUNK = 2048
+_SUB = 256
+# chunks per step of the threshold pass (a step holds _CHUNK_BLOCK x BINS counts)
+_CHUNK_BLOCK = 32
+# bands of the length rule the kernel takes (ParisKV's has 3)
+_MAX_BANDS = 4
+
+
+@triton.jit
+def _votes_kernel(
+    table_ptr, keys_ptr, valid_ptr, indexed_ptr, votes_ptr, hist_ptr,
+    H, N, CHUNKS,
+    key_sb, key_sh, key_sn, key_ss,
+    valid_sb, valid_sn,
+    S: tl.constexpr, IDS: tl.constexpr, BLOCK_S: tl.constexpr,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    b = row // H
+    h = row % H
+    indexed = tl.load(indexed_ptr)
+    s = tl.arange(0, BLOCK_S)
+    in_s = s < S
+    table_row = table_ptr + row * S * IDS + s[None, :] * IDS
+    hist = tl.zeros([BINS], dtype=tl.int32)
+    for s0 in range(0, CHUNK, SUB):
+        n = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
+        in_n = n < N
+        both = in_n[:, None] & in_s[None, :]
+        ids = tl.load(keys_ptr + b * key_sb + h * key_sh + n[:, None] * key_sn + s[None, :] * key_ss, mask=both, other=0)
+        total = tl.sum(tl.load(table_row + ids.to(tl.int64), mask=both, other=0), axis=1)
+        valid = tl.load(valid_ptr + b * valid_sb + n * valid_sn, mask=in_n, other=0)
+        voted = in_n & (valid != 0) & (n < indexed)
+        tl.store(votes_ptr + row * N + n, tl.where(voted, total, -1).to(tl.int16), mask=in_n)
+        hist += tl.histogram(tl.where(voted, total + 1, 0), BINS)
+    tl.store(hist_ptr + (row * CHUNKS + chunk) * BINS + tl.arange(0, BINS), hist)
+
+
+@triton.jit
+def _threshold_kernel(
+    hist_ptr, start_ptr, ties_ptr, level_ptr,
+    CHUNKS, WIDTH, FLOOR, fraction,
+    bound0, share0, bound1, share1, bound2, share2, bound3, share3,
+    BINS: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    bins = tl.arange(0, BINS)
+    lanes = tl.arange(0, CHUNK_BLOCK)
+    base = hist_ptr + row * CHUNKS * BINS
+    total = tl.zeros([BINS], dtype=tl.int32)
+    for c0 in range(0, CHUNKS, CHUNK_BLOCK):
+        c = c0 + lanes
+        block = tl.load(base + c[:, None] * BINS + bins[None, :], mask=(c < CHUNKS)[:, None], other=0)
+        total += tl.sum(block, axis=0)
+    total = tl.where(bins > 0, total, 0)  # bin 0: not voted on
+    n = tl.sum(total, axis=0)
+    # ParisKV's length rule (reference_analytic.candidate_count): the smallest band n is below wins
+    share = fraction
+    share = tl.where(n < bound3, tl.maximum(share3, fraction), share)
+    share = tl.where(n < bound2, tl.maximum(share2, fraction), share)
+    share = tl.where(n < bound1, tl.maximum(share1, fraction), share)
+    share = tl.where(n < bound0, tl.maximum(share0, fraction), share)
+    keep = tl.maximum(tl.ceil(n.to(tl.float32) * share).to(tl.int32), FLOOR)
+    take = tl.minimum(tl.minimum(keep, n), WIDTH)
+    # keys with at least bin b's vote; the threshold is the highest bin that reaches `take`
+    at_least = tl.sum(total, axis=0) - tl.cumsum(total, axis=0) + total
+    level = tl.max(tl.where((at_least >= take) & (bins > 0), bins, 0), axis=0)
+    level = tl.where(take > 0, level, BINS)  # nothing to take: no bin qualifies
+    above = tl.sum(tl.where(bins > level, total, 0), axis=0)
+    ties = take - above  # keys with the threshold vote to take, the first by position
+    tl.store(level_ptr + row, level)
+    ties_before = 0
+    placed = 0
+    for c0 in range(0, CHUNKS, CHUNK_BLOCK):
+        c = c0 + lanes
+        in_c = c < CHUNKS
+        block = tl.load(base + c[:, None] * BINS + bins[None, :], mask=in_c[:, None], other=0)
+        over = tl.sum(tl.where(bins[None, :] > level, block, 0), axis=1)
+        tied = tl.sum(tl.where(bins[None, :] == level, block, 0), axis=1)
+        tied_before = ties_before + tl.cumsum(tied, axis=0) - tied
+        taken_ties = tl.minimum(tl.maximum(ties - tied_before, 0), tied)
+        count = over + taken_ties
+        tl.store(start_ptr + row * CHUNKS + c, placed + tl.cumsum(count, axis=0) - count, mask=in_c)
+        tl.store(ties_ptr + row * CHUNKS + c, taken_ties, mask=in_c)
+        ties_before += tl.sum(tied, axis=0)
+        placed += tl.sum(count, axis=0)
+
+
+@triton.jit
+def _compact_kernel(
+    votes_ptr, start_ptr, ties_ptr, level_ptr, out_ptr,
+    N, CHUNKS, WIDTH,
+    CHUNK: tl.constexpr, SUB: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    level = tl.load(level_ptr + row)
+    ties = tl.load(ties_ptr + row * CHUNKS + chunk)
+    placed = tl.load(start_ptr + row * CHUNKS + chunk)
+    ties_seen = 0
+    for s0 in range(0, CHUNK, SUB):
+        n = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
+        in_n = n < N
+        bin = tl.load(votes_ptr + row * N + n, mask=in_n, other=-1).to(tl.int32) + 1
+        tied = (bin == level).to(tl.int32)
+        tie_rank = ties_seen + tl.cumsum(tied, axis=0) - tied
+        take = ((bin > level) | ((tied != 0) & (tie_rank < ties))).to(tl.int32)
+        place = placed + tl.cumsum(take, axis=0) - take
+        tl.store(out_ptr + row * WIDTH + place, n, mask=(take != 0) & (place < WIDTH))
+        ties_seen += tl.sum(tied, axis=0)
+        placed += tl.sum(take, axis=0)
+
+
+def _bands(bands: Sequence[tuple[int, float]]) -> list:
+    bands = list(bands)
+    if len(bands) > _MAX_BANDS:
+        raise ValueError(f"triton collision_candidates: at most {_MAX_BANDS} length bands, got {len(bands)}")
+    bands += [(0, 0.0)] * (_MAX_BANDS - len(bands))  # bound 0: no n is below it
+    return [value for bound, share in bands for value in (int(bound), float(share))]
+
+
+def collision_candidates(
+    table: torch.Tensor,
+    key_centroids: torch.Tensor,
+    token_valid: torch.Tensor,
+    indexed: torch.Tensor,
+    width: int,
+    max_votes: int,
+    floor: int,
+    fraction: float,
+    bands: Sequence[tuple[int, float]] = (),
+) -> torch.Tensor:
+    """Candidates ``(B, H, width)`` long, by position, -1 tail; see ``reference_analytic.collision_candidates``."""
+    batch, heads, n, subspaces = key_centroids.shape
+    if (tuple(table.shape) != (batch, heads, subspaces, reference_analytic.NUM_IDS) or table.dtype != torch.int32
+            or tuple(token_valid.shape) != (batch, n) or indexed.numel() != 1):
+        raise ValueError(
+            f"triton collision_candidates: table {tuple(table.shape)} {table.dtype}, token_valid "
+            f"{tuple(token_valid.shape)} or indexed {tuple(indexed.shape)} do not fit key centroids "
+            f"{tuple(key_centroids.shape)} (want an int32 (B, H, S, 256) table, (B, N) token_valid, one indexed)"
+        )
+    if not isinstance(max_votes, int) or not 0 <= max_votes < 32766:
+        raise ValueError(f"triton collision_candidates: max_votes must be an int in 0..32765 (int16 votes), got {max_votes!r}")
+    width = int(width)
+    out = torch.full((batch, heads, width), -1, dtype=torch.long, device=key_centroids.device)
+    rows = batch * heads
+    if rows == 0 or n == 0 or width == 0:
+        return out
+    device = key_centroids.device
+    bins = triton.next_power_of_2(max_votes + 2)
+    chunks = triton.cdiv(n, _CHUNK)
+    table = table.contiguous()
+    valid = token_valid.view(torch.uint8) if token_valid.dtype == torch.bool else token_valid
+    votes = torch.empty(batch, heads, n, dtype=torch.int16, device=device)
+    hist = torch.empty(rows, chunks, bins, dtype=torch.int32, device=device)
+    _votes_kernel[(rows, chunks)](
+        table, key_centroids, valid, indexed, votes, hist,
+        heads, n, chunks,
+        *key_centroids.stride(), *valid.stride(),
+        S=subspaces, IDS=reference_analytic.NUM_IDS, BLOCK_S=triton.next_power_of_2(subspaces),
+        CHUNK=_CHUNK, SUB=_SUB, BINS=bins,
+    )
+    start = torch.empty(rows, chunks, dtype=torch.int32, device=device)
+    ties = torch.empty(rows, chunks, dtype=torch.int32, device=device)
+    level = torch.empty(rows, dtype=torch.int32, device=device)
+    _threshold_kernel[(rows,)](
+        hist, start, ties, level,
+        chunks, width, int(floor), float(fraction), *_bands(bands),
+        BINS=bins, CHUNK_BLOCK=_CHUNK_BLOCK,
+    )
+    _compact_kernel[(rows, chunks)](votes, start, ties, level, out, n, chunks, width, CHUNK=_CHUNK, SUB=_SUB)
+    return out
+
+
+if "collision_candidates" in OPS:  # registered once dispatch.OPS names the op
+    implement("triton", "collision_candidates", supports=triton_runs_on)(collision_candidates)

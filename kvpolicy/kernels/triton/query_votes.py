@@ -1,0 +1,123 @@
+"""Triton query encoding (op ``query_votes``): the group's mean query, rotated, and its vote table
+in one launch.
+
+Replaces the selector's PyTorch front end (the group mean, ``F.normalize``, the seven butterfly
+stages of the Walsh–Hadamard transform, the centroid scores' matmul, a sort of every
+subspace's 256 centroids, then ``vote_table``'s zero fill and scatter: about thirty small
+launches). One program per (sequence, KV head, subspace):
+
+- loads the group's query heads (``G x D``), averages and l2-normalises them and applies the
+  SRHT signs;
+- rotates only its subspace's ``dims`` coordinates: ``H[i, j] = (-1)^popcount(i & j) / sqrt(D)``
+  (Sylvester order, as ``analytic._fwht``), a ``dims x D`` product, and writes them;
+- scores the subspace's ``2**dims`` sign-pattern centroids, ranks each by counting those ahead
+  of it (a higher score, or the same with a lower id: the reference's stable sort; counted
+  rather than ``tl.sort``, which the interpreter runs a hundred times slower), and writes the
+  table row: the rank-``r`` centroid gets ``tier_weights[r]`` votes, ranks past ``rho`` 0.
+
+Floats reorder against the reference (a direct sum for the butterflies, a sum for the
+matmul): the rotated query agrees to about 1e-6, and the table is identical unless two
+centroid scores of a subspace tie to float rounding across a tier boundary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference_analytic
+from ..dispatch import OPS, implement, triton_runs_on
+
+
+@triton.jit
+def _query_votes_kernel(
+    query_ptr, signs_ptr, weights_ptr, rotated_ptr, table_ptr,
+    H, G, RHO,
+    q_sb, q_sh, q_sg, q_sd,
+    inv_sqrt_d, inv_sqrt_dims,
+    D: tl.constexpr, LOG_D: tl.constexpr, BLOCK_G: tl.constexpr,
+    S: tl.constexpr, DIMS: tl.constexpr, BLOCK_DIMS: tl.constexpr, CENTROIDS: tl.constexpr, BLOCK_C: tl.constexpr, IDS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    sub = tl.program_id(1)
+    b = row // H
+    h = row % H
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    heads = tl.load(
+        query_ptr + b * q_sb + h * q_sh + g[:, None] * q_sg + d[None, :] * q_sd, mask=(g < G)[:, None], other=0.0
+    ).to(tl.float32)
+    mean = tl.sum(heads, axis=0) / G
+    norm = tl.sqrt(tl.sum(mean * mean, axis=0))
+    unit = mean / tl.maximum(norm, 1e-12) * tl.load(signs_ptr + d)
+    # this subspace's rotated coordinates: row i of the Hadamard matrix dotted with the unit query
+    j = tl.arange(0, BLOCK_DIMS)
+    in_j = j < DIMS
+    i = sub * DIMS + j
+    both = i[:, None] & d[None, :]
+    parity = tl.zeros([BLOCK_DIMS, D], dtype=tl.int32)
+    for bit in tl.static_range(LOG_D):
+        parity ^= (both >> bit) & 1
+    part = tl.sum(tl.where(parity == 0, unit[None, :], -unit[None, :]), axis=1) * inv_sqrt_d
+    part = tl.where(in_j, part, 0.0)
+    tl.store(rotated_ptr + row * D + i, part, mask=in_j)
+    # the centroids' scores, sorted best first; ties to the lower id
+    c = tl.arange(0, CENTROIDS)
+    sign = ((c[:, None] >> j[None, :]) & 1) * 2 - 1
+    terms = tl.where(in_j[None, :], part[None, :] * (sign.to(tl.float32) * inv_sqrt_dims), 0.0)
+    score = tl.sum(terms, axis=1) + 0.0  # + 0.0: -0.0 ties +0.0, as in the reference's sort
+    # rank = centroids scoring higher, plus those scoring the same with a lower id (a stable
+    # sort's place), counted against BLOCK_C centroids at a time
+    rank = tl.zeros([CENTROIDS], dtype=tl.int32)
+    for block in tl.static_range(CENTROIDS // BLOCK_C):
+        other = block * BLOCK_C + tl.arange(0, BLOCK_C)
+        # their scores picked out of `score` exactly (a sum of one value and zeros)
+        theirs = tl.sum(tl.where(other[:, None] == c[None, :], score[None, :], 0.0), axis=1)
+        ahead = (theirs[None, :] > score[:, None]) | ((theirs[None, :] == score[:, None]) & (other[None, :] < c[:, None]))
+        rank += tl.sum(ahead.to(tl.int32), axis=1)
+    votes = tl.load(weights_ptr + rank, mask=rank < RHO, other=0)
+    table_row = table_ptr + (row * S + sub) * IDS
+    tl.store(table_row + c, votes)
+    if CENTROIDS < IDS:  # ids past the subspace's centroids get no votes
+        rest = tl.arange(0, IDS)
+        tl.store(table_row + rest, tl.zeros([IDS], dtype=tl.int32), mask=rest >= CENTROIDS)
+
+
+def query_votes(
+    query_group: torch.Tensor,
+    signs: torch.Tensor,
+    subspaces: int,
+    tier_weights: Sequence[int] | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rotated (B, H, D) float32, table (B, H, S, 256) int32)``; see ``reference_analytic.query_votes``."""
+    batch, heads, group, dim = query_group.shape
+    weights = torch.as_tensor(tier_weights, dtype=torch.int32, device=query_group.device)
+    dims = dim // subspaces if subspaces else 0
+    if (dim < 2 or dim & (dim - 1) or not subspaces or dim % subspaces or dims > 8 or tuple(signs.shape) != (dim,)
+            or weights.dim() != 1 or not 1 <= weights.shape[0] <= 1 << dims):
+        raise ValueError(
+            f"triton query_votes: query {tuple(query_group.shape)} (a power-of-two D), signs {tuple(signs.shape)}, "
+            f"{subspaces} subspaces (at most 8 dims each) or {tuple(weights.shape)} tier weights do not fit"
+        )
+    device = query_group.device
+    rotated = torch.empty(batch, heads, dim, dtype=torch.float32, device=device)
+    table = torch.empty(batch, heads, subspaces, reference_analytic.NUM_IDS, dtype=torch.int32, device=device)
+    if batch * heads == 0:
+        return rotated, table
+    _query_votes_kernel[(batch * heads, subspaces)](
+        query_group, signs.float().contiguous(), weights.contiguous(), rotated, table,
+        heads, group, weights.shape[0],
+        *query_group.stride(),
+        1.0 / math.sqrt(dim), 1.0 / math.sqrt(dims),
+        D=dim, LOG_D=dim.bit_length() - 1, BLOCK_G=triton.next_power_of_2(group),
+        S=subspaces, DIMS=dims, BLOCK_DIMS=max(2, dims), CENTROIDS=1 << dims, BLOCK_C=min(32, 1 << dims), IDS=reference_analytic.NUM_IDS,
+    )
+    return rotated, table
+
+
+if "query_votes" in OPS:  # registered once dispatch.OPS names the op
+    implement("triton", "query_votes", supports=triton_runs_on)(query_votes)
