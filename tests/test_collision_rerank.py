@@ -1,0 +1,108 @@
+"""collision_rerank's length rule (ParisKV's candidate share by zone length), a zone that fits the
+budget selected whole, and the fused kernel path choosing what the composed ops choose."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvpolicy import analytic
+from kvpolicy.kernels import dispatch, reference_analytic
+from kvpolicy.selectors import CollisionRerank
+from kvpolicy.units import Analytic
+
+
+def _index(n, dim=16, heads=2, batch=1, buffer=4, seed=0, drop=0.0):
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(batch, heads, n, dim, generator=gen)
+    valid = torch.rand(batch, n, generator=gen) >= drop
+    return Analytic(update_buffer=buffer).build_index(keys, valid, "reference", layer_idx=0), gen
+
+
+@pytest.mark.parametrize(
+    "zone, share",
+    [(100, 0.5), (4_999, 0.5), (5_000, 0.25), (9_999, 0.25), (10_000, 0.2), (29_999, 0.2), (30_000, 0.1), (10**6, 0.1)],
+)
+def test_the_candidate_share_follows_paris_kv_by_zone_length(zone, share):
+    selector = CollisionRerank()
+    assert selector.fraction_for(zone) == share
+    assert selector.keep_for(zone, retrieval=10) == max(20, math.ceil(zone * share))
+    # a larger candidate_fraction wins in every band; a smaller one only from 30K on
+    assert CollisionRerank(candidate_fraction=1.0).keep_for(zone, 10) == zone
+    assert CollisionRerank(candidate_fraction=0.05).fraction_for(zone) == (0.05 if zone >= 30_000 else share)
+
+
+def test_the_device_count_is_the_host_rule():
+    zones = torch.tensor([0, 1, 7, 4_999, 5_000, 9_999, 10_000, 29_999, 30_000, 123_457])
+    selector = CollisionRerank()
+    got = reference_analytic.candidate_count(zones, 3, selector.candidate_fraction, analytic.CANDIDATE_BANDS)
+    assert got.tolist() == [max(3, math.ceil(z * selector.fraction_for(z))) for z in zones.tolist()]
+
+
+@pytest.mark.parametrize("capacity", [300, 4_999, 5_000, 12_000, 40_000])
+def test_the_width_holds_the_rule_for_every_zone_up_to_capacity(capacity):
+    selector = CollisionRerank()
+    zones = torch.arange(capacity + 1)
+    counts = reference_analytic.candidate_count(zones, selector.floor_for(50), 0.1, analytic.CANDIDATE_BANDS)
+    width = selector.candidates_for(capacity, 50)
+    assert width >= min(capacity, int(counts.max()))
+    assert width <= min(capacity, int(counts.max()) + 1)  # no wider than it needs
+
+
+@pytest.mark.parametrize("zone", [900, 1_300])
+def test_the_zone_length_sets_how_many_candidates_are_reranked(zone, monkeypatch):
+    index, gen = _index(zone)
+    ops = dispatch.bind("reference", torch.device("cpu"))
+    seen = []
+    rerank = ops.rerank
+
+    def spy(rotated, codes, weight, norms, candidates, k):
+        seen.append((candidates >= 0).sum(-1))
+        return rerank(rotated, codes, weight, norms, candidates, k)
+
+    monkeypatch.setattr(ops, "rerank", spy)
+    selector = CollisionRerank(min_candidates=1.0)
+    monkeypatch.setattr(analytic, "CANDIDATE_BANDS", ((1_000, 0.5), (2_000, 0.25)))  # the same rule, scaled down
+    selector.select(torch.randn(1, 2, 16, generator=gen), index, 20, ops)
+    assert seen[0].tolist() == [[math.ceil(zone * (0.5 if zone < 1_000 else 0.25))] * 2]
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_a_zone_that_fits_the_budget_is_selected_whole(extra):
+    capacity = 40
+    index, gen = _index(capacity - 3 + extra, buffer=4)  # 3 buffered tokens below
+    for slot in range(3):
+        index.append_leaving_token(torch.tensor(1_000 + slot), torch.randn(1, 2, 16, generator=gen),
+                                   torch.ones(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool))
+    # the fewest candidates the options allow: still every token while the zone fits
+    selection = CollisionRerank(candidate_fraction=0.01, min_candidates=1.0).select(
+        torch.randn(1, 4, 16, generator=gen), index, capacity, "reference"
+    )
+    zone = set(range(capacity - 3 + extra)) | {1_000, 1_001, 1_002}
+    for h in range(2):
+        picked = set(selection.slots[0, h][selection.slot_valid[0, h]].tolist())
+        assert len(picked) == capacity
+        assert picked == zone if not extra else picked < zone
+
+
+def test_the_fused_ops_select_what_the_composed_ops_select(monkeypatch):
+    from kvpolicy.kernels.triton import collision_candidates, query_votes
+
+    monkeypatch.setattr(collision_candidates, "_CHUNK", 256)
+    monkeypatch.setattr(collision_candidates, "_SUB", 64)
+    index, gen = _index(700, dim=32, heads=2, batch=2, buffer=5, drop=0.1)
+    for slot in range(8):  # a flush and a partly filled buffer
+        index.append_leaving_token(torch.tensor(700 + slot), torch.randn(2, 2, 32, generator=gen),
+                                   torch.ones(2, dtype=torch.bool), torch.zeros(2, dtype=torch.bool))
+    fused = dispatch.Ops("reference", torch.device("cpu"))  # a table of its own, changed below
+    monkeypatch.setattr(fused, "query_votes", query_votes.query_votes, raising=False)
+    monkeypatch.setattr(fused, "collision_candidates", collision_candidates.collision_candidates, raising=False)
+    query = torch.randn(2, 6, 32, generator=gen)
+    selector = CollisionRerank(min_candidates=1.0, candidate_fraction=0.3)
+    want = selector.select(query, index, 60, "reference")
+    got = selector.select(query, index, 60, fused)
+    assert torch.equal(got.slot_valid, want.slot_valid) and int(want.slot_valid.sum()) == 2 * 2 * 60
+    # the same tokens; their order may differ where two 4-bit estimates tie exactly
+    assert torch.equal(got.slots.sort(-1).values, want.slots.sort(-1).values)
