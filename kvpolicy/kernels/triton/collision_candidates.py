@@ -100,7 +100,9 @@ def _threshold_kernel(
     share = tl.where(n < bound2, tl.maximum(share2, fraction), share)
     share = tl.where(n < bound1, tl.maximum(share1, fraction), share)
     share = tl.where(n < bound0, tl.maximum(share0, fraction), share)
-    keep = tl.maximum(tl.ceil(n.to(tl.float32) * share).to(tl.int32), FLOOR)
+    wanted = n.to(tl.float32) * share
+    whole = wanted.to(tl.int32)  # wanted >= 0: truncation, then up where a fraction remains (= ceil)
+    keep = tl.maximum(whole + (whole.to(tl.float32) < wanted).to(tl.int32), FLOOR)
     take = tl.minimum(tl.minimum(keep, n), WIDTH)
     # keys with at least bin b's vote; the threshold is the highest bin that reaches `take`
     at_least = tl.sum(total, axis=0) - tl.cumsum(total, axis=0) + total
@@ -141,10 +143,10 @@ def _compact_kernel(
     for s0 in range(0, CHUNK, SUB):
         n = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
         in_n = n < N
-        bin = tl.load(votes_ptr + row * N + n, mask=in_n, other=-1).to(tl.int32) + 1
-        tied = (bin == level).to(tl.int32)
+        vote_bin = tl.load(votes_ptr + row * N + n, mask=in_n, other=-1).to(tl.int32) + 1
+        tied = (vote_bin == level).to(tl.int32)
         tie_rank = ties_seen + tl.cumsum(tied, axis=0) - tied
-        take = ((bin > level) | ((tied != 0) & (tie_rank < ties))).to(tl.int32)
+        take = ((vote_bin > level) | ((tied != 0) & (tie_rank < ties))).to(tl.int32)
         place = placed + tl.cumsum(take, axis=0) - take
         tl.store(out_ptr + row * WIDTH + place, n, mask=(take != 0) & (place < WIDTH))
         ties_seen += tl.sum(tied, axis=0)

@@ -1,0 +1,276 @@
+"""ParisKV's selection per layer and its single-row gather from a pinned pool, on one GPU.
+
+Per layer (Qwen3-8B shape by default: 8 KV heads, 32 query heads, head_dim 128, 16 subspaces,
+6 tiers), at each context x batch:
+
+- the whole selection (``CollisionRerank.select``: query encoding, collision votes,
+  candidates, the 4-bit rerank and the buffer-first composition), as a CUDA-graph replay,
+  once through the fused ops (``query_votes`` + ``collision_candidates``) and once through
+  the composed ones (``collision_count`` + ``candidate_topk``), and each path's parts;
+- the single-row gather (``gather_rows_into``) of a selection's rows (the retrieval budget per
+  (sequence, KV head), random slots, and the same slots sorted by address) from a pinned pool
+  of the largest context, in GB/s, against a plain pinned host-to-device copy of the same
+  bytes measured in the same run.
+
+The index is random (ids, codes, weights): timing only, no accuracy. Usage (GPU, ~2 min):
+
+    python3 benchmarks/pariskv_select.py --json pariskv_select.json
+    python3 benchmarks/pariskv_select.py --contexts 131072 --batches 4 --no-gather
+
+``--device cpu`` runs the same code eagerly at toy sizes (wall clock, reference backend unless
+``--backend triton`` under ``TRITON_INTERPRET=1``) to check that it runs; its figures mean
+nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvpolicy import analytic
+from kvpolicy.bench.timing import time_ms, time_replay_ms
+from kvpolicy.kernels import dispatch, reference_analytic
+from kvpolicy.selectors import CollisionRerank
+from kvpolicy.units.analytic_index import AnalyticIndex
+
+FUSED_OPS = ("query_votes", "collision_candidates")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=_ints, default=[131072, 1048576], help="tokens per sequence (retrieval zone)")
+    parser.add_argument("--batches", type=_ints, default=[4])
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--q-heads", type=int, default=32)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--budget", type=int, default=2048, help="tokens attended: sink 4 + local 64 + retrieved")
+    parser.add_argument("--update-buffer", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--backend", default=None, help="kernel backend (default: triton on cuda, reference on cpu)")
+    parser.add_argument("--no-gather", action="store_true", help="skip the pinned gather")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here (use --device cpu for a toy run)")
+    if args.q_heads % args.kv_heads:
+        parser.error(f"--q-heads {args.q_heads} must be a multiple of --kv-heads {args.kv_heads}")
+    analytic.check_head_dim(args.head_dim)
+    if args.budget - 68 <= args.update_buffer:
+        parser.error(f"--budget {args.budget} leaves no room to retrieve past sink 4, local 64 and the buffer")
+    args.backend = args.backend or ("triton" if args.device == "cuda" else "reference")
+    return args
+
+
+def random_index(batch: int, heads: int, context: int, head_dim: int, buffered: int, device: torch.device) -> AnalyticIndex:
+    """An analytic index of ``context`` retrieval-zone tokens (random ids and codes) and
+    ``buffered`` tokens in its update buffer, at capacity ``context + buffered``."""
+    subspaces = analytic.DEFAULT_SUBSPACES if head_dim <= 128 else head_dim // analytic.MAX_SUBSPACE_DIMS
+    dims = head_dim // subspaces
+    capacity = context + buffered
+    gen = torch.Generator(device=device).manual_seed(context + batch)
+    return AnalyticIndex(
+        centroids=torch.randint(0, 1 << dims, (batch, heads, capacity, subspaces), generator=gen, device=device,
+                                dtype=torch.uint8),
+        codes=torch.randint(0, 256, (batch, heads, capacity, head_dim // 2), generator=gen, device=device,
+                            dtype=torch.uint8),
+        weight=1 + 0.1 * torch.rand(batch, heads, capacity, generator=gen, device=device),
+        norms=1 + torch.rand(batch, heads, capacity, generator=gen, device=device),
+        token_valid=torch.ones(batch, capacity, dtype=torch.bool, device=device),
+        slots=torch.arange(capacity, device=device),
+        next_position=torch.tensor(capacity, device=device),
+        indexed=torch.tensor(context, device=device),
+        signs=analytic.srht_signs(head_dim, 0, device),
+        subspaces=subspaces,
+        update_buffer=max(1, buffered),
+        num_prompt_units=context,
+        length=capacity,
+    )
+
+
+def bound_ops(backend: str, device: torch.device, fused: bool) -> dispatch.Ops:
+    """A private ops table with the fused ops (from their modules if dispatch does not list them
+    yet) or without them (the selector then composes collision_count and candidate_topk)."""
+    ops = dispatch.Ops(backend, device)
+    for name in FUSED_OPS:
+        if not fused:
+            if hasattr(ops, name):
+                delattr(ops, name)
+        elif not hasattr(ops, name):
+            if backend == "reference":
+                setattr(ops, name, getattr(reference_analytic, name))
+            else:
+                import importlib
+
+                setattr(ops, name, getattr(importlib.import_module(f"kvpolicy.kernels.triton.{name}"), name))
+    return ops
+
+
+def _timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]], float]:
+    if device.type == "cuda":
+        return lambda fn: time_replay_ms(fn, device, repeats)
+    return lambda fn: time_ms(fn, device, repeats, warmup=1)
+
+
+@torch.inference_mode()
+def measure_selection(args: argparse.Namespace, batch: int, context: int, device: torch.device) -> list[dict]:
+    """Per path, the whole selection's and its parts' ms per layer."""
+    retrieval = args.budget - 4 - 64
+    index = random_index(batch, args.kv_heads, context, args.head_dim, args.update_buffer - 1, device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    query = torch.randn(batch, args.q_heads, args.head_dim, device=device, dtype=dtype)
+    selector = CollisionRerank()
+    tiers = selector.tiers_for(args.head_dim // index.subspaces)
+    votes_per_rank = torch.tensor(analytic.tier_weights(tiers), dtype=torch.int32, device=device)
+    width = selector.candidates_for(index.capacity, retrieval)
+    rule = (selector.floor_for(retrieval), selector.candidate_fraction, analytic.CANDIDATE_BANDS)
+    max_votes = index.subspaces * tiers
+    group = query.view(batch, args.kv_heads, -1, args.head_dim)
+    timed = _timer(device, args.repeats)
+    id_bytes = index.centroids.numel()
+    rows = []
+    for fused in (True, False):
+        ops = bound_ops(args.backend, device, fused)
+        total = timed(lambda: selector.select(query, index, retrieval, ops))
+        parts: dict[str, float] = {}
+        if fused:
+            rotated, table = ops.query_votes(group, index.signs, index.subspaces, votes_per_rank)
+            parts["query_votes"] = timed(lambda: ops.query_votes(group, index.signs, index.subspaces, votes_per_rank))
+            candidates = ops.collision_candidates(table, index.centroids, index.token_valid, index.indexed, width,
+                                                  max_votes, *rule)
+            parts["collision_candidates"] = timed(lambda: ops.collision_candidates(
+                table, index.centroids, index.token_valid, index.indexed, width, max_votes, *rule))
+        else:
+            encoded = analytic.encode_query(group.float().mean(2), index.signs, index.subspaces, (1 << tiers) - 1)
+            rotated = encoded.rotated
+            parts["encode_query"] = timed(lambda: analytic.encode_query(
+                group.float().mean(2), index.signs, index.subspaces, (1 << tiers) - 1))
+            voted = index.retrieval_mask()[:, None, :].expand(batch, args.kv_heads, index.capacity)
+            votes = ops.collision_count(encoded.centroids, index.centroids, voted, votes_per_rank)
+            parts["collision_count"] = timed(lambda: ops.collision_count(
+                encoded.centroids, index.centroids, voted, votes_per_rank))
+            parts["candidate_topk"] = timed(lambda: ops.candidate_topk(votes, width, max_votes))
+            keep = reference_analytic.candidate_count(voted[:, 0].sum(-1), *rule)
+            candidates = torch.where(torch.arange(width, device=device) < keep.view(batch, 1, 1),
+                                     ops.candidate_topk(votes, width, max_votes), -1)
+        parts["rerank"] = timed(lambda: ops.rerank(rotated, index.codes, index.weight, index.norms, candidates, retrieval))
+        parts["rest"] = total - sum(parts.values())
+        votes_ms = parts["collision_candidates" if fused else "collision_count"]
+        listed = int((candidates >= 0).sum())
+        rows.append({
+            "kind": "selection", "path": "fused" if fused else "composed", "backend": args.backend, "batch": batch,
+            "context": context, "kv_heads": args.kv_heads, "q_heads": args.q_heads, "head_dim": args.head_dim,
+            "subspaces": index.subspaces, "tiers": tiers, "retrieval": retrieval, "candidates_per_row": listed
+            // (batch * args.kv_heads), "ms": total, "parts_ms": parts,
+            # the centroid ids every step must read, at the whole selection's time
+            "id_bytes": id_bytes, "id_gbps": id_bytes / total / 1e6,
+            # ... and at the time of the part that reads them
+            "votes_part_id_gbps": id_bytes / votes_ms / 1e6,
+        })
+    return rows
+
+
+@torch.inference_mode()
+def measure_gather(args: argparse.Namespace, batch: int, context: int, device: torch.device) -> list[dict]:
+    """One pool of keys (B, H, context, D) in pinned memory; a selection's rows gathered to the GPU."""
+    from kvpolicy.pinned import pinned_empty
+
+    retrieval = args.budget - 4 - 64
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = (batch, args.kv_heads, context, args.head_dim)
+    pinned = device.type == "cuda"
+    pool = pinned_empty(shape, dtype) if pinned else torch.empty(shape, dtype=dtype)
+    # contents: one random block repeated, written from the GPU (drawing GBs on the host is slow)
+    block = torch.randn(1 << 20, dtype=dtype, device=device)
+    flat = pool.view(-1)
+    for start in range(0, flat.numel(), block.numel()):
+        part = flat[start:start + block.numel()]
+        part.copy_(block[: part.numel()], non_blocking=pinned)
+    if pinned:
+        torch.cuda.synchronize(device)
+    gather_into = dispatch.get("gather_rows_into", args.backend, device)
+    gen = torch.Generator(device=device).manual_seed(7)
+    # distinct random slots per (sequence, head), as a selection's
+    slots = torch.rand(batch, args.kv_heads, context, generator=gen, device=device).topk(retrieval, -1).indices
+    take = torch.ones(batch, dtype=torch.bool, device=device)
+    out = torch.empty(batch, args.kv_heads, retrieval, args.head_dim, dtype=dtype, device=device)
+    nbytes = out.numel() * out.element_size()
+    source = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    copy_ms = time_ms(lambda: target.copy_(source, non_blocking=True), device, args.repeats)
+    timed = _timer(device, args.repeats)
+    rows = []
+    for order, chosen in (("random", slots), ("sorted", slots.sort(-1).values)):
+        ms = timed(lambda: gather_into(pool, chosen, take, out))
+        rows.append({
+            "kind": "gather", "order": order, "backend": args.backend, "batch": batch, "context": context,
+            "kv_heads": args.kv_heads, "rows": retrieval, "row_bytes": args.head_dim * out.element_size(),
+            "bytes": nbytes, "ms": ms, "gbps": nbytes / ms / 1e6, "copy_ms": copy_ms, "copy_gbps": nbytes / copy_ms / 1e6,
+        })
+    del pool
+    return rows
+
+
+def _label(context: int) -> str:
+    return f"{context >> 20}M" if context % (1 << 20) == 0 else f"{context >> 10}K" if context % 1024 == 0 else str(context)
+
+
+def print_table(results: dict) -> None:
+    print(f"ParisKV selection per layer ({results['device']}, torch {results['torch']}, triton {results['triton']}); "
+          f"ms per {'replay' if results['device_type'] == 'cuda' else 'eager call (toy run)'}")
+    for row in results["selection"]:
+        parts = "  ".join(f"{name} {ms:.3f}" for name, ms in row["parts_ms"].items())
+        print(f"  {_label(row['context']):>5s} x{row['batch']} {row['path']:>8s}: {row['ms']:.3f} ms "
+              f"({row['candidates_per_row']} candidates/row; ids at {row['id_gbps']:.0f} GB/s, "
+              f"{row['votes_part_id_gbps']:.0f} in the votes part)  [{parts}]")
+    for row in results["gather"]:
+        print(f"  gather {_label(row['context']):>5s} x{row['batch']} {row['order']:>6s} rows: {row['gbps']:.1f} GB/s "
+              f"({row['bytes'] / 1e6:.1f} MB in {row['ms']:.3f} ms); plain H2D copy of the same bytes "
+              f"{row['copy_gbps']:.1f} GB/s ({row['gbps'] / row['copy_gbps']:.2f}x)")
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    results = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "device_type": device.type,
+        "torch": torch.__version__, "triton": triton_version, "argv": list(sys.argv[1:] if argv is None else argv),
+        "selection": [], "gather": [],
+    }
+    for batch in args.batches:
+        for context in args.contexts:
+            results["selection"] += measure_selection(args, batch, context, device)
+            print_table({**results, "selection": results["selection"][-2:], "gather": []})
+    if not args.no_gather:
+        batch, context = max(args.batches), max(args.contexts)
+        results["gather"] = measure_gather(args, batch, context, device)
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(results, handle, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
