@@ -18,6 +18,33 @@ Layouts:
 - 4-bit code of a coordinate: bit 3 is the sign (1 = negative), bits 0-2 index the magnitude
   levels (``magnitude_levels``). Coordinate ``2i`` sits in the low nibble of byte ``i``,
   coordinate ``2i + 1`` in the high nibble.
+
+ParisKV's pipeline, file by file (the ``pariskv`` preset composes the first three):
+
+- ``kvpolicy/presets.py`` (``_pariskv``): the preset: zones, update buffer, every-step trigger.
+- ``kvpolicy/units/analytic.py``: ``Analytic``, the builder (subspaces, update_buffer, seed).
+- ``kvpolicy/units/analytic_index.py``: ``AnalyticIndex``, per-token ids, codes, weight and norm;
+  the update buffer and its flush on device counters.
+- ``kvpolicy/selectors/collision_rerank.py``: ``CollisionRerank``, the group-mean query, votes,
+  candidates by zone length (``CANDIDATE_BANDS`` below), the rerank, the buffer first.
+- ``kvpolicy/analytic.py`` (this file): the encoding (rotation, centroids, 4-bit codes, tiers) and
+  ParisKV's length rule.
+- ``kvpolicy/kernels/reference_analytic.py``: the reference of every op below.
+- ``kvpolicy/kernels/triton/query_votes.py``: op ``query_votes``, the rotated query and its vote
+  table in one launch.
+- ``kvpolicy/kernels/triton/collision_candidates.py``: op ``collision_candidates``, votes, count
+  and candidate set in three launches, each centroid id read once.
+- ``kvpolicy/kernels/triton/collision.py``, ``candidates.py``: ops ``collision_count`` and
+  ``candidate_topk``, the composed path the selector takes where the fused ops are not bound.
+- ``kvpolicy/kernels/triton/rerank.py``: op ``rerank``, the candidates' 4-bit estimates, top-k.
+- ``kvpolicy/kernels/triton/gather.py``: op ``gather_rows_into``, the selected rows from the pool
+  (shared with every preset, like ``store.py`` and ``layer.py``).
+- ``kvpolicy/units/nearest_centroid.py``: the stale-centroid baseline ParisKV is compared with.
+
+Tests: ``tests/test_analytic.py`` (encoding, reference ops), ``tests/test_triton_analytic.py``
+(each Triton op against its reference), ``tests/test_pariskv.py`` (index, selections, config),
+``tests/test_collision_rerank.py`` (length rule, fused path). Speed:
+``benchmarks/pariskv_select.py`` (selection per layer, the pinned gather), ``benchmarks/candidate_topk.py``.
 """
 
 from __future__ import annotations
