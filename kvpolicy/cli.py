@@ -136,24 +136,32 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     bench.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
 
-    cal = sub.add_parser("calibrate", help="choose LouisKV's tau for a model once; stored as its default")
+    cal = sub.add_parser("calibrate", help="choose the louiskv preset's trigger setting for a model once; stored as "
+                                           "its default")
     cal.add_argument("--model", default="smollm2", help="as for `run`")
     cal.add_argument("--samples", type=int, default=200, help="local prompts to calibrate on (default 200)")
     cal.add_argument("--length", type=int, default=1024, help="prompt length in tokens (default 1024)")
     cal.add_argument("--steps", type=int, default=32, help="teacher-forced tokens per prompt (default 32)")
-    cal.add_argument("--taus", default="0.5,0.6,0.7,0.8,0.85,0.9,0.95")
+    cal.add_argument("--trigger", choices=["score_gap", "query_cosine"], default="score_gap",
+                     help="the trigger to calibrate: score_gap (the louiskv preset's; sweeps --margins) or "
+                          "query_cosine (the paper's; sweeps --taus)")
+    cal.add_argument("--margins", default="-1,-1.5,-2,-2.5,-3,-4",
+                     help="score_gap margins to try (default -1,-1.5,-2,-2.5,-3,-4)")
+    cal.add_argument("--measure", choices=["mass", "weakest"], default="mass",
+                     help="score_gap's measure (default mass)")
+    cal.add_argument("--taus", default="0.5,0.6,0.7,0.8,0.85,0.9,0.95", help="query_cosine taus to try")
     cal.add_argument("--budget", type=int, default=512)
     cal.add_argument("--tolerance", type=float, default=0.02,
-                     help="keep the tau with the fewest re-selections whose top-1 agreement is within this of the "
-                          "best candidate's (default 0.02: the 2 points LouisKV is asked to stay within)")
+                     help="keep the setting with the fewest re-selections whose top-1 agreement is within this of "
+                          "every-step selection's with the same units (default 0.02: 2 points)")
     cal.add_argument("--against", choices=["previous", "anchor"], default="previous",
                      help="the query_cosine trigger's reference query (default: the previous step's, as LouisKV)")
     cal.add_argument("--first-sample", type=int, default=0,
                      help="measure samples FIRST..FIRST+SAMPLES-1 (to split the work over processes)")
     cal.add_argument("--shard-out", metavar="FILE",
-                     help="only measure, and write the per-sample figures to FILE (no tau is stored)")
+                     help="only measure, and write the per-sample figures to FILE (nothing is stored)")
     cal.add_argument("--merge", nargs="+", metavar="FILE",
-                     help="choose and store tau from --shard-out files instead of measuring")
+                     help="choose and store from --shard-out files instead of measuring")
     cal.add_argument("--device", default=None)
     cal.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
 
@@ -741,9 +749,9 @@ def _print_points(measured, chosen: float, tolerance: float) -> None:
 
 
 def _choose_and_store(measured, tolerance: float) -> float:
-    from .eval.calibrate import choose, store
+    from .eval.calibrate import choose_for, store
 
-    chosen = choose(measured.points(), tolerance)
+    chosen = choose_for(measured, tolerance)
     store(measured, chosen, tolerance)
     _print_points(measured, chosen, tolerance)
     return chosen
@@ -767,7 +775,8 @@ def _calibrate(args) -> int:
                 raise KVPolicyError(f"--merge: cannot read calibration shard {name!r}: {exc}") from None
         measured = merge(shards)
         chosen = _choose_and_store(measured, tolerance)
-        print(f"{len(measured.sample_ids)} samples; stored tau={chosen} for {measured.model} in {calibration_file()}")
+        print(f"{len(measured.sample_ids)} samples; stored {measured.trigger} {measured.parameter}={chosen} for "
+              f"{measured.model} in {calibration_file()}")
         return 0
 
     try:
@@ -776,6 +785,12 @@ def _calibrate(args) -> int:
         raise KVPolicyError(f"--taus takes comma-separated numbers, got {args.taus!r}") from None
     if not taus or any(not -1.0 <= t <= 1.0 for t in taus):
         raise KVPolicyError(f"--taus must be numbers in [-1, 1], got {args.taus!r}")
+    try:
+        margins = [float(m) for m in args.margins.split(",") if m.strip()]
+    except ValueError:
+        raise KVPolicyError(f"--margins takes comma-separated numbers, got {args.margins!r}") from None
+    if not margins or any(m != m for m in margins):
+        raise KVPolicyError(f"--margins takes comma-separated numbers, got {args.margins!r}")
     if args.samples < 1 or args.steps < 2 or args.length < 64 or args.first_sample < 0:
         raise KVPolicyError("--samples must be >= 1, --steps >= 2, --length >= 64 and --first-sample >= 0")
     if args.budget >= args.length:
@@ -796,8 +811,13 @@ def _calibrate(args) -> int:
         print(f"\r[{done}/{total}] prompts, ETA {eta:.0f} s", end="" if done < total else "\n", flush=True)
 
     sample_ids = range(args.first_sample, args.first_sample + args.samples)
-    measured = measure_taus(model, tokenizer, taus=taus, sample_ids=sample_ids, length=args.length,
-                            steps=args.steps, budget=args.budget, against=args.against, progress=progress)
+    if args.trigger == "score_gap":
+        values, options = margins, {"measure": args.measure}
+    else:
+        values, options = taus, {}
+    measured = measure_taus(model, tokenizer, taus=values, sample_ids=sample_ids, length=args.length,
+                            steps=args.steps, budget=args.budget, against=args.against, progress=progress,
+                            trigger=args.trigger, options=options)
     if args.shard_out:
         from dataclasses import asdict
 
@@ -806,7 +826,7 @@ def _calibrate(args) -> int:
         print(f"wrote the figures of {len(sample_ids)} samples to {args.shard_out}; merge shards with --merge")
         return 0
     chosen = _choose_and_store(measured, tolerance)
-    print(f"stored tau={chosen} for this model in {calibration_file()}")
+    print(f"stored {measured.trigger} {measured.parameter}={chosen} for this model in {calibration_file()}")
     return 0
 
 

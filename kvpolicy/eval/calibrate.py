@@ -1,16 +1,18 @@
-"""LouisKV's one-time, per-model choice of tau, and the frontier it is chosen from.
+"""LouisKV's one-time, per-model choice of its trigger setting, and the frontier it is chosen from.
 
 On locally generated prompts, full attention's greedy output is the reference; LouisKV runs
-teacher-forced along it at each candidate tau, and once more with an every-step trigger and the
-same units (the reference for what re-selecting buys). A higher tau re-selects more often and
-tracks full attention more closely. Every candidate's re-selection share, top-1 agreement and KL
-are reported and stored (the whole frontier, see ``frontier``), not only the chosen one.
+teacher-forced along it at each candidate setting of one trigger (``score_gap``'s margin, the
+louiskv preset's trigger, or ``query_cosine``'s tau, the paper's), and once more with an every-step
+trigger and the same units: the reference for what reuse may cost. Every candidate's re-selection
+share, top-1 agreement and KL are reported and stored (the whole frontier, see ``frontier``), not
+only the chosen one.
 
-The rule (``choose``; ``RULE`` says it in words): among the candidate taus, the one with the fewest
-re-selections whose top-1 agreement with full attention is within ``tolerance`` (0.02: 2 points) of
-the best candidate's; ties go to the higher tau. The every-step row is reported beside the
-candidates but does not enter the rule. The choice is stored in the calibration file and becomes
-the model's default tau.
+The rule (``choose``; ``RULE`` says it in words): the cheapest setting, i.e. the candidate with the
+fewest re-selections, whose top-1 agreement with full attention is within ``tolerance`` (0.02: 2
+points) of every-step selection's with the same units; ties go to the more eager setting (higher
+tau, lower margin). If no candidate is within it, the one that agrees best. Figures without the
+every-step row (shards from before it was measured) are held to the best candidate instead. The
+choice is stored in the calibration file and becomes the model's default (``presets``).
 """
 
 from __future__ import annotations
@@ -28,9 +30,14 @@ from .fidelity import _kl
 from .tasks import TASKS, build_chat, make_sample
 
 
+# the option each calibrated trigger sweeps, and whether a higher value re-selects more often
+PARAMETER = {"query_cosine": "tau", "score_gap": "margin"}
+HIGHER_IS_EAGER = {"query_cosine": True, "score_gap": False}
+
+
 @dataclass
 class TauPoint:
-    tau: float | None  # None: the every-step reference
+    tau: float | None  # the swept option's value (tau, margin); None: the every-step reference
     reselect_share: float
     top1_agreement: float
     kl_mean: float
@@ -44,7 +51,7 @@ class TauMeasurements:
     length: int
     steps: int
     budget: int
-    taus: list[float]
+    taus: list[float]  # the swept option's values: tau for query_cosine, margin for score_gap
     sample_ids: list[int]
     reselect_share: dict[str, list[float]]  # str(tau) -> one value per sample
     top1_agreement: dict[str, list[float]]
@@ -53,6 +60,18 @@ class TauMeasurements:
     # the every-step trigger with the same units and budget, one value per sample (empty: not measured)
     every_step_top1: list[float] = field(default_factory=list)
     every_step_kl: list[float] = field(default_factory=list)
+    trigger: str = "query_cosine"  # the trigger calibrated (figures from before it was recorded: query_cosine)
+    options: dict = field(default_factory=dict)  # its other options, fixed (score_gap's measure)
+
+    @property
+    def parameter(self) -> str:
+        return PARAMETER[self.trigger]
+
+    def spec(self, value: float) -> dict:
+        """The trigger spec of one candidate (as ``Policy``'s ``trigger`` takes it)."""
+        if self.trigger == "query_cosine":
+            return {"name": "query_cosine", "tau": value, "against": self.against}
+        return {"name": self.trigger, **self.options, self.parameter: value}
 
     def points(self) -> list[TauPoint]:
         return [TauPoint(t, mean(self.reselect_share[str(t)]), mean(self.top1_agreement[str(t)]),
@@ -65,15 +84,27 @@ class TauMeasurements:
         return TauPoint(None, 1.0, mean(self.every_step_top1), mean(self.every_step_kl))
 
 
-RULE = ("the candidate tau with the fewest re-selections whose top-1 agreement with full attention is within "
-        "{points:g} points of the best candidate's ({best:.1%}); ties go to the higher tau")
+RULE = ("the {name} setting with the fewest re-selections whose top-1 agreement with full attention is within "
+        "{points:g} points of every-step selection's with the same units ({reference:.1%}); ties go to the more "
+        "eager setting ({eager} {parameter}); if none is within, the one that agrees best")
+RULE_WITHOUT_REFERENCE = ("the {name} setting with the fewest re-selections whose top-1 agreement with full attention "
+                          "is within {points:g} points of the best candidate's ({reference:.1%}; these figures have "
+                          "no every-step row); ties go to the more eager setting ({eager} {parameter})")
+
+
+def reference_agreement(measured: "TauMeasurements") -> float:
+    """What the rule holds candidates to: every-step selection's top-1 agreement, else the best candidate's."""
+    reference = measured.every_step()
+    if reference is not None:
+        return reference.top1_agreement
+    return max(p.top1_agreement for p in measured.points())
 
 
 @dataclass
 class FrontierRow:
     """One measured setting of a calibration, as ``kvpolicy calibrate`` reports and stores it."""
 
-    tau: float | None  # None: the every-step reference
+    tau: float | None  # the swept option's value; None: the every-step reference
     reselect_share: float
     top1_agreement: float
     kl_mean: float
@@ -89,12 +120,12 @@ class FrontierRow:
 def frontier(measured: TauMeasurements, tolerance: float = 0.02, chosen: float | None = None) -> list[FrontierRow]:
     """Every candidate tau, then the every-step reference (if measured), with the rule's verdicts.
 
-    ``chosen`` defaults to ``choose(points, tolerance)``; pass NaN for none (a shard's figures).
+    ``chosen`` defaults to ``choose_for(measured, tolerance)``; pass NaN for none (a shard's figures).
     """
     points = measured.points()
     if chosen is None:
-        chosen = choose(points, tolerance)
-    best = max(p.top1_agreement for p in points)
+        chosen = choose_for(measured, tolerance)
+    best = reference_agreement(measured)
     reference = measured.every_step()
     rows_in = points + ([reference] if reference is not None else [])
 
@@ -109,14 +140,16 @@ def frontier(measured: TauMeasurements, tolerance: float = 0.02, chosen: float |
 
 
 def describe_rule(measured: TauMeasurements, tolerance: float) -> str:
-    return RULE.format(points=100 * tolerance, best=max(p.top1_agreement for p in measured.points()))
+    text = RULE if measured.every_step() is not None else RULE_WITHOUT_REFERENCE
+    return text.format(name=measured.trigger, points=100 * tolerance, reference=reference_agreement(measured),
+                       eager="higher" if HIGHER_IS_EAGER[measured.trigger] else "lower", parameter=measured.parameter)
 
 
 def frontier_table(measured: TauMeasurements, tolerance: float = 0.02, chosen: float | None = None) -> str:
     """The frontier as the text ``kvpolicy calibrate`` prints."""
     rows = frontier(measured, tolerance, chosen)
     reference = measured.every_step()
-    lines = [f"{'tau':>10s} {'re-selecting':>13s} {'top-1 agree':>12s} {'vs every step':>14s} {'KL':>8s}"]
+    lines = [f"{measured.parameter:>10s} {'re-selecting':>13s} {'top-1 agree':>12s} {'vs every step':>14s} {'KL':>8s}"]
     for r in rows:
         versus = "-" if reference is None else f"{100 * (r.top1_agreement - reference.top1_agreement):+.1f} pt"
         marks = [m for m, on in (("frontier", r.pareto), ("within tolerance", r.within_tolerance and r.tau is not None),
@@ -127,9 +160,13 @@ def frontier_table(measured: TauMeasurements, tolerance: float = 0.02, chosen: f
     return "\n".join(lines)
 
 
-def _check_taus(taus) -> list[float]:
+def _check_taus(taus, trigger: str = "query_cosine") -> list[float]:
     taus = sorted(float(t) for t in taus)
-    if not taus or any(not -1.0 <= t <= 1.0 for t in taus):
+    if trigger not in PARAMETER:
+        raise ConfigError(f"calibrate: cannot calibrate trigger {trigger!r}; calibrated triggers: {', '.join(PARAMETER)}")
+    if not taus or any(t != t for t in taus):
+        raise ConfigError(f"give at least one {PARAMETER[trigger]}, got {taus}")
+    if trigger == "query_cosine" and any(not -1.0 <= t <= 1.0 for t in taus):
         raise ConfigError(f"taus must be numbers in [-1, 1], got {taus}")
     return taus
 
@@ -146,14 +183,20 @@ def measure_taus(
     against: str = "previous",
     every_step: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    trigger: str = "query_cosine",
+    options: dict | None = None,
 ) -> TauMeasurements:
-    """Teacher-forced LouisKV at each tau along full attention's output, sample by sample; with
-    ``every_step``, also the every-step trigger with the same units (one more decode per sample).
+    """Teacher-forced LouisKV at each value of ``trigger``'s swept option (``taus``: tau for
+    ``query_cosine``, margin for ``score_gap``, whose other ``options`` stay fixed) along full
+    attention's output, sample by sample; with ``every_step``, also the every-step trigger with the
+    same units (one more decode per sample).
 
     Sample ``i`` is task ``i mod 8`` made with seed ``1000 + i``, so shards with disjoint
     ``sample_ids`` measure disjoint prompts.
     """
-    taus = _check_taus(taus)
+    taus = _check_taus(taus, trigger)
+    options = dict(options or {})
+    spec_of = TauMeasurements("", 0, 0, 0, [], [], {}, {}, {}, against, trigger=trigger, options=options).spec
     sample_ids = list(sample_ids)
     if budget >= length:
         raise ConfigError(
@@ -175,7 +218,7 @@ def measure_taus(
         shared = decoding.prefill(model, chat["input_ids"].to(device), chat["attention_mask"].to(device))
         reference = decoding.decode(model, shared, preset("full"), steps, keep_logits=True)
         for tau in taus:
-            policy = preset("louiskv", budget=budget, trigger={"name": "query_cosine", "tau": tau, "against": against})
+            policy = preset("louiskv", budget=budget, trigger=spec_of(tau))
             forced = decoding.decode(model, shared, policy, steps, forced=reference.tokens, keep_logits=True)
             kl, agree = _kl(reference.logits[1:], forced.logits[1:])  # step 0 is the shared prefill
             shares[str(tau)].append(forced.reselect_share or 0.0)
@@ -190,17 +233,19 @@ def measure_taus(
         if progress is not None:
             progress(done, len(sample_ids))
     return TauMeasurements(model_id(model), length, steps, budget, taus, sample_ids, shares, top1, kls, against,
-                           every_top1, every_kl)
+                           every_top1, every_kl, trigger, options)
 
 
 def merge(shards: list[TauMeasurements]) -> TauMeasurements:
     """One measurement from shards of the same setting over disjoint samples."""
     first = shards[0]
     for other in shards[1:]:
-        same = (other.model, other.length, other.steps, other.budget, other.taus, other.against)
-        if same != (first.model, first.length, first.steps, first.budget, first.taus, first.against):
-            raise ConfigError(f"cannot merge calibration shards of different settings: {same} vs "
-                              f"{(first.model, first.length, first.steps, first.budget, first.taus, first.against)}")
+        def setting(m):
+            return (m.model, m.length, m.steps, m.budget, m.taus, m.against, m.trigger, m.options)
+
+        if setting(other) != setting(first):
+            raise ConfigError(f"cannot merge calibration shards of different settings: {setting(other)} vs "
+                              f"{setting(first)}")
     ids = [i for s in shards for i in s.sample_ids]
     if len(set(ids)) != len(ids):
         raise ConfigError("calibration shards overlap: a sample was measured twice")
@@ -214,35 +259,62 @@ def merge(shards: list[TauMeasurements]) -> TauMeasurements:
     every_kl = [v for s in shards for v in s.every_step_kl] if whole else []
     return TauMeasurements(first.model, first.length, first.steps, first.budget, first.taus, ids,
                            joined("reselect_share"), joined("top1_agreement"), joined("kl_mean"), first.against,
-                           every_top1, every_kl)
+                           every_top1, every_kl, first.trigger, first.options)
 
 
-def choose(points: list[TauPoint], tolerance: float = 0.02) -> float:
-    """The tau with the fewest re-selections among those within ``tolerance`` of the best top-1
-    agreement (``RULE``); of equal re-selection shares, the higher tau."""
-    best_agreement = max(p.top1_agreement for p in points)
-    good = [p for p in points if p.top1_agreement >= best_agreement - tolerance]
-    return min(good, key=lambda p: (p.reselect_share, -p.tau)).tau
+def choose(points: list[TauPoint], tolerance: float = 0.02, reference: float | None = None,
+           higher_is_eager: bool = True) -> float:
+    """``RULE``: the setting with the fewest re-selections among those whose top-1 agreement is within
+    ``tolerance`` of ``reference`` (every-step selection's agreement; None: the best candidate's); of
+    equal re-selection shares, the more eager one (the higher value if ``higher_is_eager``). If none
+    is within, the best-agreeing setting (of equal agreement, the cheaper)."""
+    if reference is None:
+        reference = max(p.top1_agreement for p in points)
+    sign = -1.0 if higher_is_eager else 1.0
+    good = [p for p in points if p.top1_agreement >= reference - tolerance - 1e-12]
+    if not good:
+        return max(points, key=lambda p: (p.top1_agreement, -p.reselect_share)).tau
+    return min(good, key=lambda p: (p.reselect_share, sign * p.tau)).tau
+
+
+def choose_for(measured: TauMeasurements, tolerance: float = 0.02) -> float:
+    """``choose`` with the rule's reference (``reference_agreement``) and ``measured``'s trigger's direction."""
+    return choose(measured.points(), tolerance, reference_agreement(measured), HIGHER_IS_EAGER[measured.trigger])
 
 
 def store(measured: TauMeasurements, chosen: float, tolerance: float) -> None:
-    """Write the choice to the calibration file, where it becomes the model's default tau."""
-    if measured.against != "previous":
+    """Write the choice to the calibration file, where it becomes the model's default.
+
+    A model's entry keeps one record per calibrated trigger (under its name: the chosen setting,
+    the rule and the whole frontier). ``query_cosine``'s tau is also the entry's ``tau`` (the paper's
+    trigger's default, ``calibration.calibrated_tau``); ``score_gap``'s choice is the entry's
+    ``trigger``, the louiskv preset's default trigger for the model (``presets.louiskv_trigger``).
+    """
+    if measured.trigger == "query_cosine" and measured.against != "previous":
         raise ConfigError(
-            f"these figures were measured with against={measured.against!r}; the louiskv preset compares with the "
+            f"these figures were measured with against={measured.against!r}; the paper's trigger compares with the "
             "previous query, so its tau is calibrated with against='previous' only"
         )
     path = calibration_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     stored = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
     rows = frontier(measured, tolerance, chosen)
-    stored[measured.model] = {
-        "tau": chosen, "samples": len(measured.sample_ids), "length": measured.length, "steps": measured.steps,
-        "budget": measured.budget, "tolerance": tolerance, "rule": describe_rule(measured, tolerance),
-        # every candidate tau, as measured, with the rule's verdicts: the whole frontier
+    record = {
+        measured.parameter: chosen, "trigger": measured.spec(chosen), "samples": len(measured.sample_ids),
+        "length": measured.length, "steps": measured.steps, "budget": measured.budget, "tolerance": tolerance,
+        "rule": describe_rule(measured, tolerance),
+        # every candidate, as measured, with the rule's verdicts: the whole frontier
         "points": [asdict(r) for r in rows if r.tau is not None],
         "every_step": next((asdict(r) for r in rows if r.tau is None), None),
     }
+    entry = stored.get(measured.model)
+    entry = dict(entry) if isinstance(entry, dict) else {}
+    entry[measured.trigger] = record
+    if measured.trigger == "query_cosine":
+        entry["tau"] = chosen
+    else:
+        entry["trigger"] = measured.spec(chosen)
+    stored[measured.model] = entry
     path.write_text(json.dumps(stored, indent=2), encoding="utf-8")
 
 
@@ -259,15 +331,18 @@ def calibrate(
     save: bool = True,
     every_step: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    trigger: str = "query_cosine",
+    options: dict | None = None,
 ) -> tuple[float, list[TauPoint]]:
-    """Returns ``(chosen_tau, points)`` and, with ``save``, stores the choice and the whole frontier
-    (see ``frontier``) for this model."""
+    """Returns ``(chosen, points)`` (``taus``: the values of ``trigger``'s swept option) and, with
+    ``save``, stores the choice and the whole frontier (see ``frontier``) for this model."""
     if samples < 1:
         raise ConfigError(f"samples must be >= 1, got {samples}")
     measured = measure_taus(model, tokenizer, taus=taus, sample_ids=range(samples), length=length, steps=steps,
-                            budget=budget, every_step=every_step, progress=progress)
+                            budget=budget, every_step=every_step, progress=progress, trigger=trigger,
+                            options=options)
     points = measured.points()
-    chosen = choose(points, tolerance)
+    chosen = choose_for(measured, tolerance)
     if save:
         store(measured, chosen, tolerance)
     return chosen, points
