@@ -7,6 +7,11 @@
                contiguous run of rows, not scattered single rows.
     attended   one buffer on the attention device, sink | retrieved | local: the three tiers
                below are views of it, so a step's attention is one launch over one part.
+               Each tier holds at most the rows the tokens so far can fill (``rows_for``), grown
+               by the step's plan (``make_room``) or before a capture (``reserve``): with a unit
+               table the buffer never holds more rows than the sequence has tokens, so a short
+               prompt with a large budget costs what its tokens cost, never more than the full
+               KV (ParisKV's index may ask for a few rows more: ``retrievable``).
     sink       the first ``sink`` tokens of each sequence, on the attention device.
     local      a fixed ring of the last ``local`` slots, on the attention device.
     retrieved  a fixed buffer of ``retrieval`` tokens fetched from the pool, reused until the
@@ -80,6 +85,20 @@ def _copy_prompt(pool: torch.Tensor, rows: torch.Tensor, first: int = 0) -> None
             pool[b, h, first:n].copy_(rows[b, h, first:], non_blocking=True)
 
 
+def _rows_for(tokens: int, sink: int, retrieval: int, local: int, wanted: int) -> tuple[int, int, int]:
+    """``(sink, retrieved, local)`` rows of the attended buffer that a sequence of ``tokens``
+    tokens can fill, for ``sink`` sink rows, a retrieved tier of at most ``retrieval`` rows and a
+    ``local`` window, when the retrieval index may ask for ``wanted`` rows.
+
+    The ring holds the last ``min(local, tokens)``. Of the ``outside = tokens - local`` tokens
+    before it, sink row ``j`` can be valid only once ``j < outside`` (it is the ``j``-th valid
+    token, at slot ``j`` or later). The retrieved tier takes ``wanted`` rows (``TieredStore.
+    retrievable``), at most ``retrieval``, so a budget past the context still attends every token.
+    """
+    outside = max(tokens - local, 0)
+    return min(sink, outside), min(retrieval, max(wanted, 0)), min(local, tokens)
+
+
 @dataclass
 class Evicted:
     """The token the local ring pushed out this step (``valid`` False while the ring fills)."""
@@ -100,8 +119,8 @@ class TieredStore:
     sink_keys: torch.Tensor  # (B, H, S, D)
     sink_values: torch.Tensor
     sink_valid: torch.Tensor  # (B, S)
-    sink_slots: torch.Tensor  # (B, S) long; -1 where the prompt has fewer valid tokens
-    local_keys: torch.Tensor  # (B, H, L, D) ring: slot s lives at s % L
+    sink_slots: torch.Tensor  # (B, S) long; -1 where the prompt has fewer valid tokens (a view of sink_slots_all)
+    local_keys: torch.Tensor  # (B, H, L, D) ring: slot s lives at s % L (L < local_limit: no slot >= L yet)
     local_values: torch.Tensor
     local_valid: torch.Tensor  # (B, L)
     retrieved_keys: torch.Tensor  # (B, H, R, D)
@@ -137,6 +156,15 @@ class TieredStore:
     # the policy's retrieved rows (budget - sink - local); the buffer holds fewer while fewer
     # tokens have left the local window, and the plan grows it (``make_room``) up to this
     retrieval_limit: int | None = None
+    # the policy's local window; the ring holds fewer rows while the sequence is shorter
+    local_limit: int | None = None
+    # (B, min(sink, prompt)): the slot of every sink row there will be; ``sink_slots`` is the
+    # first rows of it, those the tokens outside the window can fill so far
+    sink_slots_all: torch.Tensor | None = None
+    # whether the retrieval index is a unit table (``lay_out_zone`` got a unit order), whose
+    # units hold retrievable tokens only; see ``retrievable`` for what other indexes may ask
+    unit_table: bool = False
+    prompt_length: int | None = None
 
     def __post_init__(self) -> None:
         keys = self.retrieved_keys
@@ -164,6 +192,12 @@ class TieredStore:
             self.current_slot = self.next_slot.clone()
         if self.retrieval_limit is None:
             self.retrieval_limit = self.retrieval_capacity
+        if self.local_limit is None:
+            self.local_limit = self.local_capacity
+        if self.sink_slots_all is None:
+            self.sink_slots_all = self.sink_slots
+        if self.prompt_length is None:
+            self.prompt_length = self.length
 
     @property
     def local_capacity(self) -> int:
@@ -205,33 +239,37 @@ class TieredStore:
 
         # the j-th sink token is the j-th valid slot of the prompt. One still in the local window
         # is attended there: its sink row becomes valid when the ring pushes it out
-        # (``append_token``), so a prompt shorter than the window keeps its sink too
+        # (``append_token``), so a prompt shorter than the window keeps its sink too. A prompt of
+        # fewer tokens than ``sink`` has fewer sink rows: the others could never be filled
+        sink = min(sink, prompt)
         seen = torch.cumsum(token_valid.long(), dim=-1)
         wanted = torch.arange(1, sink + 1, device=device).expand(batch, sink).contiguous()
         sink_slots = torch.searchsorted(seen.contiguous(), wanted)
         sink_found = sink_slots < prompt
-        sink_valid = sink_slots < zone_end
-        # a prompt of fewer valid tokens than the sink: the missing rows stay invalid, at a slot
+        # a sequence of fewer valid tokens than the sink: the missing rows stay invalid, at a slot
         # no token will leave the ring from
         sink_slots = torch.where(sink_found, sink_slots, -1)
 
         # what a step attends lives in one buffer, sink | retrieved | local, so attention is one
         # launch over one part; the tiers are views of it (validity per head: the retrieved tier's
-        # differs by head, the sink's and the ring's are the same for every head)
-        # no more rows than tokens outside the local window at the first step: a short prompt
-        # with a large budget gets a small buffer, grown by the plan as tokens leave the window
-        limit = retrieval
-        retrieval = min(limit, max(prompt + 1 - local, 0))
-        attended = sink + retrieval + local
+        # differs by head, the sink's and the ring's are the same for every head). Each tier has
+        # the rows the prompt's tokens can fill (``rows_for``); the plan grows them as tokens come
+        # (at the prompt's length every index asks for the zone's retrievable tokens)
+        sink_rows, retrieval_rows, local_rows = _rows_for(prompt, sink, retrieval, local, zone_end - min(sink, zone_end))
+        attended = sink_rows + retrieval_rows + local_rows
         attended_keys = keys.new_zeros(batch, heads, attended, dim)
         attended_values = values.new_zeros(batch, heads, attended, dim)
         attended_valid = torch.zeros(batch, heads, attended, dtype=torch.bool, device=device)
-        sink_part, retrieved_part, local_part = slice(0, sink), slice(sink, sink + retrieval), slice(sink + retrieval, None)
-        if prompt > 0:
-            index = sink_slots.clamp(min=0)[:, None, :, None].expand(batch, heads, sink, dim)
+        sink_part = slice(0, sink_rows)
+        retrieved_part = slice(sink_rows, sink_rows + retrieval_rows)
+        local_part = slice(sink_rows + retrieval_rows, None)
+        if sink_rows:
+            index = sink_slots[:, :sink_rows].clamp(min=0)[:, None, :, None].expand(batch, heads, sink_rows, dim)
             attended_keys[:, :, sink_part] = keys.gather(2, index)
             attended_values[:, :, sink_part] = values.gather(2, index)
-        attended_valid[:, :, sink_part] = sink_valid[:, None, :]
+            attended_valid[:, :, sink_part] = (sink_slots[:, :sink_rows] < zone_end)[:, None, :]
+        # the ring holds min(local, prompt) rows: prompt slot s at s % local, which is s when the
+        # prompt is shorter than the window (so the ring can grow without moving a row)
         positions = torch.arange(zone_end, prompt, device=device) % local
         local_keys, local_values = attended_keys[:, :, local_part], attended_values[:, :, local_part]
         local_keys[:, :, positions] = keys[:, :, zone_end:]
@@ -248,14 +286,14 @@ class TieredStore:
             sink_keys=attended_keys[:, :, sink_part],
             sink_values=attended_values[:, :, sink_part],
             sink_valid=attended_valid[:, 0, sink_part],
-            sink_slots=sink_slots,
+            sink_slots=sink_slots[:, :sink_rows],
             local_keys=local_keys,
             local_values=local_values,
             local_valid=attended_valid[:, 0, local_part],
             retrieved_keys=attended_keys[:, :, retrieved_part],
             retrieved_values=attended_values[:, :, retrieved_part],
             retrieved_valid=attended_valid[:, :, retrieved_part],
-            retrieved_slots=torch.zeros(batch, heads, retrieval, dtype=torch.long, device=device),
+            retrieved_slots=torch.zeros(batch, heads, retrieval_rows, dtype=torch.long, device=device),
             retrieved_fill=torch.zeros(batch, heads, dtype=torch.long, device=device),
             zone_end=zone_end,
             attended_keys=attended_keys,
@@ -263,15 +301,20 @@ class TieredStore:
             attended_valid=attended_valid,
             local_valid_heads=local_valid_heads,
             sink_valid_heads=attended_valid[:, :, sink_part],
-            retrieval_limit=limit,
+            retrieval_limit=retrieval,
+            local_limit=local,
+            sink_slots_all=sink_slots,
         )
 
     def lay_out_zone(self, keys: torch.Tensor, values: torch.Tensor, order: torch.Tensor | None) -> None:
         """Write the prompt's retrieval zone into the pool in ``order`` (``(B, H, zone_end)``, a
         permutation of the zone's slots per head, units contiguous): pool row ``i`` of head
         ``(b, h)`` holds slot ``order[b, h, i]``; ``None``: row = slot (an index of single
-        tokens has no runs to keep together). ``keys``/``values``: the prompt's ``(B, H, P, D)``."""
+        tokens has no runs to keep together). ``keys``/``values``: the prompt's ``(B, H, P, D)``.
+        A unit order also tells the store that its index is a unit table, whose units hold only
+        retrievable tokens, so the retrieved tier grows by the tighter rule (``retrievable``)."""
         zone = self.zone_end
+        self.unit_table = order is not None
         if zone == 0:
             return
         if order is None:
@@ -298,13 +341,36 @@ class TieredStore:
     def sink_slot_mask(self) -> torch.Tensor:
         """``(B, zone_end)`` True where a zone slot is a sink token (so not retrievable)."""
         seen = torch.cumsum(self.slot_valid[:, : self.zone_end].long(), dim=-1)
-        return self.slot_valid[:, : self.zone_end] & (seen <= self.sink_keys.shape[2])
+        return self.slot_valid[:, : self.zone_end] & (seen <= self.sink_slots_all.shape[1])
+
+    def rows_for(self, tokens: int) -> tuple[int, int, int]:
+        """``(sink, retrieved, local)`` rows a sequence of ``tokens`` tokens can fill (``_rows_for``)."""
+        return _rows_for(tokens, self.sink_slots_all.shape[1], self.retrieval_limit, self.local_limit,
+                         self.retrievable(tokens))
+
+    def retrievable(self, tokens: int) -> int:
+        """The most retrieved rows the index may ask for once the sequence has ``tokens`` tokens.
+
+        A unit table's units hold retrievable tokens only: no sink token and no padding. A
+        sequence has at most ``outside - sink`` of them before the window (its sink tokens are its
+        first valid ones; one with fewer valid tokens than ``sink`` rows has that many more
+        padding slots), so the tiers sum to at most ``tokens`` rows: never more than the full KV.
+        Another index is held to what ParisKV's asks for: it files a position for every decode
+        step, and its update buffer lays each one out in a row, valid or not (a short prompt's
+        sink tokens, the steps where no token left the ring yet); only the zone's sink tokens
+        stay out. On a prompt shorter than ``local + sink`` that is up to ``local - prompt +
+        sink`` rows more than the sequence has tokens.
+        """
+        sink, zone = self.sink_slots_all.shape[1], self.zone_end
+        outside = max(tokens - self.local_limit, 0)
+        if self.unit_table:
+            return outside - sink
+        positions = max(outside, zone + tokens - self.prompt_length)
+        return positions - min(sink, zone)
 
     def reserve(self, tokens: int) -> None:
         """Room for ``tokens`` more decode tokens without growing (before capturing a step)."""
-        outside = self.length + tokens - self.local_capacity
-        if self.retrieval_capacity < min(self.retrieval_limit, outside):
-            self._grow_retrieved(min(self.retrieval_limit, outside))
+        self._fit(self.length + tokens)
         capacity = self.pool_keys.shape[2]
         if self.length + tokens <= capacity:
             return
@@ -318,41 +384,61 @@ class TieredStore:
         self.slot_valid = torch.cat([self.slot_valid, pad], dim=1)
 
     def make_room(self) -> None:
-        """Room for one more token (host-side doubling, before the step's kernels): in the pool,
-        and in the retrieved buffer for every token outside the local window (up to the limit)."""
+        """Room for one more token (host side, before the step's kernels): in the pool (doubling),
+        and in the attended buffer's tiers, which grow to exactly what the next token makes
+        attendable (``rows_for``), so they never hold more rows than the sequence has tokens."""
         if self.length >= self.pool_keys.shape[2]:
             self.reserve(self.pool_keys.shape[2])
-        outside = self.length + 1 - self.local_capacity
-        if self.retrieval_capacity < min(self.retrieval_limit, outside):
-            self._grow_retrieved(min(self.retrieval_limit, max(outside, 2 * self.retrieval_capacity)))
+        self._fit(self.length + 1)
 
-    def _grow_retrieved(self, rows: int) -> None:
-        """A retrieved tier of ``rows`` rows in a new attended buffer: sink, the retrieved rows so
-        far and the ring copied over, the new rows empty; the tiers' views re-made (host side,
-        before a step or a capture, never inside one)."""
-        sink, old, local = self.sink_keys.shape[2], self.retrieval_capacity, self.local_capacity
+    def _fit(self, tokens: int) -> None:
+        sink, retrieved, local = self.rows_for(tokens)
+        now = (self.sink_keys.shape[2], self.retrieval_capacity, self.local_capacity)
+        if (sink, retrieved, local) != now:
+            self._grow_attended(*(max(a, b) for a, b in zip((sink, retrieved, local), now)))
+
+    def _grow_attended(self, sink: int, rows: int, local: int) -> None:
+        """A new attended buffer of ``sink + rows + local`` rows: the tiers' rows so far copied
+        over, the new ones empty (a new sink row takes its token from the pool, invalid until the
+        ring pushes the token out), the views re-made (host side, before a step or a capture,
+        never inside one). The ring grows only while no slot has reached its size, so every slot
+        it holds keeps its position ``slot % L``."""
+        old_sink, old, old_local = self.sink_keys.shape[2], self.retrieval_capacity, self.local_capacity
+        if local != old_local and self.length > old_local:
+            raise AssertionError(f"the local ring of {old_local} rows cannot grow to {local}: slot {self.length - 1} "
+                                 "already wrapped around it")
         batch, heads, _, dim = self.attended_keys.shape
-        keys = self.attended_keys.new_zeros(batch, heads, sink + rows + local, dim)
-        values = self.attended_values.new_zeros(batch, heads, sink + rows + local, dim)
-        valid = self.attended_valid.new_zeros(batch, heads, sink + rows + local)
+        total = sink + rows + local
+        keys = self.attended_keys.new_zeros(batch, heads, total, dim)
+        values = self.attended_values.new_zeros(batch, heads, total, dim)
+        valid = self.attended_valid.new_zeros(batch, heads, total)
         for new, was in ((keys, self.attended_keys), (values, self.attended_values), (valid, self.attended_valid)):
-            new[:, :, : sink + old] = was[:, :, : sink + old]
-            new[:, :, sink + rows :] = was[:, :, sink + old :]
+            new[:, :, :old_sink] = was[:, :, :old_sink]
+            new[:, :, sink : sink + old] = was[:, :, old_sink : old_sink + old]
+            new[:, :, sink + rows : sink + rows + old_local] = was[:, :, old_sink + old :]
+        if sink > old_sink:
+            slots = self.sink_slots_all[:, old_sink:sink]
+            rows_of = self.pool_rows(slots.clamp(min=0)[:, None, :].expand(batch, heads, -1).contiguous())
+            for new, pool in ((keys, self.pool_keys), (values, self.pool_values)):
+                index = rows_of.to(pool.device)[..., None].expand(batch, heads, sink - old_sink, dim)
+                new[:, :, old_sink:sink] = pool.gather(2, index).to(new.device, new.dtype)
         sink_part, retrieved_part, local_part = slice(0, sink), slice(sink, sink + rows), slice(sink + rows, None)
         self.attended_keys, self.attended_values, self.attended_valid = keys, values, valid
         self.sink_keys, self.sink_values = keys[:, :, sink_part], values[:, :, sink_part]
         self.sink_valid, self.sink_valid_heads = valid[:, 0, sink_part], valid[:, :, sink_part]
+        self.sink_slots = self.sink_slots_all[:, :sink]
         self.local_keys, self.local_values = keys[:, :, local_part], values[:, :, local_part]
         self.local_valid, self.local_valid_heads = valid[:, 0, local_part], valid[:, :, local_part]
         self.retrieved_keys, self.retrieved_values = keys[:, :, retrieved_part], values[:, :, retrieved_part]
         self.retrieved_valid = valid[:, :, retrieved_part]
-        for name in ("retrieved_slots", "retrieved_held"):
-            was = getattr(self, name)
-            grown = was.new_zeros(batch, heads, rows)
-            grown[:, :, :old] = was
-            setattr(self, name, grown)
-        self.scratch = _shared(self.retrieved_keys.shape, keys.dtype, keys)
-        self.source = _shared(self.retrieved_keys.shape[:3], torch.int32, keys, fill=-1)
+        if rows != old:
+            for name in ("retrieved_slots", "retrieved_held"):
+                was = getattr(self, name)
+                grown = was.new_zeros(batch, heads, rows)
+                grown[:, :, :old] = was
+                setattr(self, name, grown)
+            self.scratch = _shared(self.retrieved_keys.shape, keys.dtype, keys)
+            self.source = _shared(self.retrieved_keys.shape[:3], torch.int32, keys, fill=-1)
 
     def append(self, key: torch.Tensor, value: torch.Tensor, ops) -> Evicted:
         """Write one decode token (``(B, H, D)``) to the pool and the local ring.

@@ -264,6 +264,22 @@ def test_a_prompt_past_max_position_embeddings_warns(tokenizer, tmp_path, monkey
     assert "exceeds the model's max_position_embeddings (64)" in err
 
 
+@pytest.mark.parametrize("preset_name", ["louiskv", "streaming"])
+def test_kv_on_the_attention_device_never_exceeds_the_full_kv_on_a_short_prompt(
+        tokenizer, model, tmp_path, monkeypatch, preset_name):
+    # item 3: the README's command on a 43-token prompt printed "3.0 MiB of 2.2 MiB (136%)": the
+    # sink and the 64-row ring were allocated whole; they now hold what the tokens can fill
+    monkeypatch.setattr("kvpolicy.models.load_model", lambda *a, **k: (model, tokenizer))
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("What is the capital of France? Answer in one word.")
+    out = tmp_path / "run.json"
+    assert cli.main(["run", "--preset", preset_name, "--prompt-file", str(prompt), "--max-new-tokens", "24",
+                     "--device", "cpu", "--json", str(out)]) == 0
+    (figures,) = [r["figures"] for r in json.loads(out.read_text())]
+    assert figures["context_tokens"] < 64  # shorter than the window: the case that overshot
+    assert 0 < figures["device_kv_bytes"] <= figures["full_kv_bytes"]
+
+
 def test_eval_says_at_the_start_that_it_will_draw_no_plots(tmp_path, no_model, monkeypatch, capsys):
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # not installed
     with pytest.raises(AssertionError, match="model was loaded"):

@@ -90,8 +90,8 @@ def test_a_prompt_shorter_than_the_window_keeps_its_sink():
 
 def test_a_budget_past_the_context_allocates_only_what_can_be_retrieved():
     # issue: --budget 100000 on a 42-token prompt allocated every layer's buffers at the full
-    # budget (2.56 GB); the retrieved tier now holds at most the tokens outside the local window,
-    # grown by the step's plan as tokens leave it, up to the budget
+    # budget (2.56 GB); the retrieved tier now holds at most the retrievable tokens outside the
+    # local window (the sink's are its own), grown by the step's plan as tokens leave it
     from kvpolicy.layer import PolicyLayerState
     import kvpolicy
 
@@ -103,12 +103,62 @@ def test_a_budget_past_the_context_allocates_only_what_can_be_retrieved():
                   torch.randn(batch, heads, prompt, dim, generator=gen), torch.ones(batch, prompt, dtype=torch.bool), heads)
     store = state.store
     assert store.retrieval_limit == 100_000 - 4 - local
-    assert store.retrieval_capacity == prompt + 1 - local
+    assert store.retrieval_capacity == prompt - local - 4
     for step in range(60):
         state.decode(torch.randn(batch, heads, dim, generator=gen), torch.randn(batch, heads, dim, generator=gen),
                      torch.randn(batch, heads, dim, generator=gen), dim ** -0.5)
-        outside = store.length - local
-        assert outside <= store.retrieval_capacity <= 2 * outside + 1
+        assert store.retrieval_capacity == store.length - local - 4
+        assert store.device_bytes() == store.full_bytes()  # every token attended, each held once
     # every token is attended: the buffer grew with the sequence and nothing was dropped
     slots, attended = store.attended_slots()
     assert set(slots[0, 0][attended[0, 0]].tolist()) == set(range(prompt + 60))
+
+
+def _short_prompt_layer(name, prompt, budget, pad, seed=0, **options):
+    from kvpolicy.layer import PolicyLayerState
+
+    gen = torch.Generator().manual_seed(seed)
+    batch, heads, dim = 2, 2, 8
+    policy = kvpolicy.preset(name, budget=budget, backend="reference", **options)
+    state = PolicyLayerState(policy, 0, torch.device("cpu"))
+    valid = torch.ones(batch, prompt, dtype=torch.bool)
+    valid[1, :pad] = False  # left padding
+    state.prefill(torch.randn(batch, heads, prompt, dim, generator=gen),
+                  torch.randn(batch, heads, prompt, dim, generator=gen), valid, heads)
+    return state, gen, dim
+
+
+@pytest.mark.parametrize("prompt", [2, 6, 17, 18, 40])
+@pytest.mark.parametrize("name", ["streaming", "quest", "louiskv", "pariskv"])
+def test_the_attended_buffer_never_holds_more_than_the_full_kv(name, prompt):
+    # issue 15 (item 3): the sink and the ring were allocated whole on a short prompt, so
+    # "KV on attention device" read 136% of the full KV for the README's command on a 43-token
+    # prompt; each tier now has the rows the tokens so far can fill. Prompts shorter than the
+    # sink, than the window, one and two past the window (sink rows filling), and longer
+    local = 16
+    budget = 4 + local if name == "streaming" else 1000
+    options = {} if name == "streaming" else {"local": local}
+    state, gen, dim = _short_prompt_layer(name, prompt, budget, pad=min(3, prompt - 1), **options)
+    store = state.store
+    # ParisKV's update buffer lays out a row for every decode step, valid or not (a short prompt's
+    # sink tokens, steps where no token left the ring): up to local - prompt + 4 rows more
+    # (TieredStore.retrievable)
+    slack = max(local - prompt, 0) + 4 if name == "pariskv" and prompt < local + 4 else 0
+    row = store.full_bytes() // store.length
+    assert store.device_bytes() <= store.full_bytes()
+    for _ in range(30):
+        q, k, v = (torch.randn(2, 2, dim, generator=gen) for _ in range(3))
+        state.decode(q, k, v, dim ** -0.5)
+        assert store.device_bytes() <= store.full_bytes() + slack * row, store.length
+    # what was held is still what a budget past the context attends: every valid token once
+    slots, attended = store.attended_slots()
+    newest = store.length - 1
+    for b in range(2):
+        for h in range(2):
+            seen = slots[b, h][attended[b, h]].tolist()
+            assert len(seen) == len(set(seen))
+            want = set(torch.nonzero(store.slot_valid[b, : store.length]).flatten().tolist())
+            if name == "streaming":  # the sink (the prompt's first 4 valid tokens) and the window
+                sink = set(sorted(t for t in want if t < prompt)[:4])
+                want = sink | (want & set(range(newest - local + 1, newest + 1)))
+            assert set(seen) == want, (b, h)
