@@ -256,3 +256,16 @@ def test_collision_candidates_refuses_misshaped_inputs():
         collision_candidates.collision_candidates(table, keys, valid, indexed, 5, 40_000, 1, 0.1)
     with pytest.raises(ValueError, match="at most 4 length bands"):
         collision_candidates.collision_candidates(table, keys, valid, indexed, 5, 16, 1, 0.1, [(9, 0.5)] * 5)
+
+
+@pytest.mark.parametrize("indexed, count", [(299, 150), (300, 30), (599, 60), (600, 30)])
+def test_collision_candidates_band_bounds_are_exclusive(small_chunks, indexed, count):
+    # every token valid, so the zone is `indexed` tokens exactly: a band holds zones below its bound
+    keys, query = _encoded(indexed, 1, 2, 700, 32, 8, 7)
+    table = reference_analytic.vote_table(query.centroids, analytic.tier_weights(3))
+    valid = torch.ones(1, 700, dtype=torch.bool)
+    args = (torch.tensor(indexed), 400, 24, 5, 0.05, ((300, 0.5), (600, 0.1)))
+    want = reference_analytic.collision_candidates(table, keys.centroids, valid, *args)
+    got = small_chunks(table.to(DEVICE), keys.centroids.to(DEVICE), valid.to(DEVICE), args[0].to(DEVICE), *args[1:])
+    assert torch.equal(got.cpu(), want)
+    assert (want >= 0).sum(-1).tolist() == [[count, count]]
