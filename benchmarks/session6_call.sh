@@ -14,4 +14,12 @@ step sortbench 45 python3 benchmarks/select_sort.py --units 2048,8192,16384,3276
 step profile 110 bash -c "for b in node inline; do python3 benchmarks/profile_step.py --rows 45 --preset louiskv --context 2304 --batch 1 --placement gpu --trigger '$REUSE' --branches \$b --out $OUT/profile_reuse_2304_\$b.txt || exit 1; done"
 step e2e 330 python3 -m kvpolicy bench e2e --contexts 32768,131072 --batches 1,4 --presets louiskv@gpu --full-kinds full-graph --budget 2048 --steps 10 --branches node,inline --json "$OUT/e2e.json"
 ;;
+second)
+step kernels 100 python3 -m pytest -q -p no:cacheprovider -x tests/test_graph_branch.py tests/test_decode_graph.py
+step sort_b1024 40 python3 -c "import runpy, sys; import kvpolicy.kernels.triton.select as s; s._THRESHOLD_BLOCK = 1024; sys.argv = ['select_sort.py', '--units', '8192,32768', '--batches', '1', '--repeats', '20']; runpy.run_path('benchmarks/select_sort.py', run_name='__main__')"
+step sort_b2048w16 40 python3 -c "import runpy, sys; import kvpolicy.kernels.triton.select as s; s._THRESHOLD_BLOCK = 2048; s._NUM_WARPS = 16; sys.argv = ['select_sort.py', '--units', '8192,32768', '--batches', '1', '--repeats', '20']; runpy.run_path('benchmarks/select_sort.py', run_name='__main__')"
+step profile 90 bash -c "for b in node inline; do python3 benchmarks/profile_step.py --rows 45 --preset louiskv --context 2304 --batch 1 --placement gpu --trigger '$REUSE' --branches \$b --out $OUT/profile_reuse_2304_\$b.txt || exit 1; done"
+step e2e_32k 120 python3 -m kvpolicy bench e2e --contexts 32768 --batches 1 --presets louiskv@gpu --full-kinds full-graph --budget 2048 --steps 10 --branches node,inline --json "$OUT/e2e_32k.json"
+step e2e 200 python3 -m kvpolicy bench e2e --contexts 32768,131072 --batches 4,1 --presets louiskv@gpu --full-kinds full-graph --budget 2048 --steps 10 --branches node --json "$OUT/e2e.json"
+;;
 esac

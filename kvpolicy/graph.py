@@ -64,6 +64,7 @@ class DecodeGraph:
         self.cache_position = torch.tensor([states[0].store.length], dtype=torch.long, device=self.device)
         self.logits: torch.Tensor | None = None
         self.graph = None
+        self.conditional_nodes: graph_branch.ConditionalNodes | None = None
         self.captured_counters: list[dict] | None = None
         self.cache_arg = cache_argument_name(model)
 
@@ -106,8 +107,10 @@ class DecodeGraph:
         if self.emulate:
             return
         self.graph = torch.cuda.CUDAGraph()
-        nodes = graph_branch.conditional_nodes(self.graph, self.device) if self.branches == "node" else None
-        with nodes or contextlib.nullcontext(), torch.cuda.graph(self.graph):
+        # the bodies' pool lives as long as the graph that points into it
+        self.conditional_nodes = graph_branch.ConditionalNodes(self.device) if self.branches == "node" else None
+        capturing = self.conditional_nodes.capturing() if self.conditional_nodes else contextlib.nullcontext()
+        with capturing, torch.cuda.graph(self.graph):
             captured = self._forward()
         self.captured_logits = captured
         # capturing ran the step's Python (host counters moved) but none of its kernels

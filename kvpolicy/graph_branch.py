@@ -6,13 +6,13 @@ captured graph replays every kernel it holds: each exits at once and still costs
 into the body graph of an IF conditional node; a one-thread kernel captured before it sets the
 node's condition from ``flags.any()`` at each replay, so a reusing step skips the whole body.
 
-Outside a capture that ``conditional_nodes`` opened (eager decode, the CPU, an emulated graph,
+Outside a capture that ``ConditionalNodes.capturing`` opened (eager decode, the CPU, an emulated graph,
 a graph captured by someone else), ``run_if_any`` calls ``body()`` inline: its kernels skip the
 rows that keep their selection, which is the same result.
 
 The CUDA driver is reached through ctypes (conditional nodes need a 12.4+ driver; PyTorch 2.11
-has no Python API for them). The body is captured on a stream of its own, whose allocations are
-routed to the graph's memory pool as the main capture's are.
+has no Python API for them). The bodies are captured on a stream of their own, whose
+allocations are routed to a memory pool held as long as the graph.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ class _Driver:
 
 
 _DRIVER: _Driver | None = None
-_ACTIVE = threading.local()  # .capture: the (device index, pool id, body stream) of an open capture
+_ACTIVE = threading.local()  # .capture: the ConditionalNodes of the capture in progress
 
 
 def _driver() -> _Driver:
@@ -230,43 +230,68 @@ def resolve(kind: str, device: torch.device, *, emulate: bool = False) -> str:
     return "inline"
 
 
-@contextlib.contextmanager
-def conditional_nodes(graph: torch.cuda.CUDAGraph, device: torch.device):
-    """Entered before ``torch.cuda.graph(graph)``: inside both, ``run_if_any`` captures its body as
-    a conditional node. The kernel and the body's stream are made here, before the capture."""
-    with torch.cuda.device(device):
-        _driver().kernel()
-        body_stream = torch.cuda.Stream(device)
-    previous = getattr(_ACTIVE, "capture", None)
-    _ACTIVE.capture = (device.index if device.index is not None else torch.cuda.current_device(), graph, body_stream)
-    try:
-        yield
-    finally:
-        _ACTIVE.capture = previous
+class ConditionalNodes:
+    """What one captured graph's conditional nodes share: the stream their bodies are captured
+    on and the memory pool their temporaries come from.
+
+    The bodies get a pool of their own (PyTorch will not route a second stream into the pool of
+    a capture in progress). The pool is held while this object lives, since the body graphs
+    point into it: keep it as long as the graph.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device_index = device.index if device.index is not None else torch.cuda.current_device()
+        with torch.cuda.device(device):
+            _driver().kernel()  # loaded before the capture: a module load is no captured work
+            self.stream = torch.cuda.Stream(device)
+        self.pool = torch.cuda.graph_pool_handle()
+        # created with one use, the hold; each body's routing adds and drops one more
+        torch._C._cuda_beginAllocateCurrentThreadToPool(self.device_index, self.pool)
+        torch._C._cuda_endAllocateToPool(self.device_index, self.pool)
+        self._held = True
+
+    @contextlib.contextmanager
+    def capturing(self):
+        """Entered around ``torch.cuda.graph(...)``: ``run_if_any`` in it makes conditional nodes."""
+        previous = getattr(_ACTIVE, "capture", None)
+        _ACTIVE.capture = self
+        try:
+            yield
+        finally:
+            _ACTIVE.capture = previous
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            torch._C._cuda_releasePool(self.device_index, self.pool)
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:
+            pass  # never raise under GC
 
 
 def run_if_any(flags: torch.Tensor, body: Callable[[], None]) -> None:
     """Run ``body`` (device work only, results left in persistent buffers) where any of ``flags``
-    (a bool device tensor) is True: a conditional node inside a ``conditional_nodes`` capture,
+    (a bool device tensor) is True: a conditional node inside ``ConditionalNodes.capturing``,
     inline otherwise (``body``'s kernels then skip the rows themselves)."""
-    capture = getattr(_ACTIVE, "capture", None)
-    if capture is None or not torch.cuda.is_current_stream_capturing():
+    nodes = getattr(_ACTIVE, "capture", None)
+    if nodes is None or not torch.cuda.is_current_stream_capturing():
         body()
         return
-    device_index, graph, body_stream = capture
-    pool = graph.pool()
-    driver = _driver()
-    main = torch.cuda.current_stream()
     if flags.dtype != torch.bool or not flags.is_contiguous():
         raise KVPolicyError(f"run_if_any needs contiguous bool flags, got {flags.dtype}")
-    body_graph = driver.add_if_node(main.cuda_stream, flags)
-    driver.begin_capture_to(body_stream.cuda_stream, body_graph)
-    # the body's temporaries come from the graph's pool, as the main capture's do
-    torch._C._cuda_beginAllocateCurrentThreadToPool(device_index, pool)
+    driver = _driver()
+    body_graph = driver.add_if_node(torch.cuda.current_stream().cuda_stream, flags)
+    driver.begin_capture_to(nodes.stream.cuda_stream, body_graph)
     try:
-        with torch.cuda.stream(body_stream):
-            body()
+        torch._C._cuda_beginAllocateCurrentThreadToPool(nodes.device_index, nodes.pool)
+        try:
+            with torch.cuda.stream(nodes.stream):
+                body()
+        finally:
+            torch._C._cuda_endAllocateToPool(nodes.device_index, nodes.pool)
+            torch._C._cuda_releasePool(nodes.device_index, nodes.pool)
     finally:
-        torch._C._cuda_endAllocateToPool(device_index, pool)
-        torch._C._cuda_releasePool(device_index, pool)
-        driver.end_capture(body_stream.cuda_stream)
+        driver.end_capture(nodes.stream.cuda_stream)

@@ -110,7 +110,7 @@ def _live_block(scores_ptr, sizes_ptr, u0, U, BLOCK: tl.constexpr):
     index = u0 + tl.arange(0, BLOCK)
     in_range = index < U
     score = tl.load(scores_ptr + index, mask=in_range, other=float("-inf"))
-    size = tl.load(sizes_ptr + index, mask=in_range, other=0)
+    size = tl.load(sizes_ptr + index, mask=in_range, other=0).to(tl.int32)  # a row holds < 2**31 tokens
     live = in_range & (score > float("-inf")) & (size > 0)
     signed = _descending_key(score, index, in_range)
     return size, live, signed, (signed >> 32).to(tl.int32)
