@@ -272,6 +272,12 @@ class ConditionalNodes:
             pass  # never raise under GC
 
 
+def in_conditional_body() -> bool:
+    """Whether work launched now is being captured into a conditional node's body: it will run
+    only on steps where some row re-selects, so kernels need not skip cheaply for the others."""
+    return getattr(_ACTIVE, "in_body", False)
+
+
 def run_if_any(flags: torch.Tensor, body: Callable[[], None]) -> None:
     """Run ``body`` (device work only, results left in persistent buffers) where any of ``flags``
     (a bool device tensor) is True: a conditional node inside ``ConditionalNodes.capturing``,
@@ -287,10 +293,12 @@ def run_if_any(flags: torch.Tensor, body: Callable[[], None]) -> None:
     driver.begin_capture_to(nodes.stream.cuda_stream, body_graph)
     try:
         torch._C._cuda_beginAllocateCurrentThreadToPool(nodes.device_index, nodes.pool)
+        _ACTIVE.in_body = True
         try:
             with torch.cuda.stream(nodes.stream):
                 body()
         finally:
+            _ACTIVE.in_body = False
             torch._C._cuda_endAllocateToPool(nodes.device_index, nodes.pool)
             torch._C._cuda_releasePool(nodes.device_index, nodes.pool)
     finally:

@@ -227,6 +227,14 @@ def test_with_take_the_kernel_never_calls_torch_sort(units, monkeypatch):
         got = _select_budget()(*inputs, 150, take)
         assert len(sorts) - before == torch_sorts
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # inside a conditional node's body only re-selecting steps run: ranked like without take
+    from kvpolicy import graph_branch
+
+    monkeypatch.setattr(graph_branch, "in_conditional_body", lambda: True)
+    before = len(sorts)
+    got = _select_budget()(*inputs, 150, torch.tensor([True, False], device=DEVICE))
+    assert len(sorts) - before == 1
+    assert all(torch.equal(a[:1], b[:1]) for a, b in zip(got, want))
 
 
 def test_an_unknown_ranking_is_refused(monkeypatch):

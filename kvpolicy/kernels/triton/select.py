@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import graph_branch
 from ..dispatch import implement, triton_runs_on
 from . import score as _score  # noqa: F401  (registers ``unit_scores``, the selection's first stage)
 
@@ -58,10 +59,11 @@ _NUM_WARPS = 8
 #   32768  all          -       1284 / 1292   183 / 249
 #
 # A row that keeps its selection skips either in-kernel ranking (~16 us), where torch.sort sorts
-# every row every step. So with ``take`` (triggers that keep selections): the full sort up to
-# ``_FULL_SORT_MAX`` units, the threshold select above it, any number of units, never torch.sort.
-# Without ``take`` every row ranks and nothing can be skipped: the full sort up to
-# ``_FULL_SORT_MAX_WITHOUT_TAKE``, torch.sort above, where it is fastest. The threshold select's
+# every row every step. So with ``take`` (triggers that keep selections) in a step captured inline:
+# the full sort up to ``_FULL_SORT_MAX`` units, the threshold select above it, any number of
+# units, never torch.sort. Without ``take``, or inside a CUDA graph conditional node's body
+# (``graph_branch``: it runs only on steps where some row re-selects), the full sort up to
+# ``_FULL_SORT_MAX_WITHOUT_TAKE``, torch.sort above, where a re-selecting row is fastest. The threshold select's
 # figures above are of its first form (16 passes over the 64-bit key, a block reduction per
 # block of each pass); it now takes 8 passes over the score's 32 bits with one reduction per
 # pass (not measured yet).
@@ -318,7 +320,9 @@ def select_budget(
     cand = scores  # not read unless the threshold select runs
     ranking = RANKING
     if ranking == "auto":
-        if take is not None:
+        # in a conditional node's body the step re-selects somewhere: no row is ranked for nothing
+        # on a reusing step, so the fastest ranking of a re-selecting row wins (as without take)
+        if take is not None and not graph_branch.in_conditional_body():
             ranking = "full" if units <= _FULL_SORT_MAX else "threshold"
         else:
             ranking = "full" if units <= _FULL_SORT_MAX_WITHOUT_TAKE else "torch.sort"
