@@ -83,6 +83,18 @@ class UnitBuilder:
         default): the step calls ``starts_new_unit``."""
         return None
 
+    def max_decode_units(self, tokens: int) -> int | None:
+        """The most decode units ``tokens`` tokens leaving the window can open, from the cut rule
+        alone: a rule that never cuts at a boundary opens one per ``max_size`` tokens (pages: one
+        per ``size``). None: up to one a token, which is the honest worst case of a rule that cuts
+        where the trigger fired (segments: a trigger may fire on every step) and of a builder
+        without a rule; the unit table then reads the count it opened from the device when it
+        needs room, and reserves one a token before a capture."""
+        rule = self.fused_cut_rule()
+        if rule is None or rule[1]:
+            return None
+        return -(-tokens // rule[0])
+
     def fused_cut_rule(self) -> tuple[int, bool] | None:
         """``cut_rule()`` where it still describes this class: a subclass that overrides
         ``starts_new_unit`` or ``decode_key`` without ``cut_rule`` keeps its own logic."""

@@ -3,8 +3,23 @@
 Each unit is a contiguous range ``[start, start + size)`` of ``order``, a per-(sequence, KV
 head) list of token slots (CSR without the explicit indptr, since decode units are appended
 out of order with prompt ones). Each unit keeps the sum, min and max of its keys, which is
-all the built-in selectors read. Capacity grows on the host by doubling, decided from counts
-the host already knows (tokens fed), never from tensor values.
+all the built-in selectors read.
+
+Memory grows with units, not tokens. Per (sequence, KV head), a unit costs ``unit_bytes(D)`` =
+``12 D + 17`` bytes (``key_sum``, ``key_min``, ``key_max``: D float32 each; ``start``, ``size``:
+int64; ``selectable``: bool), and a token 8 bytes (its slot in ``order``, int64). The decode
+part of both grows on the host by doubling, from a bound on the decode units known without
+reading the device where the decode builder's cut rule gives one (``UnitBuilder.
+max_decode_units``: pages of ``size`` open one unit per ``size`` tokens), else from the count
+the device holds, read when the bound reaches the capacity (a builder that cuts where the
+trigger fired, as segments do, may open a unit per token: a trigger can fire on every step, so
+that is its honest worst case, and it is what ``reserve`` makes room for before a capture).
+Allocated decode units stay under ``2 x`` the rule's bound, or under ``4 x`` the units opened
+(plus 16 either way); order positions under ``2 x`` the tokens the decode appended (plus 16).
+On a GPU the read is a host sync in the eager decode's plan, at most once per half capacity of
+tokens; a captured step never makes it (``reserve`` made its room). Until the first decode
+token is filed the table does not know its decode builder (the layer does not pass it), so a
+``reserve`` made before it assumes one unit a token.
 """
 
 from __future__ import annotations
@@ -15,6 +30,16 @@ import torch
 
 from ..kernels import dispatch
 from .base import UnitBuilder
+
+
+def unit_bytes(dim: int) -> int:
+    """Bytes one unit of a ``dim``-wide table takes per (sequence, KV head): ``key_sum``,
+    ``key_min``, ``key_max`` (float32), ``start``, ``size`` (int64) and ``selectable`` (bool)."""
+    return 3 * 4 * dim + 2 * 8 + 1
+
+
+#: bytes of ``order`` per token per (sequence, KV head): the token's slot (int64)
+TOKEN_BYTES = 8
 
 
 def grow_along(tensor: torch.Tensor, dim: int, new_size: int, fill) -> torch.Tensor:
@@ -40,6 +65,12 @@ class UnitTable:
     order_len: int  # host: positions of ``order`` in use (buffer sizes only)
     order_next: torch.Tensor  # () long, device: the position of ``order`` the next token takes
     decode_tokens: int  # host: tokens appended at decode (an upper bound on decode units)
+    # host: ``decode_units.max()`` as last read from the device, and ``decode_tokens`` then
+    units_seen: int = 0
+    units_seen_at: int = 0
+    # the decode builder, learnt from ``append_leaving_token`` (or given to ``make_room`` and
+    # ``reserve``): its cut rule bounds the decode units without reading the device
+    decode_builder: UnitBuilder | None = None
 
     @property
     def capacity(self) -> int:
@@ -74,6 +105,7 @@ class UnitTable:
         perm = torch.sort(labels, dim=-1, stable=True).indices
         # spare room so decode tokens can be appended without growing at once
         order = grow_along(slots.to(device)[perm], 2, n + 16, 0)
+        # no decode unit yet: the first step's plan (``make_room``) makes room for 16
         units = num_units + 1
         size = torch.zeros(batch, heads, units, dtype=torch.long, device=device)
         size.scatter_add_(2, labels, torch.ones_like(labels))
@@ -105,30 +137,75 @@ class UnitTable:
 
     def host_counters(self) -> dict:
         """The host-side counters ``append_leaving_token`` advances (a graph replay leaves them behind)."""
-        return {"order_len": self.order_len, "decode_tokens": self.decode_tokens}
+        return {"order_len": self.order_len, "decode_tokens": self.decode_tokens,
+                "units_seen": self.units_seen, "units_seen_at": self.units_seen_at}
 
     def set_host_counters(self, counters: dict) -> None:
         self.order_len, self.decode_tokens = counters["order_len"], counters["decode_tokens"]
+        self.units_seen = counters.get("units_seen", 0)
+        self.units_seen_at = counters.get("units_seen_at", 0)
 
     def count_replayed_token(self) -> None:
         """Advance the host counters as ``append_leaving_token`` does, for a replayed step."""
         self.order_len += 1
         self.decode_tokens += 1
 
-    def reserve(self, tokens: int) -> None:
-        """Room for ``tokens`` more leaving tokens (each may open a unit) without growing."""
+    def decode_units_bound(self, tokens: int, builder: UnitBuilder | None = None) -> int:
+        """The most decode units a sequence can have opened once ``tokens`` tokens have been
+        appended, from host counts alone: the builder's rule (``max_decode_units``) where it gives
+        one, and the count last read from the device plus one a token since."""
+        rule = self._builder(builder)
+        rule = rule.max_decode_units(tokens) if rule is not None else None
+        bound = self.units_seen + max(tokens - self.units_seen_at, 0)
+        return bound if rule is None else min(bound, rule)
+
+    def _builder(self, builder: UnitBuilder | None) -> UnitBuilder | None:
+        return builder if builder is not None else self.decode_builder
+
+    def _counted_by_device(self, builder: UnitBuilder | None) -> bool:
+        """Whether the bound on decode units is the device's count (no rule bounds them)."""
+        builder = self._builder(builder)
+        return builder is None or builder.max_decode_units(1) is None
+
+    def _read_units(self) -> bool:
+        """Read the decode units opened from the device (a host sync: only from ``make_room`` or
+        ``reserve``, which run before a step's kernels or a capture, never inside one). False
+        when the host count is already current."""
+        if self.units_seen_at == self.decode_tokens:
+            return False
+        self.units_seen = int(self.decode_units.max()) if self.decode_units.numel() else 0
+        self.units_seen_at = self.decode_tokens
+        return True
+
+    def reserve(self, tokens: int, builder: UnitBuilder | None = None) -> None:
+        """Room for ``tokens`` more leaving tokens without growing: order positions, and the units
+        they can open by the decode builder's rule (one a token for a rule that cuts at trigger
+        boundaries, or before the builder is known)."""
         if self.order_len + tokens > self.order.shape[-1]:
             self.order = grow_along(self.order, 2, self.order_len + tokens, 0)
-        if self.num_prompt_units + self.decode_tokens + tokens > self.capacity:
-            self._grow_units(self.num_prompt_units + self.decode_tokens + tokens)
+        end = self.decode_tokens + tokens
+        if self.num_prompt_units + self.decode_units_bound(end, builder) > self.capacity and \
+                self._counted_by_device(builder):
+            self._read_units()
+        self._grow_units(self.num_prompt_units + self.decode_units_bound(end, builder))
 
-    def make_room(self) -> None:
-        """Room for one more token and one more unit (host-side doubling; the layer's plan step
-        calls it before the step's kernels, so nothing grows inside the step)."""
+    def make_room(self, builder: UnitBuilder | None = None) -> None:
+        """Room for one more token and the unit it may open (host side; the layer's plan step
+        calls it before the step's kernels, so nothing grows inside the step). The decode part
+        doubles; where the bound is the device's count plus a unit a token, it is read first, and
+        the part is kept at least twice the units opened, so it is read at most once per half
+        capacity of tokens."""
+        prompt_order = self.order_len - self.decode_tokens
         if self.order_len >= self.order.shape[-1]:
-            self.order = grow_along(self.order, 2, max(16, 2 * self.order.shape[-1]), 0)
-        if self.num_prompt_units + self.decode_tokens >= self.capacity:
-            self._grow_units(max(self.capacity + 16, 2 * self.capacity))
+            self.order = grow_along(self.order, 2, prompt_order + max(16, 2 * (self.order.shape[-1] - prompt_order)), 0)
+        prompt, room = self.num_prompt_units, self.capacity - self.num_prompt_units
+        need = self.decode_units_bound(self.decode_tokens + 1, builder)
+        if need > room and self._counted_by_device(builder) and self._read_units():
+            need = self.decode_units_bound(self.decode_tokens + 1, builder)
+            if 2 * need > room:  # headroom, so the next read is at least room / 2 tokens away
+                need = max(need, room + 1)
+        if need > room:
+            self._grow_units(prompt + max(16, 2 * room, need))
 
     def _grow_units(self, new: int) -> None:
         if new > self.capacity:
@@ -161,7 +238,8 @@ class UnitTable:
         builder with a ``cut_rule``, else the builder's own ``starts_new_unit`` and
         ``decode_key`` and then ``append_to_unit``.
         """
-        self.make_room()  # a no-op after the layer's plan step (kept for direct callers)
+        self.decode_builder = builder  # its cut rule bounds the units of the steps to come
+        self.make_room(builder)  # a no-op after the layer's plan step (kept for direct callers)
         ops = dispatch.as_ops(ops, key.device)
         rule = builder.fused_cut_rule() if boundary.dim() == 2 else None
         if rule is not None:
