@@ -23,10 +23,10 @@ step e2e_32k 120 python3 -m kvpolicy bench e2e --contexts 32768 --batches 1 --pr
 step e2e 200 python3 -m kvpolicy bench e2e --contexts 32768,131072 --batches 4,1 --presets louiskv@gpu --full-kinds full-graph --budget 2048 --steps 10 --branches node --json "$OUT/e2e.json"
 ;;
 third)
-step pariskv_select 150 python3 benchmarks/pariskv_select.py --json "$OUT/pariskv_select.json"
-step targets_128k4 150 python3 -m kvpolicy bench e2e --contexts 131072 --batches 4 --presets louiskv@cpu,pariskv@gpu,pariskv@cpu --full-kinds full-graph --budget 2048 --steps 10 --json "$OUT/e2e_128k_b4.json"
-step targets_512k 130 python3 -m kvpolicy bench e2e --contexts 524288 --batches 1 --presets louiskv@cpu --full-kinds full-graph --budget 2048 --steps 10 --json "$OUT/e2e_512k_b1_cpu.json"
-step pariskv_32k 90 python3 -m kvpolicy bench e2e --contexts 32768 --batches 1 --presets pariskv@gpu --full-kinds full-graph --budget 2048 --steps 10 --json "$OUT/e2e_pariskv_32k.json"
+step kernels 90 python3 -m pytest -q -p no:cacheprovider tests/test_graph_branch.py
+step targets_128k4 150 python3 -m kvpolicy bench e2e --contexts 131072 --batches 4 --presets louiskv@cpu,pariskv@gpu --full-kinds full-graph --budget 2048 --steps 10 --json "$OUT/e2e_128k_b4.json"
+step targets_512k 120 python3 -m kvpolicy bench e2e --contexts 524288 --batches 1 --presets louiskv@cpu --full-kinds full-graph --budget 2048 --steps 10 --json "$OUT/e2e_512k_b1_cpu.json"
+step pariskv_select 110 python3 benchmarks/pariskv_select.py --json "$OUT/pariskv_select.json"
 ;;
 suite)
 step gpu_suite 560 python3 -m pytest -q -p no:cacheprovider -x tests/ --deselect tests/test_eval_slice.py

@@ -34,6 +34,7 @@ _CU_GRAPH_COND_ASSIGN_DEFAULT = 1
 _CU_STREAM_SET_CAPTURE_DEPENDENCIES = 1
 _CU_STREAM_CAPTURE_MODE_RELAXED = 2
 _CU_STREAM_CAPTURE_STATUS_ACTIVE = 1
+_CU_STREAM_NON_BLOCKING = 1
 
 # One thread ORs the (count,) bool flags and sets the node's condition. The driver resolves
 # cudaGraphSetConditional when it loads the PTX (as it does vprintf), so no toolkit is needed.
@@ -106,6 +107,7 @@ class _Driver:
         self.module = ctypes.c_void_p()
         self.set_if_any = ctypes.c_void_p()
         self._modules: dict[int, tuple] = {}
+        self._streams: dict[int, torch.cuda.ExternalStream] = {}
 
     def _check(self, result: int, what: str) -> None:
         if result != 0:
@@ -181,6 +183,17 @@ class _Driver:
         self._check(result, "cuStreamUpdateCaptureDependencies")
         return ctypes.c_void_p(body)
 
+    def body_stream(self, device_index: int, device: torch.device) -> torch.cuda.ExternalStream:
+        """A stream of the driver's own, one per device, that bodies are captured on. (Not one of
+        ``torch.cuda.Stream``'s: those come from a pool of 32 shared round robin, so one may be
+        the stream ``torch.cuda.graph`` is capturing on.)"""
+        if device_index not in self._streams:
+            stream = ctypes.c_void_p()
+            self._check(self.lib.cuStreamCreate(ctypes.byref(stream), ctypes.c_uint(_CU_STREAM_NON_BLOCKING)),
+                        "cuStreamCreate")
+            self._streams[device_index] = torch.cuda.ExternalStream(stream.value, device=device)
+        return self._streams[device_index]
+
     def begin_capture_to(self, stream: int, graph: ctypes.c_void_p) -> None:
         self._check(self.lib.cuStreamBeginCaptureToGraph(
             ctypes.c_void_p(stream), graph, None, None, ctypes.c_size_t(0), ctypes.c_int(_CU_STREAM_CAPTURE_MODE_RELAXED)),
@@ -242,8 +255,9 @@ class ConditionalNodes:
     def __init__(self, device: torch.device):
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
         with torch.cuda.device(device):
-            _driver().kernel()  # loaded before the capture: a module load is no captured work
-            self.stream = torch.cuda.Stream(device)
+            driver = _driver()
+            driver.kernel()  # loaded before the capture: a module load is no captured work
+            self.stream = driver.body_stream(self.device_index, device)
         self.pool = torch.cuda.graph_pool_handle()
         # created with one use, the hold; each body's routing adds and drops one more
         torch._C._cuda_beginAllocateCurrentThreadToPool(self.device_index, self.pool)

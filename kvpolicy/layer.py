@@ -183,8 +183,11 @@ class PolicyLayerState:
             ops.note_decision(fire, self.has_selection, self.reselections, self.boundary, store.current_slot, reselect)
             self.units.append_leaving_token(evicted.slot, evicted.key, evicted.valid, self.boundary,
                                             policy.decode_units, ops)
-            # in a captured step this is a conditional node: a step where no row re-selects skips it
-            graph_branch.run_if_any(reselect, lambda: self._reselect(query))
+            if policy.trigger.always_reselects:
+                self._reselect(query)  # nothing to skip, and a conditional node costs more than none
+            else:
+                # in a captured step a conditional node: a step where no row re-selects skips it
+                graph_branch.run_if_any(reselect, lambda: self._reselect(query))
             store.admit(evicted, ~reselect, ops)
         self.decode_steps += 1
         for observer in self.observers:
