@@ -11,7 +11,7 @@ and reports at checkpoints, per layer:
     index       the retrieval index's tensors as allocated (``PolicyLayerState.index_bytes``)
     bound       the index's documented cost for the units opened so far: ``unit_bytes(D)`` per
                 allocated unit under the table's growth rule (``units/table.py``: prompt units plus
-                ``2 x`` the rule's bound for pages, ``4 x`` the units opened for segments, plus 16)
+                ``2 x`` the rule's bound for pages, ``3 x`` the units opened for segments, plus 16)
                 and ``TOKEN_BYTES`` per order position (``2 x`` the tokens, plus 16)
     per token   what the table reserved before the fix: one unit per generated token
     full KV     the full cache of the tokens so far (the pool, in host memory)
@@ -42,7 +42,7 @@ def documented_bound(table: UnitTable, builder, batch: int, heads: int, dim: int
     tokens = table.decode_tokens
     opened = int(table.decode_units.max())
     rule = builder.max_decode_units(tokens)
-    decode_units = 2 * rule + 16 if rule is not None else 4 * (opened + 1) + 16
+    decode_units = 2 * rule + 16 if rule is not None else 3 * (opened + 1) + 16
     units = table.num_prompt_units + decode_units
     order = prompt_order + 2 * tokens + 16
     small = 3 * 8 * batch + 8  # open_unit, decode_units, order_next

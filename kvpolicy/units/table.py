@@ -14,7 +14,7 @@ max_decode_units``: pages of ``size`` open one unit per ``size`` tokens), else f
 the device holds, read when the bound reaches the capacity (a builder that cuts where the
 trigger fired, as segments do, may open a unit per token: a trigger can fire on every step, so
 that is its honest worst case, and it is what ``reserve`` makes room for before a capture).
-Allocated decode units stay under ``2 x`` the rule's bound, or under ``4 x`` the units opened
+Allocated decode units stay under ``2 x`` the rule's bound, or under ``3 x`` the units opened
 (plus 16 either way); order positions under ``2 x`` the tokens the decode appended (plus 16).
 On a GPU the read is a host sync in the eager decode's plan, at most once per half capacity of
 tokens; a captured step never makes it (``reserve`` made its room). Until the first decode
@@ -191,21 +191,26 @@ class UnitTable:
 
     def make_room(self, builder: UnitBuilder | None = None) -> None:
         """Room for one more token and the unit it may open (host side; the layer's plan step
-        calls it before the step's kernels, so nothing grows inside the step). The decode part
-        doubles; where the bound is the device's count plus a unit a token, it is read first, and
-        the part is kept at least twice the units opened, so it is read at most once per half
-        capacity of tokens."""
+        calls it before the step's kernels, so nothing grows inside the step). Order positions
+        and, by the rule's bound, decode units double. Where the bound is the device's count plus
+        a unit a token, the count is read first; the decode part then grows only if the units
+        opened fill more than half of it, to three times them, so it holds 2-3x the units opened
+        and the next read is at least as many tokens away as there are units."""
         prompt_order = self.order_len - self.decode_tokens
         if self.order_len >= self.order.shape[-1]:
             self.order = grow_along(self.order, 2, prompt_order + max(16, 2 * (self.order.shape[-1] - prompt_order)), 0)
         prompt, room = self.num_prompt_units, self.capacity - self.num_prompt_units
         need = self.decode_units_bound(self.decode_tokens + 1, builder)
-        if need > room and self._counted_by_device(builder) and self._read_units():
+        if need <= room:
+            return
+        if self._counted_by_device(builder) and self._read_units():
             need = self.decode_units_bound(self.decode_tokens + 1, builder)
-            if 2 * need > room:  # headroom, so the next read is at least room / 2 tokens away
-                need = max(need, room + 1)
-        if need > room:
-            self._grow_units(prompt + max(16, 2 * room, need))
+            if 2 * need <= room:
+                return
+            grown = 3 * need
+        else:
+            grown = 2 * room
+        self._grow_units(prompt + max(16, need, grown))
 
     def _grow_units(self, new: int) -> None:
         if new > self.capacity:
