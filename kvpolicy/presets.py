@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .calibration import DEFAULT_TAU, calibrated_tau
+import json
+
+from .calibration import DEFAULT_TAU, calibrated_tau, calibration_file, model_id
 from .errors import UnknownNameError
 from .policy import Policy
 from .units.analytic import DEFAULT_UPDATE_BUFFER
@@ -49,16 +51,62 @@ def _clusterkv(**options: Any) -> Policy:
     )
 
 
-def _louiskv(model: Any = None, **options: Any) -> Policy:
-    """LouisKV: re-select only at semantic boundaries (mean query cosine < tau), K-means
-    clusters of ~16 prompt tokens, generated tokens in segments cut at those boundaries,
-    group-consistent top_budget selection. tau is the model's calibrated value when a model
-    is given (0.95 for the embedded SmolLM2, calibrated), else 0.7 (LouisKV's for Qwen3-8B)."""
+# The louiskv preset's trigger for the models kvpolicy ships with: what `kvpolicy calibrate`'s rule
+# chose (the cheapest setting within 2 points of every-step selection's top-1 agreement), with the
+# trigger that kept the needle score at the lowest re-selection share (EVAL.md, "A trigger that
+# knows when reuse is unsafe").
+BUILTIN_TRIGGER: dict[str, dict] = {
+    "smollm2-135m-instruct": {"name": "score_gap", "measure": "mass", "margin": -3.0},
+}
+
+
+def _stored_trigger(key: str) -> dict | None:
+    path = calibration_file()
+    if not path.exists():
+        return None
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8")).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    trigger = entry.get("trigger") if isinstance(entry, dict) else None
+    return dict(trigger) if isinstance(trigger, dict) and "name" in trigger else None
+
+
+def louiskv_trigger(model: Any = None) -> dict:
+    """The louiskv preset's default trigger for ``model`` (a model or its id): the user's calibrated
+    ``score_gap`` setting (``kvpolicy calibrate``), else the built-in one (``BUILTIN_TRIGGER``), else
+    the paper's ``query_cosine`` at the model's calibrated tau (0.7 without a model or calibration)."""
+    if model is None:
+        return {"name": "query_cosine", "tau": DEFAULT_TAU}
     if isinstance(model, str) and model.strip().lower() == EMBEDDED_NAME:
         model = EMBEDDED_ID  # the name the CLI takes for the embedded model, as its loaded copy is named
-    tau = calibrated_tau(model) if model is not None else DEFAULT_TAU
+    key = model_id(model)
+    found = _stored_trigger(key) or BUILTIN_TRIGGER.get(key)
+    if found is not None:
+        return dict(found)
+    return {"name": "query_cosine", "tau": calibrated_tau(model)}
+
+
+def _louiskv(model: Any = None, **options: Any) -> Policy:
+    """LouisKV: K-means clusters of ~16 prompt tokens, generated tokens in segments cut where the
+    trigger fired, group-consistent top_budget selection, reused until the trigger fires. The
+    trigger is the model's calibrated one when a model is given: for the embedded SmolLM2
+    score_gap (re-select when an unselected unit would carry e^-3 of the held units' estimated
+    attention mass); else the paper's query_cosine (mean query cosine < tau) at the model's
+    calibrated tau, 0.7 (LouisKV's for Qwen3-8B) without one. trigger="query_cosine" names the
+    paper's trigger at the model's calibrated tau (0.95 for SmolLM2)."""
+    if isinstance(model, str) and model.strip().lower() == EMBEDDED_NAME:
+        model = EMBEDDED_ID  # the name the CLI takes for the embedded model, as its loaded copy is named
+    trigger = options.pop("trigger", None)
+    if trigger is None:
+        trigger = louiskv_trigger(model)
+    elif trigger == "query_cosine" or (isinstance(trigger, dict) and trigger.get("name") == "query_cosine"
+                                       and "tau" not in trigger):
+        # the paper's trigger by name: at the model's calibrated tau
+        tau = calibrated_tau(model) if model is not None else DEFAULT_TAU
+        trigger = {**(trigger if isinstance(trigger, dict) else {"name": "query_cosine"}), "tau": tau}
     return _retrieval(
-        "louiskv", {"name": "query_cosine", "tau": tau}, {"name": "kmeans", "tokens_per_cluster": 16},
+        "louiskv", trigger, {"name": "kmeans", "tokens_per_cluster": 16},
         {"name": "segments", "max_size": 64}, "top_budget", options,
     )
 
