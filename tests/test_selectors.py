@@ -119,7 +119,10 @@ def test_oracle_scores_are_the_attention_mass_per_unit():
 
 def test_collision_rerank_selects_by_explicit_votes_then_estimates():
     units = {"name": "analytic", "update_buffer": 8}
-    run = _decoded("pariskv", 30, prefill_units=units, decode_units=units)
+    # a budget near the candidate count (half the zone, below 5K tokens) and the floor at the
+    # budget: the selection reaches deep into the candidates, so the votes decide what it holds
+    run = _decoded("pariskv", 30, budget=210, prefill_units=units, decode_units=units,
+                   selector={"name": "collision_rerank", "min_candidates": 1.0})
     index, store, selector = run.state.units, run.state.store, run.state.policy.selector
     capacity = store.retrieval_capacity
     query = torch.randn(B, HQ, D, generator=torch.Generator().manual_seed(9))
@@ -132,8 +135,7 @@ def test_collision_rerank_selects_by_explicit_votes_then_estimates():
     n_indexed, n_written = int(index.indexed), int(index.next_position)
     for b in range(B):
         voted = [p for p in range(n_indexed) if bool(index.token_valid[b, p])]
-        keep = max(math.ceil(len(voted) * selector.candidate_fraction), selector.floor_for(capacity))
-        keep = min(keep, selector.candidates_for(index.capacity, capacity))
+        keep = min(selector.keep_for(len(voted), capacity), selector.candidates_for(index.capacity, capacity))
         for h in range(H):
             q = analytic.encode_query(mean_q[b, h], index.signs, index.subspaces, (1 << tiers) - 1)
             ranks = q.centroids.tolist()  # (S, rho): the query's centroid ids per subspace, best first

@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 
 # each module registers its op with ``dispatch.implement("triton", ...)``
-_MODULES = ("admit", "attention", "candidates", "collision", "gather", "kmeans", "refresh", "rerank", "select", "step", "unit_append", "write")
+_MODULES = ("admit", "attention", "candidates", "collision", "collision_candidates", "gather", "kmeans", "query_votes",
+            "refresh", "rerank", "select", "step", "unit_append", "write")
 
 
 def load() -> None:
