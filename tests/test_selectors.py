@@ -119,10 +119,7 @@ def test_oracle_scores_are_the_attention_mass_per_unit():
 
 def test_collision_rerank_selects_by_explicit_votes_then_estimates():
     units = {"name": "analytic", "update_buffer": 8}
-    # a budget near the candidate count (half the zone, below 5K tokens) and the floor at the
-    # budget: the selection reaches deep into the candidates, so the votes decide what it holds
-    run = _decoded("pariskv", 30, budget=210, prefill_units=units, decode_units=units,
-                   selector={"name": "collision_rerank", "min_candidates": 1.0})
+    run = _decoded("pariskv", 30, prefill_units=units, decode_units=units)
     index, store, selector = run.state.units, run.state.store, run.state.policy.selector
     capacity = store.retrieval_capacity
     query = torch.randn(B, HQ, D, generator=torch.Generator().manual_seed(9))
