@@ -99,6 +99,7 @@ class PolicyLayerState:
                 self._build_index_and_pool(keys, values, retrievable)
         self.boundary = torch.zeros(batch, self.store.slot_valid.shape[1], dtype=torch.bool, device=device)
         self.trigger_state = policy.trigger.init_state(batch, num_q_heads, dim, device)
+        policy.trigger.attach(self.trigger_state, self)
         self.has_selection = torch.zeros(batch, dtype=torch.bool, device=device)
         self.reselect = torch.zeros(batch, dtype=torch.bool, device=device)  # this step's decision
         self.reselections = torch.zeros(batch, dtype=torch.long, device=device)

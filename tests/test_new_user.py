@@ -291,9 +291,10 @@ def test_louiskv_for_the_embedded_models_name_gets_its_calibrated_tau(tmp_path, 
     monkeypatch.setenv("KVPOLICY_CACHE", str(tmp_path))  # no user calibration file
     from kvpolicy.calibration import BUILTIN_TAU
 
-    by_name = kvpolicy.preset("louiskv", model="smollm2").trigger.tau
+    # the paper's trigger by name (the model's default is now the calibrated score_gap)
+    by_name = kvpolicy.preset("louiskv", model="smollm2", trigger="query_cosine").trigger.tau
     assert by_name == BUILTIN_TAU["smollm2-135m-instruct"] == kvpolicy.preset(
-        "louiskv", model="smollm2-135m-instruct").trigger.tau
+        "louiskv", model="smollm2-135m-instruct", trigger="query_cosine").trigger.tau
 
 
 @dataclass

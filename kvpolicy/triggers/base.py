@@ -34,6 +34,10 @@ class Trigger:
     def init_state(self, batch: int, num_q_heads: int, head_dim: int, device: torch.device) -> Any:
         return None
 
+    def attach(self, state: Any, layer: Any) -> None:
+        """Called once by the layer's prefill, after ``init_state`` and the prompt's index: a
+        trigger that reads its layer (its unit table, selector, store) keeps ``layer`` here."""
+
     def decide(self, query: torch.Tensor, state: Any) -> torch.Tensor:
         """``query``: ``(batch, num_q_heads, head_dim)``, this step's post-RoPE query."""
         raise NotImplementedError

@@ -13,14 +13,13 @@ inside the step): it is the selector's fill of the query that made the selection
 kept here) over the table as it is now, recomputed each step. For the prompt's units that is
 exactly the held selection; decode units opened since are the approximation.
 
-The trigger reads its layer's unit table, selector and retrieval capacity. It finds its layer
-when ``init_state`` is called from ``PolicyLayerState.prefill`` (or through ``attach``).
+The trigger reads its layer's unit table, selector and retrieval capacity: the layer's prefill
+hands itself over (``Trigger.attach``).
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,21 +37,6 @@ class ScoreGapState:
     layer: Any = None  # the PolicyLayerState served (its units, selector, store and ops)
     # (batch,) float32, the last step's largest gap over the KV heads (for calibration and tests)
     gap: torch.Tensor | None = None
-
-
-def _calling_layer() -> Any:
-    """The ``PolicyLayerState`` whose ``prefill`` is calling ``init_state`` (None if there is none)."""
-    from ..layer import PolicyLayerState
-
-    frame = sys._getframe(1)
-    for _ in range(6):
-        frame = frame.f_back
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, PolicyLayerState):
-            return candidate
-    return None
 
 
 def held_mask(scores_at_anchor: torch.Tensor, units, capacity: int, ops) -> torch.Tensor:
@@ -115,9 +99,6 @@ class ScoreGap(Trigger):
             has_anchor=torch.zeros(batch, dtype=torch.bool, device=device),
             gap=torch.zeros(batch, dtype=torch.float32, device=device),
         )
-        layer = _calling_layer()
-        if layer is not None:
-            self.attach(state, layer)
         return state
 
     def attach(self, state: ScoreGapState, layer: Any) -> None:
