@@ -115,9 +115,11 @@ def _pariskv(**options: Any) -> Policy:
     """ParisKV: every token indexed by data-independent sign-pattern centroids of an SRHT-rotated
     key (16 subspaces: 8 dims, 256 centroids each at head_dim 128; 4 dims, 16 centroids at 64)
     and a 4-bit code; every step, tiered collision votes of the GQA group's mean query (6 tiers,
-    63 ranked centroids per subspace; 4 tiers, 15 at 4 dims) pick about 10% of the tokens, at
-    least twice the retrieval budget, as candidates and their 4-bit estimates of q.k the final
-    ones. Sink 4,
+    63 ranked centroids per subspace; 4 tiers, 15 at 4 dims) pick candidates by zone length as
+    ParisKV's code does (``kvpolicy.analytic.CANDIDATE_BANDS``: 0.5 of the zone below 5K tokens,
+    0.25 to 10K, 0.2 to 30K, 0.1 beyond), at least twice the retrieval budget, and their 4-bit
+    estimates of q.k the final ones; the pipeline's files are listed in ``kvpolicy.analytic``'s
+    docstring. Sink 4,
     local 64 and an update buffer of 64 tokens (a quarter of the retrieval budget if smaller),
     attended in full and indexed 64 at a time; all within the budget. ParisKV's own settings
     (sink 4, local 512, buffer 512, top-k 2048) are budget=3076, local=512 with
