@@ -146,6 +146,9 @@ class PolicyLayerState:
         if not isinstance(self.units, RetrievalIndex):
             raise TypeError(f"{type(self.policy.prefill_units).__name__}.build_index made a {type(self.units).__name__}, "
                             "which lacks RetrievalIndex's methods (kvpolicy/units/index.py)")
+        if hasattr(self.units, "decode_builder"):
+            # the decode builder's cut rule bounds the units a reserve must make room for
+            self.units.decode_builder = self.policy.decode_units
         # a unit table lays the pool out unit by unit; an index of single tokens keeps slot order
         self.store.lay_out_zone(keys, values, self.units.zone_order())
 

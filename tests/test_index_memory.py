@@ -96,3 +96,16 @@ def test_segments_read_the_device_count_rarely_and_reserve_the_worst_case_before
     assert table.capacity >= table.num_prompt_units + int(table.decode_units.max()) + 100
     assert table.decode_units_bound(table.decode_tokens + 100) <= table.capacity - table.num_prompt_units
     assert capacity <= table.capacity
+
+
+def test_a_reserve_before_any_step_is_bounded_by_the_decode_builders_rule():
+    # DecodeGraph reserves its steps before the first decode step: the table must already know
+    # its decode builder (pages of 16: a unit per 16 tokens, not one per token)
+    from test_policy_behaviour import PROMPT, Run, _policy
+
+    gen = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 2, PROMPT, 16, generator=gen), torch.randn(2, 2, PROMPT, 16, generator=gen)
+    run = Run(_policy("quest"), keys, values, torch.ones(2, PROMPT, dtype=torch.bool))
+    table = run.state.units
+    run.state.reserve(1600)
+    assert table.start.shape[-1] <= table.num_prompt_units + 1600 // 16 + 16
