@@ -150,3 +150,26 @@ def test_collision_rerank_selects_by_explicit_votes_then_estimates():
             want = {int(index.slots[p]) for p in buffered} | {int(index.slots[-c[1]]) for c in best}
             got = set(selection.slots[b, h][selection.slot_valid[b, h]].tolist())
             assert got == want, (b, h, sorted(got ^ want))
+
+
+def test_collision_rerank_votes_with_the_tier_weights():
+    # head_dim 64: 16 subspaces of 4 dims, so 4 tiers whose ranks get 4, 3, 3, 2, ... votes (at
+    # head_dim 16 every rank gets one vote and the tiers cannot be told apart)
+    from kvpolicy.layer import PolicyLayerState
+
+    dim, heads, q_heads, prompt = 64, 2, 4, 300
+    gen = torch.Generator().manual_seed(3)
+    state = PolicyLayerState(kvpolicy.preset("pariskv", budget=96, sink=4, local=16), 0, torch.device("cpu"))
+    state.prefill(torch.randn(1, heads, prompt, dim, generator=gen), torch.randn(1, heads, prompt, dim, generator=gen),
+                  torch.ones(1, prompt, dtype=torch.bool), q_heads)
+    seen = []
+    ops = dispatch.Ops("reference", torch.device("cpu"))  # a table of its own, so the cached one stays as it is
+    for name in ("query_votes", "collision_count"):  # whichever path the selector takes, record its votes
+        op = getattr(ops, name)
+        setattr(ops, name, lambda *args, op=op: seen.append(args[-1].tolist()) or op(*args))
+
+    selector = state.policy.selector
+    query = torch.randn(1, q_heads, dim, generator=gen)
+    selector.select(query, state.units, state.store.retrieval_capacity, ops)
+    tiers = selector.tiers_for(dim // state.units.subspaces)
+    assert tiers == 4 and seen == [list(analytic.tier_weights(tiers))]
