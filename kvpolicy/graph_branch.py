@@ -104,8 +104,6 @@ class _Driver:
         if version.value < 12040:
             raise KVPolicyError(f"conditional graph nodes need a CUDA 12.4+ driver; this one is {version.value}")
         self.capture_info_has_edges = hasattr(self.lib, "cuStreamGetCaptureInfo_v3")
-        self.module = ctypes.c_void_p()
-        self.set_if_any = ctypes.c_void_p()
         self._modules: dict[int, tuple] = {}
         self._streams: dict[int, torch.cuda.ExternalStream] = {}
 
