@@ -45,16 +45,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="layer-ignores-the-trigger",
         file="kvpolicy/layer.py",
-        original=(
-            "            store.fetch(selection.slots, selection.slot_valid, reselect, ops)\n"
-            "            store.admit(evicted, ~reselect, ops)"
-        ),
-        replacement=(
-            "            store.fetch(selection.slots, selection.slot_valid, torch.ones_like(reselect), ops)\n"
-            "            store.admit(evicted, torch.zeros_like(reselect), ops)"
-        ),
+        original="        store.fetch(selection.slots, selection.slot_valid, reselect, self.ops)",
+        replacement="        store.fetch(selection.slots, selection.slot_valid, torch.ones_like(reselect), self.ops)",
         tests=("tests/test_transformers_integration.py", "-k", "small_budget"),
-        why="every step re-fetches and no leaving token is admitted, whatever the trigger says",
+        why="every re-selection fetches for every sequence, whatever the trigger said for each",
     ),
     Mutation(
         name="index-files-the-new-token",
@@ -142,7 +136,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference_step.py",
         original="torch.where(take[..., 0], slot_valid.sum(-1), store.retrieved_fill)",
         replacement="torch.where(take[..., 0], torch.full_like(store.retrieved_fill, slot_valid.shape[-1]), store.retrieved_fill)",
-        tests=("tests/test_dense_equivalence.py", "-k", "keep or interval"),
+        tests=("tests/test_dense_equivalence.py", "tests/test_store_refresh.py", "-k", "keep or interval or overlapping"),
         why="a selection marks the buffer full, so nothing is ever admitted",
     ),
     Mutation(
@@ -197,10 +191,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="threshold-select-drops-the-cut-unit",
         file="kvpolicy/kernels/triton/select.py",
-        original="        keep = (live & ((key <= prefix) | (everything != 0))) != 0",
-        replacement="        keep = (live & ((key < prefix) | (everything != 0))) != 0",
+        original="            keep = (live & (high == cut)) != 0",
+        replacement="            keep = (live & (high > cut) & (high < cut)) != 0",
         tests=("tests/test_triton_select.py", "-k", "threshold"),
-        why="the threshold select leaves out the unit the budget cuts, so the budget is not filled",
+        why="the threshold select leaves out the units tied with the cut (the cut unit among them), so the budget is not filled",
     ),
     Mutation(
         name="a-passed-dense-cache-runs-silently",
