@@ -68,19 +68,24 @@ class Selector:
         ``[0, order.shape[-1])``, ``unit_ids`` in ``[-1, U)`` (the Triton ops write an empty
         selection: slots 0, ``slot_valid`` False, ``num_units`` 0, ``unit_ids`` -1).
         """
+        ops = dispatch.as_ops(ops, query.device)
+        scores = self.unit_scores(query, units, ops, take)
+        unit_ids, num_units, slots, slot_valid = ops.select_budget(scores, units.size, units.start, units.order, capacity, take)
+        return Selection(unit_ids, num_units, slots, slot_valid)
+
+    def unit_scores(self, query: torch.Tensor, units: UnitTable, ops, take: torch.Tensor | None = None) -> torch.Tensor:
+        """``query``: ``(B, Hq, D)`` -> ``(B, H, U)`` float32 scores, ``-inf`` where a unit is not
+        selectable: the ``unit_scores`` kernel op where the class declares its method, else ``score``.
+        ``ops``: bound kernel ops; ``take`` as in ``select``."""
         batch, q_heads, dim = query.shape
         kv_heads = units.start.shape[1]
         group = query.float().view(batch, kv_heads, q_heads // kv_heads, dim)
-        ops = dispatch.as_ops(ops, query.device)
         method = self._unit_score_method()
         if method is not None:
-            scores = ops.unit_scores(
+            return ops.unit_scores(
                 group, units.key_sum, units.key_min, units.key_max, units.size, units.selectable, method, take
             )
-        else:
-            scores = self.score(group, units).masked_fill(~units.selectable, float("-inf"))
-        unit_ids, num_units, slots, slot_valid = ops.select_budget(scores, units.size, units.start, units.order, capacity, take)
-        return Selection(unit_ids, num_units, slots, slot_valid)
+        return self.score(group, units).masked_fill(~units.selectable, float("-inf"))
 
     @classmethod
     def _unit_score_method(cls) -> str | None:

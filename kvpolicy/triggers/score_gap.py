@@ -116,17 +116,7 @@ class ScoreGap(Trigger):
 
     def scores(self, query: torch.Tensor, layer: Any) -> torch.Tensor:
         """``(B, H, U)`` the layer's selector scores for ``query (B, Hq, D)``, in attention logits."""
-        units, selector, ops = layer.units, layer.policy.selector, layer.ops
-        batch, q_heads, dim = query.shape
-        kv_heads = units.start.shape[1]
-        group = query.float().view(batch, kv_heads, q_heads // kv_heads, dim)
-        method = selector._unit_score_method()
-        if method is not None:
-            raw = ops.unit_scores(group, units.key_sum, units.key_min, units.key_max, units.size, units.selectable,
-                                  method, None)
-        else:
-            raw = selector.score(group, units).masked_fill(~units.selectable, float("-inf"))
-        return raw * dim**-0.5
+        return layer.policy.selector.unit_scores(query, layer.units, layer.ops) * query.shape[-1] ** -0.5
 
     def decide(self, query: torch.Tensor, state: ScoreGapState) -> torch.Tensor:
         layer = state.layer
