@@ -206,3 +206,4 @@ class PolicyLayerState:
         take = None if policy.trigger.always_reselects else reselect
         selection = policy.selector.select(query, self.units, store.retrieval_capacity, self.ops, take=take)
         store.fetch(selection.slots, selection.slot_valid, reselect, self.ops)
+        policy.trigger.selected(self.trigger_state, selection, reselect)

@@ -38,6 +38,12 @@ class Trigger:
         """Called once by the layer's prefill, after ``init_state`` and the prompt's index: a
         trigger that reads its layer (its unit table, selector, store) keeps ``layer`` here."""
 
+    def selected(self, state: Any, selection: Any, reselect: torch.Tensor) -> None:
+        """Called after each re-selection's fetch with the selector's ``Selection`` (its
+        ``unit_ids``) and ``reselect (B,)``, the rows that took it: a trigger that compares against
+        what is held reads it here instead of recomputing it. Device work only (it runs inside
+        the captured step, in the re-selection's conditional node)."""
+
     def decide(self, query: torch.Tensor, state: Any) -> torch.Tensor:
         """``query``: ``(batch, num_q_heads, head_dim)``, this step's post-RoPE query."""
         raise NotImplementedError
