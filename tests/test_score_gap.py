@@ -16,7 +16,7 @@ import torch
 import kvpolicy
 from kvpolicy.errors import ConfigError
 from kvpolicy.layer import PolicyLayerState
-from kvpolicy.triggers.score_gap import ScoreGap, held_mask
+from kvpolicy.triggers.score_gap import ScoreGap
 
 from host_reads import no_host_reads
 from test_graph_ready import _host_state, _restore, _tensors
@@ -96,17 +96,78 @@ def test_a_slow_turn_fires_against_the_held_selection_not_the_last_query():
     assert 7 in _attended_pages(state)
 
 
+def _unit_slots(state: PolicyLayerState, unit: int) -> set[int]:
+    start, size, order = state.units.start[0, 0], state.units.size[0, 0], state.units.order[0, 0]
+    return {int(order[p]) for p in range(int(start[unit]), int(start[unit] + size[unit]))}
+
+
+def _check_held_is_what_is_attended(state: PolicyLayerState) -> None:
+    """Every unit the trigger holds has a token in the retrieved buffer, and every unit all of whose
+    tokens are there is held (the selection's last unit may be cut to the budget: held, partly), as
+    the next step's decision sees them (it first follows the token that left the window last step)."""
+    trigger = state.policy.trigger
+    trigger._follow_leaving_token(state.trigger_state)  # what the next decide does first; idempotent
+    held = trigger.held_mask(state.trigger_state)[0, 0]
+    retrieved = {int(s) for s in state.store.retrieved_slots[0, 0][state.store.retrieved_valid[0, 0]]}
+    selectable = state.units.selectable[0, 0]
+    for unit in range(state.units.capacity):
+        slots = _unit_slots(state, unit) if bool(selectable[unit]) else set()
+        if bool(held[unit]):
+            assert slots & retrieved, f"step {state.decode_steps}: unit {unit} held, none of its tokens attended"
+        elif slots:
+            assert not slots <= retrieved, f"step {state.decode_steps}: unit {unit} attended whole, not held"
+
+
 def test_the_held_units_are_the_selection_in_use():
     state = _layer({"name": "score_gap", "margin": 1.0})
     for page in (3, 3, 8, 8, 8):
         _step(state, _toward(page))
-    trigger, ts = state.policy.trigger, state.trigger_state
-    held = held_mask(trigger.scores(ts.anchor, state), state.units, state.store.retrieval_capacity, state.ops)
-    starts, sizes, order = state.units.start[0, 0], state.units.size[0, 0], state.units.order[0, 0]
-    held_slots = {int(order[p]) for u in held[0, 0].nonzero().flatten().tolist()
-                  for p in range(int(starts[u]), int(starts[u] + sizes[u]))}
+        _check_held_is_what_is_attended(state)
+    held = state.policy.trigger.held_mask(state.trigger_state)[0, 0]
+    assert set(held.nonzero().flatten().tolist()) == {8, RUNNER_UP}
+
+
+@pytest.mark.parametrize("measure, margin", [("weakest", 1.0), ("mass", -1.0)])
+def test_decode_tokens_dropped_from_a_full_buffer_are_not_held(measure, margin):
+    # the selection fills the buffer (pages 2 and 9), so the tokens that leave the local window
+    # later are not attended; their keys point where the query does, so their decode page is
+    # what the selector would take now: the trigger must see it as unheld and fire, and the
+    # re-selection must then attend it
+    state = _layer({"name": "score_gap", "margin": margin, "measure": measure})
+    query = _toward(2)
+    fired = []
+    for step in range(LOCAL + PAGE):
+        key = 0.01 * torch.randn(1, H, D, generator=torch.Generator().manual_seed(step))
+        key[..., 2] += 3.0
+        before = state.reselections.clone()
+        state.decode(query, key, torch.randn(1, H, D), D**-0.5)
+        fired.append(bool((state.reselections - before)[0]))
+        _check_held_is_what_is_attended(state)
+    # the prompt's last LOCAL tokens (noise keys) leave first; the decoded keys from step LOCAL + 1 on
+    assert fired[0] and not any(fired[1:LOCAL + 1])
+    assert any(fired[LOCAL + 1:]), "the decoded keys outscored the held pages and were never fetched"
+    left = set(range(PROMPT, PROMPT + PAGE - 1))  # decoded tokens that have left the local window
     retrieved = {int(s) for s in state.store.retrieved_slots[0, 0][state.store.retrieved_valid[0, 0]]}
-    assert retrieved and retrieved <= held_slots
+    assert left & retrieved
+
+
+def test_decode_tokens_admitted_while_the_buffer_has_room_are_held():
+    # a budget past the context: every token that leaves the local window is admitted, so the trigger
+    # holds every unit and never fires after the first step
+    gen = torch.Generator().manual_seed(0)
+    policy = kvpolicy.Policy(trigger={"name": "score_gap", "margin": -5.0, "measure": "mass"},
+                             prefill_units={"name": "pages", "size": PAGE}, decode_units={"name": "pages", "size": 4},
+                             selector="top_budget", budget=4 + LOCAL + PROMPT + 64, sink=4, local=LOCAL)
+    state = PolicyLayerState(policy, 0, torch.device("cpu"))
+    state.prefill(torch.randn(1, H, PROMPT, D, generator=gen), torch.randn(1, H, PROMPT, D, generator=gen),
+                  torch.ones(1, PROMPT, dtype=torch.bool), HQ)
+    for step in range(LOCAL + 24):
+        q, k, v = torch.randn(1, HQ, D, generator=gen), torch.randn(1, H, D, generator=gen), torch.randn(1, H, D, generator=gen)
+        state.decode(q, k, v, D**-0.5)
+        _check_held_is_what_is_attended(state)
+    assert int(state.reselections[0]) == 1
+    held = state.policy.trigger.held_mask(state.trigger_state)[0, 0]
+    assert bool(held[state.units.num_prompt_units:state.units.num_prompt_units + 6].all())  # 24 tokens, pages of 4
 
 
 def test_the_decision_is_per_sequence():

@@ -8,10 +8,12 @@ of the weakest held one). A query that still points at what was selected keeps t
 however far it moved; a query that now needs KV outside it fires at once, at the step that needs
 it, not after (EVAL.md: the query-cosine boundary came after the tokens that needed new KV).
 
-Which units are held is not stored per unit (a per-unit mask would have to grow with the table
-inside the step): it is the selector's fill of the query that made the selection (the anchor,
-kept here) over the table as it is now, recomputed each step. For the prompt's units that is
-exactly the held selection; decode units opened since are the approximation.
+Which units are held is kept in the trigger's state, as unit ids (at most one a retrieved row, so
+a fixed ``(B, H, R)`` list that never grows with the table): the selector's ``Selection`` of each
+re-selection (``Trigger.selected``), then, each step, the decode unit that took the token which
+left the local window: added where the retrieved buffer admitted that token (it had room), dropped
+where it did not (a unit some of whose tokens are not attended is not held). A step scores the
+table once, at its own query; the held mask is a scatter of that list.
 
 The trigger reads its layer's unit table, selector and retrieval capacity: the layer's prefill
 hands itself over (``Trigger.attach``).
@@ -32,22 +34,33 @@ from .base import Trigger
 
 @dataclass
 class ScoreGapState:
-    anchor: torch.Tensor  # (batch, num_q_heads, head_dim) float32: the query of the last re-selection
-    has_anchor: torch.Tensor  # (batch,) bool
+    has_selection: torch.Tensor  # (batch,) bool: a selection was made (``selected``)
     layer: Any = None  # the PolicyLayerState served (its units, selector, store and ops)
     # (batch,) float32, the last step's largest gap over the KV heads (for calibration and tests)
     gap: torch.Tensor | None = None
+    # the rest is made by ``attach``, sized by the layer's KV heads and retrieval capacity R
+    held: torch.Tensor | None = None  # (B, H, R) long: the held units' ids, -1 elsewhere
+    held_count: torch.Tensor | None = None  # (B, H) long: entries of ``held`` written since the selection
+    # what the table and the retrieved buffer looked like at the last look, to see what the
+    # last step's leaving token did: the open decode unit (B,), its size and the buffer's fill (B, H)
+    seen_open: torch.Tensor | None = None
+    seen_size: torch.Tensor | None = None
+    seen_fill: torch.Tensor | None = None
 
 
-def held_mask(scores_at_anchor: torch.Tensor, units, capacity: int, ops) -> torch.Tensor:
-    """``(B, H, U)`` bool: the units the selector's budgeted fill takes for these scores."""
-    unit_ids, _, _, _ = ops.select_budget(scores_at_anchor, units.size, units.start, units.order, capacity, None)
-    mask = torch.zeros(scores_at_anchor.shape, dtype=torch.bool, device=scores_at_anchor.device)
-    # unit_ids: chosen units then -1; send the -1s to a spare column that is cut off
-    index = torch.where(unit_ids >= 0, unit_ids, scores_at_anchor.shape[-1])
-    padded = torch.zeros(*mask.shape[:-1], mask.shape[-1] + 1, dtype=torch.bool, device=mask.device)
+def held_units_mask(held: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``(B, H, capacity)`` bool: True at the unit ids listed in ``held (B, H, K)`` (-1: none)."""
+    index = torch.where(held >= 0, held, capacity)  # the -1s go to a spare column that is cut off
+    padded = torch.zeros(*held.shape[:-1], capacity + 1, dtype=torch.bool, device=held.device)
     padded.scatter_(-1, index, True)
     return padded[..., :-1]
+
+
+def _open_unit_size(units) -> torch.Tensor:
+    """``(B, H)`` the size of each sequence's open decode unit (unit 0's where none is open)."""
+    batch, heads = units.size.shape[:2]
+    index = units.open_unit.clamp(min=0).view(batch, 1, 1).expand(batch, heads, 1)
+    return units.size.gather(2, index)[..., 0]
 
 
 def score_gap(scores: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
@@ -56,7 +69,9 @@ def score_gap(scores: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     finite = scores > float("-inf")
     best_unheld = scores.masked_fill(held | ~finite, float("-inf")).amax(-1)
     weakest_held = scores.masked_fill(~held | ~finite, float("inf")).amin(-1)
-    return best_unheld - weakest_held
+    nothing_held = ~(held & finite).any(-1)
+    return torch.where(nothing_held, best_unheld.masked_fill(best_unheld > float("-inf"), float("inf")),
+                       best_unheld - weakest_held)
 
 
 def mass_gap(scores: torch.Tensor, held: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
@@ -94,12 +109,10 @@ class ScoreGap(Trigger):
             raise ConfigError(f"score_gap trigger: measure must be one of {', '.join(MEASURES)}; got {self.measure!r}")
 
     def init_state(self, batch, num_q_heads, head_dim, device) -> ScoreGapState:
-        state = ScoreGapState(
-            anchor=torch.zeros(batch, num_q_heads, head_dim, dtype=torch.float32, device=device),
-            has_anchor=torch.zeros(batch, dtype=torch.bool, device=device),
+        return ScoreGapState(
+            has_selection=torch.zeros(batch, dtype=torch.bool, device=device),
             gap=torch.zeros(batch, dtype=torch.float32, device=device),
         )
-        return state
 
     def attach(self, state: ScoreGapState, layer: Any) -> None:
         """Serve ``layer`` (a ``PolicyLayerState`` after its prefill built the unit table)."""
@@ -113,24 +126,79 @@ class ScoreGap(Trigger):
                 f"{type(layer.units).__name__}"
             )
         state.layer = layer
+        units, device = layer.units, layer.units.size.device
+        batch, heads = units.size.shape[:2]
+        # a unit held has a token in a retrieved row, so R ids cover every selection
+        room = max(layer.store.retrieval_capacity, 1)
+        state.held = torch.full((batch, heads, room), -1, dtype=torch.long, device=device)
+        state.held_count = torch.zeros(batch, heads, dtype=torch.long, device=device)
+        state.seen_open = units.open_unit.clone()
+        state.seen_size = _open_unit_size(units)
+        state.seen_fill = layer.store.retrieved_fill.clone()
+
+    def selected(self, state: ScoreGapState, selection: Any, reselect: torch.Tensor) -> None:
+        """The rows that re-selected hold exactly ``selection.unit_ids`` (the fetch made it so);
+        the table and buffer as they are now (after this step's leaving token) are the new baseline."""
+        ids = selection.unit_ids
+        room = state.held.shape[-1]
+        if ids.shape[-1] >= room:
+            ids = ids[..., :room]  # chosen units come first; past R there are only -1s
+        else:
+            ids = torch.nn.functional.pad(ids, (0, room - ids.shape[-1]), value=-1)
+        rows = reselect.view(-1, 1)
+        state.held.copy_(torch.where(rows.unsqueeze(-1), ids, state.held))
+        state.held_count.copy_(torch.where(rows, (ids >= 0).sum(-1), state.held_count))
+        units, store = state.layer.units, state.layer.store
+        state.seen_open.copy_(torch.where(reselect, units.open_unit, state.seen_open))
+        state.seen_size.copy_(torch.where(rows, _open_unit_size(units), state.seen_size))
+        state.seen_fill.copy_(torch.where(rows, store.retrieved_fill, state.seen_fill))
+        state.has_selection.logical_or_(reselect)
+
+    def _follow_leaving_token(self, state: ScoreGapState) -> None:
+        """Bring ``held`` up to date with the token that left the local window since the last look:
+        the open decode unit took it (the table grew) and the retrieved buffer admitted it (its fill
+        grew) or not. In place, device only."""
+        units, store = state.layer.units, state.layer.store
+        unit = units.open_unit  # (B,)
+        size = _open_unit_size(units)
+        fill = store.retrieved_fill
+        moved = (unit != state.seen_open).view(-1, 1)
+        appended = (unit >= 0).view(-1, 1) & (moved | (size != state.seen_size))  # (B, H)
+        admitted = fill > state.seen_fill
+        listed = state.held == unit.view(-1, 1, 1)  # (B, H, R)
+        add = appended & admitted & ~listed.any(-1)
+        room = state.held.shape[-1]
+        position = state.held_count.clamp(max=room - 1).unsqueeze(-1)
+        current = state.held.gather(2, position)
+        state.held.scatter_(2, position, torch.where(add.unsqueeze(-1), unit.view(-1, 1, 1).expand_as(current), current))
+        state.held_count.add_(add.long())
+        # a token of a held unit that was not admitted: the unit is no longer all attended
+        drop = (appended & ~admitted).unsqueeze(-1) & listed
+        state.held.masked_fill_(drop, -1)
+        state.seen_open.copy_(unit)
+        state.seen_size.copy_(size)
+        state.seen_fill.copy_(fill)
 
     def scores(self, query: torch.Tensor, layer: Any) -> torch.Tensor:
         """``(B, H, U)`` the layer's selector scores for ``query (B, Hq, D)``, in attention logits."""
         return layer.policy.selector.unit_scores(query, layer.units, layer.ops) * query.shape[-1] ** -0.5
 
+    def held_mask(self, state: ScoreGapState) -> torch.Tensor:
+        """``(B, H, U)`` bool over the layer's unit table: the units the layer holds now."""
+        return held_units_mask(state.held, state.layer.units.capacity)
+
     def decide(self, query: torch.Tensor, state: ScoreGapState) -> torch.Tensor:
         layer = state.layer
         if layer is None:
             raise ConfigError("score_gap trigger: its state was not attached to a layer (Trigger.attach)")
+        self._follow_leaving_token(state)
         now = self.scores(query, layer)
-        held = held_mask(self.scores(state.anchor, layer), layer.units, layer.store.retrieval_capacity, layer.ops)
+        held = self.held_mask(state)
         if self.measure == "weakest":
             gap = score_gap(now, held)
         else:
             gap = mass_gap(now, held, layer.units.size)
         gap = gap.amax(-1)  # (B,): the worst KV head decides
-        fire = (gap > self.margin) | ~state.has_anchor
+        fire = (gap > self.margin) | ~state.has_selection
         state.gap.copy_(gap.clamp(min=-1e4, max=1e4))
-        state.anchor.copy_(torch.where(fire.view(-1, 1, 1), query.float(), state.anchor))
-        state.has_anchor.fill_(True)
         return fire
