@@ -215,3 +215,45 @@ def test_options_are_checked():
     with pytest.raises(ConfigError, match="needs a selector that scores a unit table"):
         state.prefill(torch.randn(1, 2, 200, 16, generator=gen), torch.randn(1, 2, 200, 16, generator=gen),
                       torch.ones(1, 200, dtype=torch.bool), 4)
+
+
+def _two_layers(trigger: dict) -> list[PolicyLayerState]:
+    """Layers 0 and 1 of one policy (one trigger), prefilled in order as a model's forward does."""
+    gen = torch.Generator().manual_seed(0)
+    policy = kvpolicy.Policy(trigger=trigger, prefill_units={"name": "pages", "size": PAGE},
+                             decode_units={"name": "pages", "size": PAGE}, selector="top_budget",
+                             budget=4 + LOCAL + 2 * PAGE, sink=4, local=LOCAL)
+    keys = 0.01 * torch.randn(1, H, PROMPT, D, generator=gen)
+    for page in range(PAGES):
+        keys[:, :, page * PAGE:(page + 1) * PAGE, page] += 3.0
+    keys[:, :, RUNNER_UP * PAGE:(RUNNER_UP + 1) * PAGE, FILLER] += 1.0
+    layers = []
+    for index in range(2):
+        state = PolicyLayerState(policy, index, torch.device("cpu"))
+        state.prefill(keys, torch.randn(1, H, PROMPT, D, generator=gen), torch.ones(1, PROMPT, dtype=torch.bool), HQ)
+        layers.append(state)
+    return layers
+
+
+@pytest.mark.parametrize("follow, expect_follows", [(0.0, False), (0.5, False), (2.0, True), (float("inf"), True)])
+def test_follow_lowers_the_margin_where_the_layer_above_reselected(follow, expect_follows):
+    # layer 0's query turns to page 7 at step 3 (it fires there). Layer 1's stays on page 2 with a
+    # little of page 7: 0.25 * 3 * 2.5 over the held pages 2 and 9 puts its mass gap at
+    # 1.875 - 3.75 - log(1 + e**-3.5) = -1.91, under the margin -1 but over -1 - 2
+    top, below = _two_layers({"name": "score_gap", "margin": -1.0, "measure": "mass", "follow": follow})
+    assert below.trigger_state.above is top and top.trigger_state.above is None
+    leaning = _toward(2)
+    leaning[..., 7] = 2.5
+    fired, gaps = [], []
+    for step, page in enumerate((2, 2, 7, 7)):
+        steps = []
+        # layer 1's first selection is made on page 2 alone, so it holds pages 2 and 9
+        for state, q in ((top, _toward(page)), (below, leaning if step else _toward(2))):
+            before = state.reselections.clone()
+            state.decode(q, torch.zeros(1, H, D), torch.zeros(1, H, D), D**-0.5)
+            steps.append(bool((state.reselections - before)[0]))
+        fired.append(steps)
+        gaps.append(float(below.trigger_state.gap[0]))
+    assert abs(gaps[1] + 1.91) < 0.02, gaps
+    assert [f[0] for f in fired] == [True, False, True, False]
+    assert [f[1] for f in fired] == [True, False, expect_follows, False]

@@ -22,6 +22,7 @@ hands itself over (``Trigger.attach``).
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ class ScoreGapState:
     seen_open: torch.Tensor | None = None
     seen_size: torch.Tensor | None = None
     seen_fill: torch.Tensor | None = None
+    above: Any = None  # the PolicyLayerState of the preceding served layer, for ``follow``
 
 
 def held_units_mask(held: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -101,12 +103,17 @@ class ScoreGap(Trigger):
 
     margin: float = 1.0
     measure: str = "weakest"
+    # in a layer whose preceding served layer re-selected at this step (per sequence), the margin is
+    # ``margin - follow``: 0 ignores the other layers, ``inf`` re-selects whenever the layer above did
+    follow: float = 0.0
 
     def validate(self) -> None:
         if not isinstance(self.margin, (int, float)) or isinstance(self.margin, bool) or math.isnan(self.margin):
             raise ConfigError(f"score_gap trigger: margin must be a number, got {self.margin!r}")
         if self.measure not in MEASURES:
             raise ConfigError(f"score_gap trigger: measure must be one of {', '.join(MEASURES)}; got {self.measure!r}")
+        if not isinstance(self.follow, (int, float)) or isinstance(self.follow, bool) or not self.follow >= 0:
+            raise ConfigError(f"score_gap trigger: follow must be a number >= 0 (inf: always), got {self.follow!r}")
 
     def init_state(self, batch, num_q_heads, head_dim, device) -> ScoreGapState:
         return ScoreGapState(
@@ -126,6 +133,15 @@ class ScoreGap(Trigger):
                 f"{type(layer.units).__name__}"
             )
         state.layer = layer
+        # the layer above is the one attached just before, in this prefill: lower index, same batch
+        above = getattr(self, "_last_attached", lambda: None)()
+        if above is not None and above.layer is not None and above.layer.layer_idx < layer.layer_idx and \
+                above.has_selection.shape == state.has_selection.shape and \
+                above.has_selection.device == state.has_selection.device:
+            state.above = above.layer
+        else:
+            state.above = None
+        object.__setattr__(self, "_last_attached", weakref.ref(state))  # weak: the cache may go
         units, device = layer.units, layer.units.size.device
         batch, heads = units.size.shape[:2]
         # a unit held has a token in a retrieved row, so R ids cover every selection
@@ -200,5 +216,8 @@ class ScoreGap(Trigger):
             gap = mass_gap(now, held, layer.units.size)
         gap = gap.amax(-1)  # (B,): the worst KV head decides
         fire = (gap > self.margin) | ~state.has_selection
+        if self.follow > 0 and state.above is not None:
+            # the layer above decided this step already (its ``reselect``, on the device)
+            fire = fire | (state.above.reselect & (gap > self.margin - self.follow))
         state.gap.copy_(gap.clamp(min=-1e4, max=1e4))
         return fire
