@@ -392,10 +392,12 @@ class TieredStore:
         self._fit(self.length + 1)
 
     def _fit(self, tokens: int) -> None:
-        sink, retrieved, local = self.rows_for(tokens)
+        wanted = self.rows_for(tokens)
         now = (self.sink_keys.shape[2], self.retrieval_capacity, self.local_capacity)
-        if (sink, retrieved, local) != now:
-            self._grow_attended(*(max(a, b) for a, b in zip((sink, retrieved, local), now)))
+        # grow only: a reserve may have made a tier larger than this token needs, and a buffer
+        # re-made inside a captured step would leave the graph reading the old one
+        if any(w > n for w, n in zip(wanted, now)):
+            self._grow_attended(*(max(w, n) for w, n in zip(wanted, now)))
 
     def _grow_attended(self, sink: int, rows: int, local: int) -> None:
         """A new attended buffer of ``sink + rows + local`` rows: the tiers' rows so far copied
@@ -403,6 +405,8 @@ class TieredStore:
         ring pushes the token out), the views re-made (host side, before a step or a capture,
         never inside one). The ring grows only while no slot has reached its size, so every slot
         it holds keeps its position ``slot % L``."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise AssertionError("the attended buffer cannot grow inside a captured step: reserve the steps first")
         old_sink, old, old_local = self.sink_keys.shape[2], self.retrieval_capacity, self.local_capacity
         if local != old_local and self.length > old_local:
             raise AssertionError(f"the local ring of {old_local} rows cannot grow to {local}: slot {self.length - 1} "

@@ -204,4 +204,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/test_transformers_integration.py", "-k", "dense_cache"),
         why="a DynamicCache passed to generate inside policy.apply() runs dense without a word",
     ),
+    # --- session 7: the H200's replay diverged at budgets past the context -------------------
+    Mutation(
+        name="reserved-tiers-remade-every-step",
+        file="kvpolicy/store.py",
+        original="        if any(w > n for w, n in zip(wanted, now)):",
+        replacement="        if wanted != now:",
+        tests=("tests/test_graph_ready.py", "-k", "past"),
+        why="after a reserve the attended buffer is re-made each step, so a captured step writes buffers the next replay no longer reads",
+    ),
 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from types import SimpleNamespace
 
 import pytest
@@ -82,11 +84,14 @@ def test_unit_scores_are_the_selectors_formula_per_unit(name, formula, backend):
     table, selector = run.state.units, run.state.policy.selector
     query = torch.randn(B, HQ, D, generator=torch.Generator().manual_seed(9))
     want = _explicit(run, query, formula)
+    if backend == "triton" and torch.cuda.is_available():
+        # a CUDA machine runs Triton on the GPU (its interpreter is off there): the same table, moved
+        table, query = _moved(table, torch.device("cuda")), query.cuda()
     group = query.float().view(B, H, HQ // H, D)
     got = dispatch.get("unit_scores", backend, query.device)(
         group, table.key_sum, table.key_min, table.key_max, table.size, table.selectable,
         selector._unit_score_method(), None,
-    )
+    ).cpu()
     finite = torch.isfinite(want)
     assert torch.equal(torch.isfinite(got), finite)
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-4)
@@ -94,10 +99,19 @@ def test_unit_scores_are_the_selectors_formula_per_unit(name, formula, backend):
     selection = selector.select(query, table, run.state.store.retrieval_capacity, backend)
     for b in range(B):
         for h in range(H):
-            chosen = selection.unit_ids[b, h, : int(selection.num_units[b, h])]
+            chosen = selection.unit_ids[b, h, : int(selection.num_units[b, h])].cpu()
             assert chosen.numel() > 1
             ranked = torch.sort(want[b, h], descending=True, stable=True).indices[: chosen.numel()]
             assert torch.equal(chosen, ranked), (b, h)
+
+
+def _moved(table, device: torch.device):
+    """A copy of unit ``table`` with every tensor on ``device``."""
+    moved = copy.copy(table)
+    for name, value in vars(table).items():
+        if isinstance(value, torch.Tensor):
+            setattr(moved, name, value.to(device))
+    return moved
 
 
 def test_oracle_scores_are_the_attention_mass_per_unit():

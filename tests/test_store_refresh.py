@@ -102,7 +102,8 @@ def _run(kind, backend, device, pool_device, steps=24, seed=0):
     return store, torch.tensor(expected), reselections
 
 
-_CASES = [("reference", "cpu", "cpu"), ("triton", "cpu", "cpu")]
+# Triton on CPU tensors runs only under its interpreter, which is off on a CUDA machine
+_CASES = [("reference", "cpu", "cpu")] + ([] if CUDA else [("triton", "cpu", "cpu")])
 if CUDA:
     _CASES += [("triton", "cuda", "cpu"), ("triton", "cuda", "cuda"), ("reference", "cuda", "cpu")]
 
