@@ -50,7 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--max-new-tokens", type=int, default=32)
     run.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     run.add_argument("--compare", choices=["full"], help="also run full attention and print both side by side")
-    run.add_argument("--placement", choices=["cpu", "gpu"], help="where the full KV lives (default: the preset's)")
+    run.add_argument("--placement", help="where the full KV lives: cpu (pinned host), gpu, split (each layer's pool "
+                                          "on the GPU while free memory allows, the rest pinned host) or split:GIB "
+                                          "(at most GIB GiB of pool on the GPU); default: the preset's")
     run.add_argument("--backend", help="kernel backend: auto, reference or triton")
     run.add_argument("--device", default=None, help="torch device for the model (default: cuda if available, else cpu)")
     run.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
@@ -194,10 +196,26 @@ def _policy_for(args, name: str, model: Any = None):
     if args.budget is not None and name != "full":
         options["budget"] = args.budget
     if args.placement is not None:
-        options["placement"] = args.placement
+        options.update(_placement_options(args.placement))
     if args.backend is not None:
         options["backend"] = args.backend
     return preset(name, **options)
+
+
+def _placement_options(text: str) -> dict[str, Any]:
+    """``--placement``'s value as Policy fields: "cpu", "gpu", "split" or "split:GIB"."""
+    name, colon, size = text.partition(":")
+    if name in ("cpu", "gpu", "split") and not colon:
+        return {"placement": name}
+    if name == "split" and colon:
+        try:
+            gib = float(size)
+        except ValueError:
+            gib = float("nan")
+        if gib == gib and gib >= 0 and gib != float("inf"):
+            return {"placement": "split", "gpu_pool_bytes": int(gib * (1 << 30))}
+    raise KVPolicyError(f"--placement takes cpu, gpu, split or split:GIB (GiB of KV pool on the GPU, a number >= 0), "
+                        f"got {text!r}")
 
 
 def _read_prompt_file(path: str) -> str:
@@ -309,6 +327,9 @@ def _generate(model, tokenizer, prompt, policy, max_new_tokens: int, ignore_eos:
         "device_kv_bytes": stats.device_kv_bytes,
         "full_kv_bytes": stats.full_kv_bytes,
         "index_bytes": stats.index_bytes,
+        "pool_device_bytes": stats.pool_device_bytes,
+        "pool_host_bytes": stats.pool_host_bytes,
+        "pool_device_layers": stats.pool_device_layers,
         "time_to_first_token_s": ttft,
         "decode_tokens_per_s": (new.numel() - 1) / decode_time if decode_time and new.numel() > 1 else None,
         "total_s": elapsed,
@@ -346,6 +367,8 @@ def _report(results: list[RunResult]) -> None:
         ("KV on attention device", lambda f: f"{_mib(f['device_kv_bytes'])} of {_mib(f['full_kv_bytes'])} "
                                             f"({100 * f['device_kv_bytes'] / max(f['full_kv_bytes'], 1):.0f}%)"),
         ("retrieval index on attention device", lambda f: _mib(f.get("index_bytes", 0))),
+        ("full KV: device / host memory", lambda f: f"{_mib(f.get('pool_device_bytes', 0))} / "
+                                                   f"{_mib(f.get('pool_host_bytes', 0))}"),
         ("time to first token (s)", lambda f: _fmt(f["time_to_first_token_s"])),
         ("decode tokens/s", lambda f: _fmt(f["decode_tokens_per_s"])),
         ("total (s)", lambda f: _fmt(f["total_s"])),

@@ -27,7 +27,7 @@ from .selectors.base import Selector
 from .triggers.base import Trigger
 from .units.base import UnitBuilder
 
-PLACEMENTS = ("cpu", "gpu")
+PLACEMENTS = ("cpu", "gpu", "split")
 
 
 def _resolve(kind: str, spec: Any, base: type) -> Any:
@@ -60,7 +60,12 @@ class Policy:
     ``budget``: tokens attended per decode step (sink + retrieved + local), per sequence and
     KV head; ``None`` means dense attention over the whole cache (the ``full`` preset).
     ``sink`` / ``local``: tokens always kept at the start / end. ``placement``: where the full KV
-    lives ("cpu": pinned host memory when the model is on a GPU; "gpu": the model's device).
+    lives ("cpu": pinned host memory when the model is on a GPU; "gpu": the model's device;
+    "split": each layer's pool on the model's device while ``gpu_pool_bytes`` allows, the other
+    layers' in pinned host memory, so a batch whose KV exceeds the GPU still decodes).
+    ``gpu_pool_bytes``: with "split", the most bytes of KV pool kept on the model's device, over
+    all layers of one cache; ``None`` sizes it from the device's free memory as each layer's
+    prompt arrives, leaving headroom (``kvpolicy.placement.auto_headroom``).
     ``backend``: kernel backend, "auto", "reference" or "triton".
     """
 
@@ -72,6 +77,7 @@ class Policy:
     sink: int = 4
     local: int = 64
     placement: str = "cpu"
+    gpu_pool_bytes: int | None = None
     backend: str = "auto"
     name: str = field(default="custom", compare=False)
 
@@ -99,6 +105,14 @@ class Policy:
             raise ConfigError(f"local must be at least 1 (the current token lives there), got {self.local}")
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"unknown placement {self.placement!r}; accepted: {', '.join(PLACEMENTS)}")
+        limit = self.gpu_pool_bytes
+        if limit is not None:
+            if self.placement != "split":
+                raise ConfigError(f"gpu_pool_bytes applies only to placement='split', got placement={self.placement!r}; "
+                                  "use placement='split' or leave gpu_pool_bytes out")
+            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+                raise ConfigError(f"gpu_pool_bytes must be an integer >= 0 (bytes), or None to size it from free "
+                                  f"memory; got {limit!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"unknown kernel backend {self.backend!r}; accepted: {', '.join(BACKENDS)}")
         if self.budget is None:
@@ -195,7 +209,7 @@ class Policy:
                 return None
             return {"name": value.registered_name, **dataclasses.asdict(value)}
 
-        return {
+        spec = {
             "trigger": component(self.trigger),
             "prefill_units": component(self.prefill_units),
             "decode_units": component(self.decode_units),
@@ -207,6 +221,10 @@ class Policy:
             "backend": self.backend,
             "name": self.name,
         }
+        if self.placement == "split":
+            # only here: a spec's key set (the eval's cell keys hash it) stays as it was elsewhere
+            spec["gpu_pool_bytes"] = self.gpu_pool_bytes
+        return spec
 
     def apply(self, model: Any):
         """Serve ``model``'s attention with this policy inside a ``with`` block.
@@ -221,11 +239,19 @@ class Policy:
 
         return PolicySession(self, model)
 
+    def placement_text(self) -> str:
+        """``placement`` as ``describe`` shows it: "split(gpu_pool=40.0GiB)" or "split(gpu_pool=free)"."""
+        if self.placement != "split":
+            return self.placement
+        if self.gpu_pool_bytes is None:
+            return "split(gpu_pool=free)"
+        return f"split(gpu_pool={bytes_text(self.gpu_pool_bytes)})"
+
     def describe(self) -> str:
         if self.is_dense:
             return f"{self.name}: dense attention over the whole cache"
         parts = [f"budget={self.budget}", f"sink={self.sink}", f"local={self.local}",
-                 f"placement={self.placement}", f"backend={self.backend}"]
+                 f"placement={self.placement_text()}", f"backend={self.backend}"]
         if self.selector is not None:
             parts = [
                 f"trigger={_short(self.trigger)}",
@@ -235,6 +261,14 @@ class Policy:
                 *parts,
             ]
         return f"{self.name}: " + ", ".join(parts)
+
+
+def bytes_text(n: int) -> str:
+    """``n`` bytes for a person: "40.0GiB", "3.5MiB", "512B"."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f}{unit}"
+    return f"{n}B"
 
 
 def _short(component: Any) -> str:

@@ -27,6 +27,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..errors import KVPolicyError, UnsupportedModelError
 from ..kernels import dispatch
 from ..layer import PolicyLayerState
+from ..placement import PoolPlacer, check_limit, pool_bytes
+from ..store import TieredStore, _allocate_pool
 
 ATTENTION_NAME = "kvpolicy"
 
@@ -87,10 +89,72 @@ class PolicyCacheLayer(DynamicLayer):
     crop = batch_repeat_interleave = batch_select_indices = reorder_cache = _unsupported
 
 
-class PolicyCache(DynamicCache):
-    """transformers' DynamicCache with the policy serving every full-attention layer."""
+# the slots a new pool has past its prompt (``TieredStore.from_prefill``'s ``reserve``), read
+# from its signature so that a split counts the pool prefill will make
+_PREFILL_RESERVE = inspect.signature(TieredStore.from_prefill).parameters["reserve"].default
 
-    def __init__(self, policy, config, pool_device: torch.device | None):
+
+class SplitLayerState(PolicyLayerState):
+    """A layer state under placement "split": its pool's place is chosen when its prompt
+    arrives, by the cache's :class:`~kvpolicy.placement.PoolPlacer`, and a pool on the device
+    that would grow past the limit moves to pinned host memory first (host side, in the plan)."""
+
+    def __init__(self, policy, layer_idx: int, placer: PoolPlacer):
+        super().__init__(policy, layer_idx, placer.device)
+        self.placer = placer
+
+    @property
+    def pool_on_device(self) -> bool | None:
+        """True / False once prefilled (pool on the attention device / on the host); None before."""
+        return self.placer.layers.get(self.layer_idx)
+
+    def _pool_bytes(self, capacity: int | None = None) -> int:
+        keys = self.store.pool_keys
+        batch, heads, have, dim = keys.shape
+        return pool_bytes(batch, heads, have if capacity is None else capacity, dim, keys.element_size())
+
+    def prefill(self, keys: torch.Tensor, values: torch.Tensor, token_valid: torch.Tensor, num_q_heads: int) -> None:
+        batch, heads, prompt, dim = keys.shape
+        planned = pool_bytes(batch, heads, prompt + _PREFILL_RESERVE, dim, keys.element_size())
+        self.pool_device = self.placer.place(self.layer_idx, planned)
+        super().prefill(keys, values, token_valid, num_q_heads)
+        self.placer.settle(self.layer_idx, planned, self._pool_bytes())
+
+    def plan_step(self) -> None:
+        store = self.store
+        capacity = store.pool_keys.shape[2]
+        if store.length >= capacity:  # make_room is about to double the pool
+            self._before_growth(store.length + capacity)
+        super().plan_step()
+
+    def reserve(self, tokens: int) -> None:
+        if self.store.length + tokens > self.store.pool_keys.shape[2]:
+            self._before_growth(self.store.length + tokens)
+        super().reserve(tokens)
+
+    def _before_growth(self, capacity: int) -> None:
+        if not self.pool_on_device:
+            return  # a host pool grows on the host
+        old, new = self._pool_bytes(), self._pool_bytes(capacity)
+        if self.placer.grow(self.layer_idx, old, new):
+            return
+        store, host = self.store, self.placer.host
+        for name in ("pool_keys", "pool_values"):
+            pool = getattr(store, name)
+            moved = _allocate_pool(pool, pool.shape[2], host, store.slot_valid.device)
+            moved.copy_(pool)
+            setattr(store, name, moved)
+        self.pool_device = host
+        self.placer.moved(self.layer_idx, old)
+
+
+class PolicyCache(DynamicCache):
+    """transformers' DynamicCache with the policy serving every full-attention layer.
+
+    ``pool_device``: where every layer's pool goes; under placement "split" it is ignored and a
+    :class:`~kvpolicy.placement.PoolPlacer` (``placer``, made here unless given) places each."""
+
+    def __init__(self, policy, config, pool_device: torch.device | None, placer: PoolPlacer | None = None):
         super().__init__(config=config)
         if not self.layers:
             raise UnsupportedModelError(
@@ -99,10 +163,17 @@ class PolicyCache(DynamicCache):
             )
         self.policy = policy
         self.served: list[int] = []
+        self.placer = None
+        if policy.placement == "split":
+            self.placer = placer or PoolPlacer(pool_device, policy.gpu_pool_bytes)
         for idx, layer in enumerate(self.layers):
             # exact type: sliding-window, linear-attention and other special layers keep their own cache
             if type(layer) is DynamicLayer:
-                self.layers[idx] = PolicyCacheLayer(PolicyLayerState(policy, idx, pool_device))
+                if self.placer is not None:
+                    state = SplitLayerState(policy, idx, self.placer)
+                else:
+                    state = PolicyLayerState(policy, idx, pool_device)
+                self.layers[idx] = PolicyCacheLayer(state)
                 self.served.append(idx)
         if not self.served:
             raise UnsupportedModelError(
@@ -171,6 +242,11 @@ class RunStats:
     # the retrieval index's tensors (unit table or analytic index) on the attention device, as
     # allocated: it grows with the generated tokens, beside the budget's fixed buffers
     index_bytes: int = 0
+    # the pools (every token's KV) as allocated, on the attention device and in host memory, and
+    # the served layers whose pool is on the device (placement "split" chooses them per layer)
+    pool_device_bytes: int = 0
+    pool_host_bytes: int = 0
+    pool_device_layers: list[int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -194,6 +270,9 @@ class PolicySession:
                     f"placement='gpu' keeps the full KV in GPU memory, but the model is on {self.device.type}; "
                     "use placement='cpu' or move the model to a CUDA device"
                 )
+            if policy.placement == "split":
+                # a limit the device cannot hold fails here, never mid-decode
+                check_limit(policy.gpu_pool_bytes, self.device)
 
     def _check_model(self) -> None:
         config = self.config.get_text_config(decoder=True) if hasattr(self.config, "get_text_config") else self.config
@@ -225,6 +304,7 @@ class PolicySession:
 
     @property
     def pool_device(self) -> torch.device:
+        """The pools' device ("split": the device side; each layer's is its placer's choice)."""
         if self.policy.placement == "cpu":
             return torch.device("cpu")
         return self.device
@@ -336,6 +416,13 @@ class PolicySession:
             index = sum(s.index_bytes() for s in states)
             context = states[0].store.length - steps
             served = len(states)
+            pool = {"pool_device_bytes": 0, "pool_host_bytes": 0, "pool_device_layers": []}
+            for s in states:
+                on_device = s.pool_on_device if isinstance(s, SplitLayerState) else self.policy.placement == "gpu"
+                nbytes = sum(t.numel() * t.element_size() for t in (s.store.pool_keys, s.store.pool_values))
+                pool["pool_device_bytes" if on_device else "pool_host_bytes"] += nbytes
+                if on_device:
+                    pool["pool_device_layers"].append(s.layer_idx)
         else:
             layers = [l for l in cache.layers if l.keys is not None and l.keys.numel()]
             full_bytes = sum(2 * l.keys.numel() * l.keys.element_size() for l in layers)
@@ -344,6 +431,7 @@ class PolicySession:
             context = getattr(self, "_prompt_length", None) or length
             steps = length - context  # the last generated token is never fed back
             share, served, index = None, len(layers), 0
+            pool = {"pool_device_bytes": full_bytes}
         return RunStats(
             context_tokens=context,
             decode_steps=steps,
@@ -353,4 +441,5 @@ class PolicySession:
             full_kv_bytes=full_bytes,
             served_layers=served,
             index_bytes=index,
+            **pool,
         )
