@@ -104,11 +104,13 @@ def _parser() -> argparse.ArgumentParser:
                     help="PNG plot (default drift.png when matplotlib is installed; naming one requires it)")
     dr.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
 
-    bench = sub.add_parser("bench", help="GPU benchmarks: one decode layer's time split, the pool gather's bandwidth")
-    bench.add_argument("what", choices=["layer", "gather", "ttft", "e2e"])
+    bench = sub.add_parser("bench", help="GPU benchmarks: one decode layer's time split, the pool gather's bandwidth, "
+                                          "TTFT, end-to-end decode, capacity (largest batch, KV over GPU + host)")
+    bench.add_argument("what", choices=["layer", "gather", "ttft", "e2e", "capacity"])
     bench.add_argument("--steps", type=int, default=50, help="e2e: timed decode steps per cell")
     bench.add_argument("--contexts", default=None,
-                       help="comma-separated context lengths (layer: 32768,131072,524288; ttft: 2048 to 65536)")
+                       help="comma-separated context lengths (layer: 32768,131072,524288; ttft: 2048 to 65536; "
+                            "capacity: 131072)")
     bench.add_argument("--layers", type=int, default=36, help="ttft: layers of the random Qwen3-8B-shaped model")
     bench.add_argument("--batches", default="1,4,8")
     bench.add_argument("--budget", type=int, default=2048)
@@ -571,6 +573,11 @@ def _bench(args) -> int:
     from .kernels import dispatch
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.what == "capacity" and device.type != "cuda":
+        raise KVPolicyError(f"bench capacity sizes its batches from GPU and pinned host memory, so it needs a CUDA "
+                            f"--device; got {device}")
+    if args.what == "capacity" and "," in args.branches:
+        raise KVPolicyError(f"bench capacity runs one --branches kind (auto, node or inline), got {args.branches!r}")
     dispatch.check(args.backend, device)
     if device.type != "cuda":
         print("kvpolicy bench: no CUDA device; timings on the CPU say nothing about the GPU path", file=sys.stderr)
@@ -662,6 +669,8 @@ def _bench(args) -> int:
                           flush=True)
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
+    elif args.what == "capacity":
+        _bench_capacity(args, device, rows)
     elif args.what == "ttft":
         from .bench.ttft import qwen3_8b_config, random_model, time_first_token
         from .presets import preset
@@ -726,6 +735,36 @@ def _bench(args) -> int:
                         if device.type == "cuda":
                             torch.cuda.empty_cache()
     return 1 if failed else 0
+
+
+def _bench_capacity(args, device, rows: "_BenchRows") -> None:
+    """``bench capacity``: full-graph at its largest batch against louiskv/split at its own."""
+    from .bench.capacity import measure_capacity
+    from .bench.ttft import qwen3_8b_config, random_model
+    from .policy import bytes_text
+
+    contexts = _ints(args.contexts or "131072", "contexts")
+    model = random_model(qwen3_8b_config(layers=args.layers), device)
+    every = max(1, round(1 / args.rate))
+    print(f"full-graph at the largest batch whose KV fits on the GPU, against louiskv (budget {args.budget}, "
+          f"interval({every}) = {100 / every:.1f}% re-selection, {'K-means' if args.kmeans else 'random-group'} "
+          "prompt units) at the largest batch whose KV fits on the GPU and pinned host memory (placement split)",
+          flush=True)
+    for context in contexts:
+        cells = measure_capacity(model, context, args.steps, budget=args.budget, backend=args.backend,
+                                 rate=args.rate, kmeans=args.kmeans, branches=args.branches,
+                                 say=lambda message: print(message, flush=True))
+        print(f"{'kind':14s} {'B':>3s} {'planned':>7s} {'context':>8s} {'ms/step':>8s} {'tokens/s':>9s} "
+              f"{'vs full':>8s} {'pool on GPU':>11s} {'pinned':>9s} {'GPU layers':>10s}")
+        for r in cells:
+            rows.append(r.as_dict())
+            ms = f"{r.ms_per_step:8.2f}" if r.ms_per_step is not None else f"{'-':>8s}"
+            tps = f"{r.tokens_per_s:9.1f}" if r.tokens_per_s is not None else f"{'-':>9s}"
+            ratio = f"{r.speedup_vs_full:8.2f}" if r.speedup_vs_full is not None else f"{'-':>8s}"
+            layers = "-" if r.pool_device_layers is None else str(r.pool_device_layers)
+            print(f"{r.kind:14s} {r.batch:3d} {r.planned_batch:7d} {r.context:8d} {ms} {tps} {ratio} "
+                  f"{bytes_text(r.pool_device_bytes):>11s} {bytes_text(r.pool_host_bytes):>9s} {layers:>10s}",
+                  flush=True)
 
 
 class _BenchRows(list):
