@@ -4,9 +4,12 @@ Per layer (Qwen3-8B shape by default: 8 KV heads, 32 query heads, head_dim 128, 
 6 tiers), at each context x batch:
 
 - the whole selection (``CollisionRerank.select``: query encoding, collision votes,
-  candidates, the 4-bit rerank and the buffer-first composition), as a CUDA-graph replay,
-  once through the fused ops (``query_votes`` + ``collision_candidates``) and once through
-  the composed ones (``collision_count`` + ``candidate_topk``), and each path's parts;
+  candidates, the 4-bit rerank, its top-k and the buffer-first composition), as a CUDA-graph
+  replay, once through the fused ops (``query_votes`` + ``collision_candidates`` +
+  ``rerank_select``) and once through the composed ones (``collision_count`` +
+  ``candidate_topk`` + ``rerank`` + the composition in PyTorch), and each path's parts; for
+  the fused path also the old rerank (``rerank``: scores, then ``torch.topk``) on the same
+  candidates, for comparison (not part of its total);
 - the single-row gather (``gather_rows_into``) of a selection's rows (the retrieval budget per
   (sequence, KV head), random slots, and the same slots sorted by address) from a pinned pool
   of the largest context, in GB/s, against a plain pinned host-to-device copy of the same
@@ -38,7 +41,7 @@ from kvpolicy.kernels import dispatch, reference_analytic
 from kvpolicy.selectors import CollisionRerank
 from kvpolicy.units.analytic_index import AnalyticIndex
 
-FUSED_OPS = ("query_votes", "collision_candidates")
+FUSED_OPS = ("query_votes", "collision_candidates", "rerank_select")
 
 
 def _ints(text: str) -> list[int]:
@@ -121,6 +124,21 @@ def bound_ops(backend: str, device: torch.device, fused: bool) -> dispatch.Ops:
     return ops
 
 
+def count_kernels(fn: Callable[[], object], device: torch.device) -> int | None:
+    """GPU kernels one eager call of ``fn`` launches (torch.profiler's CUDA kernel events);
+    None on the CPU, where nothing launches."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # compiled and warm
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def _timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]], float]:
     if device.type == "cuda":
         return lambda fn: time_replay_ms(fn, device, repeats)
@@ -147,6 +165,7 @@ def measure_selection(args: argparse.Namespace, batch: int, context: int, device
     for fused in (True, False):
         ops = bound_ops(args.backend, device, fused)
         total = timed(lambda: selector.select(query, index, retrieval, ops))
+        kernels = count_kernels(lambda: selector.select(query, index, retrieval, ops), device)
         parts: dict[str, float] = {}
         if fused:
             rotated, table = ops.query_votes(group, index.signs, index.subspaces, votes_per_rank)
@@ -168,15 +187,24 @@ def measure_selection(args: argparse.Namespace, batch: int, context: int, device
             keep = reference_analytic.candidate_count(voted[:, 0].sum(-1), *rule)
             candidates = torch.where(torch.arange(width, device=device) < keep.view(batch, 1, 1),
                                      ops.candidate_topk(votes, width, max_votes), -1)
-        parts["rerank"] = timed(lambda: ops.rerank(rotated, index.codes, index.weight, index.norms, candidates, retrieval))
+        if fused:
+            select_args = (rotated, index.codes, index.weight, index.norms, candidates, index.token_valid,
+                           index.slots, index.indexed, index.next_position, retrieval)
+            parts["rerank_select"] = timed(lambda: ops.rerank_select(*select_args))
+        else:
+            parts["rerank"] = timed(lambda: ops.rerank(rotated, index.codes, index.weight, index.norms, candidates,
+                                                       retrieval))
         parts["rest"] = total - sum(parts.values())
+        if fused:  # the old rerank (scores + torch.topk, best first) on the same candidates, beside it
+            parts["old_rerank"] = timed(lambda: ops.rerank(rotated, index.codes, index.weight, index.norms, candidates,
+                                                           retrieval))
         votes_ms = parts["collision_candidates" if fused else "collision_count"]
         listed = int((candidates >= 0).sum())
         rows.append({
             "kind": "selection", "path": "fused" if fused else "composed", "backend": args.backend, "batch": batch,
             "context": context, "kv_heads": args.kv_heads, "q_heads": args.q_heads, "head_dim": args.head_dim,
             "subspaces": index.subspaces, "tiers": tiers, "retrieval": retrieval, "candidates_per_row": listed
-            // (batch * args.kv_heads), "ms": total, "parts_ms": parts,
+            // (batch * args.kv_heads), "ms": total, "parts_ms": parts, "kernels": kernels,
             # the centroid ids every step must read, at the whole selection's time
             "id_bytes": id_bytes, "id_gbps": id_bytes / total / 1e6,
             # ... and at the time of the part that reads them
@@ -235,7 +263,8 @@ def print_table(results: dict) -> None:
           f"ms per {'replay' if results['device_type'] == 'cuda' else 'eager call (toy run)'}")
     for row in results["selection"]:
         parts = "  ".join(f"{name} {ms:.3f}" for name, ms in row["parts_ms"].items())
-        print(f"  {_label(row['context']):>5s} x{row['batch']} {row['path']:>8s}: {row['ms']:.3f} ms "
+        launches = "" if row.get("kernels") is None else f", {row['kernels']} kernels"
+        print(f"  {_label(row['context']):>5s} x{row['batch']} {row['path']:>8s}: {row['ms']:.3f} ms{launches} "
               f"({row['candidates_per_row']} candidates/row; ids at {row['id_gbps']:.0f} GB/s, "
               f"{row['votes_part_id_gbps']:.0f} in the votes part)  [{parts}]")
     for row in results["gather"]:

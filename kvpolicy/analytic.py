@@ -34,16 +34,19 @@ ParisKV's pipeline, file by file (the ``pariskv`` preset composes the first thre
   table in one launch.
 - ``kvpolicy/kernels/triton/collision_candidates.py``: op ``collision_candidates``, votes, count
   and candidate set in three launches, each centroid id read once.
-- ``kvpolicy/kernels/triton/collision.py``, ``candidates.py``: ops ``collision_count`` and
-  ``candidate_topk``, the composed path the selector takes where the fused ops are not bound.
-- ``kvpolicy/kernels/triton/rerank.py``: op ``rerank``, the candidates' 4-bit estimates, top-k.
+- ``kvpolicy/kernels/triton/rerank_select.py``: op ``rerank_select``, the candidates' 4-bit
+  estimates, their exact top-k (a radix select on the scores' bits) and the selection's rows
+  (the update buffer's first, then the chosen tokens by position) in four launches.
+- ``kvpolicy/kernels/triton/collision.py``, ``candidates.py``, ``rerank.py``: ops
+  ``collision_count``, ``candidate_topk`` and ``rerank`` (estimates, then ``torch.topk``), the
+  composed path the selector takes where the fused ops are not bound.
 - ``kvpolicy/kernels/triton/gather.py``: op ``gather_rows_into``, the selected rows from the pool
   (shared with every preset, like ``store.py`` and ``layer.py``).
 - ``kvpolicy/units/nearest_centroid.py``: the stale-centroid baseline ParisKV is compared with.
 
 Tests: ``tests/test_analytic.py`` (encoding, reference ops), ``tests/test_triton_analytic.py``
 (each Triton op against its reference), ``tests/test_pariskv.py`` (index, selections, config),
-``tests/test_collision_rerank.py`` (length rule, fused path). Speed:
+``tests/test_collision_rerank.py`` (length rule, fused path against the composed one). Speed:
 ``benchmarks/pariskv_select.py`` (selection per layer, the pinned gather), ``benchmarks/candidate_topk.py``.
 """
 

@@ -52,17 +52,18 @@ def test_the_width_holds_the_rule_for_every_zone_up_to_capacity(capacity):
 
 
 @pytest.mark.parametrize("zone", [900, 1_300])
-def test_the_zone_length_sets_how_many_candidates_are_reranked(zone, monkeypatch):
+@pytest.mark.parametrize("op", ["rerank_select", "rerank"])
+def test_the_zone_length_sets_how_many_candidates_are_reranked(zone, op, monkeypatch):
     index, gen = _index(zone)
-    ops = dispatch.bind("reference", torch.device("cpu"))
+    ops = dispatch.Ops("reference", torch.device("cpu")) if op == "rerank_select" else composed_ops()
     seen = []
-    rerank = ops.rerank
+    reranked = getattr(ops, op)
 
-    def spy(rotated, codes, weight, norms, candidates, k):
+    def spy(rotated, codes, weight, norms, candidates, *rest):
         seen.append((candidates >= 0).sum(-1))
-        return rerank(rotated, codes, weight, norms, candidates, k)
+        return reranked(rotated, codes, weight, norms, candidates, *rest)
 
-    monkeypatch.setattr(ops, "rerank", spy)
+    monkeypatch.setattr(ops, op, spy)
     selector = CollisionRerank(min_candidates=1.0)
     monkeypatch.setattr(analytic, "CANDIDATE_BANDS", ((1_000, 0.5), (2_000, 0.25)))  # the same rule, scaled down
     selector.select(torch.randn(1, 2, 16, generator=gen), index, 20, ops)
@@ -87,22 +88,43 @@ def test_a_zone_that_fits_the_budget_is_selected_whole(extra):
         assert picked == zone if not extra else picked < zone
 
 
+def composed_ops() -> dispatch.Ops:
+    """The reference ops without the fused ones: the selector composes collision_count,
+    candidate_topk, rerank and the selection in PyTorch."""
+    ops = dispatch.Ops("reference", torch.device("cpu"))
+    for name in ("query_votes", "collision_candidates", "rerank_select"):
+        delattr(ops, name)
+    return ops
+
+
 def test_the_fused_ops_select_what_the_composed_ops_select(monkeypatch):
-    from kvpolicy.kernels.triton import collision_candidates, query_votes
+    from kvpolicy.kernels.triton import collision_candidates, query_votes, rerank_select
 
     monkeypatch.setattr(collision_candidates, "_CHUNK", 256)
     monkeypatch.setattr(collision_candidates, "_SUB", 64)
+    monkeypatch.setattr(rerank_select, "_CHUNK", 128)
+    monkeypatch.setattr(rerank_select, "_SUB", 32)
+    monkeypatch.setattr(rerank_select, "_BLOCK", 32)
     index, gen = _index(700, dim=32, heads=2, batch=2, buffer=5, drop=0.1)
     for slot in range(8):  # a flush and a partly filled buffer
         index.append_leaving_token(torch.tensor(700 + slot), torch.randn(2, 2, 32, generator=gen),
                                    torch.ones(2, dtype=torch.bool), torch.zeros(2, dtype=torch.bool))
-    fused = dispatch.Ops("reference", torch.device("cpu"))  # a table of its own, changed below
-    monkeypatch.setattr(fused, "query_votes", query_votes.query_votes, raising=False)
-    monkeypatch.setattr(fused, "collision_candidates", collision_candidates.collision_candidates, raising=False)
     query = torch.randn(2, 6, 32, generator=gen)
     selector = CollisionRerank(min_candidates=1.0, candidate_fraction=0.3)
-    want = selector.select(query, index, 60, "reference")
+    want = selector.select(query, index, 60, composed_ops())
+    fused_reference = selector.select(query, index, 60, "reference")
+    fused = dispatch.Ops("reference", torch.device("cpu"))  # a table of its own, changed below
+    for module in (query_votes, collision_candidates, rerank_select):
+        name = module.__name__.rsplit(".", 1)[-1]
+        monkeypatch.setattr(fused, name, getattr(module, name))
     got = selector.select(query, index, 60, fused)
-    assert torch.equal(got.slot_valid, want.slot_valid) and int(want.slot_valid.sum()) == 2 * 2 * 60
-    # the same tokens; their order may differ where two 4-bit estimates tie exactly
-    assert torch.equal(got.slots.sort(-1).values, want.slots.sort(-1).values)
+    assert int(want.slot_valid.sum()) == 2 * 2 * 60
+    for selection in (fused_reference, got):
+        assert torch.equal(selection.slot_valid, want.slot_valid)
+        assert torch.equal(selection.num_units, want.num_units)
+        # the same tokens, the buffer's first; the fused path lists the retrieved ones by
+        # position, the composed one best first
+        assert torch.equal(selection.slots.sort(-1).values, want.slots.sort(-1).values)
+        assert torch.equal(selection.unit_ids[..., :3], want.unit_ids[..., :3])  # 3 buffered tokens
+        retrieved = selection.unit_ids[..., 3:]
+        assert torch.equal(retrieved, retrieved.sort(-1).values)

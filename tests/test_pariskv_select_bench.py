@@ -29,7 +29,8 @@ def test_a_toy_run_writes_both_paths_and_the_gather(bench, tmp_path):
     results = json.loads(out.read_text())
     fused, composed = results["selection"]
     assert (fused["path"], composed["path"]) == ("fused", "composed")
-    assert fused["parts_ms"].keys() == {"query_votes", "collision_candidates", "rerank", "rest"}
+    assert fused["parts_ms"].keys() == {"query_votes", "collision_candidates", "rerank_select", "rest", "old_rerank"}
+    assert composed["parts_ms"].keys() == {"encode_query", "collision_count", "candidate_topk", "rerank", "rest"}
     # the length rule below 5K tokens: half the zone, over both paths
     assert fused["candidates_per_row"] == composed["candidates_per_row"] == 450
     assert [row["order"] for row in results["gather"]] == ["random", "sorted"]

@@ -1,4 +1,5 @@
-"""Triton ``collision_count`` / ``candidate_topk`` / ``rerank`` against the reference, fresh random inputs."""
+"""Each of ParisKV's Triton ops (the composed ones, the fused ones, rerank_select) against the reference,
+fresh random inputs."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def _encoded(seed: int, batch: int, heads: int, n: int, dim: int, subspaces: int
 
 def test_every_op_has_a_triton_version():
     dispatch.check("triton", DEVICE)  # all ops, ParisKV's included
-    for op in ("collision_count", "candidate_topk", "rerank"):
+    for op in ("collision_count", "candidate_topk", "rerank", "query_votes", "collision_candidates", "rerank_select"):
         assert dispatch.get(op, "triton", DEVICE) is not getattr(reference_analytic, op)
 
 
@@ -269,3 +270,142 @@ def test_collision_candidates_band_bounds_are_exclusive(small_chunks, indexed, c
     got = small_chunks(table.to(DEVICE), keys.centroids.to(DEVICE), valid.to(DEVICE), args[0].to(DEVICE), *args[1:])
     assert torch.equal(got.cpu(), want)
     assert (want >= 0).sum(-1).tolist() == [[count, count]]
+
+
+# -- the fused rerank and final selection: rerank_select ----------------------------------------
+
+
+@pytest.fixture
+def small_select(monkeypatch):
+    """Several chunks, chunk blocks and finish blocks at interpreter sizes."""
+    from kvpolicy.kernels.triton import rerank_select
+
+    monkeypatch.setattr(rerank_select, "_CHUNK", 128)
+    monkeypatch.setattr(rerank_select, "_SUB", 32)
+    monkeypatch.setattr(rerank_select, "_CHUNK_BLOCK", 2)
+    monkeypatch.setattr(rerank_select, "_BLOCK", 32)
+    return rerank_select.rerank_select
+
+
+def _select_inputs(seed, batch, heads, n, dim, subspaces, width, listed, indexed, buffered, device="cpu"):
+    """An index's encodings at ``n`` positions and ``width`` candidates per row by position (the
+    first ``listed[row]`` of them, then -1), buffer ``[indexed, indexed + buffered)``."""
+    keys, query = _encoded(seed, batch, heads, n, dim, subspaces, 3)
+    gen = _gen(seed + 1)
+    picks = [torch.randperm(indexed, generator=gen)[:width].sort().values for _ in range(batch * heads)]
+    cands = torch.stack([torch.nn.functional.pad(p, (0, width - p.numel()), value=-1) for p in picks])
+    cands = cands.view(batch, heads, width)
+    cands = torch.where(torch.arange(width) < torch.as_tensor(listed).view(batch, heads, 1), cands, -1)
+    token_valid = torch.rand(batch, n, generator=gen) > 0.1
+    slots = torch.randperm(4 * n, generator=gen)[:n]  # any slot per position
+    tensors = (query.rotated, keys.codes, keys.weight, keys.norms, cands, token_valid, slots,
+               torch.tensor(indexed), torch.tensor(indexed + buffered))
+    return [t.to(device) for t in tensors]
+
+
+def _assert_selects_like_reference(got, want, inputs, capacity, tolerance=1e-5):
+    """Layout and buffer rows exact; the retrieved tokens the reference's but for swaps between
+    candidates whose reference scores lie within ``tolerance`` (relative) of the k-th best."""
+    got = [t.cpu() for t in got]
+    ids, count, slots, valid = got
+    want_ids, want_count, want_slots, want_valid = want
+    assert ids.dtype == slots.dtype == count.dtype == torch.long and valid.dtype == torch.bool
+    assert ids.shape == slots.shape == valid.shape == want_ids.shape and count.shape == want_count.shape
+    inputs = [t.cpu() for t in inputs]
+    scores = reference_analytic.rerank_scores(*inputs[:5])
+    cands, slot_of = inputs[4], inputs[6]
+    buffered = int((inputs[8] - inputs[7]).clamp(0, capacity))
+    assert torch.equal(count, want_count) and torch.equal(valid, want_valid)
+    assert torch.equal(ids[..., :buffered], want_ids[..., :buffered])
+    assert torch.equal(ids >= 0, valid) and torch.equal(slots[..., :buffered], want_slots[..., :buffered])
+    assert torch.equal(slots[..., buffered:], slot_of[ids[..., buffered:].clamp(min=0)])  # slot 0's for empty rows
+    for b in range(ids.shape[0]):
+        for h in range(ids.shape[1]):
+            mine = ids[b, h, buffered:][valid[b, h, buffered:]]
+            theirs = want_ids[b, h, buffered:][want_valid[b, h, buffered:]]
+            assert torch.equal(mine, mine.sort().values)  # listed by position
+            if torch.equal(mine, theirs):
+                continue
+            score_of = dict(zip(cands[b, h].tolist(), scores[b, h].tolist()))
+            kth = min(score_of[p] for p in theirs.tolist())
+            swapped = set(mine.tolist()) ^ set(theirs.tolist())
+            assert all(abs(score_of[p] - kth) <= tolerance * abs(kth) for p in swapped), (b, h, swapped)
+
+
+@pytest.mark.parametrize(
+    "n, width, listed, indexed, buffered, capacity",
+    [
+        (900, 500, [[480, 300], [500, 10]], 850, 7, 120),  # several chunks; a row with fewer than k
+        (600, 300, [[300, 300], [0, 299]], 560, 0, 64),  # no buffer; an empty row
+        (300, 40, [[40, 40], [40, 40]], 280, 20, 64),  # width below the budget: a -1 tail
+        (300, 200, [[200, 200], [150, 200]], 250, 50, 50),  # the buffer fills the budget: nothing retrieved
+        (400, 350, [[350, 350], [350, 350]], 390, 5, 300),  # k near the candidates: deep into the tied bin
+    ],
+)
+def test_rerank_select_matches_reference(small_select, n, width, listed, indexed, buffered, capacity):
+    inputs = _select_inputs(n + width, 2, 2, n, 32, 4, width, listed, indexed, buffered)
+    want = reference_analytic.rerank_select(*inputs, capacity)
+    got = small_select(*[t.to(DEVICE) for t in inputs], capacity)
+    _assert_selects_like_reference(got, want, inputs, capacity)
+
+
+def test_rerank_select_breaks_exact_ties_by_position(small_select):
+    # every candidate scores the same (one code, weight and norm for all): the lowest positions win
+    inputs = _select_inputs(4, 1, 2, 500, 32, 4, 300, [[300, 200]], 480, 3)
+    codes, weight, norms = inputs[1], inputs[2], inputs[3]
+    inputs[1] = codes[:, :, :1].expand_as(codes).contiguous()
+    inputs[2] = torch.ones_like(weight)
+    inputs[3] = torch.ones_like(norms)
+    # and a second row with two score levels, the upper tie straddling the budget
+    inputs[2][0, 1, ::2] = 2.0
+    want = reference_analytic.rerank_select(*inputs, 100)
+    got = [t.cpu() for t in small_select(*[t.to(DEVICE) for t in inputs], 100)]
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    cands = inputs[4]
+    assert got[0][0, 0, 3:].tolist() == cands[0, 0, :97].tolist()
+    score = reference_analytic.rerank_scores(*inputs[:5])[0, 1]
+    upper = cands[0, 1][(score == score.max()) & (cands[0, 1] >= 0)]
+    picked = got[0][0, 1, 3:]
+    expect = upper[:97] if score.max() > 0 else cands[0, 1][cands[0, 1] >= 0][:97]
+    assert picked.tolist() == expect.sort().values.tolist()
+
+
+def test_rerank_select_orders_negative_scores_and_zero(small_select):
+    # scores of both signs and exact zeros (zero codes' dot): the key's order is the float's
+    inputs = _select_inputs(9, 1, 2, 400, 32, 4, 200, [[200, 200]], 390, 2)
+    inputs[2][0, 0, :150] = -inputs[2][0, 0, :150]  # negative weights flip the estimates' signs
+    inputs[3][0, 1, ::3] = 0.0  # zero norms: +0.0 and -0.0 scores, equal
+    for capacity in (40, 150, 202):
+        want = reference_analytic.rerank_select(*inputs, capacity)
+        got = small_select(*[t.to(DEVICE) for t in inputs], capacity)
+        _assert_selects_like_reference(got, want, inputs, capacity)
+
+
+def test_rerank_select_refuses_misshaped_inputs(small_select):
+    inputs = _select_inputs(2, 1, 2, 100, 32, 4, 50, [[50, 50]], 90, 2)
+    with pytest.raises(ValueError, match=r"slots \(99,\) do not fit codes \(1, 2, 100, 16\)"):
+        small_select(*inputs[:6], inputs[6][:99], *inputs[7:], 20)
+    with pytest.raises(ValueError, match=r"token_valid \(1, 99\)"):
+        small_select(*inputs[:5], inputs[5][:, :99], *inputs[6:], 20)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("n, width", [(131072, 13108), (1048576, 104858)])
+def test_rerank_select_at_decode_sizes(n, width):
+    # ParisKV's shape at batch 4: 8 KV heads, head_dim 128, 16 subspaces, top-k of a 2K budget
+    batch, heads, dim, capacity = 4, 8, 128, 1980
+    gen = torch.Generator(device=DEVICE).manual_seed(n)
+    rotated = torch.nn.functional.normalize(torch.randn(batch, heads, dim, generator=gen, device=DEVICE), dim=-1)
+    codes = torch.randint(0, 256, (batch, heads, n + 64, dim // 2), generator=gen, device=DEVICE, dtype=torch.uint8)
+    weight = 1 + 0.1 * torch.rand(batch, heads, n + 64, generator=gen, device=DEVICE)
+    norms = 1 + torch.rand(batch, heads, n + 64, generator=gen, device=DEVICE)
+    cands = torch.rand(batch, heads, n, generator=gen, device=DEVICE).topk(width, -1).indices.sort(-1).values
+    cands[0, 0, width // 2:] = -1  # a row with fewer candidates
+    token_valid = torch.ones(batch, n + 64, dtype=torch.bool, device=DEVICE)
+    slots = torch.arange(n + 64, device=DEVICE)
+    inputs = [rotated, codes, weight, norms, cands, token_valid, slots, torch.tensor(n, device=DEVICE),
+              torch.tensor(n + 63, device=DEVICE)]
+    want = reference_analytic.rerank_select(*inputs, capacity)
+    got = dispatch.get("rerank_select", "triton", DEVICE)(*inputs, capacity)
+    _assert_selects_like_reference(got, [t.cpu() for t in want], inputs, capacity)

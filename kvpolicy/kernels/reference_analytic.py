@@ -209,3 +209,59 @@ def collision_candidates(
     # by position, the -1 tail last
     ordered = torch.where(best >= 0, best, n).sort(-1).values
     return torch.where(ordered < n, ordered, -1)
+
+
+# -- the fused rerank and final selection (op rerank_select) ---------------------------------
+
+
+def rerank_select(
+    query_rotated: torch.Tensor,
+    codes: torch.Tensor,
+    weight: torch.Tensor,
+    norms: torch.Tensor,
+    candidates: torch.Tensor,
+    token_valid: torch.Tensor,
+    slots: torch.Tensor,
+    indexed: torch.Tensor,
+    next_position: torch.Tensor,
+    capacity: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The final selection of ``capacity`` rows: the update buffer's tokens, then the best
+    reranked candidates. ``(unit_ids (B, H, R) long, num_units (B, H) long, slots (B, H, R)
+    long, valid (B, H, R) bool)``, the fields of a ``Selection``.
+
+    ``query_rotated``, ``codes``, ``weight``, ``norms``: as in ``rerank_scores``;
+    ``candidates (B, H, W)``: positions in increasing order, then -1 (``collision_candidates``);
+    ``token_valid (B, N)`` bool; ``slots (N,)`` long, the slot of each position; ``indexed``,
+    ``next_position``: ``()`` long, the update buffer is positions ``[indexed, next_position)``.
+
+    Rows ``[0, b)``, ``b = min(next_position - indexed, R)``: the buffer's positions
+    ``indexed + r`` (valid where ``token_valid``). Rows ``[b, R)``: the ``R - b`` candidates of
+    the highest ``rerank_scores``, ties to the lower position, listed by position (so a pool is
+    read in address order), then -1 rows where fewer are listed. ``unit_ids`` is the position
+    where ``valid``, else -1; ``slots`` is ``slots[position]`` (``slots[0]`` for an empty row);
+    ``num_units`` counts the valid rows.
+    """
+    batch, heads, n, _ = codes.shape
+    width = candidates.shape[-1]
+    device = codes.device
+    scores = rerank_scores(query_rotated, codes, weight, norms, candidates) + 0.0  # -0.0 ties +0.0
+    buffered = (next_position - indexed).clamp(min=0, max=capacity)
+    # rank by (score desc, position asc): positions first, then a stable sort on the scores
+    by_position = torch.where(candidates >= 0, candidates, n).sort(-1)
+    ranked = scores.gather(-1, by_position.indices)
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(width, device=device).expand_as(order))
+    chosen = (rank < capacity - buffered) & (ranked > float("-inf"))
+    picked = torch.where(chosen, by_position.values, n).sort(-1).values  # by position, n = none
+    if width < capacity:
+        picked = torch.nn.functional.pad(picked, (0, capacity - width), value=n)
+    room = torch.arange(capacity, device=device)
+    from_buffer = room < buffered  # (R,)
+    buffer_position = (indexed + room).clamp(max=n - 1)
+    retrieved = picked.gather(-1, (room - buffered).clamp(min=0).expand(batch, heads, capacity))
+    position = torch.where(from_buffer, buffer_position, retrieved)  # (B, H, R), n = none
+    buffer_valid = token_valid.gather(1, buffer_position.expand(batch, capacity))  # (B, R)
+    valid = torch.where(from_buffer, buffer_valid.view(batch, 1, capacity), retrieved < n)
+    position = torch.where(position < n, position, 0)
+    return torch.where(valid, position, -1), valid.sum(-1), slots[position], valid

@@ -52,9 +52,11 @@ class CollisionRerank(Selector):
     replayed steps choose the same tokens).
 
     The kernels (``kvpolicy.analytic``'s module docstring maps the pipeline's files): with ops
-    ``query_votes`` and ``collision_candidates`` bound, three launches for the votes and the
-    candidates plus one for the query; otherwise ``collision_count`` and ``candidate_topk``.
-    Then ``rerank``.
+    ``query_votes``, ``collision_candidates`` and ``rerank_select`` bound (every backend has
+    them), one launch for the query, four for the votes and the candidates, four for the rerank,
+    its top-k and the selection's rows; the retrieved tokens are then listed by position (the
+    pool read in address order), after the buffer's. Otherwise ``collision_count`` and
+    ``candidate_topk``, then ``rerank`` (best first) and the composition in PyTorch.
     """
 
     candidate_fraction: float = analytic.DEFAULT_CANDIDATE_FRACTION
@@ -145,11 +147,18 @@ class CollisionRerank(Selector):
         # the fused ops, where the bound table has them (dispatch.OPS names them)
         query_votes = getattr(ops, "query_votes", None)
         collision_candidates = getattr(ops, "collision_candidates", None)
+        rerank_select = getattr(ops, "rerank_select", None)
         if query_votes is not None and collision_candidates is not None:
             rotated, table = query_votes(group, index.signs, index.subspaces, votes_per_rank)
             candidates = collision_candidates(
                 table, index.centroids, index.token_valid, index.indexed, width, max_votes, *rule
             )  # (B, H, C), by position
+            if rerank_select is not None:
+                # the rerank, its top-k and the buffer-first composition in one op
+                return Selection(*rerank_select(
+                    rotated, index.codes, index.weight, index.norms, candidates, index.token_valid, index.slots,
+                    index.indexed, index.next_position, capacity,
+                ))
         else:
             encoded = analytic.encode_query(group.float().mean(2), index.signs, index.subspaces, (1 << tiers) - 1)
             rotated = encoded.rotated

@@ -11,7 +11,7 @@ import importlib
 
 # each module registers its op with ``dispatch.implement("triton", ...)``
 _MODULES = ("admit", "attention", "candidates", "collision", "collision_candidates", "gather", "kmeans", "query_votes",
-            "refresh", "rerank", "select", "step", "unit_append", "write")
+            "refresh", "rerank", "rerank_select", "select", "step", "unit_append", "write")
 
 
 def load() -> None:

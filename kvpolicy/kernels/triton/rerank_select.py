@@ -1,0 +1,382 @@
+"""Triton rerank and final selection (op ``rerank_select``): the candidates' 4-bit estimates,
+their exact top-k and the buffer-first composition of the ``Selection``, in four launches.
+
+Replaces ``rerank`` (its score kernel, then ``torch.topk``, a gather, a where and a pad) and the
+selector's composition (about fifteen small torch ops). The top-k is a radix select on the
+scores' bits: a float32 score maps to an int32 key that orders as the score does (``_key``),
+and the ``k`` best are every key above a threshold key plus the first keys by position equal
+to it. The threshold is found 10 + 11 + 11 bits at a time:
+
+1. ``_score_kernel``, one program per (row, chunk of ``_CHUNK`` candidates): reads each listed
+   candidate's packed codes (``D / 2`` bytes; the only pass over them), weight and norm, writes
+   its key (4 bytes) and the chunk's histogram of the keys' top 10 bits (bin 0: not listed).
+2. ``_threshold_kernel``, one program per row: ``k = R - buffered`` from the device counters,
+   the bin holding the ``k``-th key, and per chunk where its keys above that bin and its keys in
+   it start (prefix sums of the chunks' histograms).
+3. ``_split_kernel``, one program per (row, chunk): reads the keys again and writes those above
+   the bin to the row's "above" list and those in it to its "tied" list, both in position order,
+   each entry with the count of the other list's entries before it.
+4. ``_finish_kernel``, one program per row: resolves the tied list (the next 11 bits, then the
+   last 11, as histograms; then equal keys by position), writes each chosen candidate at its
+   place in position order (its rank in its list plus the other list's entries before it), then
+   the update buffer's rows, the -1 tail and the row's count.
+
+Per candidate and step: its codes, weight, norm and position once, its key written once and
+read twice (4 + 8 bytes), the bin's tied entries (typically a few % of the candidates) three
+times more. The chosen set and layout are ``reference_analytic.rerank_select``'s, up to float
+rounding of the scores (a sum in another order): a candidate whose score is within about 1e-6
+(relative) of the k-th best may be swapped with one at the threshold. Exact ties (equal
+float32 scores) go to the lower position in both.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...analytic import magnitude_levels
+from ..dispatch import OPS, implement, triton_runs_on
+
+# candidates per program of the score and split passes; SUB per step inside one
+_CHUNK = 4096
+_SUB = 256
+# chunks per step of the threshold pass (a step holds _CHUNK_BLOCK x 1024 counts)
+_CHUNK_BLOCK = 8
+# entries per step of the finish pass over the tied and above lists and the output rows
+_BLOCK = 2048
+# the key's bits per radix level: the top 10 (histogrammed per chunk), then 11 and 11
+_BINS1 = 1024
+_BINS2 = 4096  # 2048 values + 1 (bin 0: not in the level), rounded up to a power of two
+
+
+@triton.jit
+def _level(m, l0, l1, l2, l3, l4, l5, l6, l7):
+    # the magnitude level of 3-bit index m, by selects (no table lookup)
+    bit0 = (m & 1) != 0
+    a = tl.where(bit0, l1, l0)
+    b = tl.where(bit0, l3, l2)
+    c = tl.where(bit0, l5, l4)
+    d = tl.where(bit0, l7, l6)
+    bit1 = (m & 2) != 0
+    ab = tl.where(bit1, b, a)
+    cd = tl.where(bit1, d, c)
+    return tl.where((m & 4) != 0, cd, ab)
+
+
+@triton.jit
+def _score_kernel(
+    query_ptr, codes_ptr, weight_ptr, norms_ptr, cand_ptr, keys_ptr, hist_ptr,
+    H, W, CHUNKS,
+    q_sb, q_sh, q_sd,
+    code_sb, code_sh, code_sn, code_sd,
+    weight_sb, weight_sh, weight_sn,
+    norm_sb, norm_sh, norm_sn,
+    cand_sb, cand_sh, cand_sc,
+    levels_ptr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    b = row // H
+    h = row % H
+    i = tl.arange(0, BLOCK_HALF)
+    in_i = i < HALF
+    # coordinate 2i is byte i's low nibble, 2i + 1 its high nibble
+    q_base = query_ptr + b * q_sb + h * q_sh
+    q_even = tl.load(q_base + (2 * i) * q_sd, mask=in_i, other=0.0).to(tl.float32)
+    q_odd = tl.load(q_base + (2 * i + 1) * q_sd, mask=in_i, other=0.0).to(tl.float32)
+    # the 8 magnitude levels as scalars: a select per nibble, no table lookup per element
+    l0 = tl.load(levels_ptr)
+    l1 = tl.load(levels_ptr + 1)
+    l2 = tl.load(levels_ptr + 2)
+    l3 = tl.load(levels_ptr + 3)
+    l4 = tl.load(levels_ptr + 4)
+    l5 = tl.load(levels_ptr + 5)
+    l6 = tl.load(levels_ptr + 6)
+    l7 = tl.load(levels_ptr + 7)
+    unlisted = tl.full([SUB], -2147483648, tl.int32)
+    hist = tl.zeros([BINS], dtype=tl.int32)
+    for s0 in range(0, CHUNK, SUB):
+        c = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
+        in_c = c < W
+        cand = tl.load(cand_ptr + b * cand_sb + h * cand_sh + c * cand_sc, mask=in_c, other=-1).to(tl.int64)
+        listed = cand >= 0
+        token = tl.where(listed, cand, 0)
+        rows = listed[:, None] & in_i[None, :]
+        packed = tl.load(
+            codes_ptr + b * code_sb + h * code_sh + token[:, None] * code_sn + i[None, :] * code_sd,
+            mask=rows, other=0,
+        ).to(tl.int32)
+        low = packed & 15
+        high = packed >> 4
+        low_mag = _level(low & 7, l0, l1, l2, l3, l4, l5, l6, l7)
+        high_mag = _level(high & 7, l0, l1, l2, l3, l4, l5, l6, l7)
+        low_val = tl.where((low & 8) != 0, -low_mag, low_mag)
+        high_val = tl.where((high & 8) != 0, -high_mag, high_mag)
+        terms = low_val * q_even[None, :] + high_val * q_odd[None, :]
+        dot = tl.sum(tl.where(rows, terms, 0.0), axis=1)
+        weight = tl.load(weight_ptr + b * weight_sb + h * weight_sh + token * weight_sn, mask=listed, other=0.0)
+        norm = tl.load(norms_ptr + b * norm_sb + h * norm_sh + token * norm_sn, mask=listed, other=0.0)
+        score = weight.to(tl.float32) * norm.to(tl.float32) * dot + 0.0  # + 0.0: -0.0 ties +0.0
+        # the float's bits as an int32 that orders as the float does: negatives flip their magnitude
+        bits = score.to(tl.int32, bitcast=True)
+        key = tl.where(listed, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), unlisted)
+        tl.store(keys_ptr + row * W + c, key, mask=in_c)
+        hist += tl.histogram(tl.where(in_c, (key >> 22) + 512, 0), BINS)
+    tl.store(hist_ptr + (row * CHUNKS + chunk) * BINS + tl.arange(0, BINS), hist)
+
+
+@triton.jit
+def _threshold_kernel(
+    hist_ptr, indexed_ptr, next_ptr, start_ptr, row_ptr,
+    CHUNKS, R,
+    BINS: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    bins = tl.arange(0, BINS)
+    lanes = tl.arange(0, CHUNK_BLOCK)
+    base = hist_ptr + row * CHUNKS * BINS
+    buffered = tl.minimum(tl.maximum(tl.load(next_ptr) - tl.load(indexed_ptr), 0), R).to(tl.int32)
+    total = tl.zeros([BINS], dtype=tl.int32)
+    for c0 in range(0, CHUNKS, CHUNK_BLOCK):
+        c = c0 + lanes
+        block = tl.load(base + c[:, None] * BINS + bins[None, :], mask=(c < CHUNKS)[:, None], other=0)
+        total += tl.sum(block, axis=0)
+    total = tl.where(bins > 0, total, 0)  # bin 0: not listed
+    n = tl.sum(total, axis=0)
+    take = tl.minimum(R - buffered, n)
+    at_least = n - tl.cumsum(total, axis=0) + total
+    level = tl.max(tl.where((at_least >= take) & (bins > 0), bins, 0), axis=0)
+    level = tl.where(take > 0, level, BINS)  # nothing to take: no bin qualifies
+    above = tl.sum(tl.where(bins > level, total, 0), axis=0)
+    tied = tl.sum(tl.where(bins == level, total, 0), axis=0)
+    tl.store(row_ptr + row * 4 + tl.arange(0, 4),
+             tl.where(tl.arange(0, 4) == 0, level, tl.where(tl.arange(0, 4) == 1, take,
+                      tl.where(tl.arange(0, 4) == 2, above, tied))))
+    over_before = 0
+    tied_before = 0
+    for c0 in range(0, CHUNKS, CHUNK_BLOCK):
+        c = c0 + lanes
+        in_c = c < CHUNKS
+        block = tl.load(base + c[:, None] * BINS + bins[None, :], mask=in_c[:, None], other=0)
+        over = tl.sum(tl.where(bins[None, :] > level, block, 0), axis=1)
+        at = tl.sum(tl.where(bins[None, :] == level, block, 0), axis=1)
+        tl.store(start_ptr + (row * CHUNKS + c) * 2, over_before + tl.cumsum(over, axis=0) - over, mask=in_c)
+        tl.store(start_ptr + (row * CHUNKS + c) * 2 + 1, tied_before + tl.cumsum(at, axis=0) - at, mask=in_c)
+        over_before += tl.sum(over, axis=0)
+        tied_before += tl.sum(at, axis=0)
+
+
+@triton.jit
+def _split_kernel(
+    keys_ptr, cand_ptr, start_ptr, row_ptr, above_ptr, tied_ptr,
+    H, W, CHUNKS, R,
+    cand_sb, cand_sh, cand_sc,
+    CHUNK: tl.constexpr, SUB: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    b = row // H
+    h = row % H
+    level = tl.load(row_ptr + row * 4)
+    over_placed = tl.load(start_ptr + (row * CHUNKS + chunk) * 2)
+    tied_placed = tl.load(start_ptr + (row * CHUNKS + chunk) * 2 + 1)
+    for s0 in range(0, CHUNK, SUB):
+        c = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
+        in_c = c < W
+        key = tl.load(keys_ptr + row * W + c, mask=in_c, other=-2147483648)
+        bin = (key >> 22) + 512
+        over = ((bin > level) & in_c).to(tl.int32)
+        tie = ((bin == level) & in_c).to(tl.int32)
+        position = tl.load(cand_ptr + b * cand_sb + h * cand_sh + c * cand_sc, mask=(over | tie) != 0, other=0)
+        over_at = over_placed + tl.cumsum(over, axis=0) - over
+        tie_at = tied_placed + tl.cumsum(tie, axis=0) - tie
+        # above list (R entries a row): position, then the tied entries before it
+        above_row = above_ptr + row * R * 2
+        tl.store(above_row + over_at * 2, position.to(tl.int32), mask=over != 0)
+        tl.store(above_row + over_at * 2 + 1, tie_at, mask=over != 0)
+        # tied list (W entries a row): key, position, then the above entries before it
+        tied_row = tied_ptr + row * W * 4
+        tl.store(tied_row + tie_at * 4, key, mask=tie != 0)
+        tl.store(tied_row + tie_at * 4 + 1, position.to(tl.int32), mask=tie != 0)
+        tl.store(tied_row + tie_at * 4 + 2, over_at, mask=tie != 0)
+        over_placed += tl.sum(over, axis=0)
+        tied_placed += tl.sum(tie, axis=0)
+
+
+@triton.jit
+def _highest(hist, bins, need, NBINS: tl.constexpr):
+    # the highest bin b > 0 with at least `need` counts in bins >= b, and the counts above it
+    hist = tl.where(bins > 0, hist, 0)
+    at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+    level = tl.max(tl.where((at_least >= need) & (bins > 0), bins, 0), axis=0)
+    level = tl.where(need > 0, level, NBINS)
+    return level, tl.sum(tl.where(bins > level, hist, 0), axis=0)
+
+
+@triton.jit
+def _finish_kernel(
+    row_ptr, above_ptr, tied_ptr, token_valid_ptr, slots_ptr, indexed_ptr, next_ptr,
+    ids_ptr, out_slots_ptr, valid_ptr, count_ptr,
+    H, W, R, N,
+    valid_sb, valid_sn, slot_s,
+    BLOCK: tl.constexpr, BINS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // H
+    take = tl.load(row_ptr + row * 4 + 1)
+    above = tl.load(row_ptr + row * 4 + 2)
+    tied = tl.load(row_ptr + row * 4 + 3)
+    indexed = tl.load(indexed_ptr)
+    buffered = tl.minimum(tl.maximum(tl.load(next_ptr) - indexed, 0), R).to(tl.int32)
+    need = take - above  # tied entries to take
+    lanes = tl.arange(0, BLOCK)
+    bins = tl.arange(0, BINS)
+    tied_row = tied_ptr + row * W * 4
+    # the next 11 bits of the tied keys (bin = value + 1), then the last 11 of those at the level
+    hist = tl.zeros([BINS], dtype=tl.int32)
+    for t0 in range(0, tied, BLOCK):
+        t = t0 + lanes
+        key = tl.load(tied_row + t * 4, mask=t < tied, other=0)
+        hist += tl.histogram(tl.where(t < tied, ((key >> 11) & 2047) + 1, 0), BINS)
+    mid_level, mid_above = _highest(hist, bins, need, BINS)
+    need_mid = need - mid_above
+    hist = tl.zeros([BINS], dtype=tl.int32)
+    for t0 in range(0, tied, BLOCK):
+        t = t0 + lanes
+        key = tl.load(tied_row + t * 4, mask=t < tied, other=0)
+        at_mid = (t < tied) & (((key >> 11) & 2047) + 1 == mid_level)
+        hist += tl.histogram(tl.where(at_mid, (key & 2047) + 1, 0), BINS)
+    low_level, low_above = _highest(hist, bins, need_mid, BINS)
+    need_equal = need_mid - low_above  # keys equal to the threshold key: the first by position
+    # the chosen tied entries, in position order; each tied entry's count of chosen ones before it
+    # goes in its fourth field, for the above list's places
+    chosen_before = 0
+    equal_before = 0
+    out_ids = ids_ptr + row * R
+    out_slots = out_slots_ptr + row * R
+    out_valid = valid_ptr + row * R
+    for t0 in range(0, tied, BLOCK):
+        t = t0 + lanes
+        in_t = t < tied
+        key = tl.load(tied_row + t * 4, mask=in_t, other=0)
+        mid = ((key >> 11) & 2047) + 1
+        low = (key & 2047) + 1
+        equal = (in_t & (mid == mid_level) & (low == low_level)).to(tl.int32)
+        equal_rank = equal_before + tl.cumsum(equal, axis=0) - equal
+        chosen = (in_t & ((mid > mid_level) | ((mid == mid_level) & (low > low_level))
+                          | ((equal != 0) & (equal_rank < need_equal)))).to(tl.int32)
+        rank = chosen_before + tl.cumsum(chosen, axis=0) - chosen
+        tl.store(tied_row + t * 4 + 3, rank, mask=in_t)
+        position = tl.load(tied_row + t * 4 + 1, mask=chosen != 0, other=0).to(tl.int64)
+        over_before = tl.load(tied_row + t * 4 + 2, mask=chosen != 0, other=0)
+        at = buffered + over_before + rank
+        tl.store(out_ids + at, position, mask=chosen != 0)
+        tl.store(out_slots + at, tl.load(slots_ptr + position * slot_s, mask=chosen != 0, other=0), mask=chosen != 0)
+        tl.store(out_valid + at, tl.full([BLOCK], 1, tl.int8), mask=chosen != 0)
+        chosen_before += tl.sum(chosen, axis=0)
+        equal_before += tl.sum(equal, axis=0)
+    tl.debug_barrier()  # the ranks stored above are read below by other threads
+    above_row = above_ptr + row * R * 2
+    for a0 in range(0, above, BLOCK):
+        a = a0 + lanes
+        in_a = a < above
+        position = tl.load(above_row + a * 2, mask=in_a, other=0).to(tl.int64)
+        tied_before = tl.load(above_row + a * 2 + 1, mask=in_a, other=0)
+        # chosen tied entries before it: the rank of the tied entry at its place, or all of them
+        ahead = tl.load(tied_row + tied_before * 4 + 3, mask=in_a & (tied_before < tied), other=0)
+        ahead = tl.where(tied_before < tied, ahead, chosen_before)
+        at = buffered + a + ahead
+        tl.store(out_ids + at, position, mask=in_a)
+        tl.store(out_slots + at, tl.load(slots_ptr + position * slot_s, mask=in_a, other=0), mask=in_a)
+        tl.store(out_valid + at, tl.full([BLOCK], 1, tl.int8), mask=in_a)
+    # the update buffer's rows first, the chosen ones (written above), then an empty tail
+    count = take
+    filled = buffered + take
+    for r0 in range(0, R, BLOCK):
+        r = r0 + lanes
+        in_buffer = r < buffered
+        empty = (r >= filled) & (r < R)
+        position = tl.minimum(indexed + r, N - 1)
+        valid = tl.load(token_valid_ptr + b * valid_sb + position * valid_sn, mask=in_buffer, other=0) != 0
+        position = tl.where(in_buffer, position, 0)
+        write = in_buffer | empty
+        tl.store(out_ids + r, tl.where(valid, position, -1), mask=write)
+        tl.store(out_slots + r, tl.load(slots_ptr + position * slot_s, mask=write, other=0), mask=write)
+        tl.store(out_valid + r, valid.to(tl.int8), mask=write)
+        count += tl.sum(valid.to(tl.int32), axis=0)
+    tl.store(count_ptr + row, count.to(tl.int64))
+
+
+def rerank_select(
+    query_rotated: torch.Tensor,
+    codes: torch.Tensor,
+    weight: torch.Tensor,
+    norms: torch.Tensor,
+    candidates: torch.Tensor,
+    token_valid: torch.Tensor,
+    slots: torch.Tensor,
+    indexed: torch.Tensor,
+    next_position: torch.Tensor,
+    capacity: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(unit_ids, num_units, slots, valid)``; see ``reference_analytic.rerank_select``."""
+    batch, heads, n, half = codes.shape
+    width = candidates.shape[-1]
+    if (tuple(query_rotated.shape) != (batch, heads, 2 * half) or tuple(weight.shape) != (batch, heads, n)
+            or tuple(norms.shape) != (batch, heads, n) or tuple(candidates.shape[:2]) != (batch, heads)
+            or candidates.dim() != 3 or tuple(token_valid.shape) != (batch, n) or tuple(slots.shape) != (n,)
+            or indexed.numel() != 1 or next_position.numel() != 1):
+        raise ValueError(
+            f"triton rerank_select: query {tuple(query_rotated.shape)}, weight {tuple(weight.shape)}, norms "
+            f"{tuple(norms.shape)}, candidates {tuple(candidates.shape)}, token_valid {tuple(token_valid.shape)} "
+            f"or slots {tuple(slots.shape)} do not fit codes {tuple(codes.shape)} (or the counters are not one value)"
+        )
+    if width >= 1 << 30 or n >= 1 << 31:
+        raise ValueError(f"triton rerank_select: {width} candidates over {n} positions exceed its int32 lists")
+    device = codes.device
+    capacity = int(capacity)
+    rows = batch * heads
+    ids = torch.empty(batch, heads, capacity, dtype=torch.long, device=device)
+    out_slots = torch.empty(batch, heads, capacity, dtype=torch.long, device=device)
+    valid = torch.empty(batch, heads, capacity, dtype=torch.bool, device=device)
+    count = torch.empty(batch, heads, dtype=torch.long, device=device)
+    if rows == 0 or capacity == 0:
+        return ids, count.zero_(), out_slots, valid
+    chunks = max(1, triton.cdiv(width, _CHUNK))
+    keys = torch.empty(rows, max(1, width), dtype=torch.int32, device=device)
+    hist = torch.empty(rows, chunks, _BINS1, dtype=torch.int32, device=device)
+    starts = torch.empty(rows, chunks, 2, dtype=torch.int32, device=device)
+    row_state = torch.empty(rows, 4, dtype=torch.int32, device=device)
+    above = torch.empty(rows, capacity, 2, dtype=torch.int32, device=device)
+    tied = torch.empty(rows, max(1, width), 4, dtype=torch.int32, device=device)
+    levels = magnitude_levels(2 * half, device)  # cached on the device
+    _score_kernel[(rows, chunks)](
+        query_rotated, codes, weight, norms, candidates, keys, hist,
+        heads, width, chunks,
+        *query_rotated.stride(), *codes.stride(), *weight.stride(), *norms.stride(), *candidates.stride(),
+        levels,
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), CHUNK=_CHUNK, SUB=_SUB, BINS=_BINS1,
+    )
+    _threshold_kernel[(rows,)](hist, indexed, next_position, starts, row_state, chunks, capacity,
+                               BINS=_BINS1, CHUNK_BLOCK=_CHUNK_BLOCK)
+    _split_kernel[(rows, chunks)](
+        keys, candidates, starts, row_state, above, tied,
+        heads, width, chunks, capacity, *candidates.stride(),
+        CHUNK=_CHUNK, SUB=_SUB,
+    )
+    valid_bytes = valid.view(torch.int8)
+    token_bytes = token_valid.view(torch.uint8) if token_valid.dtype == torch.bool else token_valid
+    _finish_kernel[(rows,)](
+        row_state, above, tied, token_bytes, slots, indexed, next_position,
+        ids, out_slots, valid_bytes, count,
+        heads, width, capacity, n,
+        *token_bytes.stride(), slots.stride(0),
+        BLOCK=_BLOCK, BINS=_BINS2,
+    )
+    return ids, count, out_slots, valid
+
+
+if "rerank_select" in OPS:  # registered once dispatch.OPS names the op
+    implement("triton", "rerank_select", supports=triton_runs_on)(rerank_select)
