@@ -34,8 +34,8 @@ def split_fits(memory: Memory, shape: KVShape, batch: int, per_sequence: int) ->
     """Whether some whole number of layers on the GPU leaves the rest within the host's room."""
     layer = shape.layer_bytes(batch, split_slots(CONTEXT, STEPS))
     device_room = memory.device - memory.device_margin - batch * per_sequence
-    return any(k * layer <= device_room and (shape.layers - k) * layer <= memory.host - memory.host_margin
-               for k in range(shape.layers + 1))
+    host_room = max(memory.host - memory.host_margin, 0)
+    return any(k * layer <= device_room and (shape.layers - k) * layer <= host_room for k in range(shape.layers + 1))
 
 
 @pytest.mark.parametrize("device_gib", [20.0, 124.0, 300.0])
@@ -48,6 +48,7 @@ def test_full_batch_is_the_largest_that_fits(device_gib):
 
 @pytest.mark.parametrize("device_gib, host_gib, per_sequence", [
     (124.0, 120.0, 1 * GIB), (124.0, 20.0, 1 * GIB), (124.0, 120.0, 0), (40.0, 400.0, 2 * GIB), (124.0, 13.0, GIB),
+    (124.0, 2.0, GIB),  # less host memory than its margin: the GPU alone
 ])
 def test_split_batch_is_the_largest_whose_layers_fit_gpu_and_host(device_gib, host_gib, per_sequence):
     memory = h200(device_gib, host_gib)
@@ -57,7 +58,7 @@ def test_split_batch_is_the_largest_whose_layers_fit_gpu_and_host(device_gib, ho
     assert not split_fits(memory, QWEN3_8B, plan.batch + 1, per_sequence)
     layer = QWEN3_8B.layer_bytes(plan.batch, split_slots(CONTEXT, STEPS))
     assert plan.gpu_pool_bytes == plan.gpu_layers * layer
-    assert plan.host_bytes == (QWEN3_8B.layers - plan.gpu_layers) * layer <= memory.host - memory.host_margin
+    assert plan.host_bytes == (QWEN3_8B.layers - plan.gpu_layers) * layer <= max(memory.host - memory.host_margin, 0)
     assert plan.device_bytes == plan.gpu_pool_bytes + plan.batch * per_sequence <= memory.device - memory.device_margin
     # with the host's room the split holds at least what the GPU alone holds
     assert plan.batch >= plan_full(memory, QWEN3_8B, CONTEXT, STEPS).batch or per_sequence > 0

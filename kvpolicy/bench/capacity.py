@@ -121,10 +121,10 @@ def plan_split(memory: Memory, shape: KVShape, context: int, steps: int, device_
     """The largest batch whose pools fit on the GPU and the host together, whole layers on the GPU
     first; ``device_per_sequence``: what else one sequence holds on the GPU (``probe_device_bytes``)."""
     slots = split_slots(context, steps)
-    host_room = memory.host - memory.host_margin
+    host_room = max(memory.host - memory.host_margin, 0)
     device_room = memory.device - memory.device_margin
     per_sequence = shape.layers * shape.layer_bytes(1, slots)
-    batch = max(0, (device_room + max(host_room, 0)) // max(per_sequence + device_per_sequence, 1))
+    batch = max(0, (device_room + host_room) // max(per_sequence + device_per_sequence, 1))
     for batch in range(batch, 0, -1):
         pools_room = device_room - batch * device_per_sequence
         if pools_room < 0:
