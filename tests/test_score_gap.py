@@ -257,3 +257,21 @@ def test_follow_lowers_the_margin_where_the_layer_above_reselected(follow, expec
     assert abs(gaps[1] + 1.91) < 0.02, gaps
     assert [f[0] for f in fired] == [True, False, True, False]
     assert [f[1] for f in fired] == [True, False, expect_follows, False]
+
+
+def test_leaving_ignored_keeps_the_selection_whatever_left_the_window():
+    # the case of test_decode_tokens_dropped_from_a_full_buffer_are_not_held, with leaving="ignored":
+    # the decoded keys leave into a unit opened after the selection, which may not fire
+    state = _layer({"name": "score_gap", "margin": -1.0, "measure": "mass", "leaving": "ignored"})
+    fired = []
+    for step in range(LOCAL + PAGE):
+        key = 0.01 * torch.randn(1, H, D, generator=torch.Generator().manual_seed(step))
+        key[..., 2] += 3.0
+        before = state.reselections.clone()
+        state.decode(_toward(2), key, torch.randn(1, H, D), D**-0.5)
+        fired.append(bool((state.reselections - before)[0]))
+    assert fired == [True] + [False] * (LOCAL + PAGE - 1)
+    retrieved = {int(s) for s in state.store.retrieved_slots[0, 0][state.store.retrieved_valid[0, 0]]}
+    assert not set(range(PROMPT, PROMPT + PAGE)) & retrieved
+    with pytest.raises(ConfigError, match="leaving must be one of unheld, ignored"):
+        ScoreGap(leaving="dropped").validate()

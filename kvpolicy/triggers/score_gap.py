@@ -47,6 +47,7 @@ class ScoreGapState:
     seen_open: torch.Tensor | None = None
     seen_size: torch.Tensor | None = None
     seen_fill: torch.Tensor | None = None
+    units_at_selection: torch.Tensor | None = None  # (B,) long: decode units opened by the last selection
     above: Any = None  # the PolicyLayerState of the preceding served layer, for ``follow``
 
 
@@ -90,6 +91,7 @@ def mass_gap(scores: torch.Tensor, held: torch.Tensor, size: torch.Tensor) -> to
 
 
 MEASURES = ("weakest", "mass")
+LEAVING = ("unheld", "ignored")
 
 
 @register("trigger", "score_gap")
@@ -106,12 +108,20 @@ class ScoreGap(Trigger):
     # in a layer whose preceding served layer re-selected at this step (per sequence), the margin is
     # ``margin - follow``: 0 ignores the other layers, ``inf`` re-selects whenever the layer above did
     follow: float = 0.0
+    # the tokens that leave the local window while the selection is kept, with no room left in the
+    # retrieved buffer, are not attended. "unheld": their units are unheld, so they can fire (what
+    # is attended); "ignored": they neither fire nor count as held (units opened since the
+    # selection, and the selection's units that took such tokens, stay as they were), as LouisKV
+    # reuses its selection until the next boundary whatever left the window meanwhile
+    leaving: str = "unheld"
 
     def validate(self) -> None:
         if not isinstance(self.margin, (int, float)) or isinstance(self.margin, bool) or math.isnan(self.margin):
             raise ConfigError(f"score_gap trigger: margin must be a number, got {self.margin!r}")
         if self.measure not in MEASURES:
             raise ConfigError(f"score_gap trigger: measure must be one of {', '.join(MEASURES)}; got {self.measure!r}")
+        if self.leaving not in LEAVING:
+            raise ConfigError(f"score_gap trigger: leaving must be one of {', '.join(LEAVING)}; got {self.leaving!r}")
         if not isinstance(self.follow, (int, float)) or isinstance(self.follow, bool) or not self.follow >= 0:
             raise ConfigError(f"score_gap trigger: follow must be a number >= 0 (inf: always), got {self.follow!r}")
 
@@ -151,6 +161,7 @@ class ScoreGap(Trigger):
         state.seen_open = units.open_unit.clone()
         state.seen_size = _open_unit_size(units)
         state.seen_fill = layer.store.retrieved_fill.clone()
+        state.units_at_selection = units.decode_units.clone()
 
     def selected(self, state: ScoreGapState, selection: Any, reselect: torch.Tensor) -> None:
         """The rows that re-selected hold exactly ``selection.unit_ids`` (the fetch made it so);
@@ -168,6 +179,7 @@ class ScoreGap(Trigger):
         state.seen_open.copy_(torch.where(reselect, units.open_unit, state.seen_open))
         state.seen_size.copy_(torch.where(rows, _open_unit_size(units), state.seen_size))
         state.seen_fill.copy_(torch.where(rows, store.retrieved_fill, state.seen_fill))
+        state.units_at_selection.copy_(torch.where(reselect, units.decode_units, state.units_at_selection))
         state.has_selection.logical_or_(reselect)
 
     def _follow_leaving_token(self, state: ScoreGapState) -> None:
@@ -188,9 +200,10 @@ class ScoreGap(Trigger):
         current = state.held.gather(2, position)
         state.held.scatter_(2, position, torch.where(add.unsqueeze(-1), unit.view(-1, 1, 1).expand_as(current), current))
         state.held_count.add_(add.long())
-        # a token of a held unit that was not admitted: the unit is no longer all attended
-        drop = (appended & ~admitted).unsqueeze(-1) & listed
-        state.held.masked_fill_(drop, -1)
+        if self.leaving == "unheld":
+            # a token of a held unit that was not admitted: the unit is no longer all attended
+            drop = (appended & ~admitted).unsqueeze(-1) & listed
+            state.held.masked_fill_(drop, -1)
         state.seen_open.copy_(unit)
         state.seen_size.copy_(size)
         state.seen_fill.copy_(fill)
@@ -210,6 +223,12 @@ class ScoreGap(Trigger):
         self._follow_leaving_token(state)
         now = self.scores(query, layer)
         held = self.held_mask(state)
+        if self.leaving == "ignored":
+            # units opened since the selection that the buffer did not admit are no candidates
+            first_new = layer.units.num_prompt_units + state.units_at_selection  # (B,)
+            ids = torch.arange(now.shape[-1], device=now.device)
+            opened = ids.view(1, 1, -1) >= first_new.view(-1, 1, 1)
+            now = now.masked_fill(opened & ~held, float("-inf"))
         if self.measure == "weakest":
             gap = score_gap(now, held)
         else:
