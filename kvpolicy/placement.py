@@ -7,9 +7,10 @@ layer, so a layer's gathers are all device reads or all PCIe reads, and the kern
 second pool. The first layers to prefill take the device.
 
 The limit is the policy's ``gpu_pool_bytes``, counted over the layers of one cache, or, when it
-is ``None``, what the device has free as each layer's prompt arrives, less ``auto_headroom``
-(prefill activations, the attended buffers and retrieval index of the layers still to come, the
-decode's workspace). A pool grows after prefill (it doubles when the tokens fill it, or grows to
+is ``None``, what the device has free as each layer's prompt arrives (outside PyTorch's cache of
+freed blocks, which the next layers' prefill activations take again), less ``auto_headroom``
+(the attended buffers and retrieval index of the layers still to come, the decode's workspace,
+the first layer's MLP, which runs after its pool is placed). A pool grows after prefill (it doubles when the tokens fill it, or grows to
 a reserve before a graph capture): a layer on the device whose grown pool would pass the limit
 moves to the host first, in the step's plan (host side, before any kernel), so the limit holds
 at every moment, the copy of a growth included.
@@ -66,6 +67,15 @@ def device_available_bytes(device: torch.device) -> int:
     return host_available_bytes()
 
 
+def device_free_bytes(device: torch.device) -> int:
+    """Bytes ``device`` has free outside PyTorch's caching allocator (the host's available memory
+    for the CPU). What the free-memory sizing counts: blocks the allocator keeps cached were the
+    prefill's activations, and the next layers' prefill takes them again."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return host_available_bytes()
+
+
 def device_total_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[1]
@@ -105,7 +115,9 @@ class PoolPlacer:
 
     device: torch.device
     limit: int | None
-    available: Callable[[torch.device], int] | None = None  # default: device_available_bytes
+    # default: device_free_bytes when sized from free memory, device_available_bytes under a limit
+    # (there only a guard: a pool must never run the device out of memory)
+    available: Callable[[torch.device], int] | None = None
     headroom: int | None = None  # default: 0 under a limit, auto_headroom(device) without one
     used: int = 0  # pool bytes on the device now, over the cache's layers
     # layer index -> True (pool on the device) / False (pinned host)
@@ -115,7 +127,7 @@ class PoolPlacer:
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
         if self.available is None:
-            self.available = device_available_bytes
+            self.available = device_free_bytes if self.limit is None else device_available_bytes
         if self.headroom is None:
             self.headroom = 0 if self.limit is not None else auto_headroom(self.device)
 

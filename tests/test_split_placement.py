@@ -124,7 +124,7 @@ def test_free_memory_sizing_leaves_the_headroom(llama, monkeypatch):
 
     import kvpolicy.placement as placement
 
-    monkeypatch.setattr(placement, "device_available_bytes", available)
+    monkeypatch.setattr(placement, "device_free_bytes", available)
     monkeypatch.setattr(placement, "auto_headroom", lambda device: 2 * layer_pool(batch))
     real_place = PoolPlacer.place
 
