@@ -18,7 +18,8 @@ threshold vote ``v*`` plus the first keys by position with exactly ``v*``:
    in the output and how many of its ``v*`` keys are taken (the first by position overall).
 3. ``_compact_kernel``, one program per (row, chunk): reads the votes again (2 bytes a key,
    an eighth of the ids' 16) and writes the chunk's candidates at their places, in position
-   order, so the rerank reads the candidates' codes in address order.
+   order, so the rerank reads the candidates' codes in address order; and its share of the
+   row's -1 tail (so no fill launch precedes the three).
 
 Per key and step: the ids once (``S`` bytes), the vote written and read once (2 + 2 bytes),
 ``token_valid`` once (1 byte per sequence, shared by its heads through the cache). The output
@@ -78,7 +79,7 @@ def _votes_kernel(
 
 @triton.jit
 def _threshold_kernel(
-    hist_ptr, start_ptr, ties_ptr, level_ptr,
+    hist_ptr, start_ptr, ties_ptr, level_ptr, take_ptr,
     CHUNKS, WIDTH, FLOOR, fraction,
     bound0, share0, bound1, share1, bound2, share2, bound3, share3,
     BINS: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
@@ -111,6 +112,7 @@ def _threshold_kernel(
     above = tl.sum(tl.where(bins > level, total, 0), axis=0)
     ties = take - above  # keys with the threshold vote to take, the first by position
     tl.store(level_ptr + row, level)
+    tl.store(take_ptr + row, take)
     ties_before = 0
     placed = 0
     for c0 in range(0, CHUNKS, CHUNK_BLOCK):
@@ -130,8 +132,8 @@ def _threshold_kernel(
 
 @triton.jit
 def _compact_kernel(
-    votes_ptr, start_ptr, ties_ptr, level_ptr, out_ptr,
-    N, CHUNKS, WIDTH,
+    votes_ptr, start_ptr, ties_ptr, level_ptr, take_ptr, out_ptr,
+    N, CHUNKS, WIDTH, FILL,
     CHUNK: tl.constexpr, SUB: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -151,6 +153,12 @@ def _compact_kernel(
         tl.store(out_ptr + row * WIDTH + place, n, mask=(take != 0) & (place < WIDTH))
         ties_seen += tl.sum(tied, axis=0)
         placed += tl.sum(take, axis=0)
+    # the -1 tail past the row's candidates: FILL places of it per chunk (no separate fill launch)
+    taken = tl.load(take_ptr + row)
+    for f0 in range(0, FILL, SUB):
+        place = chunk * FILL + f0 + tl.arange(0, SUB).to(tl.int64)
+        tl.store(out_ptr + row * WIDTH + place, tl.full([SUB], -1, tl.int64),
+                 mask=(place >= taken) & (place < WIDTH) & (f0 + tl.arange(0, SUB) < FILL))
 
 
 def _bands(bands: Sequence[tuple[int, float]]) -> list:
@@ -184,10 +192,10 @@ def collision_candidates(
     if not isinstance(max_votes, int) or not 0 <= max_votes < 32766:
         raise ValueError(f"triton collision_candidates: max_votes must be an int in 0..32765 (int16 votes), got {max_votes!r}")
     width = int(width)
-    out = torch.full((batch, heads, width), -1, dtype=torch.long, device=key_centroids.device)
     rows = batch * heads
     if rows == 0 or n == 0 or width == 0:
-        return out
+        return torch.full((batch, heads, width), -1, dtype=torch.long, device=key_centroids.device)
+    out = torch.empty(batch, heads, width, dtype=torch.long, device=key_centroids.device)
     device = key_centroids.device
     bins = triton.next_power_of_2(max_votes + 2)
     chunks = triton.cdiv(n, _CHUNK)
@@ -205,12 +213,15 @@ def collision_candidates(
     start = torch.empty(rows, chunks, dtype=torch.int32, device=device)
     ties = torch.empty(rows, chunks, dtype=torch.int32, device=device)
     level = torch.empty(rows, dtype=torch.int32, device=device)
+    take = torch.empty(rows, dtype=torch.int32, device=device)
     _threshold_kernel[(rows,)](
-        hist, start, ties, level,
+        hist, start, ties, level, take,
         chunks, width, int(floor), float(fraction), *_bands(bands),
         BINS=bins, CHUNK_BLOCK=_CHUNK_BLOCK,
     )
-    _compact_kernel[(rows, chunks)](votes, start, ties, level, out, n, chunks, width, CHUNK=_CHUNK, SUB=_SUB)
+    _compact_kernel[(rows, chunks)](
+        votes, start, ties, level, take, out, n, chunks, width, triton.cdiv(width, chunks), CHUNK=_CHUNK, SUB=_SUB
+    )
     return out
 
 
