@@ -41,7 +41,7 @@ def _random_units(batch, heads, units, tokens, max_size, seed, p_inf=0.15, p_emp
     return scores, sizes, starts, order
 
 
-RANKINGS = ["auto", "full", "threshold", "torch.sort"]
+RANKINGS = ["auto", "full", "threshold", "torch.sort", "topk"]
 
 
 def _use_ranking(name, monkeypatch):

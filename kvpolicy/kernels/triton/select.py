@@ -71,9 +71,11 @@ _FULL_SORT_MAX = 8192
 _FULL_SORT_MAX_WITHOUT_TAKE = 2048
 # units per block step of the threshold select's passes (a [block, 16] digit histogram each)
 _THRESHOLD_BLOCK = 512
-# "auto" (the rule above) or forced for every call: "full", "threshold", "torch.sort" (for the
-# tests and benchmarks/select_sort.py)
+# "auto" (the rule above) or forced for every call: "full", "threshold", "torch.sort", or "topk"
+# (torch.topk of the best min(U, R) unique int64 keys; not measured yet) (for the tests and
+# benchmarks/select_sort.py)
 RANKING = "auto"
+RANKINGS = ("full", "threshold", "torch.sort", "topk")
 # warps for the in-kernel sort of more than 4096 keys
 _SORT_NUM_WARPS = 16
 
@@ -91,6 +93,19 @@ def _descending_key(score, index, in_range):
     descending = tl.where(score > float("-inf"), ~ascending, 0x7FFFFFFF)
     key = (descending.to(tl.int64) << 32) | index.to(tl.int64)
     return tl.where(in_range, key, 0x7FFFFFFFFFFFFFFF)
+
+
+@triton.jit
+def _keys_kernel(scores_ptr, sizes_ptr, keys_ptr, U, BLOCK: tl.constexpr):
+    """``keys[row, u]`` = ``_descending_key`` of unit ``u`` (for the "topk" ranking); an empty
+    unit ranks with the unselectable, so the best ``R`` keys hold every unit the fill takes."""
+    row = tl.program_id(0).to(tl.int64)
+    index = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_range = index < U
+    score = tl.load(scores_ptr + row * U + index, mask=in_range, other=float("-inf"))
+    size = tl.load(sizes_ptr + row * U + index, mask=in_range, other=0)
+    score = tl.where(size > 0, score, float("-inf"))
+    tl.store(keys_ptr + row * U + index, _descending_key(score, index, in_range), mask=in_range)
 
 
 @triton.jit
@@ -193,7 +208,7 @@ def _fill_kernel(
     scores_ptr, ranked_ptr, ranked_scores_ptr, sizes_ptr, starts_ptr, order_ptr, take_ptr,
     unit_ids_ptr, num_units_ptr, slots_ptr, slot_valid_ptr,
     heads_ptr, shift_ptr, cand_ptr,
-    U, N, R, SHIFT_LEN, ROWS_PER_SEQUENCE,
+    U, N, R, SHIFT_LEN, ROWS_PER_SEQUENCE, RANKED_KEYS,
     BLOCK_U: tl.constexpr, BLOCK_R: tl.constexpr, SORT_BLOCK: tl.constexpr, HAS_TAKE: tl.constexpr,
     CAND_BLOCK: tl.constexpr,
 ):
@@ -225,6 +240,9 @@ def _fill_kernel(
                         ranked_ptr + bh * CAND_BLOCK, U, R, BLOCK_U, CAND_BLOCK)
     ranked_base = bh * CAND_BLOCK if CAND_BLOCK > 0 else u_base
     ranked_len = CAND_BLOCK if CAND_BLOCK > 0 else U
+    if RANKED_KEYS > 0:  # "topk": the best RANKED_KEYS keys of the row, ascending
+        ranked_base = bh * RANKED_KEYS
+        ranked_len = RANKED_KEYS
 
     # 2. no unit starts anywhere yet
     for r0 in range(0, R, BLOCK_R):
@@ -241,6 +259,11 @@ def _fill_kernel(
         if SORT_BLOCK > 0 or CAND_BLOCK > 0:
             unit = tl.load(ranked_ptr + ranked_base + i, mask=in_range, other=-1).to(tl.int64)
             selectable = unit >= 0
+        elif RANKED_KEYS > 0:
+            # high word 0x7FFFFFFF: unselectable (or past the row); low word: the unit index
+            key = tl.load(ranked_ptr + ranked_base + i, mask=in_range, other=0x7FFFFFFFFFFFFFFF)
+            selectable = (key >> 32).to(tl.int32) < 0x7FFFFFFF
+            unit = tl.where(selectable, key & 0xFFFFFFFF, 0)
         else:
             unit = tl.load(ranked_ptr + u_base + i, mask=in_range, other=0)
             score = tl.load(ranked_scores_ptr + u_base + i, mask=in_range, other=float("-inf"))
@@ -326,10 +349,19 @@ def select_budget(
             ranking = "full" if units <= _FULL_SORT_MAX else "threshold"
         else:
             ranking = "full" if units <= _FULL_SORT_MAX_WITHOUT_TAKE else "torch.sort"
-    if ranking not in ("full", "threshold", "torch.sort"):
-        raise ValueError(f"triton select_budget: RANKING {RANKING!r}; accepted: auto, full, threshold, torch.sort")
+    if ranking not in RANKINGS:
+        raise ValueError(f"triton select_budget: RANKING {RANKING!r}; accepted: auto, {', '.join(RANKINGS)}")
+    ranked_keys = 0
     if ranking == "torch.sort":
         ranked_scores, ranked = torch.sort(scores, dim=-1, descending=True, stable=True)
+    elif ranking == "topk":
+        # the best min(U, R) units: every taken unit holds a token, so the fill never needs more.
+        # Unique int64 keys (score, then index) make torch.topk's order the stable one
+        keys = torch.empty(programs, units, dtype=torch.int64, device=device)
+        _keys_kernel[(programs, triton.cdiv(units, 1024))](scores, sizes.contiguous(), keys, units, BLOCK=1024)
+        ranked_keys = max(1, min(units, capacity))  # one at a budget of 0: RANKED_KEYS 0 means another ranking
+        ranked = torch.topk(keys, ranked_keys, dim=-1, largest=False, sorted=True).values
+        ranked_scores = scores  # not read
     elif ranking == "full":
         # in-kernel ranking of every unit: the ranked unit ids (int32) go to a scratch row
         sort_block = triton.next_power_of_2(units)
@@ -349,7 +381,7 @@ def select_budget(
         scores, ranked, ranked_scores, sizes.contiguous(), starts.contiguous(), order.contiguous(), take,
         unit_ids, num_units, slots, slot_valid,
         heads, shift, cand,
-        units, order.shape[-1], capacity, shift_len, rows_per_sequence,
+        units, order.shape[-1], capacity, shift_len, rows_per_sequence, ranked_keys,
         BLOCK_U=min(_THRESHOLD_BLOCK if cand_block else _BLOCK, triton.next_power_of_2(units)),
         BLOCK_R=min(_BLOCK, triton.next_power_of_2(max(capacity, 1))),
         SORT_BLOCK=sort_block, HAS_TAKE=take is not None, CAND_BLOCK=cand_block,
