@@ -193,3 +193,9 @@ def test_probe_counts_at_least_the_attended_buffers():
     probed = capacity.probe_device_bytes(model, policy, 300, 4)
     # every layer holds sink + retrieved + local rows of keys and values for the one sequence
     assert probed >= shape.layers * shape.layer_bytes(1, 128)
+
+
+def test_memory_figures_of_this_machine_are_positive_with_their_margins():
+    memory = Memory.measure(torch.device("cpu"))
+    assert memory.device > 0 and memory.host > 0
+    assert memory.device_margin >= capacity.DEVICE_MARGIN[0] and memory.host_margin >= capacity.HOST_MARGIN[0]

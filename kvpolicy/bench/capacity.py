@@ -26,6 +26,7 @@ could wake the kernel's OOM killer).
 
 from __future__ import annotations
 
+import gc
 from dataclasses import asdict, dataclass
 
 import torch
@@ -74,9 +75,8 @@ class Memory:
 
     @classmethod
     def measure(cls, device: torch.device) -> "Memory":
+        _release(device)
         pinned.release_unused()  # kept pools of an earlier run would count as taken
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
         return cls(device=device_available_bytes(device), host=host_available_bytes(),
                    device_margin=_margin(DEVICE_MARGIN, device_total_bytes(device)),
                    host_margin=_margin(HOST_MARGIN, device_total_bytes(torch.device("cpu"))))
@@ -185,7 +185,11 @@ def probe_device_bytes(model, policy: Policy, context: int, steps: int, seed: in
     torch.cuda.reset_peak_memory_stats(device)
     with probe.apply(model) as session:
         cache = session.new_cache()
-        _prefill(model, cache, 1, context, seed)
+        try:
+            _prefill(model, cache, 1, context, seed)
+        except torch.cuda.OutOfMemoryError:
+            raise KVPolicyError(f"bench capacity: one sequence of {policy.name} at context {context} does not fit on "
+                                "the GPU (its probe ran out of memory); accepted: a smaller --contexts") from None
         states = cache.policy_layers()
         for state in states:
             state.wait_for_units()
@@ -194,8 +198,9 @@ def probe_device_bytes(model, policy: Policy, context: int, steps: int, seed: in
         pools = sum(2 * s.store.pool_keys.numel() * s.store.pool_keys.element_size() for s in states
                     if s.store.pool_keys.device.type == "cuda")
         peak = torch.cuda.max_memory_allocated(device) - base
-        del cache, states
-    torch.cuda.empty_cache()
+    session.cache = None  # the session outlives the block: let its cache go before the next cell
+    del cache, states
+    _release(device)
     return max(peak - pools, 0)
 
 
@@ -221,7 +226,8 @@ def split_throughput(model, policy: Policy, batch: int, context: int, steps: int
         runner.step(token)  # capture + first replay
         ms = _timed(device, lambda: runner.step(token), steps)
         stats = session.stats()
-        del runner, cache
+    session.cache = None
+    del runner, cache
     return SplitThroughput(policy.name + "/" + policy.placement, batch, context, steps, ms,
                            stats.pool_device_bytes, stats.pool_host_bytes, len(stats.pool_device_layers or []))
 
@@ -232,13 +238,21 @@ def _backing_off(run, batch: int, device: torch.device, label: str, say):
         try:
             return run(batch), batch
         except torch.cuda.OutOfMemoryError:
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
             if attempt == BACKOFF or batch <= 1:
                 raise
-            say(f"{label}: batch {batch} ran out of GPU memory; trying {batch - 1}")
-            batch -= 1
+        # out of the handler, the failed attempt's frames (its cache, its pools) are gone
+        _release(device)
+        say(f"{label}: batch {batch} ran out of GPU memory; trying {batch - 1}")
+        batch -= 1
     raise AssertionError("unreachable")
+
+
+def _release(device: torch.device) -> None:
+    """Free what a finished cell left: its reference cycles (layer state and trigger state), then the
+    allocator's cached blocks, so the next cell's figures start from the same free memory."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 @dataclass
@@ -305,8 +319,7 @@ def measure_capacity(model, context: int, steps: int, *, budget: int = 2048, bac
         rows.append(CapacityRow("full-graph", batch, context, steps, result.ms_per_step, result.tokens_per_s,
                                 full_plan.batch, shape.layers * shape.layer_bytes(batch, full_slots(context, steps)),
                                 0, shape.layers))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        _release(device)
     if split_plan.batch == 0:
         say("louiskv/split: not one sequence fits")
         rows.append(CapacityRow("louiskv/split", 0, context, steps, None, None, 0, 0, 0, None))
