@@ -136,6 +136,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--kmeans", action="store_true",
                        help="cluster with real K-means (default: random units of 16 tokens, same sizes and scatter)")
     bench.add_argument("--repeats", type=int, default=30)
+    bench.add_argument("--compiled-layers", action="store_true",
+                       help="e2e: compile each decoder layer's MLP and RMSNorms (torch.compile), which "
+                            "lowers the floor for full attention and the policies alike")
     bench.add_argument("--device", default=None)
     bench.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     bench.add_argument("--plugin", action="append", default=[], dest="sub_plugin", metavar="MODULE", help=argparse.SUPPRESS)
@@ -567,6 +570,20 @@ def _drift(args) -> int:
     return 0
 
 
+def _bench_model(args, device):
+    """The random Qwen3-8B-shaped model of ``bench e2e`` / ``capacity`` (``--compiled-layers``: its
+    MLPs and RMSNorms compiled, for every row alike)."""
+    from .bench.ttft import qwen3_8b_config, random_model
+
+    model = random_model(qwen3_8b_config(layers=args.layers), device)
+    if args.compiled_layers:
+        from .bench.compiled_layers import compile_mlp_and_norms
+
+        routed = compile_mlp_and_norms(model)
+        print(f"--compiled-layers: {routed} MLP and RMSNorm modules run compiled (full attention and policies alike)")
+    return model
+
+
 def _bench(args) -> int:
     import torch
 
@@ -607,7 +624,7 @@ def _bench(args) -> int:
         branch_kinds = [k for k in args.branches.split(",") if k]
         for kind in branch_kinds:
             graph_branch.resolve(kind, device, emulate=device.type != "cuda")  # a bad kind fails before the model loads
-        model = random_model(qwen3_8b_config(layers=args.layers), device)
+        model = _bench_model(args, device)
         every = max(1, round(1 / args.rate))
         print(f"louiskv's trigger runs as interval({every}) = {100 / every:.1f}% re-selection (measured rate "
               f"{100 * args.rate:.1f}%), and as every_step (worst case)")
