@@ -11,7 +11,8 @@ Per layer (Qwen3-8B shape by default: 8 KV heads, 32 query heads, head_dim 128, 
   the fused path also the old rerank (``rerank``: scores, then ``torch.topk``) on the same
   candidates, for comparison (not part of its total);
 - the single-row gather (``gather_rows_into``) of a selection's rows (the retrieval budget per
-  (sequence, KV head), random slots, and the same slots sorted by address) from a pinned pool
+  (sequence, KV head), random slots, the same slots sorted by address, and in the order
+  ``rerank_select`` lists them: the buffer's newest slots, then the rest by address) from a pinned pool
   of the largest context, in GB/s, against a plain pinned host-to-device copy of the same
   bytes measured in the same run.
 
@@ -243,7 +244,12 @@ def measure_gather(args: argparse.Namespace, batch: int, context: int, device: t
     copy_ms = time_ms(lambda: target.copy_(source, non_blocking=True), device, args.repeats)
     timed = _timer(device, args.repeats)
     rows = []
-    for order, chosen in (("random", slots), ("sorted", slots.sort(-1).values)):
+    ordered = slots.sort(-1).values
+    # rerank_select's order: the update buffer's tokens (the newest slots) first, then the
+    # retrieved ones by position (by slot)
+    buffered = min(args.update_buffer - 1, retrieval)
+    as_selected = torch.cat([ordered[..., retrieval - buffered:], ordered[..., :retrieval - buffered]], -1)
+    for order, chosen in (("random", slots), ("sorted", ordered), ("selection", as_selected)):
         ms = timed(lambda: gather_into(pool, chosen, take, out))
         rows.append({
             "kind": "gather", "order": order, "backend": args.backend, "batch": batch, "context": context,
@@ -268,7 +274,7 @@ def print_table(results: dict) -> None:
               f"({row['candidates_per_row']} candidates/row; ids at {row['id_gbps']:.0f} GB/s, "
               f"{row['votes_part_id_gbps']:.0f} in the votes part)  [{parts}]")
     for row in results["gather"]:
-        print(f"  gather {_label(row['context']):>5s} x{row['batch']} {row['order']:>6s} rows: {row['gbps']:.1f} GB/s "
+        print(f"  gather {_label(row['context']):>5s} x{row['batch']} {row['order']:>9s} rows: {row['gbps']:.1f} GB/s "
               f"({row['bytes'] / 1e6:.1f} MB in {row['ms']:.3f} ms); plain H2D copy of the same bytes "
               f"{row['copy_gbps']:.1f} GB/s ({row['gbps'] / row['copy_gbps']:.2f}x)")
 

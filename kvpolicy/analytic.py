@@ -210,9 +210,10 @@ def _lloyd_levels(head_dim: int) -> tuple[float, ...]:
 
 
 @functools.cache
-def _levels_on(head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _levels_on(head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     levels = torch.tensor(_lloyd_levels(head_dim), dtype=torch.float32)
-    return levels.to(device), ((levels[1:] + levels[:-1]) / 2).to(device)
+    signed = torch.cat([levels, -levels])
+    return levels.to(device), ((levels[1:] + levels[:-1]) / 2).to(device), signed.to(device)
 
 
 def magnitude_levels(head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -222,6 +223,14 @@ def magnitude_levels(head_dim: int, device: torch.device | str = "cpu") -> torch
     """
     check_head_dim(head_dim)
     return _levels_on(head_dim, torch.device(device))[0]
+
+
+def nibble_values(head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The value of each 4-bit code ``(16,)`` float32: ``magnitude_levels`` for codes 0-7, their
+    negations for 8-15 (the sign bit set), exactly ``dequantize``'s; cached per (head_dim, device),
+    made with the levels (so a captured step never builds it)."""
+    check_head_dim(head_dim)
+    return _levels_on(head_dim, torch.device(device))[2]
 
 
 def _thresholds(head_dim: int, device: torch.device) -> torch.Tensor:

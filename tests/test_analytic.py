@@ -77,6 +77,17 @@ def test_codes_pack_sign_and_magnitude_per_nibble():
     torch.testing.assert_close(analytic.dequantize(codes), rotated)
 
 
+@pytest.mark.parametrize("dim", [32, 128])
+def test_nibble_values_are_what_dequantize_gives_each_code(dim):
+    # byte b holds code b & 15 in its low nibble, b >> 4 in its high one
+    codes = torch.arange(256, dtype=torch.uint8).view(256, 1).expand(256, dim // 2)
+    values = analytic.dequantize(codes)[:, :2]
+    table = analytic.nibble_values(dim)
+    assert torch.equal(table[codes[:, 0].long() & 15], values[:, 0])
+    assert torch.equal(table[codes[:, 0].long() >> 4], values[:, 1])
+    assert torch.equal(table[8:], -analytic.magnitude_levels(dim))
+
+
 def test_centroid_ids_are_sign_bits_per_subspace():
     rotated = torch.tensor([0.5, -0.1, 0.0, -0.3, -0.2, 0.1, 0.4, 0.2])  # 2 subspaces of 4 dims
     assert analytic.centroid_ids(rotated, 2).tolist() == [0b0101, 0b1110]

@@ -103,7 +103,8 @@ def test_the_fused_ops_select_what_the_composed_ops_select(monkeypatch):
     monkeypatch.setattr(collision_candidates, "_CHUNK", 256)
     monkeypatch.setattr(collision_candidates, "_SUB", 64)
     monkeypatch.setattr(rerank_select, "_CHUNK", 128)
-    monkeypatch.setattr(rerank_select, "_SUB", 32)
+    monkeypatch.setattr(rerank_select, "_SCORE_SUB", 32)
+    monkeypatch.setattr(rerank_select, "_SPLIT_SUB", 64)
     monkeypatch.setattr(rerank_select, "_BLOCK", 32)
     index, gen = _index(700, dim=32, heads=2, batch=2, buffer=5, drop=0.1)
     for slot in range(8):  # a flush and a partly filled buffer

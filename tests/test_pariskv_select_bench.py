@@ -33,7 +33,7 @@ def test_a_toy_run_writes_both_paths_and_the_gather(bench, tmp_path):
     assert composed["parts_ms"].keys() == {"encode_query", "collision_count", "candidate_topk", "rerank", "rest"}
     # the length rule below 5K tokens: half the zone, over both paths
     assert fused["candidates_per_row"] == composed["candidates_per_row"] == 450
-    assert [row["order"] for row in results["gather"]] == ["random", "sorted"]
+    assert [row["order"] for row in results["gather"]] == ["random", "sorted", "selection"]
     assert all(row["bytes"] == 1 * 2 * (160 - 68) * 32 * 4 and row["copy_gbps"] > 0 for row in results["gather"])
 
 

@@ -281,7 +281,8 @@ def small_select(monkeypatch):
     from kvpolicy.kernels.triton import rerank_select
 
     monkeypatch.setattr(rerank_select, "_CHUNK", 128)
-    monkeypatch.setattr(rerank_select, "_SUB", 32)
+    monkeypatch.setattr(rerank_select, "_SCORE_SUB", 32)
+    monkeypatch.setattr(rerank_select, "_SPLIT_SUB", 64)
     monkeypatch.setattr(rerank_select, "_CHUNK_BLOCK", 2)
     monkeypatch.setattr(rerank_select, "_BLOCK", 32)
     return rerank_select.rerank_select

@@ -7,7 +7,7 @@ scores' bits: a float32 score maps to an int32 key that orders as the score does
 and the ``k`` best are every key above a threshold key plus the first keys by position equal
 to it. The threshold is found 10 + 11 + 11 bits at a time:
 
-1. ``_score_kernel``, one program per (row, chunk of ``_CHUNK`` candidates): reads each listed
+1. ``_score_kernel``, one program per (row, chunk of candidates): reads each listed
    candidate's packed codes (``D / 2`` bytes; the only pass over them), weight and norm, writes
    its key (4 bytes) and the chunk's histogram of the keys' top 10 bits (bin 0: not listed).
 2. ``_threshold_kernel``, one program per row: ``k = R - buffered`` from the device counters,
@@ -35,12 +35,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ...analytic import magnitude_levels
+from ...analytic import nibble_values
 from ..dispatch import OPS, implement, triton_runs_on
 
-# candidates per program of the score and split passes; SUB per step inside one
+# candidates per program of the score and split passes (at most; SUB per step inside one):
+# about _CHUNKS_PER_ROW programs a row, so 32 rows (4 x 8 heads) fill the GPU at 128K (13K
+# candidates a row, chunks of 512) as at 1M (105K, chunks of 4,096), while the threshold pass
+# reads at most that many histograms a row
 _CHUNK = 4096
-_SUB = 256
+_CHUNKS_PER_ROW = 32
+# candidates per step: the score pass holds SUB x D / 2 code bytes (as int32) and their values
+# in registers (8 KiB of codes at D=128, as the old rerank's blocks); the split pass 4 bytes each
+_SCORE_SUB = 128
+_SPLIT_SUB = 1024
 # chunks per step of the threshold pass (a step holds _CHUNK_BLOCK x 1024 counts)
 _CHUNK_BLOCK = 8
 # entries per step of the finish pass over the tied and above lists and the output rows
@@ -48,20 +55,6 @@ _BLOCK = 2048
 # the key's bits per radix level: the top 10 (histogrammed per chunk), then 11 and 11
 _BINS1 = 1024
 _BINS2 = 4096  # 2048 values + 1 (bin 0: not in the level), rounded up to a power of two
-
-
-@triton.jit
-def _level(m, l0, l1, l2, l3, l4, l5, l6, l7):
-    # the magnitude level of 3-bit index m, by selects (no table lookup)
-    bit0 = (m & 1) != 0
-    a = tl.where(bit0, l1, l0)
-    b = tl.where(bit0, l3, l2)
-    c = tl.where(bit0, l5, l4)
-    d = tl.where(bit0, l7, l6)
-    bit1 = (m & 2) != 0
-    ab = tl.where(bit1, b, a)
-    cd = tl.where(bit1, d, c)
-    return tl.where((m & 4) != 0, cd, ab)
 
 
 @triton.jit
@@ -73,7 +66,7 @@ def _score_kernel(
     weight_sb, weight_sh, weight_sn,
     norm_sb, norm_sh, norm_sn,
     cand_sb, cand_sh, cand_sc,
-    levels_ptr,
+    values_ptr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -86,15 +79,6 @@ def _score_kernel(
     q_base = query_ptr + b * q_sb + h * q_sh
     q_even = tl.load(q_base + (2 * i) * q_sd, mask=in_i, other=0.0).to(tl.float32)
     q_odd = tl.load(q_base + (2 * i + 1) * q_sd, mask=in_i, other=0.0).to(tl.float32)
-    # the 8 magnitude levels as scalars: a select per nibble, no table lookup per element
-    l0 = tl.load(levels_ptr)
-    l1 = tl.load(levels_ptr + 1)
-    l2 = tl.load(levels_ptr + 2)
-    l3 = tl.load(levels_ptr + 3)
-    l4 = tl.load(levels_ptr + 4)
-    l5 = tl.load(levels_ptr + 5)
-    l6 = tl.load(levels_ptr + 6)
-    l7 = tl.load(levels_ptr + 7)
     unlisted = tl.full([SUB], -2147483648, tl.int32)
     hist = tl.zeros([BINS], dtype=tl.int32)
     for s0 in range(0, CHUNK, SUB):
@@ -108,12 +92,10 @@ def _score_kernel(
             codes_ptr + b * code_sb + h * code_sh + token[:, None] * code_sn + i[None, :] * code_sd,
             mask=rows, other=0,
         ).to(tl.int32)
-        low = packed & 15
-        high = packed >> 4
-        low_mag = _level(low & 7, l0, l1, l2, l3, l4, l5, l6, l7)
-        high_mag = _level(high & 7, l0, l1, l2, l3, l4, l5, l6, l7)
-        low_val = tl.where((low & 8) != 0, -low_mag, low_mag)
-        high_val = tl.where((high & 8) != 0, -high_mag, high_mag)
+        # a nibble's value (sign included) from a 16-float table: one 64-byte line, so a warp's
+        # lookups are served at once
+        low_val = tl.load(values_ptr + (packed & 15))
+        high_val = tl.load(values_ptr + (packed >> 4))
         terms = low_val * q_even[None, :] + high_val * q_odd[None, :]
         dot = tl.sum(tl.where(rows, terms, 0.0), axis=1)
         weight = tl.load(weight_ptr + b * weight_sb + h * weight_sh + token * weight_sn, mask=listed, other=0.0)
@@ -333,7 +315,7 @@ def rerank_select(
             f"{tuple(norms.shape)}, candidates {tuple(candidates.shape)}, token_valid {tuple(token_valid.shape)} "
             f"or slots {tuple(slots.shape)} do not fit codes {tuple(codes.shape)} (or the counters are not one value)"
         )
-    if width >= 1 << 30 or n >= 1 << 31:
+    if width >= 1 << 28 or n >= 1 << 31:  # list offsets (4 ints an entry) stay int32
         raise ValueError(f"triton rerank_select: {width} candidates over {n} positions exceed its int32 lists")
     device = codes.device
     capacity = int(capacity)
@@ -344,27 +326,28 @@ def rerank_select(
     count = torch.empty(batch, heads, dtype=torch.long, device=device)
     if rows == 0 or capacity == 0:
         return ids, count.zero_(), out_slots, valid
-    chunks = max(1, triton.cdiv(width, _CHUNK))
+    chunk = min(_CHUNK, max(_SCORE_SUB, triton.next_power_of_2(triton.cdiv(max(1, width), _CHUNKS_PER_ROW))))
+    chunks = max(1, triton.cdiv(width, chunk))
     keys = torch.empty(rows, max(1, width), dtype=torch.int32, device=device)
     hist = torch.empty(rows, chunks, _BINS1, dtype=torch.int32, device=device)
     starts = torch.empty(rows, chunks, 2, dtype=torch.int32, device=device)
     row_state = torch.empty(rows, 4, dtype=torch.int32, device=device)
     above = torch.empty(rows, capacity, 2, dtype=torch.int32, device=device)
     tied = torch.empty(rows, max(1, width), 4, dtype=torch.int32, device=device)
-    levels = magnitude_levels(2 * half, device)  # cached on the device
+    values = nibble_values(2 * half, device)  # cached on the device
     _score_kernel[(rows, chunks)](
         query_rotated, codes, weight, norms, candidates, keys, hist,
         heads, width, chunks,
         *query_rotated.stride(), *codes.stride(), *weight.stride(), *norms.stride(), *candidates.stride(),
-        levels,
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), CHUNK=_CHUNK, SUB=_SUB, BINS=_BINS1,
+        values,
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), CHUNK=chunk, SUB=_SCORE_SUB, BINS=_BINS1,
     )
     _threshold_kernel[(rows,)](hist, indexed, next_position, starts, row_state, chunks, capacity,
                                BINS=_BINS1, CHUNK_BLOCK=_CHUNK_BLOCK)
     _split_kernel[(rows, chunks)](
         keys, candidates, starts, row_state, above, tied,
         heads, width, chunks, capacity, *candidates.stride(),
-        CHUNK=_CHUNK, SUB=_SUB,
+        CHUNK=chunk, SUB=min(chunk, _SPLIT_SUB),
     )
     valid_bytes = valid.view(torch.int8)
     token_bytes = token_valid.view(torch.uint8) if token_valid.dtype == torch.bool else token_valid
