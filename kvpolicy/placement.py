@@ -10,7 +10,9 @@ The limit is the policy's ``gpu_pool_bytes``, counted over the layers of one cac
 is ``None``, what the device has free as each layer's prompt arrives (outside PyTorch's cache of
 freed blocks, which the next layers' prefill activations take again), less ``auto_headroom``
 (the attended buffers and retrieval index of the layers still to come, the decode's workspace,
-the first layer's MLP, which runs after its pool is placed). A pool grows after prefill (it doubles when the tokens fill it, or grows to
+the first layer's MLP, which runs after its pool is placed). Under a limit the device's real
+free memory is still checked: a pool that would leave less than ``LIMIT_GUARD_BYTES`` goes to
+the host, so a limit set too close to the brim spills rather than running out of memory. A pool grows after prefill (it doubles when the tokens fill it, or grows to
 a reserve before a graph capture): a layer on the device whose grown pool would pass the limit
 moves to the host first, in the step's plan (host side, before any kernel), so the limit holds
 at every moment, the copy of a growth included.
@@ -33,6 +35,9 @@ from .errors import KVPolicyError
 # the least auto headroom, and its share of the device's memory when that is more
 AUTO_HEADROOM_MIN = 4 << 30
 AUTO_HEADROOM_SHARE = 0.10
+# under a limit, a pool still never takes the device's last bytes: what the prefill allocates next
+# (the layer's attended buffers, its index) would run out of memory there instead
+LIMIT_GUARD_BYTES = 1 << 30
 
 
 def host_available_bytes() -> int:
@@ -118,7 +123,7 @@ class PoolPlacer:
     # default: device_free_bytes when sized from free memory, device_available_bytes under a limit
     # (there only a guard: a pool must never run the device out of memory)
     available: Callable[[torch.device], int] | None = None
-    headroom: int | None = None  # default: 0 under a limit, auto_headroom(device) without one
+    headroom: int | None = None  # default: LIMIT_GUARD_BYTES under a limit, auto_headroom(device) without one
     used: int = 0  # pool bytes on the device now, over the cache's layers
     # layer index -> True (pool on the device) / False (pinned host)
     layers: dict[int, bool] = field(default_factory=dict)
@@ -129,7 +134,7 @@ class PoolPlacer:
         if self.available is None:
             self.available = device_free_bytes if self.limit is None else device_available_bytes
         if self.headroom is None:
-            self.headroom = 0 if self.limit is not None else auto_headroom(self.device)
+            self.headroom = LIMIT_GUARD_BYTES if self.limit is not None else auto_headroom(self.device)
 
     @property
     def host(self) -> torch.device:

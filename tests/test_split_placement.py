@@ -154,6 +154,18 @@ def test_placer_rules_from_byte_figures():
     assert zero.place(0, 1) == torch.device("cpu") and zero.layers == {0: False}
 
 
+def test_under_a_limit_a_pool_never_takes_the_devices_last_gigabyte():
+    """The guard reads the device's real free memory; a "meta" device stands for a GPU here."""
+    from kvpolicy.placement import LIMIT_GUARD_BYTES
+
+    free = {"bytes": LIMIT_GUARD_BYTES + 100}
+    placer = PoolPlacer(torch.device("meta"), limit=1 << 40, available=lambda device: free["bytes"])
+    assert placer.place(0, 100) == torch.device("meta")  # leaves exactly the guard
+    free["bytes"] -= 100
+    assert placer.place(1, 1) == torch.device("cpu")  # within the limit, but the device is at its guard
+    assert placer.device_layers() == [0] and placer.used == 100
+
+
 def test_a_limit_the_device_cannot_hold_is_refused_when_applied(llama):
     pol = policy(placement="split", gpu_pool_bytes=1 << 62)
     with pytest.raises(KVPolicyError) as error:
