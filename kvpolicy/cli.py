@@ -757,11 +757,10 @@ def _bench(args) -> int:
 def _bench_capacity(args, device, rows: "_BenchRows") -> None:
     """``bench capacity``: full-graph at its largest batch against louiskv/split at its own."""
     from .bench.capacity import measure_capacity
-    from .bench.ttft import qwen3_8b_config, random_model
     from .policy import bytes_text
 
     contexts = _ints(args.contexts or "131072", "contexts")
-    model = random_model(qwen3_8b_config(layers=args.layers), device)
+    model = _bench_model(args, device)
     every = max(1, round(1 / args.rate))
     print(f"full-graph at the largest batch whose KV fits on the GPU, against louiskv (budget {args.budget}, "
           f"interval({every}) = {100 / every:.1f}% re-selection, {'K-means' if args.kmeans else 'random-group'} "

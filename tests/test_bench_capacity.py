@@ -171,7 +171,7 @@ def test_cli_capacity_prints_and_writes_both_rows(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(capacity, "probe_device_bytes", lambda *args, **kwargs: 1024)
     out = tmp_path / "capacity.json"
     args = Namespace(contexts=str(context), layers=4, rate=0.25, budget=128, steps=steps, kmeans=False,
-                     backend="reference", branches="auto")
+                     backend="reference", branches="auto", compiled_layers=False)
     rows = cli._BenchRows(str(out), {"device": "cpu"})
     cli._bench_capacity(args, torch.device("cpu"), rows)
     written = json.loads(out.read_text())["rows"]
