@@ -183,7 +183,7 @@ def test_query_votes_matches_reference(batch, heads, group, dim, subspaces, tier
     want_rotated, want_table = reference_analytic.query_votes(query, signs, subspaces, weights)
     rotated, table = query_votes.query_votes(query.to(DEVICE), signs.to(DEVICE), subspaces, weights.to(DEVICE))
     # the table is integer votes: identical (a float near-tie across a tier boundary would differ)
-    assert table.dtype == torch.int32 and torch.equal(table.cpu(), want_table)
+    assert table.dtype == torch.int8 and torch.equal(table.cpu(), want_table)
     torch.testing.assert_close(rotated.cpu(), want_rotated, rtol=0, atol=1e-6)  # measured 6e-8
     assert (want_table > 0).sum(-1).eq((1 << tiers) - 1).all()  # every ranked centroid voted
 
@@ -240,6 +240,33 @@ def test_collision_candidates_matches_reference_exactly(small_chunks, n, tiers, 
             best = reference_analytic.candidate_topk(votes[b : b + 1, h : h + 1], width)[0, 0, : int(keep[b, h])]
             listed = sorted(p for p in best.tolist() if p >= 0)
             assert got[b, h].tolist() == listed + [-1] * (width - len(listed))
+
+
+@pytest.mark.parametrize("subspaces, view", [(16, "strided"), (6, "contiguous")])
+def test_collision_candidates_reads_an_int8_table_and_ids_bytewise(small_chunks, subspaces, view):
+    # query_votes' int8 table; ids the kernel cannot read as int32 words (a strided view, or 6
+    # subspaces, not a multiple of 4), so it reads them a byte at a time
+    batch, heads, n, dim = 1, 2, 700, 96 if subspaces == 6 else 64
+    gen = _gen(subspaces)
+    if subspaces == 6:  # 16-dim subspaces are too wide for uint8 ids: draw the ids directly
+        ids = torch.randint(0, 256, (batch, heads, n, subspaces), generator=gen, dtype=torch.uint8)
+        ranks = torch.stack([torch.randperm(256, generator=gen)[:7] for _ in range(batch * heads * subspaces)])
+        table = reference_analytic.vote_table(ranks.view(batch, heads, subspaces, 7), analytic.tier_weights(3))
+        table = table.to(torch.int8)
+    else:
+        keys, _ = _encoded(7, batch, heads, n, dim, subspaces, 7)
+        ids = torch.zeros(batch, heads, n, 2 * subspaces, dtype=torch.uint8)[..., ::2]
+        ids.copy_(keys.centroids)
+        signs = analytic.srht_signs(dim, 7)
+        query = torch.randn(batch, heads, 2, dim, generator=gen)
+        table = reference_analytic.query_votes(query, signs, subspaces, analytic.tier_weights(3))[1]
+    assert table.dtype == torch.int8
+    token_valid = torch.rand(batch, n, generator=gen) > 0.2
+    args = (torch.tensor(650), 300, subspaces * 3, 20, 0.1, ((300, 0.5),))
+    want = reference_analytic.collision_candidates(table, ids, token_valid, *args)
+    got = small_chunks(table.to(DEVICE), ids.to(DEVICE), token_valid.to(DEVICE), args[0].to(DEVICE), *args[1:])
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(want, reference_analytic.collision_candidates(table.int(), ids, token_valid, *args))
 
 
 def test_collision_candidates_refuses_misshaped_inputs():

@@ -148,16 +148,17 @@ def query_votes(
     tier_weights: Sequence[int] | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The GQA group's mean query, rotated, and its vote table: ``(rotated (B, H, D) float32,
-    table (B, H, S, 256) int32)``.
+    table (B, H, S, 256) int8)``.
 
     ``query_group``: ``(B, H, G, D)`` (any float dtype), the query heads of each KV head;
     ``signs``: the layer's SRHT signs ``(D,)``; ``tier_weights``: the votes of each of the
-    ``rho`` ranks (``analytic.tier_weights(tiers)``). The same as ``analytic.encode_query`` of
-    the group's mean, then ``vote_table``.
+    ``rho`` ranks (``analytic.tier_weights(tiers)``: 1 to 8 votes; each must fit int8). The same
+    as ``analytic.encode_query`` of the group's mean, then ``vote_table`` as int8: a subspace's
+    row is 256 bytes, so the collision pass's lookups of one subspace fall in two cache lines.
     """
     weights = torch.as_tensor(tier_weights, dtype=torch.int32, device=query_group.device)
     encoded = analytic.encode_query(query_group.float().mean(2), signs, subspaces, weights.shape[0])
-    return encoded.rotated, vote_table(encoded.centroids, weights)
+    return encoded.rotated, vote_table(encoded.centroids, weights).to(torch.int8)
 
 
 def candidate_count(
@@ -190,7 +191,7 @@ def collision_candidates(
     """The best-voted keys of the retrieval zone, ``(B, H, width)`` long positions in
     increasing order, then -1.
 
-    ``table``: ``(B, H, S, 256)`` int32 from ``query_votes``; ``key_centroids``: ``(B, H, N,
+    ``table``: ``(B, H, S, 256)`` int8 from ``query_votes`` (or int32, ``vote_table``'s); ``key_centroids``: ``(B, H, N,
     S)`` uint8; ``token_valid``: ``(B, N)`` bool; ``indexed``: ``()`` long, positions
     ``[0, indexed)`` are voted on. A row keeps ``candidate_count`` of its ``n`` voted tokens
     (``floor``, ``fraction``, ``bands``), at most ``width``: the same keys as

@@ -4,16 +4,21 @@ in one launch.
 Replaces the selector's PyTorch front end (the group mean, ``F.normalize``, the seven butterfly
 stages of the Walsh–Hadamard transform, the centroid scores' matmul, a sort of every
 subspace's 256 centroids, then ``vote_table``'s zero fill and scatter: about thirty small
-launches). One program per (sequence, KV head, subspace):
+launches). One program per (sequence, KV head, subspace, block of 32 centroids):
 
 - loads the group's query heads (``G x D``), averages and l2-normalises them and applies the
   SRHT signs;
 - rotates only its subspace's ``dims`` coordinates: ``H[i, j] = (-1)^popcount(i & j) / sqrt(D)``
   (Sylvester order, as ``analytic._fwht``), a ``dims x D`` product, and writes them;
-- scores the subspace's ``2**dims`` sign-pattern centroids, ranks each by counting those ahead
-  of it (a higher score, or the same with a lower id: the reference's stable sort; counted
-  rather than ``tl.sort``, which the interpreter runs a hundred times slower), and writes the
-  table row: the rank-``r`` centroid gets ``tier_weights[r]`` votes, ranks past ``rho`` 0.
+- scores the subspace's ``2**dims`` sign-pattern centroids, ranks each of its block's 32 by
+  counting those ahead of it (a higher score, or the same with a lower id: the reference's
+  stable sort; counted rather than ``tl.sort``, which the interpreter runs a hundred times
+  slower), and writes them to the table row (int8): the rank-``r`` centroid gets
+  ``tier_weights[r]`` votes, ranks past ``rho`` 0. One block a program, so a program's
+  critical path is one count and one reduction (a program ranking all 256 in eight rounds of
+  counts and reductions took 52 us at batch 4 on an H200 in session 6, for a few us of work:
+  latency, most likely; not profiled); the query's prologue
+  (``G x D`` loads, the ``dims x D`` rotation) repeats per block, a few KB.
 
 Floats reorder against the reference (a direct sum for the butterflies, a sum for the
 matmul): the rotated query agrees to about 1e-6, and the table is identical unless two
@@ -44,6 +49,7 @@ def _query_votes_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     sub = tl.program_id(1)
+    block = tl.program_id(2)
     b = row // H
     h = row % H
     g = tl.arange(0, BLOCK_G)
@@ -64,27 +70,31 @@ def _query_votes_kernel(
         parity ^= (both >> bit) & 1
     part = tl.sum(tl.where(parity == 0, unit[None, :], -unit[None, :]), axis=1) * inv_sqrt_d
     part = tl.where(in_j, part, 0.0)
-    tl.store(rotated_ptr + row * D + i, part, mask=in_j)
-    # the centroids' scores, sorted best first; ties to the lower id
+    if block == 0:
+        tl.store(rotated_ptr + row * D + i, part, mask=in_j)
+    # the centroids' scores, every one and this program's block of them, by the same elementwise
+    # steps (coordinate by coordinate), so a centroid's two scores are the same float
     c = tl.arange(0, CENTROIDS)
-    sign = ((c[:, None] >> j[None, :]) & 1) * 2 - 1
-    terms = tl.where(in_j[None, :], part[None, :] * (sign.to(tl.float32) * inv_sqrt_dims), 0.0)
-    score = tl.sum(terms, axis=1) + 0.0  # + 0.0: -0.0 ties +0.0, as in the reference's sort
+    mine = block * BLOCK_C + tl.arange(0, BLOCK_C)
+    score = tl.zeros([CENTROIDS], dtype=tl.float32)
+    my_score = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for k in tl.static_range(DIMS):
+        coordinate = tl.sum(tl.where(j == k, part, 0.0), axis=0) * inv_sqrt_dims  # exact: one value and zeros
+        score += tl.where(((c >> k) & 1) != 0, coordinate, -coordinate)
+        my_score += tl.where(((mine >> k) & 1) != 0, coordinate, -coordinate)
+    score = score + 0.0  # + 0.0: -0.0 ties +0.0, as in the reference's sort
+    my_score = my_score + 0.0
     # rank = centroids scoring higher, plus those scoring the same with a lower id (a stable
-    # sort's place), counted against BLOCK_C centroids at a time
-    rank = tl.zeros([CENTROIDS], dtype=tl.int32)
-    for block in tl.static_range(CENTROIDS // BLOCK_C):
-        other = block * BLOCK_C + tl.arange(0, BLOCK_C)
-        # their scores picked out of `score` exactly (a sum of one value and zeros)
-        theirs = tl.sum(tl.where(other[:, None] == c[None, :], score[None, :], 0.0), axis=1)
-        ahead = (theirs[None, :] > score[:, None]) | ((theirs[None, :] == score[:, None]) & (other[None, :] < c[:, None]))
-        rank += tl.sum(ahead.to(tl.int32), axis=1)
+    # sort's place): one count of BLOCK_C x CENTROIDS comparisons, the block's centroids only
+    ahead = (score[None, :] > my_score[:, None]) | ((score[None, :] == my_score[:, None]) & (c[None, :] < mine[:, None]))
+    rank = tl.sum(ahead.to(tl.int32), axis=1)
     votes = tl.load(weights_ptr + rank, mask=rank < RHO, other=0)
     table_row = table_ptr + (row * S + sub) * IDS
-    tl.store(table_row + c, votes)
+    tl.store(table_row + mine, votes.to(tl.int8))
     if CENTROIDS < IDS:  # ids past the subspace's centroids get no votes
-        rest = tl.arange(0, IDS)
-        tl.store(table_row + rest, tl.zeros([IDS], dtype=tl.int32), mask=rest >= CENTROIDS)
+        if block == 0:
+            rest = tl.arange(0, IDS)
+            tl.store(table_row + rest, tl.zeros([IDS], dtype=tl.int8), mask=rest >= CENTROIDS)
 
 
 def query_votes(
@@ -93,7 +103,7 @@ def query_votes(
     subspaces: int,
     tier_weights: Sequence[int] | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rotated (B, H, D) float32, table (B, H, S, 256) int32)``; see ``reference_analytic.query_votes``."""
+    """``(rotated (B, H, D) float32, table (B, H, S, 256) int8)``; see ``reference_analytic.query_votes``."""
     batch, heads, group, dim = query_group.shape
     weights = torch.as_tensor(tier_weights, dtype=torch.int32, device=query_group.device)
     dims = dim // subspaces if subspaces else 0
@@ -105,16 +115,17 @@ def query_votes(
         )
     device = query_group.device
     rotated = torch.empty(batch, heads, dim, dtype=torch.float32, device=device)
-    table = torch.empty(batch, heads, subspaces, reference_analytic.NUM_IDS, dtype=torch.int32, device=device)
+    table = torch.empty(batch, heads, subspaces, reference_analytic.NUM_IDS, dtype=torch.int8, device=device)
     if batch * heads == 0:
         return rotated, table
-    _query_votes_kernel[(batch * heads, subspaces)](
+    block_c = min(32, 1 << dims)
+    _query_votes_kernel[(batch * heads, subspaces, (1 << dims) // block_c)](
         query_group, signs.float().contiguous(), weights.contiguous(), rotated, table,
         heads, group, weights.shape[0],
         *query_group.stride(),
         1.0 / math.sqrt(dim), 1.0 / math.sqrt(dims),
         D=dim, LOG_D=dim.bit_length() - 1, BLOCK_G=triton.next_power_of_2(group),
-        S=subspaces, DIMS=dims, BLOCK_DIMS=max(2, dims), CENTROIDS=1 << dims, BLOCK_C=min(32, 1 << dims), IDS=reference_analytic.NUM_IDS,
+        S=subspaces, DIMS=dims, BLOCK_DIMS=max(2, dims), CENTROIDS=1 << dims, BLOCK_C=block_c, IDS=reference_analytic.NUM_IDS,
     )
     return rotated, table
 
