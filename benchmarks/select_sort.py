@@ -1,5 +1,5 @@
-"""``select_budget``'s three rankings side by side: a full in-kernel ``tl.sort``, the threshold
-select, and ``torch.sort`` before the launch.
+"""``select_budget``'s four rankings side by side: a full in-kernel ``tl.sort``, the threshold
+select, and ``torch.sort`` or ``torch.topk`` (of the best ``min(U, R)`` keys) before the launch.
 
 Times the Triton op as a CUDA-graph replay at decode sizes, each way, for steps that re-select
 (``take`` all True) and steps that keep their selection (``take`` all False: the in-kernel paths
@@ -27,7 +27,8 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     print(f"select_budget, R={args.budget}, {args.kv_heads} KV heads; us per replay (median of {args.repeats})")
-    print(f"{'B':>2s} {'units':>6s} {'take':>5s} {'full tl.sort':>13s} {'threshold':>10s} {'torch.sort':>11s}")
+    print(f"{'B':>2s} {'units':>6s} {'take':>5s} {'full tl.sort':>13s} {'threshold':>10s} {'torch.sort':>11s} "
+          f"{'topk':>7s}")
     for batch in (int(b) for b in args.batches.split(",")):
         for units in (int(u) for u in args.units.split(",")):
             torch.manual_seed(0)
@@ -52,7 +53,8 @@ def main() -> None:
                         triton_select.RANKING = "auto"
                     times.append(1e3 * ms)
                 full = f"{times[0]:13.1f}" if times[0] is not None else f"{'-':>13s}"
-                print(f"{batch:2d} {units:6d} {str(take_all):>5s} {full} {times[1]:10.1f} {times[2]:11.1f}", flush=True)
+                print(f"{batch:2d} {units:6d} {str(take_all):>5s} {full} {times[1]:10.1f} {times[2]:11.1f} "
+                      f"{times[3]:7.1f}", flush=True)
 
 
 if __name__ == "__main__":

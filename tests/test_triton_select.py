@@ -209,23 +209,24 @@ def test_select_budget_around_the_full_sort_limit(units, monkeypatch):
 
 
 @pytest.mark.parametrize("units", [128, 129])
-def test_with_take_the_kernel_never_calls_torch_sort(units, monkeypatch):
+def test_with_take_the_kernel_never_calls_a_library_ranking(units, monkeypatch):
     # with take, below and above the full-sort limit (lowered to 128) the kernel ranks; without
-    # take above 2,048 units... lowered to 64 here, torch.sort ranks (only the Triton op's calls count)
+    # take above 2,048 units... lowered to 64 here, torch.topk ranks (only the Triton op's calls count)
     from kvpolicy.kernels.triton import select
 
     monkeypatch.setattr(select, "_FULL_SORT_MAX", 128)
     monkeypatch.setattr(select, "_FULL_SORT_MAX_WITHOUT_TAKE", 64)
     monkeypatch.setattr(select, "_BLOCK", 32)
     sorts = []
-    real_sort = torch.sort
-    monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(1) or real_sort(*a, **k))
+    real_sort, real_topk = torch.sort, torch.topk
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append("sort") or real_sort(*a, **k))
+    monkeypatch.setattr(torch, "topk", lambda *a, **k: sorts.append("topk") or real_topk(*a, **k))
     inputs = _random_units(2, 2, units, 1000, 4, seed=units, levels=20)
     want = reference.select_budget(*inputs, 150)
     for take, torch_sorts in ((torch.tensor([True, True], device=DEVICE), 0), (None, 1)):
         before = len(sorts)
         got = _select_budget()(*inputs, 150, take)
-        assert len(sorts) - before == torch_sorts
+        assert sorts[before:] == ["topk"] * torch_sorts
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     # inside a conditional node's body only re-selecting steps run: ranked like without take
     from kvpolicy import graph_branch
@@ -233,7 +234,7 @@ def test_with_take_the_kernel_never_calls_torch_sort(units, monkeypatch):
     monkeypatch.setattr(graph_branch, "in_conditional_body", lambda: True)
     before = len(sorts)
     got = _select_budget()(*inputs, 150, torch.tensor([True, False], device=DEVICE))
-    assert len(sorts) - before == 1
+    assert sorts[before:] == ["topk"]
     assert all(torch.equal(a[:1], b[:1]) for a, b in zip(got, want))
 
 

@@ -47,26 +47,26 @@ from . import score as _score  # noqa: F401  (registers ``unit_scores``, the sel
 _BLOCK = 2048
 _NUM_WARPS = 8
 # How rows are ranked (H200, benchmarks/select_sort.py, 8 KV heads, R = 2048, us per call at
-# batch 1 / 4; docs/bench/session5/sortbench.log):
+# batch 1 / 4; docs/bench/session7/sortbench.log, 2026-12-02):
 #
 #   units  take   full tl.sort   threshold   torch.sort
-#   2048   all        31 / 33    114 / 116     37 / 37
-#   2048   none       19 / 16     18 / 16      31 / 30
-#   8192   all       230 / 232   320 / 325     98 / 111
-#   8192   none       17 / 16     17 / 17      77 / 89
-#   16384  all          -        666 / 668    126 / 154
-#   16384  none         -         17 / 16      84 / 104
-#   32768  all          -       1284 / 1292   183 / 249
+#   2048   all        33 / 34     71 / 73      36 / 38
+#   2048   none       12 / 18     22 / 18      28 / 31
+#   8192   all       229 / 229   167 / 167     99 / 111
+#   8192   none       19 / 19     18 / 17      77 / 89
+#   32768  all          -        619 / 625    186 / 252
+#   32768  none         -         18 / 17      93 / 148
 #
-# A row that keeps its selection skips either in-kernel ranking (~16 us), where torch.sort sorts
+# A row that keeps its selection skips either in-kernel ranking (~17 us), where torch.sort sorts
 # every row every step. So with ``take`` (triggers that keep selections) in a step captured inline:
 # the full sort up to ``_FULL_SORT_MAX`` units, the threshold select above it, any number of
-# units, never torch.sort. Without ``take``, or inside a CUDA graph conditional node's body
+# units, never a library ranking. Without ``take``, or inside a CUDA graph conditional node's body
 # (``graph_branch``: it runs only on steps where some row re-selects), the full sort up to
-# ``_FULL_SORT_MAX_WITHOUT_TAKE``, torch.sort above, where a re-selecting row is fastest. The threshold select's
-# figures above are of its first form (16 passes over the 64-bit key, a block reduction per
-# block of each pass); it now takes 8 passes over the score's 32 bits with one reduction per
-# pass (not measured yet).
+# ``_FULL_SORT_MAX_WITHOUT_TAKE``, and above it torch.topk of the best min(U, R) keys ("topk"),
+# where a re-selecting row is fastest: at 4 x 128K (8,200 units a row, 32 rows) louiskv's
+# every-step row took 18.07 ms with topk against 19.15 with torch.sort, interval(9) 8.83 against
+# 8.94 (docs/bench/session7/e2e_topk_128k4.log against e2e_compiled.log; the topk column of
+# select_sort.py was not printed in that run).
 _FULL_SORT_MAX = 8192
 _FULL_SORT_MAX_WITHOUT_TAKE = 2048
 # units per block step of the threshold select's passes (a [block, 16] digit histogram each)
@@ -348,7 +348,7 @@ def select_budget(
         if take is not None and not graph_branch.in_conditional_body():
             ranking = "full" if units <= _FULL_SORT_MAX else "threshold"
         else:
-            ranking = "full" if units <= _FULL_SORT_MAX_WITHOUT_TAKE else "torch.sort"
+            ranking = "full" if units <= _FULL_SORT_MAX_WITHOUT_TAKE else "topk"
     if ranking not in RANKINGS:
         raise ValueError(f"triton select_budget: RANKING {RANKING!r}; accepted: auto, {', '.join(RANKINGS)}")
     ranked_keys = 0
