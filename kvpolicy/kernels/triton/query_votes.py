@@ -86,7 +86,9 @@ def _query_votes_kernel(
     my_score = my_score + 0.0
     # rank = centroids scoring higher, plus those scoring the same with a lower id (a stable
     # sort's place): one count of BLOCK_C x CENTROIDS comparisons, the block's centroids only
-    ahead = (score[None, :] > my_score[:, None]) | ((score[None, :] == my_score[:, None]) & (c[None, :] < mine[:, None]))
+    ahead = (score[None, :] > my_score[:, None]) | (
+        (score[None, :] == my_score[:, None]) & (c[None, :] < mine[:, None])
+    )
     rank = tl.sum(ahead.to(tl.int32), axis=1)
     votes = tl.load(weights_ptr + rank, mask=rank < RHO, other=0)
     table_row = table_ptr + (row * S + sub) * IDS

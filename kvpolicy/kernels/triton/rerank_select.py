@@ -3,9 +3,10 @@ their exact top-k and the buffer-first composition of the ``Selection``, in four
 
 Replaces ``rerank`` (its score kernel, then ``torch.topk``, a gather, a where and a pad) and the
 selector's composition (about fifteen small torch ops). The top-k is a radix select on the
-scores' bits: a float32 score maps to an int32 key that orders as the score does (``_key``),
-and the ``k`` best are every key above a threshold key plus the first keys by position equal
-to it. The threshold is found 10 + 11 + 11 bits at a time:
+scores' bits: a float32 score maps to an int32 key that orders as the score does (negative
+scores flip their magnitude bits; -0.0 is made +0.0 first), and the ``k`` best are every key
+above a threshold key plus the first keys by position equal to it. The threshold is found
+10 + 11 + 11 bits at a time:
 
 1. ``_score_kernel``, one program per (row, chunk of candidates): reads each listed
    candidate's packed codes (``D / 2`` bytes; the only pass over them), weight and norm, writes
@@ -21,12 +22,14 @@ to it. The threshold is found 10 + 11 + 11 bits at a time:
    place in position order (its rank in its list plus the other list's entries before it), then
    the update buffer's rows, the -1 tail and the row's count.
 
-Per candidate and step: its codes, weight, norm and position once, its key written once and
-read twice (4 + 8 bytes), the bin's tied entries (typically a few % of the candidates) three
-times more. The chosen set and layout are ``reference_analytic.rerank_select``'s, up to float
-rounding of the scores (a sum in another order): a candidate whose score is within about 1e-6
-(relative) of the k-th best may be swapped with one at the threshold. Exact ties (equal
-float32 scores) go to the lower position in both.
+Per candidate and step: its codes, weight and norm once, its position twice (8 bytes each),
+its key written and read once (4 + 4 bytes); the threshold bin's tied entries (typically a few %
+of the candidates) 16 bytes each, read three times more.
+
+The chosen set and layout are ``reference_analytic.rerank_select``'s, up to float rounding of
+the scores (a sum in another order): a candidate whose score is within about 1e-6 (relative)
+of the k-th best may be swapped with one at the threshold (the tests allow 1e-5). Exact ties
+(equal float32 scores) go to the lower position in both.
 """
 
 from __future__ import annotations
