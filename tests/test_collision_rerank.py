@@ -129,3 +129,54 @@ def test_the_fused_ops_select_what_the_composed_ops_select(monkeypatch):
         assert torch.equal(selection.unit_ids[..., :3], want.unit_ids[..., :3])  # 3 buffered tokens
         retrieved = selection.unit_ids[..., 3:]
         assert torch.equal(retrieved, retrieved.sort(-1).values)
+
+
+def test_the_fused_selection_is_eight_triton_launches_and_no_torch_kernels(monkeypatch):
+    # query_votes 1, collision_candidates 3, rerank_select 4; nothing else computes on the device
+    # (allocations and views launch nothing), so a captured step replays exactly these
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import triton.runtime.interpreter as interpreter
+
+    free = {"aten.empty.memory_format", "aten.view.default", "aten.view.dtype", "aten.expand.default",
+            "aten.slice.Tensor", "aten.select.int", "aten.unsqueeze.default", "aten._unsafe_view.default",
+            "aten.as_strided.default", "aten.alias.default", "aten.detach.default", "aten.empty_strided.default",
+            "aten.reshape.default"}
+    launches, inside = [], [False]
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside[0] and str(func) not in free:
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    run = interpreter.InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        launches.append(self.fn.__name__)
+        inside[0] = True  # the interpreter's own tensor work is the kernel's
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", counted)
+    index, gen = _index(600, dim=32, heads=2, batch=1, buffer=5)
+    for slot in range(3):
+        index.append_leaving_token(torch.tensor(600 + slot), torch.randn(1, 2, 32, generator=gen),
+                                   torch.ones(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool))
+    ops = dispatch.bind("triton", torch.device("cpu"))
+    query = torch.randn(1, 4, 32, generator=gen)
+    selector = CollisionRerank()
+    selector.select(query, index, 40, ops)  # cached tables made
+    launches.clear()
+    with Record() as record:
+        selection = selector.select(query, index, 40, ops)
+    assert launches == ["_query_votes_kernel", "_votes_kernel", "_threshold_kernel", "_compact_kernel",
+                        "_score_kernel", "_threshold_kernel", "_split_kernel", "_finish_kernel"]
+    assert record.ops == []
+    assert int(selection.num_units.sum()) == 2 * 40
