@@ -59,7 +59,10 @@ def _locate_kernel(
     # a masked-off or negative wanted slot must not match the -1 of rows that hold nothing
     wanted = tl.load(slots_ptr + b * slots_sb + h * slots_sh + rows * slots_sr, mask=row_ok, other=-1).to(tl.int32)
     wanted = tl.where(wanted >= 0, wanted, -2)
-    best = tl.full([ROWS], -1, dtype=tl.int32)
+    # an elementwise running max per (wanted, column) pair, reduced once after the loop: a row
+    # reduction per block (shuffles) made this the re-selection's costliest kernel (83 us a
+    # layer at 4 x 128K, session 7's profile)
+    best_of = tl.full([ROWS, BLOCK], -1, dtype=tl.int32)
     for start in range(0, RC, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         col_ok = cols < RC
@@ -67,7 +70,8 @@ def _locate_kernel(
         held = tl.load(held_ptr + b * held_sb + h * held_sh + cols * held_sr, mask=col_ok, other=0)
         label = tl.where(held != 0, label.to(tl.int32), -1)
         match = wanted[:, None] == label[None, :]
-        best = tl.maximum(best, tl.max(tl.where(match, cols[None, :], -1), axis=1))
+        best_of = tl.maximum(best_of, tl.where(match, cols[None, :], -1))
+    best = tl.max(best_of, axis=1)
     tl.store(source_ptr + b * source_sb + h * source_sh + rows * source_sr, best, mask=row_ok)
     missing = tl.sum(tl.where(row_ok & (best < 0), 1, 0), axis=0)
     tl.atomic_add(read_ptr + b, missing.to(tl.int64))
