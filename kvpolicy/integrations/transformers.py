@@ -135,6 +135,7 @@ class SplitLayerState(PolicyLayerState):
     def _before_growth(self, capacity: int) -> None:
         if not self.pool_on_device:
             return  # a host pool grows on the host
+        self.wait_for_units()  # the prompt's units lay the pool out on a side stream: copy it after
         old, new = self._pool_bytes(), self._pool_bytes(capacity)
         if self.placer.grow(self.layer_idx, old, new):
             return
