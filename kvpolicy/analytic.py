@@ -37,6 +37,8 @@ ParisKV's pipeline, file by file (the ``pariskv`` preset composes the first thre
 - ``kvpolicy/kernels/triton/rerank_select.py``: op ``rerank_select``, the candidates' 4-bit
   estimates, their exact top-k (a radix select on the scores' bits) and the selection's rows
   (the update buffer's first, then the chosen tokens by position) in four launches.
+- ``kvpolicy/kernels/triton/analytic_append.py``: op ``analytic_append``, a leaving token
+  encoded and written into the index, the flush and the counter, in two launches.
 - ``kvpolicy/kernels/triton/collision.py``, ``candidates.py``, ``rerank.py``: ops
   ``collision_count``, ``candidate_topk`` and ``rerank`` (estimates, then ``torch.topk``), the
   composed path the selector takes where the fused ops are not bound.

@@ -437,3 +437,72 @@ def test_rerank_select_at_decode_sizes(n, width):
     want = reference_analytic.rerank_select(*inputs, capacity)
     got = dispatch.get("rerank_select", "triton", DEVICE)(*inputs, capacity)
     _assert_selects_like_reference(got, [t.cpu() for t in want], inputs, capacity)
+
+
+# -- the leaving token's write into the index: analytic_append --------------------------------
+
+
+def _index_tensors(seed, batch, heads, n, dim, subspaces, indexed, written):
+    gen = _gen(seed)
+    tensors = [
+        torch.randint(0, 1 << (dim // subspaces), (batch, heads, n, subspaces), generator=gen, dtype=torch.uint8),
+        torch.randint(0, 256, (batch, heads, n, dim // 2), generator=gen, dtype=torch.uint8),
+        torch.rand(batch, heads, n, generator=gen),
+        torch.rand(batch, heads, n, generator=gen),
+        torch.rand(batch, n, generator=gen) > 0.5,
+        torch.randperm(4 * n, generator=gen)[:n],
+        torch.tensor(written),
+        torch.tensor(indexed),
+    ]
+    return tensors, gen
+
+
+@pytest.mark.parametrize("dim, subspaces, buffer, indexed, written", [(128, 16, 4, 90, 94), (64, 8, 8, 90, 93), (16, 16, 1, 50, 51)])
+def test_analytic_append_matches_reference(dim, subspaces, buffer, indexed, written):
+    batch, heads, n = 2, 3, 100
+    from kvpolicy.kernels.triton import analytic_append
+
+    want, gen = _index_tensors(dim + buffer, batch, heads, n, dim, subspaces, indexed, written)
+    got = [t.clone().to(DEVICE) for t in want]
+    signs = analytic.srht_signs(dim, 5)
+    key = torch.randn(batch, heads, dim, generator=gen).to(torch.bfloat16)  # the model's dtype
+    key[0, 1] = 0  # a zero key: weight 0
+    valid = torch.tensor([True, False])
+    slot = torch.tensor(777)
+    extra = (signs, subspaces, buffer, key, valid, slot)
+    reference_analytic.analytic_append(*want, *extra)
+    analytic_append.analytic_append(*got, *[t.to(DEVICE) if torch.is_tensor(t) else t for t in extra])
+    got = [t.cpu() for t in got]
+    centroids, codes, weight, norms, token_valid, slots, next_position, indexed_after = got
+    # counters, validity, slots and every other position: exact
+    for g, w in zip(got[4:], want[4:]):
+        assert torch.equal(g, w)
+    assert int(next_position) == written + 1
+    assert int(indexed_after) == (written if written - indexed >= buffer else indexed)
+    at = written
+    others = torch.arange(n) != at
+    for g, w in zip(got[:4], want[:4]):
+        assert torch.equal(g[:, :, others], w[:, :, others])
+    # the new position: exact but where a rotated coordinate sits within 1e-5 of 0 (a centroid
+    # bit, a sign) or of a magnitude threshold; weight and norm to float rounding
+    rotated = analytic.rotate(key, signs)
+    thresholds = analytic._thresholds(dim, torch.device("cpu"))
+    near = (rotated.abs() < 1e-5) | ((rotated.abs()[..., None] - thresholds).abs() < 1e-5).any(-1)
+    nibbles = lambda c: torch.stack((c & 15, c >> 4), -1).flatten(-2)  # noqa: E731
+    differs = nibbles(codes[:, :, at]) != nibbles(want[1][:, :, at])
+    assert not (differs & ~near).any()
+    bits = lambda ids: ((ids[..., None].long() >> torch.arange(dim // subspaces)) & 1).flatten(-2)  # noqa: E731
+    assert not ((bits(centroids[:, :, at]) != bits(want[0][:, :, at])) & ~near).any()
+    torch.testing.assert_close(norms[:, :, at], want[3][:, :, at], rtol=1e-6, atol=0)
+    torch.testing.assert_close(weight[:, :, at], want[2][:, :, at], rtol=1e-5, atol=0)
+    assert weight[0, 1, at] == 0 and norms[0, 1, at] == 0
+
+
+def test_analytic_append_refuses_misshaped_inputs():
+    from kvpolicy.kernels.triton import analytic_append
+
+    tensors, gen = _index_tensors(1, 1, 2, 20, 32, 4, 10, 12)
+    key = torch.randn(1, 3, 32, generator=gen)
+    with pytest.raises(ValueError, match=r"key \(1, 3, 32\)"):
+        analytic_append.analytic_append(*tensors, analytic.srht_signs(32, 0), 4, 4, key, torch.ones(1, dtype=torch.bool),
+                                        torch.tensor(3))

@@ -266,3 +266,44 @@ def rerank_select(
     valid = torch.where(from_buffer, buffer_valid.view(batch, 1, capacity), retrieved < n)
     position = torch.where(position < n, position, 0)
     return torch.where(valid, position, -1), valid.sum(-1), slots[position], valid
+
+
+# -- the decode step's write of a leaving token (op analytic_append) ---------------------------
+
+
+def analytic_append(
+    centroids: torch.Tensor,
+    codes: torch.Tensor,
+    weight: torch.Tensor,
+    norms: torch.Tensor,
+    token_valid: torch.Tensor,
+    slots: torch.Tensor,
+    next_position: torch.Tensor,
+    indexed: torch.Tensor,
+    signs: torch.Tensor,
+    subspaces: int,
+    update_buffer: int,
+    key: torch.Tensor,
+    valid: torch.Tensor,
+    slot: torch.Tensor,
+) -> None:
+    """A token leaves the local window: flush a full update buffer, then encode and buffer it.
+
+    In place, on an ``AnalyticIndex``'s tensors (``kvpolicy.units.analytic_index``): ``indexed``
+    becomes ``next_position`` where ``next_position - indexed >= update_buffer``; ``key (B, H,
+    D)`` is encoded (``analytic.encode_keys``) into position ``next_position`` of ``centroids``,
+    ``codes``, ``weight``, ``norms``; ``token_valid[:, next_position] = valid (B,)``,
+    ``slots[next_position] = slot`` (``()``); then ``next_position`` advances by one. No host
+    reads: the position is a device counter.
+    """
+    full = (next_position - indexed) >= update_buffer
+    indexed.copy_(torch.where(full, next_position, indexed))
+    encoded = analytic.encode_keys(key, signs, subspaces)
+    position = next_position.view(1)
+    centroids.index_copy_(2, position, encoded.centroids.unsqueeze(2))
+    codes.index_copy_(2, position, encoded.codes.unsqueeze(2))
+    weight.index_copy_(2, position, encoded.weight.unsqueeze(2))
+    norms.index_copy_(2, position, encoded.norms.unsqueeze(2))
+    token_valid.index_copy_(1, position, valid.view(-1, 1))
+    slots.index_copy_(0, position, slot.view(1))
+    next_position.add_(1)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import analytic
+from ..kernels import dispatch, reference_analytic
 from .table import grow_along
 
 
@@ -154,24 +155,19 @@ class AnalyticIndex:
         """A token leaves the local window: flush a full update buffer, then buffer the token.
 
         ``slot``: a 0-dim device tensor; ``key``: ``(B, H, D)``; ``valid``: ``(B,)`` False for
-        padding (and while the local ring is still filling). ``boundary``, ``builder`` and
-        ``ops`` are the unit table's and unused here: tokens are units of their own, encoded
-        in PyTorch.
+        padding (and while the local ring is still filling). ``boundary`` and ``builder`` are
+        the unit table's and unused here: tokens are units of their own. ``ops``: the bound
+        kernel table (its ``analytic_append``: two launches on the Triton backend), or None
+        for the reference.
         """
         self.make_room()  # a no-op after the layer's plan step (kept for direct callers)
-        # in place throughout: a captured step must update the tensors it was captured with
-        full = (self.next_position - self.indexed) >= self.update_buffer
-        self.indexed.copy_(torch.where(full, self.next_position, self.indexed))
-
-        encoded = analytic.encode_keys(key, self.signs, self.subspaces)
-        position = self.next_position.view(1)
-        self.centroids.index_copy_(2, position, encoded.centroids.unsqueeze(2))
-        self.codes.index_copy_(2, position, encoded.codes.unsqueeze(2))
-        self.weight.index_copy_(2, position, encoded.weight.unsqueeze(2))
-        self.norms.index_copy_(2, position, encoded.norms.unsqueeze(2))
-        self.token_valid.index_copy_(1, position, valid.view(-1, 1))
-        self.slots.index_copy_(0, position, slot.view(1))
-        self.next_position.add_(1)
+        # in place throughout (op analytic_append): a captured step must update the tensors it
+        # was captured with; the reference where no ops table is given
+        append = reference_analytic.analytic_append if ops is None else dispatch.as_ops(ops, key.device).analytic_append
+        append(
+            self.centroids, self.codes, self.weight, self.norms, self.token_valid, self.slots, self.next_position,
+            self.indexed, self.signs, self.subspaces, self.update_buffer, key, valid, slot,
+        )
         self.length += 1
 
     # -- what the selector reads -----------------------------------------------------------------

@@ -1,0 +1,147 @@
+"""Triton write of a leaving token into ParisKV's index (op ``analytic_append``), in two launches.
+
+Replaces ``AnalyticIndex.append_leaving_token``'s PyTorch (the flush's where, ``encode_keys``:
+the norm, the seven butterfly stages of the rotation, the code's bucketize and packing, the
+centroid ids, the calibration weight; then six ``index_copy_`` and the counter: about 73 small
+launches a layer and step).
+
+1. ``_encode_kernel``, one program per (sequence, KV head): loads the key, l2-normalises it and
+   applies the SRHT signs, rotates it by the ``D x D`` Hadamard signs ``(-1)^popcount(i & j) /
+   sqrt(D)`` (as ``query_votes``), and writes at position ``next_position`` its centroid id per
+   subspace (bit ``j``: rotated coordinate ``j`` >= 0), its packed 4-bit code (magnitude: the
+   thresholds below ``|x|``, as ``bucketize``; bit 3 the sign), ``weight = 1 / <k, k_hat>``
+   (0 where not positive) and its norm; the KV head 0 programs write ``token_valid``, the first
+   one the slot.
+2. ``_counters_kernel``, one program: the flush (``indexed = next_position`` where the buffer is
+   full) and ``next_position + 1``, after every program of the first has read the position.
+
+The rotation sums in another order than the reference's butterflies (about 1e-7 apart), so a
+centroid bit can differ where a rotated coordinate is within that of 0, a magnitude where it is
+within that of a threshold, and weight and norm in their last bits; everything else is exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import analytic
+from ..dispatch import OPS, implement, triton_runs_on
+
+
+@triton.jit
+def _encode_kernel(
+    key_ptr, signs_ptr, thresholds_ptr, values_ptr, next_ptr, valid_ptr, slot_ptr,
+    centroids_ptr, codes_ptr, weight_ptr, norms_ptr, token_valid_ptr, slots_ptr,
+    H,
+    key_sb, key_sh, key_sd,
+    cen_sb, cen_sh, cen_sn, cen_ss,
+    code_sb, code_sh, code_sn, code_sd,
+    weight_sb, weight_sh, weight_sn,
+    norm_sb, norm_sh, norm_sn,
+    tv_sb, tv_sn, slot_s,
+    inv_sqrt_d,
+    D: tl.constexpr, LOG_D: tl.constexpr, S: tl.constexpr, DIMS: tl.constexpr, BLOCK_S: tl.constexpr,
+    LEVELS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // H
+    h = row % H
+    position = tl.load(next_ptr)
+    d = tl.arange(0, D)
+    key = tl.load(key_ptr + b * key_sb + h * key_sh + d * key_sd).to(tl.float32)
+    norm = tl.sqrt(tl.sum(key * key, axis=0))
+    unit = key / tl.maximum(norm, 1e-12) * tl.load(signs_ptr + d)
+    # rotated coordinate i: row i of the Hadamard matrix dotted with the signed unit key
+    both = d[:, None] & d[None, :]
+    parity = tl.zeros([D, D], dtype=tl.int32)
+    for bit in tl.static_range(LOG_D):
+        parity ^= (both >> bit) & 1
+    rotated = tl.sum(tl.where(parity == 0, unit[None, :], -unit[None, :]), axis=1) * inv_sqrt_d
+    # the code: magnitude = thresholds below |x| (bucketize), bit 3 the sign; its value
+    magnitude = tl.zeros([D], dtype=tl.int32)
+    for t in tl.static_range(LEVELS - 1):
+        magnitude += (tl.abs(rotated) > tl.load(thresholds_ptr + t)).to(tl.int32)
+    nibble = magnitude | ((rotated < 0).to(tl.int32) << 3)
+    alignment = tl.sum(rotated * tl.load(values_ptr + nibble), axis=0)
+    weight = tl.where(alignment > 0, 1.0 / tl.maximum(alignment, 1e-30), 0.0)
+    # pack coordinate 2i into byte i's low nibble, 2i + 1 into its high one
+    i = tl.arange(0, D // 2)
+    packed = tl.sum(tl.where(d[None, :] == 2 * i[:, None], nibble[None, :], 0)
+                    + tl.where(d[None, :] == 2 * i[:, None] + 1, nibble[None, :] << 4, 0), axis=1)
+    tl.store(codes_ptr + b * code_sb + h * code_sh + position * code_sn + i * code_sd, packed.to(tl.uint8))
+    # centroid id of subspace s: bit j set where coordinate s * DIMS + j is >= 0
+    s = tl.arange(0, BLOCK_S)
+    bits = tl.where((d[None, :] // DIMS == s[:, None]) & (rotated[None, :] >= 0), 1 << (d[None, :] % DIMS), 0)
+    ids = tl.sum(bits, axis=1)
+    tl.store(centroids_ptr + b * cen_sb + h * cen_sh + position * cen_sn + s * cen_ss, ids.to(tl.uint8), mask=s < S)
+    tl.store(weight_ptr + b * weight_sb + h * weight_sh + position * weight_sn, weight)
+    tl.store(norms_ptr + b * norm_sb + h * norm_sh + position * norm_sn, norm)
+    if h == 0:
+        tl.store(token_valid_ptr + b * tv_sb + position * tv_sn, tl.load(valid_ptr + b))
+        if b == 0:
+            tl.store(slots_ptr + position * slot_s, tl.load(slot_ptr))
+
+
+@triton.jit
+def _counters_kernel(next_ptr, indexed_ptr, BUFFER):
+    position = tl.load(next_ptr)
+    indexed = tl.load(indexed_ptr)
+    tl.store(indexed_ptr, tl.where(position - indexed >= BUFFER, position, indexed))
+    tl.store(next_ptr, position + 1)
+
+
+def analytic_append(
+    centroids: torch.Tensor,
+    codes: torch.Tensor,
+    weight: torch.Tensor,
+    norms: torch.Tensor,
+    token_valid: torch.Tensor,
+    slots: torch.Tensor,
+    next_position: torch.Tensor,
+    indexed: torch.Tensor,
+    signs: torch.Tensor,
+    subspaces: int,
+    update_buffer: int,
+    key: torch.Tensor,
+    valid: torch.Tensor,
+    slot: torch.Tensor,
+) -> None:
+    """In place; see ``reference_analytic.analytic_append``."""
+    batch, heads, n, half = codes.shape
+    dim = 2 * half
+    dims = analytic.check_subspaces(dim, subspaces)
+    if (tuple(key.shape) != (batch, heads, dim) or tuple(centroids.shape) != (batch, heads, n, subspaces)
+            or tuple(weight.shape) != (batch, heads, n) or tuple(norms.shape) != (batch, heads, n)
+            or tuple(token_valid.shape) != (batch, n) or tuple(slots.shape) != (n,) or valid.numel() != batch
+            or slot.numel() != 1 or next_position.numel() != 1 or indexed.numel() != 1):
+        raise ValueError(
+            f"triton analytic_append: key {tuple(key.shape)}, centroids {tuple(centroids.shape)}, weight "
+            f"{tuple(weight.shape)}, token_valid {tuple(token_valid.shape)}, slots {tuple(slots.shape)} or valid "
+            f"{tuple(valid.shape)} do not fit codes {tuple(codes.shape)}"
+        )
+    if batch * heads == 0:
+        return
+    device = codes.device
+    levels, thresholds, values = analytic._levels_on(dim, device)  # cached with the levels
+    token_bytes = token_valid.view(torch.uint8) if token_valid.dtype == torch.bool else token_valid
+    valid_bytes = valid.reshape(batch)
+    valid_bytes = valid_bytes.view(torch.uint8) if valid_bytes.dtype == torch.bool else valid_bytes
+    _encode_kernel[(batch * heads,)](
+        key, signs, thresholds, values, next_position, valid_bytes, slot,
+        centroids, codes, weight, norms, token_bytes, slots,
+        heads,
+        *key.stride(), *centroids.stride(), *codes.stride(), *weight.stride(), *norms.stride(),
+        *token_bytes.stride(), slots.stride(0),
+        1.0 / math.sqrt(dim),
+        D=dim, LOG_D=dim.bit_length() - 1, S=subspaces, DIMS=dims, BLOCK_S=triton.next_power_of_2(subspaces),
+        LEVELS=levels.shape[0],
+    )
+    _counters_kernel[(1,)](next_position, indexed, int(update_buffer))
+
+
+if "analytic_append" in OPS:  # registered once dispatch.OPS names the op
+    implement("triton", "analytic_append", supports=triton_runs_on)(analytic_append)
