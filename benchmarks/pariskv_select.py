@@ -10,6 +10,8 @@ Per layer (Qwen3-8B shape by default: 8 KV heads, 32 query heads, head_dim 128, 
   ``candidate_topk`` + ``rerank`` + the composition in PyTorch), and each path's parts; for
   the fused path also the old rerank (``rerank``: scores, then ``torch.topk``) on the same
   candidates, for comparison (not part of its total);
+- a leaving token's write into the index (``analytic_append`` on the fused path, the reference
+  PyTorch on the composed one), which every decode step runs beside the selection;
 - the single-row gather (``gather_rows_into``) of a selection's rows (the retrieval budget per
   (sequence, KV head), random slots, the same slots sorted by address, and in the order
   ``rerank_select`` lists them: the buffer's newest slots, then the rest by address) from a pinned pool
@@ -146,6 +148,25 @@ def _timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]
     return lambda fn: time_ms(fn, device, repeats, warmup=1)
 
 
+def measure_append(args: argparse.Namespace, batch: int, device: torch.device, ops: dispatch.Ops,
+                   fused: bool) -> float:
+    """ms of one leaving token's write into the index (``analytic_append`` where ``fused``,
+    else the reference PyTorch), on an index of its own: each call writes the next position,
+    so room is reserved for every timed call (its cost does not depend on the context)."""
+    index = random_index(batch, args.kv_heads, 256, args.head_dim, 1, device)
+    index.reserve(4 * args.repeats + 64)  # warm-up, capture and replays each write one position
+    key = torch.randn(batch, args.kv_heads, args.head_dim, device=device)
+    valid = torch.ones(batch, dtype=torch.bool, device=device)
+    slot = torch.tensor(10**6, device=device)
+    boundary = torch.zeros(batch, dtype=torch.bool, device=device)
+    table = ops if fused else None  # None: the reference's PyTorch
+
+    def append():
+        index.append_leaving_token(slot, key, valid, boundary, None, table)
+
+    return _timer(device, args.repeats)(append)
+
+
 @torch.inference_mode()
 def measure_selection(args: argparse.Namespace, batch: int, context: int, device: torch.device) -> list[dict]:
     """Per path, the whole selection's and its parts' ms per layer."""
@@ -210,6 +231,8 @@ def measure_selection(args: argparse.Namespace, batch: int, context: int, device
             "id_bytes": id_bytes, "id_gbps": id_bytes / total / 1e6,
             # ... and at the time of the part that reads them
             "votes_part_id_gbps": id_bytes / votes_ms / 1e6,
+            # a leaving token's write into the index (every decode step, beside the selection)
+            "append_ms": measure_append(args, batch, device, ops, fused),
         })
     return rows
 
@@ -272,7 +295,8 @@ def print_table(results: dict) -> None:
         launches = "" if row.get("kernels") is None else f", {row['kernels']} kernels"
         print(f"  {_label(row['context']):>5s} x{row['batch']} {row['path']:>8s}: {row['ms']:.3f} ms{launches} "
               f"({row['candidates_per_row']} candidates/row; ids at {row['id_gbps']:.0f} GB/s, "
-              f"{row['votes_part_id_gbps']:.0f} in the votes part)  [{parts}]")
+              f"{row['votes_part_id_gbps']:.0f} in the votes part)  [{parts}]; "
+              f"append {row['append_ms']:.3f} ms")
     for row in results["gather"]:
         print(f"  gather {_label(row['context']):>5s} x{row['batch']} {row['order']:>9s} rows: {row['gbps']:.1f} GB/s "
               f"({row['bytes'] / 1e6:.1f} MB in {row['ms']:.3f} ms); plain H2D copy of the same bytes "

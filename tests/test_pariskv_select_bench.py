@@ -31,6 +31,7 @@ def test_a_toy_run_writes_both_paths_and_the_gather(bench, tmp_path):
     assert (fused["path"], composed["path"]) == ("fused", "composed")
     assert fused["parts_ms"].keys() == {"query_votes", "collision_candidates", "rerank_select", "rest", "old_rerank"}
     assert composed["parts_ms"].keys() == {"encode_query", "collision_count", "candidate_topk", "rerank", "rest"}
+    assert fused["append_ms"] > 0 and composed["append_ms"] > 0
     # the length rule below 5K tokens: half the zone, over both paths
     assert fused["candidates_per_row"] == composed["candidates_per_row"] == 450
     assert [row["order"] for row in results["gather"]] == ["random", "sorted", "selection"]
