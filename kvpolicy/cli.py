@@ -766,22 +766,30 @@ def _bench_capacity(args, device, rows: "_BenchRows") -> None:
           f"interval({every}) = {100 / every:.1f}% re-selection, {'K-means' if args.kmeans else 'random-group'} "
           "prompt units) at the largest batch whose KV fits on the GPU and pinned host memory (placement split)",
           flush=True)
-    for context in contexts:
-        cells = measure_capacity(model, context, args.steps, budget=args.budget, backend=args.backend,
-                                 rate=args.rate, kmeans=args.kmeans, branches=args.branches,
-                                 say=lambda message: print(message, flush=True))
-        print(f"{'kind':14s} {'B':>3s} {'planned':>7s} {'context':>8s} {'ms/step':>8s} {'tokens/s':>9s} "
-              f"{'vs full':>8s} {'pool on GPU':>11s} {'pinned':>9s} {'GPU layers':>10s}")
-        for r in cells:
-            rows.append(r.as_dict())
-            ms = f"{r.ms_per_step:8.2f}" if r.ms_per_step is not None else f"{'-':>8s}"
-            tps = f"{r.tokens_per_s:9.1f}" if r.tokens_per_s is not None else f"{'-':>9s}"
-            ratio = f"{r.speedup_vs_full:8.2f}" if r.speedup_vs_full is not None else f"{'-':>8s}"
-            layers = "-" if r.pool_device_layers is None else str(r.pool_device_layers)
-            print(f"{r.kind:14s} {r.batch:3d} {r.planned_batch:7d} {r.context:8d} {ms} {tps} {ratio} "
-                  f"{bytes_text(r.pool_device_bytes):>11s} {bytes_text(r.pool_host_bytes):>9s} {layers:>10s}",
-                  flush=True)
 
+    def show(r) -> None:
+        rows.append(r.as_dict())
+        ms = f"{r.ms_per_step:8.2f}" if r.ms_per_step is not None else f"{'-':>8s}"
+        tps = f"{r.tokens_per_s:9.1f}" if r.tokens_per_s is not None else f"{'-':>9s}"
+        ratio = f"{r.speedup_vs_full:8.2f}" if r.speedup_vs_full is not None else f"{'-':>8s}"
+        layers = "-" if r.pool_device_layers is None else str(r.pool_device_layers)
+        print(f"{r.kind:14s} {r.batch:3d} {r.planned_batch:7d} {r.context:8d} {ms} {tps} {ratio} "
+              f"{bytes_text(r.pool_device_bytes):>11s} {bytes_text(r.pool_host_bytes):>9s} {layers:>10s}", flush=True)
+
+    header = (f"{'kind':14s} {'B':>3s} {'planned':>7s} {'context':>8s} {'ms/step':>8s} {'tokens/s':>9s} "
+              f"{'vs full':>8s} {'pool on GPU':>11s} {'pinned':>9s} {'GPU layers':>10s}")
+    for context in contexts:
+        first = []
+
+        def on_row(r) -> None:
+            if not first:
+                print(header, flush=True)
+                first.append(True)
+            show(r)
+
+        measure_capacity(model, context, args.steps, budget=args.budget, backend=args.backend, rate=args.rate,
+                         kmeans=args.kmeans, branches=args.branches, say=lambda message: print(message, flush=True),
+                         on_row=on_row)
 
 class _BenchRows(list):
     """A bench run's rows, rewritten to the JSON file (if any) after each one: a run cut short by a

@@ -199,3 +199,21 @@ def test_memory_figures_of_this_machine_are_positive_with_their_margins():
     memory = Memory.measure(torch.device("cpu"))
     assert memory.device > 0 and memory.host > 0
     assert memory.device_margin >= capacity.DEVICE_MARGIN[0] and memory.host_margin >= capacity.HOST_MARGIN[0]
+
+
+def test_rows_are_handed_on_as_they_come_so_a_failed_cell_keeps_the_earlier(tiny, monkeypatch):
+    shape = KVShape.of(tiny.config, tiny.dtype)
+    context, steps = 300, 4
+    layer = shape.layer_bytes(1, split_slots(context, steps))
+    memory = Memory(device=2 * shape.layers * layer + 10, host=4 * shape.layers * layer + 10, device_margin=10,
+                    host_margin=10)
+
+    def cannot_pin(*args, **kwargs):
+        raise KVPolicyError("could not pin 123 bytes of host memory for the KV pool")
+
+    monkeypatch.setattr(capacity, "split_throughput", cannot_pin)
+    seen = []
+    with pytest.raises(KVPolicyError, match="could not pin"):
+        measure_capacity(tiny, context, steps, budget=128, backend="reference", memory=memory,
+                         device_per_sequence=0, say=lambda message: None, on_row=seen.append)
+    assert [(r.kind, r.speedup_vs_full) for r in seen] == [("full-graph", 1.0)] and seen[0].tokens_per_s > 0

@@ -276,9 +276,10 @@ class CapacityRow:
 def measure_capacity(model, context: int, steps: int, *, budget: int = 2048, backend: str = "triton",
                      rate: float = 0.117, kmeans: bool = False, memory: Memory | None = None,
                      device_per_sequence: int | None = None, emulate: bool | None = None, branches: str = "auto",
-                     say=print) -> list[CapacityRow]:
+                     say=print, on_row=None) -> list[CapacityRow]:
     """The two rows at ``context``. ``memory`` and ``device_per_sequence`` are measured on the
-    model's device unless given (given: a run on the CPU, as the tests do)."""
+    model's device unless given (given: a run on the CPU, as the tests do). ``on_row(row)`` is
+    called as each row is measured (so a later cell that fails leaves the earlier on record)."""
     device = next(model.parameters()).device
     emulate = device.type != "cuda" if emulate is None else emulate
     shape = KVShape.of(model.config, model.dtype)
@@ -308,21 +309,29 @@ def measure_capacity(model, context: int, steps: int, *, budget: int = 2048, bac
             f"{bytes_text(memory.host)} host memory are available; accepted: a --contexts value small enough for "
             "one sequence"
         )
-    rows = []
+    rows: list[CapacityRow] = []
+
+    def add(row: CapacityRow) -> None:
+        full = rows[0].tokens_per_s if rows else row.tokens_per_s
+        row.speedup_vs_full = row.tokens_per_s / full if full and row.tokens_per_s else None
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
     if full_plan.batch == 0:
         say(f"full-graph: not one sequence of {context} tokens fits on the GPU")
-        rows.append(CapacityRow("full-graph", 0, context, steps, None, None, 0, 0, 0, None))
+        add(CapacityRow("full-graph", 0, context, steps, None, None, 0, 0, 0, None))
     else:
         result, batch = _backing_off(
             lambda b: full_throughput(model, "full-graph", b, context, steps, backend=backend),
             full_plan.batch, device, "full-graph", say)
-        rows.append(CapacityRow("full-graph", batch, context, steps, result.ms_per_step, result.tokens_per_s,
-                                full_plan.batch, shape.layers * shape.layer_bytes(batch, full_slots(context, steps)),
-                                0, shape.layers))
+        add(CapacityRow("full-graph", batch, context, steps, result.ms_per_step, result.tokens_per_s,
+                        full_plan.batch, shape.layers * shape.layer_bytes(batch, full_slots(context, steps)),
+                        0, shape.layers))
         _release(device)
     if split_plan.batch == 0:
         say("louiskv/split: not one sequence fits")
-        rows.append(CapacityRow("louiskv/split", 0, context, steps, None, None, 0, 0, 0, None))
+        add(CapacityRow("louiskv/split", 0, context, steps, None, None, 0, 0, 0, None))
     else:
         def run(batch: int) -> SplitThroughput:
             # a smaller batch keeps the same layers on the GPU, at its smaller pool size
@@ -331,10 +340,6 @@ def measure_capacity(model, context: int, steps: int, *, budget: int = 2048, bac
             return split_throughput(model, policy, batch, context, steps, emulate=emulate, branches=branches)
 
         result, batch = _backing_off(run, split_plan.batch, device, "louiskv/split", say)
-        rows.append(CapacityRow("louiskv/split", batch, context, steps, result.ms_per_step, result.tokens_per_s,
-                                split_plan.batch, result.pool_device_bytes, result.pool_host_bytes,
-                                result.pool_device_layers))
-    full = rows[0].tokens_per_s
-    for row in rows:
-        row.speedup_vs_full = row.tokens_per_s / full if full and row.tokens_per_s else None
+        add(CapacityRow("louiskv/split", batch, context, steps, result.ms_per_step, result.tokens_per_s,
+                        split_plan.batch, result.pool_device_bytes, result.pool_host_bytes, result.pool_device_layers))
     return rows
