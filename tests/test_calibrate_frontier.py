@@ -137,8 +137,8 @@ def test_the_embedded_models_default_is_the_best_trigger_and_the_papers_keeps_it
 
     trigger = kvpolicy.preset("louiskv", model="smollm2").trigger
     assert isinstance(trigger, ScoreGap)
-    assert {"name": "score_gap", "measure": trigger.measure, "margin": trigger.margin} == \
-        BUILTIN_TRIGGER["smollm2-135m-instruct"]
+    builtin = dict(BUILTIN_TRIGGER["smollm2-135m-instruct"])
+    assert builtin.pop("name") == "score_gap" and trigger == ScoreGap(**builtin)
     paper = kvpolicy.preset("louiskv", model="smollm2", trigger="query_cosine").trigger
     assert isinstance(paper, QueryCosine) and paper.tau == BUILTIN_TAU["smollm2-135m-instruct"]
     # a model nobody calibrated keeps the paper's trigger at its published tau

@@ -167,7 +167,7 @@ def test_full_attention_answers_the_4k_demo(smollm2) -> None:
 def test_louiskv_answers_the_readme_demo_and_keeps_its_selection_most_steps(smollm2, tmp_path, monkeypatch) -> None:
     """The README's main command (`kvpolicy run --preset louiskv --compare full`): the louiskv preset
     on the embedded model answers the 4K demo as full attention does while keeping its selection in
-    most (layer, step) pairs (the paper's trigger at its calibrated tau 0.95 re-selected 97.5%)."""
+    over two thirds of (layer, step) pairs (the paper's trigger at its calibrated tau 0.95 re-selected 97.5%)."""
     import kvpolicy
 
     monkeypatch.setenv("KVPOLICY_CACHE", str(tmp_path))  # the built-in defaults, not a user calibration
@@ -180,5 +180,6 @@ def test_louiskv_answers_the_readme_demo_and_keeps_its_selection_most_steps(smol
         share = session.stats().reselect_share
     text = tok.decode(out[0, demo.num_tokens:], skip_special_tokens=True)
     assert answer_is_correct(text, demo), f"expected {demo.answer}, louiskv said {text!r}"
-    # measured 41.1% at the rule's margin -3 (the issue asks for under a third: not met, EVAL.md)
-    assert share < 0.5, f"louiskv re-selected in {share:.1%} of (layer, step) pairs on the demo: most of them"
+    # measured 28.2% at the rule's margin -2.5 with leaving="ignored" (41.1% at -3; EVAL.md); the issue
+    # asks for under a third
+    assert share < 1 / 3, f"louiskv re-selected in {share:.1%} of (layer, step) pairs on the demo: a third or more"
