@@ -137,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="cluster with real K-means (default: random units of 16 tokens, same sizes and scatter)")
     bench.add_argument("--repeats", type=int, default=30)
     bench.add_argument("--compiled-layers", action="store_true",
-                       help="e2e: compile each decoder layer's MLP and RMSNorms (torch.compile), which "
+                       help="e2e, capacity: compile each decoder layer's MLP and RMSNorms (torch.compile), which "
                             "lowers the floor for full attention and the policies alike")
     bench.add_argument("--device", default=None)
     bench.add_argument("--json", metavar="FILE", help="also write the rows as JSON")

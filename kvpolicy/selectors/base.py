@@ -26,7 +26,8 @@ class Selection:
     ``unit_ids``: ``(B, H, U)`` chosen units in score order, then -1 (CSR indices; the row
     pointer is ``num_units``); ``slots``: ``(B, H, R)`` token slots, valid where ``slot_valid``.
     Selectors of single-token units (``collision_rerank``) list the index positions of the
-    chosen tokens as ``unit_ids`` (``(B, H, R)``, -1 where ``slot_valid`` is False).
+    chosen tokens as ``unit_ids`` (``(B, H, R)``, -1 where ``slot_valid`` is False); its fused
+    path lists them by position after the tokens the buffer holds, not in score order.
     """
 
     unit_ids: torch.Tensor
