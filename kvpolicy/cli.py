@@ -632,6 +632,12 @@ def _bench(args) -> int:
               "retrieved + local), the best any policy can do on this stack; 'over floor' is a row's ms above it. "
               "louiskv's /reuse row never re-selects after its first step (a reusing step alone), /every_step "
               "re-selects at every step")
+        # interval(n) re-selects once in any n consecutive steps: time whole intervals, so the row
+        # holds exactly the rate it names (10 steps of interval(9) hold one re-selection: 10%, not 11.1%)
+        interval_steps = every * -(-args.steps // every)
+        if interval_steps != args.steps:
+            print(f"louiskv's /interval rows time {interval_steps} steps ({interval_steps // every} whole intervals), "
+                  f"the other rows {args.steps}")
         print(f"{'kind':28s} {'B':>2s} {'context':>8s} {'ms/step':>8s} {'tokens/s':>9s} {'vs full-graph':>13s} "
               f"{'over floor':>10s}")
         louiskv_triggers = [("interval", {"name": "interval", "n": every}), ("reuse", {"name": "interval", "n": 1 << 40}),
@@ -639,8 +645,8 @@ def _bench(args) -> int:
         for context in _ints(args.contexts or "32768,131072", "contexts"):
             for batch in _ints(args.batches, "batches"):
                 base = floor = None
-                cells = [("full-graph", None, None), ("budget-floor", None, None)]
-                cells += [(kind, None, None) for kind in full_kinds if kind != "full-graph"]
+                cells = [("full-graph", None, None, args.steps), ("budget-floor", None, None, args.steps)]
+                cells += [(kind, None, None, args.steps) for kind in full_kinds if kind != "full-graph"]
                 for name, placements in _preset_placements(args):
                     for placement in placements:
                         triggers = louiskv_triggers if name == "louiskv" else [(None, None)]
@@ -651,8 +657,9 @@ def _bench(args) -> int:
                             label = f"{name}/{placement}" + (f"/{tag}" if tag else "")
                             for kind in branch_kinds:
                                 shown = label + (f"[{kind}]" if len(branch_kinds) > 1 else "")
-                                cells.append((shown, preset(name, **options), kind))
-                for label, policy, branches in cells:
+                                steps = interval_steps if tag == "interval" else args.steps
+                                cells.append((shown, preset(name, **options), kind, steps))
+                for label, policy, branches, steps in cells:
                     try:
                         if label == "budget-floor":
                             r = full_throughput(model, "full-graph", batch, args.budget, args.steps, backend=args.backend)
@@ -660,7 +667,7 @@ def _bench(args) -> int:
                         elif policy is None:
                             r = full_throughput(model, label, batch, context, args.steps, backend=args.backend)
                         else:
-                            r = policy_throughput(model, policy, batch, context, args.steps, emulate=device.type != "cuda",
+                            r = policy_throughput(model, policy, batch, context, steps, emulate=device.type != "cuda",
                                                   branches=branches)
                     except torch.cuda.OutOfMemoryError:
                         print(f"{label:28s} {batch:2d} {context:8d}   out of GPU memory", flush=True)
