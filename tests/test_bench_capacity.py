@@ -101,7 +101,7 @@ def test_a_capacity_run_on_the_cpu_follows_its_plans(tiny):
     memory = Memory(device=3 * full_sequence + 100, host=2 * shape.layer_bytes(4, split_slots(context, steps)) + 10,
                     device_margin=100, host_margin=10)
     said = []
-    rows = measure_capacity(tiny, context, steps, budget=128, backend="reference", memory=memory,
+    rows = measure_capacity(tiny, context, steps, budget=128, backend="reference", rate=0.25, memory=memory,
                             device_per_sequence=per_sequence, say=said.append)
     full, split = rows
     split_plan = plan_split(memory, shape, context, steps, per_sequence)
@@ -119,10 +119,24 @@ def test_a_capacity_run_on_the_cpu_follows_its_plans(tiny):
     assert said[0].startswith("memory: ")
 
 
+def test_the_timed_steps_are_whole_intervals_of_the_trigger(tiny):
+    # interval(4) (rate 0.25) over 5 steps could hold one re-selection or two; 8 hold exactly two
+    shape = KVShape.of(tiny.config, tiny.dtype)
+    context = 300
+    layer = shape.layer_bytes(1, split_slots(context, 8))
+    memory = Memory(device=2 * shape.layers * layer + 10, host=4 * shape.layers * layer + 10, device_margin=10,
+                    host_margin=10)
+    said = []
+    rows = measure_capacity(tiny, context, 5, budget=128, backend="reference", rate=0.25, memory=memory,
+                            device_per_sequence=0, say=said.append)
+    assert [row.steps for row in rows] == [8, 8]
+    assert "timing 8 steps, not 5: whole intervals of interval(4)" in said
+
+
 def test_a_run_where_nothing_fits_is_a_one_line_error(tiny):
     memory = Memory(device=1000, host=1000, device_margin=900, host_margin=900)
     with pytest.raises(KVPolicyError) as error:
-        measure_capacity(tiny, 300, 4, budget=128, backend="reference", memory=memory, device_per_sequence=0,
+        measure_capacity(tiny, 300, 4, budget=128, backend="reference", rate=0.25, memory=memory, device_per_sequence=0,
                          say=lambda message: None)
     message = str(error.value)
     assert "\n" not in message and message.startswith("bench capacity: nothing fits at context 300")
@@ -134,7 +148,7 @@ def test_full_attention_that_fits_nothing_leaves_the_split_row(tiny):
     context, steps = 300, 4
     layer = shape.layer_bytes(1, split_slots(context, steps))
     memory = Memory(device=layer + 10, host=shape.layers * layer + 10, device_margin=10, host_margin=10)
-    rows = measure_capacity(tiny, context, steps, budget=128, backend="reference", memory=memory,
+    rows = measure_capacity(tiny, context, steps, budget=128, backend="reference", rate=0.25, memory=memory,
                             device_per_sequence=0, say=lambda message: None)
     assert rows[0].batch == 0 and rows[0].tokens_per_s is None and rows[0].speedup_vs_full is None
     assert rows[1].batch >= 1 and rows[1].tokens_per_s > 0
@@ -214,6 +228,6 @@ def test_rows_are_handed_on_as_they_come_so_a_failed_cell_keeps_the_earlier(tiny
     monkeypatch.setattr(capacity, "split_throughput", cannot_pin)
     seen = []
     with pytest.raises(KVPolicyError, match="could not pin"):
-        measure_capacity(tiny, context, steps, budget=128, backend="reference", memory=memory,
+        measure_capacity(tiny, context, steps, budget=128, backend="reference", rate=0.25, memory=memory,
                          device_per_sequence=0, say=lambda message: None, on_row=seen.append)
     assert [(r.kind, r.speedup_vs_full) for r in seen] == [("full-graph", 1.0)] and seen[0].tokens_per_s > 0

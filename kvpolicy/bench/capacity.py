@@ -284,6 +284,12 @@ def measure_capacity(model, context: int, steps: int, *, budget: int = 2048, bac
     emulate = device.type != "cuda" if emulate is None else emulate
     shape = KVShape.of(model.config, model.dtype)
     interval = max(1, round(1 / rate))
+    # interval(n) re-selects once in any n consecutive steps: time whole intervals, or the row may
+    # hold no re-selection at all (session 7's first run: 5 steps of interval(9), a reusing step only)
+    whole = interval * -(-steps // interval)
+    if whole != steps:
+        say(f"timing {whole} steps, not {steps}: whole intervals of interval({interval})")
+        steps = whole
     memory = memory or Memory.measure(device)
     say(f"memory: {bytes_text(memory.device)} available on {device} (weights resident; margin "
         f"{bytes_text(memory.device_margin)}), {bytes_text(memory.host)} on the host (margin "
