@@ -156,6 +156,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="score_gap margins to try (default -1,-1.5,-2,-2.5,-3,-4)")
     cal.add_argument("--measure", choices=["mass", "weakest"], default="mass",
                      help="score_gap's measure (default mass)")
+    cal.add_argument("--leaving", choices=["unheld", "ignored"], default="ignored",
+                     help="score_gap's tokens that left the window while the selection was kept: ignored (default, "
+                          "the built-in louiskv setting) or counted as unheld")
     cal.add_argument("--taus", default="0.5,0.6,0.7,0.8,0.85,0.9,0.95", help="query_cosine taus to try")
     cal.add_argument("--budget", type=int, default=512)
     cal.add_argument("--tolerance", type=float, default=0.02,
@@ -905,7 +908,7 @@ def _calibrate(args) -> int:
 
     sample_ids = range(args.first_sample, args.first_sample + args.samples)
     if args.trigger == "score_gap":
-        values, options = margins, {"measure": args.measure}
+        values, options = margins, {"measure": args.measure, "leaving": args.leaving}
     else:
         values, options = taus, {}
     measured = measure_taus(model, tokenizer, taus=values, sample_ids=sample_ids, length=args.length,

@@ -95,8 +95,8 @@ def _louiskv(model: Any = None, **options: Any) -> Policy:
     """LouisKV: K-means clusters of ~16 prompt tokens, generated tokens in segments cut where the
     trigger fired, group-consistent top_budget selection, reused until the trigger fires. The
     trigger is the model's calibrated one when a model is given: for the embedded SmolLM2
-    score_gap (re-select when an unselected unit would carry e^-3 of the held units' estimated
-    attention mass); else the paper's query_cosine (mean query cosine < tau) at the model's
+    score_gap (re-select when an unselected unit would carry e^-2.5 of the held units' estimated
+    attention mass; tokens leaving the window while the selection is kept do not fire); else the paper's query_cosine (mean query cosine < tau) at the model's
     calibrated tau, 0.7 (LouisKV's for Qwen3-8B) without one. trigger="query_cosine" names the
     paper's trigger at the model's calibrated tau (0.95 for SmolLM2)."""
     if isinstance(model, str) and model.strip().lower() == EMBEDDED_NAME:

@@ -103,3 +103,27 @@ def test_graph_replay_timing_needs_a_cuda_device():
 
     with pytest.raises(ValueError, match="needs a CUDA device"):
         time_replay_ms(lambda: None, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("argv, leaving", [([], "ignored"), (["--leaving", "unheld"], "unheld")])
+def test_calibrate_measures_score_gap_with_the_presets_leaving_rule(argv, leaving, monkeypatch):
+    # the built-in louiskv trigger ignores tokens that left the window; a calibration the user runs
+    # must measure (and store) the same rule unless told otherwise
+    import kvpolicy.cli
+    import kvpolicy.eval.calibrate as calibrate
+    import kvpolicy.models as models
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def measure(*args, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(calibrate, "measure_taus", measure)
+    with pytest.raises(Stop):
+        kvpolicy.cli.main(["calibrate", "--trigger", "score_gap", "--device", "cpu", *argv])
+    assert seen["options"] == {"measure": "mass", "leaving": leaving}
