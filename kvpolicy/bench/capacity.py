@@ -37,7 +37,7 @@ from ..graph import DecodeGraph
 from ..integrations.transformers import _PREFILL_RESERVE, PolicyCache
 from ..placement import device_available_bytes, device_total_bytes, host_available_bytes, pool_bytes
 from ..policy import Policy, bytes_text
-from .e2e import Throughput, _random_kv, _timed, full_throughput
+from .e2e import Throughput, _timed, full_throughput, lay_random_context
 
 # kept free on the GPU beyond every planned byte (graph pools, kernel workspaces, allocator
 # fragmentation), and on the host (the process, the OS); each at least the first figure
@@ -152,22 +152,9 @@ def capacity_policy(budget: int, backend: str, interval: int, *, gpu_pool_bytes:
 
 
 def _prefill(model, cache: PolicyCache, batch: int, context: int, seed: int) -> None:
-    """Random KV straight into every layer (``policy_throughput``'s set-up)."""
-    device = next(model.parameters()).device
-    config = model.config
-    generator = torch.Generator(device=device).manual_seed(seed)
-    valid = torch.ones(batch, context, dtype=torch.bool, device=device)
-    for layer in cache.layers:
-        keys, values = _random_kv(config, batch, context, device, model.dtype, generator)
-        layer.is_initialized, layer.device = True, device
-        layer.state.prefill(keys, values, valid, config.num_attention_heads)
-        del keys, values
-        if device.type == "cuda":
-            # the units build on a side stream that holds the random KV until it is done: without a
-            # sync the host queues every layer's and the peak holds several (the probe's scaling
-            # by batch would then guess the pile-up)
-            layer.state.wait_for_units()
-            torch.cuda.synchronize(device)
+    # one layer at a time: otherwise the host queues every layer's random KV and the peak holds
+    # several (the probe's scaling by batch would then guess the pile-up)
+    lay_random_context(model, cache, batch, context, seed, one_layer_at_a_time=True)
 
 
 @torch.inference_mode()

@@ -64,23 +64,36 @@ def _timed(device, step, steps: int, around=None) -> float:
         return 1e3 * (time.perf_counter() - started) / steps
 
 
+def lay_random_context(model, cache: PolicyCache, batch: int, context: int, seed: int = 0, *,
+                       one_layer_at_a_time: bool = False) -> None:
+    """Random KV of ``context`` tokens straight into every layer of a policy's ``cache`` (no
+    prefill: the decode step is what is measured). ``one_layer_at_a_time``: wait for each layer's
+    prompt units (built on a side stream that holds its random KV until done) before the next, so
+    the peak memory holds one layer's KV, not several queued ones."""
+    device = next(model.parameters()).device
+    config = model.config
+    generator = torch.Generator(device=device).manual_seed(seed)
+    valid = torch.ones(batch, context, dtype=torch.bool, device=device)
+    for layer in cache.layers:
+        keys, values = _random_kv(config, batch, context, device, model.dtype, generator)
+        layer.is_initialized, layer.device = True, device
+        layer.state.prefill(keys, values, valid, config.num_attention_heads)
+        del keys, values
+        if one_layer_at_a_time and device.type == "cuda":
+            layer.state.wait_for_units()
+            torch.cuda.synchronize(device)
+
+
 @torch.inference_mode()
 def policy_throughput(model, policy: Policy, batch: int, context: int, steps: int, *, emulate: bool = False,
                       seed: int = 0, around=None, branches: str = "auto") -> Throughput:
     """``branches``: ``DecodeGraph``'s (how a captured step holds the re-selection's work)."""
     device = next(model.parameters()).device
-    config = model.config
-    generator = torch.Generator(device=device).manual_seed(seed)
     with policy.apply(model) as session:
         cache = session.new_cache()
         if not isinstance(cache, PolicyCache):
             raise ValueError(f"policy {policy.name!r} is dense; use full_throughput")
-        valid = torch.ones(batch, context, dtype=torch.bool, device=device)
-        for layer in cache.layers:
-            keys, values = _random_kv(config, batch, context, device, model.dtype, generator)
-            layer.is_initialized, layer.device = True, device
-            layer.state.prefill(keys, values, valid, config.num_attention_heads)
-            del keys, values
+        lay_random_context(model, cache, batch, context, seed)
         runner = DecodeGraph(model, cache, torch.full((batch,), context, device=device), steps + 2, emulate=emulate,
                              branches=branches)
         token = torch.zeros(batch, dtype=torch.long, device=device)
