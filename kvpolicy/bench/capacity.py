@@ -33,11 +33,10 @@ import torch
 
 from .. import pinned
 from ..errors import KVPolicyError
-from ..graph import DecodeGraph
 from ..integrations.transformers import _PREFILL_RESERVE, PolicyCache
 from ..placement import device_available_bytes, device_total_bytes, host_available_bytes, pool_bytes
 from ..policy import Policy, bytes_text
-from .e2e import Throughput, _timed, full_throughput, lay_random_context
+from .e2e import Throughput, full_throughput, lay_random_context, time_policy_decode
 
 # kept free on the GPU beyond every planned byte (graph pools, kernel workspaces, allocator
 # fragmentation), and on the host (the process, the OS); each at least the first figure
@@ -198,23 +197,12 @@ class SplitThroughput(Throughput):
     pool_device_layers: int = 0
 
 
-@torch.inference_mode()
 def split_throughput(model, policy: Policy, batch: int, context: int, steps: int, *, emulate: bool = False,
                      seed: int = 0, branches: str = "auto") -> SplitThroughput:
-    """``policy_throughput`` that also reports where the pools went."""
-    device = next(model.parameters()).device
-    with policy.apply(model) as session:
-        cache = session.new_cache()
-        _prefill(model, cache, batch, context, seed)
-        runner = DecodeGraph(model, cache, torch.full((batch,), context, device=device), steps + 2, emulate=emulate,
-                             branches=branches)
-        token = torch.zeros(batch, dtype=torch.long, device=device)
-        runner.step(token)  # eager warm-up
-        runner.step(token)  # capture + first replay
-        ms = _timed(device, lambda: runner.step(token), steps)
-        stats = session.stats()
-    session.cache = None
-    del runner, cache
+    """``policy_throughput`` that also reports where the pools went (the random KV laid one layer
+    at a time: see ``_prefill``)."""
+    ms, stats = time_policy_decode(model, policy, batch, context, steps, emulate=emulate, seed=seed,
+                                   branches=branches, one_layer_at_a_time=True, with_stats=True)
     return SplitThroughput(policy.name + "/" + policy.placement, batch, context, steps, ms,
                            stats.pool_device_bytes, stats.pool_host_bytes, len(stats.pool_device_layers or []))
 

@@ -85,21 +85,32 @@ def lay_random_context(model, cache: PolicyCache, batch: int, context: int, seed
 
 
 @torch.inference_mode()
-def policy_throughput(model, policy: Policy, batch: int, context: int, steps: int, *, emulate: bool = False,
-                      seed: int = 0, around=None, branches: str = "auto") -> Throughput:
-    """``branches``: ``DecodeGraph``'s (how a captured step holds the re-selection's work)."""
+def time_policy_decode(model, policy: Policy, batch: int, context: int, steps: int, *, emulate: bool = False,
+                       seed: int = 0, around=None, branches: str = "auto", one_layer_at_a_time: bool = False,
+                       with_stats: bool = False):
+    """Mean ms of ``steps`` replayed decode steps of ``policy`` over a random ``context``, and the
+    session's ``RunStats`` when ``with_stats`` (else None). ``branches``: ``DecodeGraph``'s (how a
+    captured step holds the re-selection's work); ``one_layer_at_a_time``: ``lay_random_context``'s."""
     device = next(model.parameters()).device
     with policy.apply(model) as session:
         cache = session.new_cache()
         if not isinstance(cache, PolicyCache):
             raise ValueError(f"policy {policy.name!r} is dense; use full_throughput")
-        lay_random_context(model, cache, batch, context, seed)
+        lay_random_context(model, cache, batch, context, seed, one_layer_at_a_time=one_layer_at_a_time)
         runner = DecodeGraph(model, cache, torch.full((batch,), context, device=device), steps + 2, emulate=emulate,
                              branches=branches)
         token = torch.zeros(batch, dtype=torch.long, device=device)
         runner.step(token)  # eager warm-up
         runner.step(token)  # capture + first replay
         ms = _timed(device, lambda: runner.step(token), steps, around)
+        stats = session.stats() if with_stats else None
+    session.cache = None  # the pools go with this call, not with the next cell's
+    return ms, stats
+
+
+def policy_throughput(model, policy: Policy, batch: int, context: int, steps: int, **options) -> Throughput:
+    """``time_policy_decode`` as a row (``options``: its keywords)."""
+    ms, _ = time_policy_decode(model, policy, batch, context, steps, **options)
     return Throughput(policy.name, batch, context, steps, ms)
 
 
