@@ -16,7 +16,8 @@ One kernel launch, one program per (sequence, KV head):
    go to a scratch row. Or a threshold select (``_threshold_rank``): a radix select of the cut
    unit's key, then an in-register sort of the at most ``R`` units the fill can take; any
    number of units, and skipped like the rest by rows outside ``take``. Or, without ``take``
-   above 2,048 units, ``torch.sort`` before the launch, where every row ranks anyway;
+   above 2,048 units, ``torch.topk`` of the best ``min(U, R)`` keys before the launch, where
+   every row ranks anyway;
 2. zero a per-program scratch row of ``R`` "a unit starts here" flags;
 3. walk the ranking in blocks, carrying the running token total and taken count: a block
    prefix sum of the ranked sizes gives each unit's ``[begin, end)`` in the budget; taken
@@ -47,15 +48,16 @@ from . import score as _score  # noqa: F401  (registers ``unit_scores``, the sel
 _BLOCK = 2048
 _NUM_WARPS = 8
 # How rows are ranked (H200, benchmarks/select_sort.py, 8 KV heads, R = 2048, us per call at
-# batch 1 / 4; docs/bench/session7/sortbench.log, 2026-12-02):
+# batch 1 / 4, 2026-12-02: 2,048 units from docs/bench/session7/sortbench_call2.log, the rest
+# from sortbench.log, the later call, which printed the topk column):
 #
-#   units  take   full tl.sort   threshold   torch.sort
-#   2048   all        33 / 34     71 / 73      36 / 38
-#   2048   none       12 / 18     22 / 18      28 / 31
-#   8192   all       229 / 229   167 / 167     99 / 111
-#   8192   none       19 / 19     18 / 17      77 / 89
-#   32768  all          -        619 / 625    186 / 252
-#   32768  none         -         18 / 17      93 / 148
+#   units  take   full tl.sort   threshold   torch.sort   topk
+#   2048   all        33 / 34     71 / 73      36 / 38       -
+#   2048   none       12 / 18     22 / 18      28 / 31       -
+#   8192   all       225 / 226   165 / 165    101 / 111   117 / 119
+#   8192   none       12 / 11     13 / 11      76 / 88    110 / 110
+#   32768  all          -        616 / 617    182 / 248   125 / 150
+#   32768  none         -         12 / 12      90 / 145   114 / 136
 #
 # A row that keeps its selection skips either in-kernel ranking (~17 us), where torch.sort sorts
 # every row every step. So with ``take`` (triggers that keep selections) in a step captured inline:
@@ -65,15 +67,14 @@ _NUM_WARPS = 8
 # ``_FULL_SORT_MAX_WITHOUT_TAKE``, and above it torch.topk of the best min(U, R) keys ("topk"),
 # where a re-selecting row is fastest: at 4 x 128K (8,200 units a row, 32 rows) louiskv's
 # every-step row took 18.07 ms with topk against 19.15 with torch.sort, interval(9) 8.83 against
-# 8.94 (docs/bench/session7/e2e_topk_128k4.log against e2e_compiled.log; the topk column of
-# select_sort.py was not printed in that run).
+# 8.94 (docs/bench/session7/e2e_topk_128k4.log against e2e_compiled.log), though at exactly
+# 8,192 units in isolation torch.sort is 8-16 us faster; at 32,768 topk is 57-98 us faster.
 _FULL_SORT_MAX = 8192
 _FULL_SORT_MAX_WITHOUT_TAKE = 2048
 # units per block step of the threshold select's passes (a [block, 16] digit histogram each)
 _THRESHOLD_BLOCK = 512
-# "auto" (the rule above) or forced for every call: "full", "threshold", "torch.sort", or "topk"
-# (torch.topk of the best min(U, R) unique int64 keys; not measured yet) (for the tests and
-# benchmarks/select_sort.py)
+# "auto" (the rule above) or forced for every call (the tests, benchmarks/select_sort.py):
+# "full", "threshold", "torch.sort", or "topk" (torch.topk of the best min(U, R) unique int64 keys)
 RANKING = "auto"
 RANKINGS = ("full", "threshold", "torch.sort", "topk")
 # warps for the in-kernel sort of more than 4096 keys
