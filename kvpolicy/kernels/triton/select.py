@@ -1,12 +1,13 @@
 """Triton budget fill (op ``select_budget``): same contract and results as the reference.
 
-One kernel launch, one program per (sequence, KV head):
+One fill launch, one program per (sequence, KV head), after the radix select's launches when
+that ranking runs:
 
 0. a program whose sequence has ``take[b]`` False writes an empty selection (slots 0,
    ``slot_valid`` False, ``num_units`` 0, ``unit_ids`` -1) and returns: in a replayed decode
    graph the fill and the ranking cost nothing on the steps where
-   the sequence keeps its selection;
-1. rank the units (which way: see ``_FULL_SORT_MAX``): in the kernel, ``tl.sort`` of one 64-bit key
+   the sequence keeps its selection (every radix launch's programs of such a row exit at once);
+1. rank the units (which way: see ``AUTO_RANKING``): in the kernel, ``tl.sort`` of one 64-bit key
    per unit over a power-of-two block (see ``_descending_key``: the score's bits made
    order-preserving and inverted in the high word, the unit index in the low word, so the
    ascending key order is exactly ``torch.sort(descending=True, stable=True)``'s order of the
@@ -14,10 +15,13 @@ One kernel launch, one program per (sequence, KV head):
    one key above every selectable one (their relative order never changes the outputs: they
    cover no tokens), padding the largest key. The ranked unit ids (-1 for the unselectable)
    go to a scratch row. Or a threshold select (``_threshold_rank``): a radix select of the cut
-   unit's key, then an in-register sort of the at most ``R`` units the fill can take; any
-   number of units, and skipped like the rest by rows outside ``take``. Or, without ``take``
-   above 2,048 units, ``torch.topk`` of the best ``min(U, R)`` keys before the launch, where
-   every row ranks anyway;
+   unit's key in the fill's own program, then an in-register sort of the at most ``R`` units
+   the fill can take. Or the radix select ("radix", ``_RADIX_PASSES``): the same cut found by
+   three launches spread over (row, chunk of units) programs, a fourth that compacts the
+   winners (the units better than the cut, then those tied with it in index order), and in
+   the fill an in-register sort of the better ones only (a small block when they fit); any
+   number of units. Or ``torch.sort`` / ``torch.topk`` of the best ``min(U, R)`` keys before
+   the launch, where every row ranks on every step;
 2. zero a per-program scratch row of ``R`` "a unit starts here" flags;
 3. walk the ranking in blocks, carrying the running token total and taken count: a block
    prefix sum of the ranked sizes gives each unit's ``[begin, end)`` in the budget; taken
@@ -28,8 +32,8 @@ One kernel launch, one program per (sequence, KV head):
    covering each position, so ``slot = order[clamp(p + start - begin)]`` needs no search.
 
 Steps are separated by a block barrier (the scratch is written and read by different threads
-of the program). Apart from the in-kernel sort, registers stay bounded by the block sizes
-whatever ``U`` and ``R`` are. No host syncs: shapes alone size the grid and the scratch.
+of the program). Apart from the in-kernel sorts, registers stay bounded by the block sizes
+whatever ``U`` and ``R`` are. No host syncs: shapes alone size the grids and the scratch.
 """
 
 from __future__ import annotations
@@ -49,36 +53,63 @@ _BLOCK = 2048
 _NUM_WARPS = 8
 # How rows are ranked (H200, benchmarks/select_sort.py, 8 KV heads, R = 2048, us per call at
 # batch 1 / 4, 2026-12-02: 2,048 units from docs/bench/session7/sortbench_call2.log, the rest
-# from sortbench.log, the later call, which printed the topk column):
+# from sortbench.log, the later call, which printed the topk column; the radix column is not
+# measured on GPU yet):
 #
-#   units  take   full tl.sort   threshold   torch.sort   topk
-#   2048   all        33 / 34     71 / 73      36 / 38       -
-#   2048   none       12 / 18     22 / 18      28 / 31       -
-#   8192   all       225 / 226   165 / 165    101 / 111   117 / 119
-#   8192   none       12 / 11     13 / 11      76 / 88    110 / 110
-#   32768  all          -        616 / 617    182 / 248   125 / 150
-#   32768  none         -         12 / 12      90 / 145   114 / 136
+#   units  take   full tl.sort   threshold   torch.sort   topk        radix
+#   2048   all        33 / 34     71 / 73      36 / 38       -        not measured
+#   2048   none       12 / 18     22 / 18      28 / 31       -        not measured
+#   8192   all       225 / 226   165 / 165    101 / 111   117 / 119   not measured
+#   8192   none       12 / 11     13 / 11      76 / 88    110 / 110   not measured
+#   32768  all          -        616 / 617    182 / 248   125 / 150   not measured
+#   32768  none         -         12 / 12      90 / 145   114 / 136   not measured
 #
-# A row that keeps its selection skips either in-kernel ranking (~17 us), where torch.sort sorts
-# every row every step. So with ``take`` (triggers that keep selections) in a step captured inline:
-# the full sort up to ``_FULL_SORT_MAX`` units, the threshold select above it, any number of
-# units, never a library ranking. Without ``take``, or inside a CUDA graph conditional node's body
-# (``graph_branch``: it runs only on steps where some row re-selects), the full sort up to
-# ``_FULL_SORT_MAX_WITHOUT_TAKE``, and above it torch.topk of the best min(U, R) keys ("topk"),
-# where a re-selecting row is fastest: at 4 x 128K (8,200 units a row, 32 rows) louiskv's
-# every-step row took 18.07 ms with topk against 19.15 with torch.sort, interval(9) 8.83 against
-# 8.94 (docs/bench/session7/e2e_topk_128k4.log against e2e_compiled.log), though at exactly
-# 8,192 units in isolation torch.sort is 8-16 us faster; at 32,768 topk is 57-98 us faster.
-_FULL_SORT_MAX = 8192
-_FULL_SORT_MAX_WITHOUT_TAKE = 2048
+# A row that keeps its selection skips every in-kernel ranking, where torch.sort and topk rank
+# every row every step; the radix select still launches a memset and four kernels whose programs
+# exit at once (each costs a launch in a replayed graph), the full sort and the threshold select
+# none. With ``take`` (triggers that keep selections) in a step captured inline the full sort was
+# chosen up to 8,192 units for that, the threshold select above it. Without ``take``, or inside a
+# CUDA graph conditional node's body (``graph_branch``: it runs only on steps where some row
+# re-selects), the full sort up to 2,048 units and torch.topk above it, where a re-selecting row
+# was fastest: at 4 x 128K (8,200 units a row, 32 rows) louiskv's every-step row took 18.07 ms
+# with topk against 19.15 with torch.sort, interval(9) 8.83 against 8.94
+# (docs/bench/session7/e2e_topk_128k4.log against e2e_compiled.log), though at exactly 8,192
+# units in isolation torch.sort is 8-16 us faster; at 32,768 topk is 57-98 us faster.
+# The radix select replaces topk and the threshold select in the table below on the expectation
+# that it ranks a re-selecting row faster than both (it reads each unit four times over many
+# programs and sorts only the ~R / (tokens per unit) winners); until measured that is a guess:
+# the table is the whole rule, change it from the radix column.
+#
+# "auto", one table: the first row whose unit limit holds (None: any number) gives the ranking,
+# with take in a step captured inline / without take or inside a conditional node's body
+AUTO_RANKING = (
+    # units up to   with take inline   without take or in a conditional body
+    (2048, "full", "full"),
+    (8192, "full", "radix"),
+    (None, "radix", "radix"),
+)
 # units per block step of the threshold select's passes (a [block, 16] digit histogram each)
 _THRESHOLD_BLOCK = 512
 # "auto" (the rule above) or forced for every call (the tests, benchmarks/select_sort.py):
-# "full", "threshold", "torch.sort", or "topk" (torch.topk of the best min(U, R) unique int64 keys)
+# "full", "threshold", "torch.sort", "topk" (torch.topk of the best min(U, R) unique int64 keys)
+# or "radix"
 RANKING = "auto"
-RANKINGS = ("full", "threshold", "torch.sort", "topk")
+RANKINGS = ("full", "threshold", "torch.sort", "topk", "radix")
 # warps for the in-kernel sort of more than 4096 keys
 _SORT_NUM_WARPS = 16
+# the radix select: units per program of its launches, warps per program, and the block that
+# sorts the winners better than the cut when they fit (the full min(U, R) block otherwise)
+_RADIX_CHUNK = 1024
+_RADIX_NUM_WARPS = 4
+_RADIX_SMALL_SORT = 256
+
+
+def auto_ranking(units: int, take_inline: bool) -> str:
+    """The ranking "auto" picks for ``units`` units a row, from ``AUTO_RANKING``."""
+    for limit, with_take, without_take in AUTO_RANKING:
+        if limit is None or units <= limit:
+            return with_take if take_inline else without_take
+    raise ValueError(f"triton select_budget: AUTO_RANKING has no row for {units} units (end it with None)")
 
 
 @triton.jit
@@ -204,14 +235,154 @@ def _threshold_rank(scores_ptr, sizes_ptr, cand_ptr, ranked_ptr, U, R,
     tl.store(ranked_ptr + slot, unit)
 
 
+# ---- the radix ranking: each row spread over programs of ``_RADIX_CHUNK`` units -----------
+#
+# The cut unit's score word (the high word of ``_descending_key``, its sign bit flipped so that
+# it reads as unsigned in rank order) is found 12, 12 then 8 bits at a time. Each pass is one
+# launch over (row, chunk) programs that add the tokens of their matching non-empty selectable
+# units to the row's histogram of the pass's digit by atomics (integer sums: the result does
+# not depend on their order); every program of the next launch scans that histogram to pick the
+# digit whose bucket holds the R-th token (a redundant 4,096-bin scan instead of a launch).
+# (shift, bins, offset of the histogram in the row's scratch line) per pass:
+_RADIX_PASSES = ((20, 4096, 0), (8, 4096, 4096), (0, 256, 8192))
+# then in the line: the count of units compacted as better than the cut (an atomic counter),
+# and per chunk the last pass's histogram in units rather than tokens, from which a chunk learns
+# how many units tied with the cut precede it
+_RADIX_COUNTER = tl.constexpr(8448)
+_RADIX_TIES = tl.constexpr(8449)
+@triton.jit
+def _radix_units(scores_ptr, sizes_ptr, row, chunk, U, CHUNK: tl.constexpr):
+    """One chunk of a row: unit indices, token counts, live (non-empty and selectable), the
+    signed ``_descending_key``, its high word and the high word as an unsigned rank-order key."""
+    size, live, signed, high = _live_block(scores_ptr + row * U, sizes_ptr + row * U, chunk * CHUNK, U, CHUNK)
+    index = chunk * CHUNK + tl.arange(0, CHUNK)
+    return index, size, live, signed, high, high ^ tl.full([], -2147483648, tl.int32)
+
+
+@triton.jit
+def _radix_digit(hist_ptr, before, R, BINS: tl.constexpr):
+    """The bucket holding the R-th token: (its digit, the tokens of the buckets before it plus
+    ``before``, the tokens of all buckets plus ``before``); the last bucket if none reaches R."""
+    bins = tl.arange(0, BINS)
+    inclusive = tl.cumsum(tl.load(hist_ptr + bins), 0) + before
+    chosen = tl.minimum(tl.sum((inclusive < R).to(tl.int32), 0), BINS - 1)
+    return chosen, tl.max(tl.where(bins < chosen, inclusive, before), 0), tl.max(inclusive, 0)
+
+
+@triton.jit
+def _radix_hist_kernel(scores_ptr, sizes_ptr, take_ptr, scratch_ptr, state_ptr,
+                       U, R, ROWS_PER_SEQUENCE, SCRATCH_LEN, LEVEL: tl.constexpr,
+                       SHIFT: tl.constexpr, BINS: tl.constexpr, HIST: tl.constexpr,
+                       PREV_SHIFT: tl.constexpr, PREV_BINS: tl.constexpr, PREV_HIST: tl.constexpr,
+                       HAS_TAKE: tl.constexpr, CHUNK: tl.constexpr):
+    """Pass ``LEVEL`` (0, 1, 2; its digit is ``(key >> SHIFT) % BINS``): the previous pass's
+    digit from its histogram (at ``PREV_HIST`` in the row's scratch line), then this pass's.
+
+    ``state[row, level]`` = (the digits found through ``level``, the tokens of the units ranked
+    before their bucket, whether the row holds fewer than R tokens); written by chunk 0 only,
+    one slot per level, so that no program reads a slot another one is writing.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    if HAS_TAKE:  # noqa: SIM102
+        if tl.load(take_ptr + row // ROWS_PER_SEQUENCE) == 0:
+            return
+    line = scratch_ptr + row * SCRATCH_LEN
+    prefix = tl.full([], 0, tl.int32)
+    known = tl.full([], 0, tl.int32)  # the bits of the key the digits found so far fix
+    if LEVEL > 0:
+        before = tl.full([], 0, tl.int32)
+        if LEVEL > 1:
+            prefix = tl.load(state_ptr + row * 12 + 4 * (LEVEL - 2))
+            before = tl.load(state_ptr + row * 12 + 4 * (LEVEL - 2) + 1)
+        chosen, before, total = _radix_digit(line + PREV_HIST, before, R, PREV_BINS)
+        if LEVEL == 1:
+            everything = (total < R).to(tl.int32)  # fewer tokens than the budget: every live unit is taken
+        else:
+            everything = tl.load(state_ptr + row * 12 + 4 * (LEVEL - 2) + 2)
+        prefix = prefix | (chosen << PREV_SHIFT)
+        known = tl.full([], -(1 << PREV_SHIFT), tl.int32)
+        if chunk == 0:
+            tl.store(state_ptr + row * 12 + 4 * (LEVEL - 1), prefix)
+            tl.store(state_ptr + row * 12 + 4 * (LEVEL - 1) + 1, before)
+            tl.store(state_ptr + row * 12 + 4 * (LEVEL - 1) + 2, everything)
+        if everything != 0:  # no cut to find
+            return
+    _, size, live, _, _, key = _radix_units(scores_ptr, sizes_ptr, row, chunk, U, CHUNK)
+    match = (live & ((key & known) == prefix)) != 0  # (!= 0: the interpreter may give an int32 mask)
+    digit = (key >> SHIFT) & (BINS - 1)
+    tl.atomic_add(line + HIST + digit, size, mask=match)
+    if LEVEL == 2:
+        tl.atomic_add(line + _RADIX_TIES + chunk * BINS + digit, tl.full([CHUNK], 1, tl.int32), mask=match)
+
+
+@triton.jit
+def _radix_compact_kernel(scores_ptr, sizes_ptr, take_ptr, scratch_ptr, state_ptr, better_ptr, tied_ptr,
+                          unit_ids_ptr, U, R, ROWS_PER_SEQUENCE, CHUNKS, SCRATCH_LEN,
+                          LAST_SHIFT: tl.constexpr, LAST_BINS: tl.constexpr, LAST_HIST: tl.constexpr,
+                          HAS_TAKE: tl.constexpr, CHUNK: tl.constexpr, CAND_BLOCK: tl.constexpr,
+                          CHUNKS_BLOCK: tl.constexpr):
+    """The last digit, then the winners: the keys of the units strictly better than the cut
+    (all taken; fewer than R tokens) at atomic positions, their order restored later by a sort,
+    and the units tied with the cut at their index order's positions (the fill takes the first
+    of them), counted over the earlier chunks from the last pass's per-chunk histograms. Also
+    the row's ``unit_ids`` to -1 (the fill writes the taken prefix afterwards)."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    if HAS_TAKE:  # noqa: SIM102
+        if tl.load(take_ptr + row // ROWS_PER_SEQUENCE) == 0:
+            return
+    line = scratch_ptr + row * SCRATCH_LEN
+    prefix = tl.load(state_ptr + row * 12 + 4)
+    before = tl.load(state_ptr + row * 12 + 5)
+    everything = tl.load(state_ptr + row * 12 + 6)
+    chosen, before, _ = _radix_digit(line + LAST_HIST, before, R, LAST_BINS)
+    cut = (prefix | (chosen << LAST_SHIFT)) ^ tl.full([], -2147483648, tl.int32)  # the cut's score word, signed
+    chunks = tl.arange(0, CHUNKS_BLOCK)
+    tied_per_chunk = tl.load(line + _RADIX_TIES + chunks * LAST_BINS + chosen, mask=chunks < CHUNKS, other=0)
+    tied_before = tl.sum(tl.where(chunks < chunk, tied_per_chunk, 0), 0)
+    if chunk == 0:
+        tl.store(state_ptr + row * 12 + 8, tl.where(everything != 0, 0, tl.sum(tied_per_chunk, 0)))
+    index, _, live, signed, high, _ = _radix_units(scores_ptr, sizes_ptr, row, chunk, U, CHUNK)
+    better = (live & ((high < cut) | (everything != 0))) != 0
+    tied = (live & (high == cut) & (everything == 0)) != 0
+    start = tl.atomic_add(line + _RADIX_COUNTER, tl.sum(better.to(tl.int32), 0))
+    position = start + tl.cumsum(better.to(tl.int32), 0) - 1
+    tl.store(better_ptr + row * CAND_BLOCK + position, signed, mask=better & (position < CAND_BLOCK))
+    position = tied_before + tl.cumsum(tied.to(tl.int32), 0) - 1
+    tl.store(tied_ptr + row * CAND_BLOCK + position, index, mask=tied & (position < CAND_BLOCK))
+    tl.store(unit_ids_ptr + row * U + index, tl.full([CHUNK], -1, tl.int64), mask=index < U)
+
+
+@triton.jit
+def _radix_order(better_ptr, tied_ptr, counter_ptr, tied_count_ptr, ranked_ptr,
+                 CAND_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr, BLOCK: tl.constexpr):
+    """``ranked``: the better units sorted by key (a ``SMALL_SORT`` block when they fit, the
+    usual case, else ``CAND_BLOCK``), then the tied ones in index order; returns their count."""
+    better = tl.load(counter_ptr)
+    if better <= SMALL_SORT:
+        slot = tl.arange(0, SMALL_SORT)
+        keys = tl.sort(tl.load(better_ptr + slot, mask=slot < better, other=0x7FFFFFFFFFFFFFFF))
+        tl.store(ranked_ptr + slot, keys.to(tl.int32), mask=slot < better)
+    else:
+        slot = tl.arange(0, CAND_BLOCK)
+        keys = tl.sort(tl.load(better_ptr + slot, mask=slot < better, other=0x7FFFFFFFFFFFFFFF))
+        tl.store(ranked_ptr + slot, keys.to(tl.int32), mask=slot < better)
+    tied = tl.minimum(tl.load(tied_count_ptr), CAND_BLOCK - better)
+    for t0 in range(0, tied, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        tl.store(ranked_ptr + better + t, tl.load(tied_ptr + t, mask=t < tied), mask=t < tied)
+    return better + tied
+
+
 @triton.jit
 def _fill_kernel(
     scores_ptr, ranked_ptr, ranked_scores_ptr, sizes_ptr, starts_ptr, order_ptr, take_ptr,
     unit_ids_ptr, num_units_ptr, slots_ptr, slot_valid_ptr,
-    heads_ptr, shift_ptr, cand_ptr,
-    U, N, R, SHIFT_LEN, ROWS_PER_SEQUENCE, RANKED_KEYS,
+    heads_ptr, shift_ptr, cand_ptr, tied_ptr, radix_line_ptr, radix_state_ptr,
+    U, N, R, SHIFT_LEN, ROWS_PER_SEQUENCE, RANKED_KEYS, RADIX_LINE,
     BLOCK_U: tl.constexpr, BLOCK_R: tl.constexpr, SORT_BLOCK: tl.constexpr, HAS_TAKE: tl.constexpr,
-    CAND_BLOCK: tl.constexpr,
+    CAND_BLOCK: tl.constexpr, RADIX: tl.constexpr, SMALL_SORT: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     u_base = bh * U
@@ -233,14 +404,20 @@ def _fill_kernel(
             return
 
     # 1. rank in the kernel: ranked unit ids to the scratch row, -1 for the unselectable; or
-    # (CAND_BLOCK) only the units the fill can take, by a threshold select
+    # (CAND_BLOCK) only the units the fill can take, by a threshold select, or (RADIX) ordered
+    # from the winners the radix launches compacted
     if SORT_BLOCK > 0:
         _rank_row(scores_ptr + u_base, ranked_ptr + u_base, U, SORT_BLOCK)
-    if CAND_BLOCK > 0:
-        _threshold_rank(scores_ptr + u_base, sizes_ptr + u_base, cand_ptr + bh * CAND_BLOCK,
-                        ranked_ptr + bh * CAND_BLOCK, U, R, BLOCK_U, CAND_BLOCK)
     ranked_base = bh * CAND_BLOCK if CAND_BLOCK > 0 else u_base
     ranked_len = CAND_BLOCK if CAND_BLOCK > 0 else U
+    if CAND_BLOCK > 0:
+        if RADIX:
+            ranked_len = _radix_order(cand_ptr + bh * CAND_BLOCK, tied_ptr + bh * CAND_BLOCK,
+                                      radix_line_ptr + bh * RADIX_LINE + _RADIX_COUNTER, radix_state_ptr + bh * 12 + 8,
+                                      ranked_ptr + bh * CAND_BLOCK, CAND_BLOCK, SMALL_SORT, BLOCK_U)
+        else:
+            _threshold_rank(scores_ptr + u_base, sizes_ptr + u_base, cand_ptr + bh * CAND_BLOCK,
+                            ranked_ptr + bh * CAND_BLOCK, U, R, BLOCK_U, CAND_BLOCK)
     if RANKED_KEYS > 0:  # "topk": the best RANKED_KEYS keys of the row, ascending
         ranked_base = bh * RANKED_KEYS
         ranked_len = RANKED_KEYS
@@ -281,10 +458,12 @@ def _fill_kernel(
         tl.store(heads_ptr + r_base + begin, tl.full([BLOCK_U], 1, dtype=tl.int8), mask=taken)
         total += tl.sum(size, 0)
         count += tl.sum(taken_i, 0)
-    # the rest of unit_ids is -1 (disjoint from the compacted writes, so no barrier)
-    for u0 in range((count // BLOCK_U) * BLOCK_U, U, BLOCK_U):
-        i = u0 + tl.arange(0, BLOCK_U)
-        tl.store(unit_ids_ptr + u_base + i, tl.full([BLOCK_U], -1, dtype=tl.int64), mask=(i >= count) & (i < U))
+    # the rest of unit_ids is -1 (disjoint from the compacted writes, so no barrier; the radix
+    # compaction's launch wrote -1 to the whole row already, over many programs)
+    if not RADIX:
+        for u0 in range((count // BLOCK_U) * BLOCK_U, U, BLOCK_U):
+            i = u0 + tl.arange(0, BLOCK_U)
+            tl.store(unit_ids_ptr + u_base + i, tl.full([BLOCK_U], -1, dtype=tl.int64), mask=(i >= count) & (i < U))
     tl.store(num_units_ptr + bh, count)
     tl.debug_barrier()
 
@@ -341,15 +520,13 @@ def select_budget(
         rows_per_sequence = programs // batch
     scores = scores.contiguous()
     sort_block = cand_block = 0
-    cand = scores  # not read unless the threshold select runs
+    cand = tied = radix_line = radix_state = scores  # not read unless the threshold or radix select runs
+    radix_line_len = 0
     ranking = RANKING
     if ranking == "auto":
         # in a conditional node's body the step re-selects somewhere: no row is ranked for nothing
         # on a reusing step, so the fastest ranking of a re-selecting row wins (as without take)
-        if take is not None and not graph_branch.in_conditional_body():
-            ranking = "full" if units <= _FULL_SORT_MAX else "threshold"
-        else:
-            ranking = "full" if units <= _FULL_SORT_MAX_WITHOUT_TAKE else "topk"
+        ranking = auto_ranking(units, take is not None and not graph_branch.in_conditional_body())
     if ranking not in RANKINGS:
         raise ValueError(f"triton select_budget: RANKING {RANKING!r}; accepted: auto, {', '.join(RANKINGS)}")
     ranked_keys = 0
@@ -369,11 +546,37 @@ def select_budget(
         ranked = torch.empty(programs, units, dtype=torch.int32, device=device)
         ranked_scores = scores  # not read
     else:
-        # threshold select: only the (at most R) units the fill can take are ranked
+        # threshold or radix select: only the (at most R) units the fill can take are ranked
         cand_block = triton.next_power_of_2(max(1, min(units, capacity)))
         ranked = torch.empty(programs, cand_block, dtype=torch.int32, device=device)
         cand = torch.empty(programs, cand_block, dtype=torch.long, device=device)
         ranked_scores = scores  # not read
+        if ranking == "radix":
+            chunk = min(_RADIX_CHUNK, triton.next_power_of_2(units))
+            chunks = triton.cdiv(units, chunk)
+            last_shift, last_bins, last_hist = _RADIX_PASSES[-1]
+            radix_line_len = _RADIX_TIES.value + chunks * last_bins
+            # histograms and counters start at zero (one memset); the per-row state (3 passes x
+            # 4 int32) and the tied units are written before they are read
+            radix_line = torch.zeros(programs, radix_line_len, dtype=torch.int32, device=device)
+            radix_state = torch.empty(programs, 12, dtype=torch.int32, device=device)
+            tied = torch.empty(programs, cand_block, dtype=torch.int32, device=device)
+            sizes = sizes.contiguous()
+            for level, (bit_shift, bins, hist) in enumerate(_RADIX_PASSES):
+                prev_shift, prev_bins, prev_hist = _RADIX_PASSES[level - 1] if level else (0, 1, 0)
+                _radix_hist_kernel[(programs, chunks)](
+                    scores, sizes, take, radix_line, radix_state,
+                    units, capacity, rows_per_sequence, radix_line_len, LEVEL=level,
+                    SHIFT=bit_shift, BINS=bins, HIST=hist, PREV_SHIFT=prev_shift, PREV_BINS=prev_bins,
+                    PREV_HIST=prev_hist, HAS_TAKE=take is not None, CHUNK=chunk, num_warps=_RADIX_NUM_WARPS,
+                )
+            _radix_compact_kernel[(programs, chunks)](
+                scores, sizes, take, radix_line, radix_state, cand, tied, unit_ids,
+                units, capacity, rows_per_sequence, chunks, radix_line_len,
+                LAST_SHIFT=last_shift, LAST_BINS=last_bins, LAST_HIST=last_hist, HAS_TAKE=take is not None,
+                CHUNK=chunk, CAND_BLOCK=cand_block, CHUNKS_BLOCK=triton.next_power_of_2(chunks),
+                num_warps=_RADIX_NUM_WARPS,
+            )
     # scratch: per program, R flags and one shift per taken unit (at most min(U, R) of them)
     heads = torch.empty(programs, capacity, dtype=torch.int8, device=device)
     shift_len = max(1, min(units, capacity))
@@ -381,11 +584,12 @@ def select_budget(
     _fill_kernel[(programs,)](
         scores, ranked, ranked_scores, sizes.contiguous(), starts.contiguous(), order.contiguous(), take,
         unit_ids, num_units, slots, slot_valid,
-        heads, shift, cand,
-        units, order.shape[-1], capacity, shift_len, rows_per_sequence, ranked_keys,
-        BLOCK_U=min(_THRESHOLD_BLOCK if cand_block else _BLOCK, triton.next_power_of_2(units)),
+        heads, shift, cand, tied, radix_line, radix_state,
+        units, order.shape[-1], capacity, shift_len, rows_per_sequence, ranked_keys, radix_line_len,
+        BLOCK_U=min(_THRESHOLD_BLOCK if ranking == "threshold" else _BLOCK, triton.next_power_of_2(units)),
         BLOCK_R=min(_BLOCK, triton.next_power_of_2(max(capacity, 1))),
         SORT_BLOCK=sort_block, HAS_TAKE=take is not None, CAND_BLOCK=cand_block,
-        num_warps=_SORT_NUM_WARPS if sort_block > 4096 else _NUM_WARPS,
+        RADIX=ranking == "radix", SMALL_SORT=min(_RADIX_SMALL_SORT, cand_block) if cand_block else 1,
+        num_warps=_SORT_NUM_WARPS if max(sort_block, cand_block) > 4096 else _NUM_WARPS,
     )
     return unit_ids, num_units, slots, slot_valid
