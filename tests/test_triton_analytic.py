@@ -302,16 +302,20 @@ def test_collision_candidates_band_bounds_are_exclusive(small_chunks, indexed, c
 # -- the fused rerank and final selection: rerank_select ----------------------------------------
 
 
-@pytest.fixture
-def small_select(monkeypatch):
-    """Several chunks, chunk blocks and finish blocks at interpreter sizes."""
+@pytest.fixture(params=["radix", "split", "torch"])
+def small_select(request, monkeypatch):
+    """Each method at interpreter sizes: several chunks (radix: 16-32 candidates each), steps
+    within a chunk, chunk blocks and finish blocks."""
     from kvpolicy.kernels.triton import rerank_select
 
     monkeypatch.setattr(rerank_select, "_CHUNK", 128)
-    monkeypatch.setattr(rerank_select, "_SCORE_SUB", 32)
+    monkeypatch.setattr(rerank_select, "_SCORE_SUB", 32 if request.param == "split" else 16)
     monkeypatch.setattr(rerank_select, "_SPLIT_SUB", 64)
     monkeypatch.setattr(rerank_select, "_CHUNK_BLOCK", 2)
     monkeypatch.setattr(rerank_select, "_BLOCK", 32)
+    monkeypatch.setattr(rerank_select, "_RADIX_PROGRAMS", 64)
+    monkeypatch.setattr(rerank_select, "_RADIX_SUB", 16)
+    monkeypatch.setattr(rerank_select, "METHOD", request.param)
     return rerank_select.rerank_select
 
 

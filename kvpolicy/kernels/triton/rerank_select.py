@@ -294,19 +294,278 @@ def _finish_kernel(
     tl.store(count_ptr + row, count.to(tl.int64))
 
 
-def rerank_select(
-    query_rotated: torch.Tensor,
-    codes: torch.Tensor,
-    weight: torch.Tensor,
-    norms: torch.Tensor,
-    candidates: torch.Tensor,
-    token_valid: torch.Tensor,
-    slots: torch.Tensor,
-    indexed: torch.Tensor,
-    next_position: torch.Tensor,
-    capacity: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(unit_ids, num_units, slots, valid)``; see ``reference_analytic.rerank_select``."""
+# -- the radix method: a multi-program radix select, 8 bits a level ------------------------------
+#
+# A key's 32 bits are four digits of 8 (the top digit's sign bit flipped, so the digits order as
+# the signed key does). Every level is a pass of rows x chunks programs; a row's histogram of the
+# level's digit is the sum of its chunks' (tl.histogram of 256 bins per program, then an atomic
+# add of the non-zero bins into the row's), so no program walks a whole row:
+#
+# 1. ``_radix_score_kernel``: the scores (codes, weight, norm read once), their keys, the top
+#    digit's histogram;
+# 2. ``_radix_level_kernel`` at levels 1-3: every program picks the previous digit from the row's
+#    histogram (the highest bin with at least ``need`` keys at or above it), then histograms the
+#    next digit of its keys that match the digits picked so far; the row's state (digits, need)
+#    is written once per row (chunk 0) for the next level;
+# 3. the same kernel at level 4: the last digit gives the threshold key ``T`` and how many keys
+#    equal to it are taken (the first by position); each program counts its keys above ``T`` and
+#    equal to it;
+# 4. ``_radix_place_kernel``: each program sums the counts of the chunks before it (at most
+#    ``_MAX_CHUNKS``), then writes its chosen candidates at their places in position order, and
+#    its share of the update buffer's rows and the -1 tail (chunk 0: the row's count).
+#
+# Per candidate: codes, weight, norm and position once (as the old rerank), the key written once
+# and read four times (4 bytes each); per program 256 histogram bins.
+
+_RADIX_BINS = 256
+_RADIX_LEVELS = 4
+# programs per call of each pass (about), and the most chunks a row (the place pass sums them)
+_RADIX_PROGRAMS = 4096
+_MAX_CHUNKS = 256
+# keys per step of the level and place passes
+_RADIX_SUB = 1024
+
+
+@triton.jit
+def _key_digit(key, LEVEL: tl.constexpr):
+    # digit LEVEL (0 = the top 8 bits) of an int32 key, as an unsigned 0..255 that orders as the key
+    digit = (key >> (24 - 8 * LEVEL)) & 255
+    if LEVEL == 0:
+        digit = digit ^ 128
+    return digit
+
+
+@triton.jit
+def _pick(hist, bins, need):
+    # the highest bin b with at least `need` counts in bins >= b (255 where need is 0), and the
+    # counts above it
+    at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+    level = tl.max(tl.where(at_least >= need, bins, 0), axis=0)
+    return level, tl.sum(tl.where(bins > level, hist, 0), axis=0)
+
+
+@triton.jit
+def _radix_score_kernel(
+    query_ptr, codes_ptr, weight_ptr, norms_ptr, cand_ptr, keys_ptr, row_hist_ptr,
+    H, W,
+    q_sb, q_sh, q_sd,
+    code_sb, code_sh, code_sn, code_sd,
+    weight_sb, weight_sh, weight_sn,
+    norm_sb, norm_sh, norm_sn,
+    cand_sb, cand_sh, cand_sc,
+    values_ptr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+    BINS: tl.constexpr, LEVELS: tl.constexpr, WIDE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    b = row // H
+    h = row % H
+    i = tl.arange(0, BLOCK_HALF)
+    in_i = i < HALF
+    # coordinate 2i is byte i's low nibble, 2i + 1 its high nibble
+    q_base = query_ptr + b * q_sb + h * q_sh
+    q_even = tl.load(q_base + (2 * i) * q_sd, mask=in_i, other=0.0).to(tl.float32)
+    q_odd = tl.load(q_base + (2 * i + 1) * q_sd, mask=in_i, other=0.0).to(tl.float32)
+    unlisted = tl.full([SUB], -2147483648, tl.int32)
+    bins = tl.arange(0, BINS)
+    hist = tl.zeros([BINS], dtype=tl.int32)
+    for s0 in range(0, CHUNK, SUB):
+        c = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
+        in_c = c < W
+        cand = tl.load(cand_ptr + b * cand_sb + h * cand_sh + c * cand_sc, mask=in_c, other=-1).to(tl.int64)
+        listed = cand >= 0
+        token = tl.where(listed, cand, 0)
+        rows = listed[:, None] & in_i[None, :]
+        packed = tl.load(
+            codes_ptr + b * code_sb + h * code_sh + token[:, None] * code_sn + i[None, :] * code_sd,
+            mask=rows, other=0,
+        ).to(tl.int32)
+        low_val = tl.load(values_ptr + (packed & 15))
+        high_val = tl.load(values_ptr + (packed >> 4))
+        terms = low_val * q_even[None, :] + high_val * q_odd[None, :]
+        dot = tl.sum(tl.where(rows, terms, 0.0), axis=1)
+        weight = tl.load(weight_ptr + b * weight_sb + h * weight_sh + token * weight_sn, mask=listed, other=0.0)
+        norm = tl.load(norms_ptr + b * norm_sb + h * norm_sh + token * norm_sn, mask=listed, other=0.0)
+        score = weight.to(tl.float32) * norm.to(tl.float32) * dot + 0.0  # + 0.0: -0.0 ties +0.0
+        # -inf (and NaN) scores are never chosen, as the reference's unlisted -inf
+        listed = listed & (score > float("-inf"))
+        bits = score.to(tl.int32, bitcast=True)
+        key = tl.where(listed, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), unlisted)
+        if WIDE:
+            # (key, then the lower index first) as one int64 for torch.topk: unique, so its order is fixed
+            wide = (key.to(tl.int64) << 32) | (4294967295 - c)
+            tl.store(keys_ptr + row * W + c, wide, mask=in_c)
+        else:
+            tl.store(keys_ptr + row * W + c, key, mask=in_c)
+            ok = in_c & listed
+            hist += tl.histogram(tl.where(ok, _key_digit(key, 0), 0), BINS)
+            # the unlisted and the padding went to bin 0: take them out
+            hist -= tl.where(bins == 0, SUB - tl.sum(ok.to(tl.int32), axis=0), 0)
+    if not WIDE:
+        tl.atomic_add(row_hist_ptr + row * LEVELS * BINS + bins, hist, mask=hist != 0)
+
+
+@triton.jit
+def _radix_level_kernel(
+    keys_ptr, row_hist_ptr, state_ptr, counts_ptr, indexed_ptr, next_ptr,
+    W, CHUNKS, R,
+    LEVEL: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr, LEVELS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    bins = tl.arange(0, BINS)
+    three = tl.arange(0, 4)
+    # the state after the previous levels: the key's digits picked so far, the keys still to take
+    hist = tl.load(row_hist_ptr + (row * LEVELS + LEVEL - 1) * BINS + bins)
+    if LEVEL == 1:
+        buffered = tl.minimum(tl.maximum(tl.load(next_ptr) - tl.load(indexed_ptr), 0), R).to(tl.int32)
+        take = tl.minimum(R - buffered, tl.sum(hist, axis=0))
+        prefix = take * 0
+        need = take
+    else:
+        state = tl.load(state_ptr + (row * (LEVELS + 1) + LEVEL - 1) * 4 + three)
+        prefix = tl.sum(tl.where(three == 0, state, 0), axis=0)
+        need = tl.sum(tl.where(three == 1, state, 0), axis=0)
+        take = tl.sum(tl.where(three == 2, state, 0), axis=0)
+    digit, above = _pick(hist, bins, need)
+    if LEVEL == 1:
+        digit_bits = digit ^ 128
+    else:
+        digit_bits = digit
+    prefix = prefix | (digit_bits << (32 - 8 * LEVEL))
+    need = need - above
+    if chunk == 0:
+        tl.store(state_ptr + (row * (LEVELS + 1) + LEVEL) * 4 + three,
+                 tl.where(three == 0, prefix, tl.where(three == 1, need, tl.where(three == 2, take, 0))))
+    if LEVEL < LEVELS:
+        # the next digit's histogram of the keys whose higher digits are the picked ones
+        high = -(1 << (32 - 8 * LEVEL))  # the bits picked so far
+        unlisted = tl.full([SUB], -2147483648, tl.int32)
+        hist = tl.zeros([BINS], dtype=tl.int32)
+        for s0 in range(0, CHUNK, SUB):
+            c = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
+            in_c = c < W
+            key = tl.load(keys_ptr + row * W + c, mask=in_c, other=-2147483648)
+            match = in_c & (key != unlisted) & ((key & high) == prefix)
+            hist += tl.histogram(tl.where(match, _key_digit(key, LEVEL), 0), BINS)
+            hist -= tl.where(bins == 0, SUB - tl.sum(match.to(tl.int32), axis=0), 0)
+        tl.atomic_add(row_hist_ptr + (row * LEVELS + LEVEL) * BINS + bins, hist, mask=hist != 0)
+    else:
+        # prefix is the threshold key: count this chunk's keys above it and equal to it
+        unlisted = tl.full([SUB], -2147483648, tl.int32)
+        over = 0
+        tied = 0
+        for s0 in range(0, CHUNK, SUB):
+            c = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
+            in_c = c < W
+            key = tl.load(keys_ptr + row * W + c, mask=in_c, other=-2147483648)
+            listed = in_c & (key != unlisted)
+            over += tl.sum((listed & (key > prefix)).to(tl.int32), axis=0)
+            tied += tl.sum((listed & (key == prefix)).to(tl.int32), axis=0)
+        two = tl.arange(0, 2)
+        tl.store(counts_ptr + (row * CHUNKS + chunk) * 2 + two, tl.where(two == 0, over, tied))
+
+
+@triton.jit
+def _radix_place_kernel(
+    keys_ptr, cand_ptr, state_ptr, counts_ptr, token_valid_ptr, slots_ptr, indexed_ptr, next_ptr,
+    ids_ptr, out_slots_ptr, valid_ptr, count_ptr,
+    H, W, CHUNKS, R, N, FILL,
+    cand_sb, cand_sh, cand_sc, valid_sb, valid_sn, slot_s,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, CHUNKS_BLOCK: tl.constexpr, LEVELS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    b = row // H
+    h = row % H
+    three = tl.arange(0, 4)
+    state = tl.load(state_ptr + (row * (LEVELS + 1) + LEVELS) * 4 + three)
+    threshold = tl.sum(tl.where(three == 0, state, 0), axis=0)
+    need_equal = tl.sum(tl.where(three == 1, state, 0), axis=0)
+    take = tl.sum(tl.where(three == 2, state, 0), axis=0)
+    indexed = tl.load(indexed_ptr)
+    buffered = tl.minimum(tl.maximum(tl.load(next_ptr) - indexed, 0), R).to(tl.int32)
+    # the chunks before this one: their keys above the threshold, and their share of the equal
+    # ones (the first need_equal by position)
+    others = tl.arange(0, CHUNKS_BLOCK)
+    in_others = others < CHUNKS
+    over = tl.load(counts_ptr + (row * CHUNKS + others) * 2, mask=in_others, other=0)
+    tied = tl.load(counts_ptr + (row * CHUNKS + others) * 2 + 1, mask=in_others, other=0)
+    taken = tl.minimum(tl.maximum(need_equal - (tl.cumsum(tied, axis=0) - tied), 0), tied)
+    before = others < chunk
+    placed = buffered + tl.sum(tl.where(before, over + taken, 0), axis=0)
+    my_taken = tl.sum(tl.where(others == chunk, taken, 0), axis=0)
+    unlisted = tl.full([SUB], -2147483648, tl.int32)
+    out_ids = ids_ptr + row * R
+    out_slots = out_slots_ptr + row * R
+    out_valid = valid_ptr + row * R
+    equal_seen = 0
+    for s0 in range(0, CHUNK, SUB):
+        c = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
+        in_c = c < W
+        key = tl.load(keys_ptr + row * W + c, mask=in_c, other=-2147483648)
+        listed = in_c & (key != unlisted)
+        equal = (listed & (key == threshold)).to(tl.int32)
+        equal_rank = equal_seen + tl.cumsum(equal, axis=0) - equal
+        chosen = ((listed & (key > threshold)) | ((equal != 0) & (equal_rank < my_taken))).to(tl.int32)
+        at = placed + tl.cumsum(chosen, axis=0) - chosen
+        position = tl.load(cand_ptr + b * cand_sb + h * cand_sh + c * cand_sc, mask=chosen != 0, other=0).to(tl.int64)
+        tl.store(out_ids + at, position, mask=chosen != 0)
+        tl.store(out_slots + at, tl.load(slots_ptr + position * slot_s, mask=chosen != 0, other=0), mask=chosen != 0)
+        tl.store(out_valid + at, tl.full([SUB], 1, tl.int8), mask=chosen != 0)
+        equal_seen += tl.sum(equal, axis=0)
+        placed += tl.sum(chosen, axis=0)
+    # this chunk's share of the rows: the update buffer's, then the empty tail past the chosen ones
+    lanes = tl.arange(0, BLOCK)
+    filled = buffered + take
+    for f0 in range(0, FILL, BLOCK):
+        r = chunk * FILL + f0 + lanes
+        mine = (f0 + lanes < FILL) & (r < R)
+        in_buffer = mine & (r < buffered)
+        empty = mine & (r >= filled)
+        position = tl.minimum(indexed + r, N - 1)
+        valid = tl.load(token_valid_ptr + b * valid_sb + position * valid_sn, mask=in_buffer, other=0) != 0
+        position = tl.where(in_buffer, position, 0)
+        write = in_buffer | empty
+        tl.store(out_ids + r, tl.where(valid, position, -1), mask=write)
+        tl.store(out_slots + r, tl.load(slots_ptr + position * slot_s, mask=write, other=0), mask=write)
+        tl.store(out_valid + r, valid.to(tl.int8), mask=write)
+    if chunk == 0:  # the row's count: the chosen ones and the buffer's valid rows
+        count = take
+        for r0 in range(0, R, BLOCK):
+            r = r0 + lanes
+            in_buffer = r < buffered
+            position = tl.minimum(indexed + r, N - 1)
+            valid = tl.load(token_valid_ptr + b * valid_sb + position * valid_sn, mask=in_buffer, other=0) != 0
+            count += tl.sum(valid.to(tl.int32), axis=0)
+        tl.store(count_ptr + row, count.to(tl.int64))
+
+
+# which method ranks a call (see the module docstring): "auto" picks by the candidates per row,
+# from _METHOD_BY_WIDTH: (the fewest candidates a row, method) pairs, ascending; the last whose
+# bound the width reaches wins. Not yet measured on a GPU: radix everywhere, an estimate
+# (benchmarks/pariskv_select.py times all three; fill this table from its output)
+METHOD = "auto"
+METHODS = ("radix", "split", "torch")
+_METHOD_BY_WIDTH = ((0, "radix"),)
+
+
+def method_for(width: int) -> str:
+    """The method ``METHOD`` names for ``width`` candidates a row ("auto": ``_METHOD_BY_WIDTH``)."""
+    if METHOD != "auto":
+        if METHOD not in METHODS:
+            raise ValueError(f"triton rerank_select: METHOD {METHOD!r}; accepted: auto, {', '.join(METHODS)}")
+        return METHOD
+    chosen = _METHOD_BY_WIDTH[0][1]
+    for bound, method in _METHOD_BY_WIDTH:
+        if width >= bound:
+            chosen = method
+    return chosen
+
+
+def _check(query_rotated, codes, weight, norms, candidates, token_valid, slots, indexed, next_position):
     batch, heads, n, half = codes.shape
     width = candidates.shape[-1]
     if (tuple(query_rotated.shape) != (batch, heads, 2 * half) or tuple(weight.shape) != (batch, heads, n)
@@ -320,6 +579,159 @@ def rerank_select(
         )
     if width >= 1 << 28 or n >= 1 << 31:  # list offsets (4 ints an entry) stay int32
         raise ValueError(f"triton rerank_select: {width} candidates over {n} positions exceed its int32 lists")
+
+
+def rerank_select(
+    query_rotated: torch.Tensor,
+    codes: torch.Tensor,
+    weight: torch.Tensor,
+    norms: torch.Tensor,
+    candidates: torch.Tensor,
+    token_valid: torch.Tensor,
+    slots: torch.Tensor,
+    indexed: torch.Tensor,
+    next_position: torch.Tensor,
+    capacity: int,
+    method: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(unit_ids, num_units, slots, valid)``; see ``reference_analytic.rerank_select``.
+
+    ``method``: "radix", "split" or "torch" (the module docstring); None: ``method_for(width)``.
+    """
+    args = (query_rotated, codes, weight, norms, candidates, token_valid, slots, indexed, next_position)
+    _check(*args)
+    method = method or method_for(candidates.shape[-1])
+    if method == "radix":
+        return _radix(*args, int(capacity))
+    if method == "split":
+        return _split(*args, int(capacity))
+    if method == "torch":
+        return _torch_topk(*args, int(capacity))
+    raise ValueError(f"triton rerank_select: method {method!r}; accepted: {', '.join(METHODS)}")
+
+
+def _outputs(batch, heads, capacity, device):
+    return (torch.empty(batch, heads, capacity, dtype=torch.long, device=device),
+            torch.empty(batch, heads, capacity, dtype=torch.long, device=device),
+            torch.empty(batch, heads, capacity, dtype=torch.bool, device=device),
+            torch.empty(batch, heads, dtype=torch.long, device=device))
+
+
+def _score_launch(query_rotated, codes, weight, norms, candidates, keys, row_hist, chunk, chunks, wide):
+    batch, heads, n, half = codes.shape
+    width = candidates.shape[-1]
+    values = nibble_values(2 * half, codes.device)  # cached on the device
+    _radix_score_kernel[(batch * heads, chunks)](
+        query_rotated, codes, weight, norms, candidates, keys, row_hist,
+        heads, width,
+        *query_rotated.stride(), *codes.stride(), *weight.stride(), *norms.stride(), *candidates.stride(),
+        values,
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), CHUNK=chunk, SUB=min(chunk, _SCORE_SUB),
+        BINS=_RADIX_BINS, LEVELS=_RADIX_LEVELS, WIDE=wide,
+    )
+
+
+def radix_chunk(rows: int, width: int) -> int:
+    """Candidates per program of the radix method's passes: about ``_RADIX_PROGRAMS`` programs a
+    call, at most ``_MAX_CHUNKS`` chunks a row, at least ``_SCORE_SUB``."""
+    chunk = triton.next_power_of_2(triton.cdiv(max(1, rows * width), _RADIX_PROGRAMS))
+    chunk = max(chunk, triton.next_power_of_2(triton.cdiv(max(1, width), _MAX_CHUNKS)))
+    return max(_SCORE_SUB, min(chunk, triton.next_power_of_2(max(1, width))))
+
+
+def _radix(query_rotated, codes, weight, norms, candidates, token_valid, slots, indexed, next_position, capacity):
+    batch, heads, n, half = codes.shape
+    width = candidates.shape[-1]
+    device = codes.device
+    rows = batch * heads
+    ids, out_slots, valid, count = _outputs(batch, heads, capacity, device)
+    if rows == 0 or capacity == 0:
+        return ids, count.zero_(), out_slots, valid
+    chunk = radix_chunk(rows, width)
+    chunks = max(1, triton.cdiv(width, chunk))
+    keys = torch.empty(rows, max(1, width), dtype=torch.int32, device=device)
+    row_hist = torch.zeros(rows, _RADIX_LEVELS, _RADIX_BINS, dtype=torch.int32, device=device)
+    state = torch.empty(rows, _RADIX_LEVELS + 1, 4, dtype=torch.int32, device=device)
+    counts = torch.empty(rows, chunks, 2, dtype=torch.int32, device=device)
+    _score_launch(query_rotated, codes, weight, norms, candidates, keys, row_hist, chunk, chunks, False)
+    sub = min(chunk, _RADIX_SUB)
+    for level in range(1, _RADIX_LEVELS + 1):
+        _radix_level_kernel[(rows, chunks)](
+            keys, row_hist, state, counts, indexed, next_position,
+            width, chunks, capacity,
+            LEVEL=level, CHUNK=chunk, SUB=sub, BINS=_RADIX_BINS, LEVELS=_RADIX_LEVELS,
+        )
+    valid_bytes = valid.view(torch.int8)
+    token_bytes = token_valid.view(torch.uint8) if token_valid.dtype == torch.bool else token_valid
+    _radix_place_kernel[(rows, chunks)](
+        keys, candidates, state, counts, token_bytes, slots, indexed, next_position,
+        ids, out_slots, valid_bytes, count,
+        heads, width, chunks, capacity, n, triton.cdiv(capacity, chunks),
+        *candidates.stride(), *token_bytes.stride(), slots.stride(0),
+        CHUNK=chunk, SUB=sub, CHUNKS_BLOCK=triton.next_power_of_2(chunks), LEVELS=_RADIX_LEVELS,
+        BLOCK=min(_BLOCK, triton.next_power_of_2(capacity)),
+    )
+    return ids, count, out_slots, valid
+
+
+def _torch_topk(query_rotated, codes, weight, norms, candidates, token_valid, slots, indexed, next_position,
+                capacity):
+    """The scores as unique int64 keys (one launch), ``torch.topk`` of the best ``capacity``, then
+    the buffer-first composition in PyTorch (the reference's steps)."""
+    batch, heads, n, half = codes.shape
+    width = candidates.shape[-1]
+    device = codes.device
+    rows = batch * heads
+    if rows == 0 or capacity == 0 or width == 0:
+        # nothing listed: the reference's composition of an empty ranking
+        best = torch.full((batch, heads, 0), n, dtype=torch.long, device=device)
+        return _compose(best, token_valid, slots, indexed, next_position, capacity, n)
+    keys = torch.empty(rows, width, dtype=torch.int64, device=device)
+    chunk = radix_chunk(rows, width)
+    _score_launch(query_rotated, codes, weight, norms, candidates, keys, keys, chunk,
+                  triton.cdiv(width, chunk), True)
+    best = torch.topk(keys, min(capacity, width), dim=-1, sorted=True).values  # best first
+    buffered = (next_position - indexed).clamp(min=0, max=capacity)
+    rank = torch.arange(best.shape[-1], device=device)
+    chosen = (rank < capacity - buffered) & ((best >> 32) > -(1 << 31))
+    index = (4294967295 - (best & 4294967295)).clamp(max=width - 1)
+    position = candidates.reshape(rows, width).gather(1, index)
+    picked = torch.where(chosen, position, n).sort(-1).values.view(batch, heads, -1)  # by position, n = none
+    return _compose(picked, token_valid, slots, indexed, next_position, capacity, n)
+
+
+def _compose(picked, token_valid, slots, indexed, next_position, capacity, n):
+    """``reference_analytic.rerank_select``'s rows from the chosen positions by position (n = none)."""
+    batch, heads = picked.shape[:2]
+    device = picked.device
+    if picked.shape[-1] < capacity:
+        picked = torch.nn.functional.pad(picked, (0, capacity - picked.shape[-1]), value=n)
+    buffered = (next_position - indexed).clamp(min=0, max=capacity)
+    room = torch.arange(capacity, device=device)
+    from_buffer = room < buffered
+    buffer_position = (indexed + room).clamp(max=n - 1)
+    retrieved = picked.gather(-1, (room - buffered).clamp(min=0).expand(batch, heads, capacity))
+    position = torch.where(from_buffer, buffer_position, retrieved)
+    buffer_valid = token_valid.gather(1, buffer_position.expand(batch, capacity))
+    valid = torch.where(from_buffer, buffer_valid.view(batch, 1, capacity), retrieved < n)
+    position = torch.where(position < n, position, 0)
+    return torch.where(valid, position, -1), valid.sum(-1), slots[position], valid
+
+
+def _split(
+    query_rotated: torch.Tensor,
+    codes: torch.Tensor,
+    weight: torch.Tensor,
+    norms: torch.Tensor,
+    candidates: torch.Tensor,
+    token_valid: torch.Tensor,
+    slots: torch.Tensor,
+    indexed: torch.Tensor,
+    next_position: torch.Tensor,
+    capacity: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch, heads, n, half = codes.shape
+    width = candidates.shape[-1]
     device = codes.device
     capacity = int(capacity)
     rows = batch * heads
