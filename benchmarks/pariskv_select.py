@@ -18,14 +18,20 @@ Per layer (Qwen3-8B shape by default: 8 KV heads, 32 query heads, head_dim 128, 
   of the largest context, in GB/s, against a plain pinned host-to-device copy of the same
   bytes measured in the same run.
 
-The index is random (ids, codes, weights): timing only, no accuracy. Usage (GPU, ~2 min):
+Also, on the fused path, each of ``rerank_select``'s methods (``radix``, ``split``, ``torch``;
+``kvpolicy/kernels/triton/rerank_select.py``) alone and as the whole selection's last op, and
+the device time of every kernel the selection launches (``torch.profiler``, median over the
+repeats, in launch order), printed as one table per size.
+
+The index is random (ids, codes, weights): timing only, no accuracy. Usage (GPU, ~3 min):
 
     python3 benchmarks/pariskv_select.py --json pariskv_select.json
     python3 benchmarks/pariskv_select.py --contexts 131072 --batches 4 --no-gather
 
 ``--device cpu`` runs the same code eagerly at toy sizes (wall clock, reference backend unless
 ``--backend triton`` under ``TRITON_INTERPRET=1``) to check that it runs; its figures mean
-nothing.
+nothing. ``--smoke`` is that check with the Triton kernels at a tiny size (needs
+``TRITON_INTERPRET=1`` without a GPU): ``TRITON_INTERPRET=1 python3 benchmarks/pariskv_select.py --smoke``.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 
@@ -45,6 +53,7 @@ from kvpolicy.selectors import CollisionRerank
 from kvpolicy.units.analytic_index import AnalyticIndex
 
 FUSED_OPS = ("query_votes", "collision_candidates", "rerank_select")
+RERANK_METHODS = ("radix", "split", "torch")
 
 
 def _ints(text: str) -> list[int]:
@@ -71,7 +80,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", default=None, help="kernel backend (default: triton on cuda, reference on cpu)")
     parser.add_argument("--no-gather", action="store_true", help="skip the pinned gather")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a tiny CPU run of the Triton kernels under TRITON_INTERPRET=1 (checks that it runs)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            parser.error("--smoke runs the Triton kernels on the CPU: set TRITON_INTERPRET=1")
+        args.device, args.backend = "cpu", "triton"
+        args.contexts, args.batches, args.kv_heads, args.q_heads = [900], [1], 2, 4
+        args.head_dim, args.budget, args.update_buffer, args.repeats = 32, 160, 8, 1
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here (use --device cpu for a toy run)")
     if args.q_heads % args.kv_heads:
@@ -142,6 +159,47 @@ def count_kernels(fn: Callable[[], object], device: torch.device) -> int | None:
     return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def kernel_times(fn: Callable[[], object], device: torch.device, repeats: int) -> list[tuple[str, float]] | None:
+    """``(kernel name, median us)`` for each kernel one eager call of ``fn`` launches, in launch
+    order: ``repeats`` calls under torch.profiler, the k-th kernel of every call grouped (its
+    device time, without launch gaps). On the CPU (a toy run) the top-level CPU ops instead, so
+    the code runs; their figures mean nothing. None where the calls launch different numbers of
+    kernels (then the grouping would be wrong)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    repeats = max(1, repeats)
+    fn()  # compiled and warm
+    if cuda:
+        torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(repeats):
+            fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+    if cuda:
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:
+        events = [e for e in prof.events() if e.cpu_parent is None]
+    events.sort(key=lambda e: e.time_range.start)
+    if not events or len(events) % repeats:
+        return None
+    per_call = len(events) // repeats
+    slots = [[] for _ in range(per_call)]
+    for at, event in enumerate(events):
+        slots[at % per_call].append(event)
+    if any(len({e.name for e in slot}) != 1 for slot in slots):
+        return None
+    return [(slot[0].name, statistics.median(e.time_range.elapsed_us() for e in slot)) for slot in slots]
+
+
+def _short(name: str) -> str:
+    """A kernel's name without its C++ template arguments and signature."""
+    short = name.replace("(anonymous namespace)", "").removeprefix("void ")
+    short = short.split("(")[0].split("<")[0].strip()
+    return short.split("::")[-1] or name
+
+
 def _timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]], float]:
     if device.type == "cuda":
         return lambda fn: time_replay_ms(fn, device, repeats)
@@ -209,10 +267,16 @@ def measure_selection(args: argparse.Namespace, batch: int, context: int, device
             keep = reference_analytic.candidate_count(voted[:, 0].sum(-1), *rule)
             candidates = torch.where(torch.arange(width, device=device) < keep.view(batch, 1, 1),
                                      ops.candidate_topk(votes, width, max_votes), -1)
+        methods: dict[str, dict] = {}
+        profile = None
         if fused:
             select_args = (rotated, index.codes, index.weight, index.norms, candidates, index.token_valid,
                            index.slots, index.indexed, index.next_position, retrieval)
             parts["rerank_select"] = timed(lambda: ops.rerank_select(*select_args))
+            profile = kernel_times(lambda: selector.select(query, index, retrieval, ops), device, args.repeats)
+            if args.backend == "triton":
+                methods = measure_methods(args, select_args, lambda: selector.select(query, index, retrieval, ops),
+                                          device)
         else:
             parts["rerank"] = timed(lambda: ops.rerank(rotated, index.codes, index.weight, index.norms, candidates,
                                                        retrieval))
@@ -233,8 +297,44 @@ def measure_selection(args: argparse.Namespace, batch: int, context: int, device
             "votes_part_id_gbps": id_bytes / votes_ms / 1e6,
             # a leaving token's write into the index (every decode step, beside the selection)
             "append_ms": measure_append(args, batch, device, ops, fused),
+            # the device time of each kernel of the whole selection (fused path), launch order
+            "kernels_us": profile,
+            # rerank_select's methods: alone, as the selection's last op, and their kernels
+            "methods": methods,
         })
     return rows
+
+
+def measure_methods(args: argparse.Namespace, select_args: tuple, select: Callable[[], object],
+                    device: torch.device) -> dict[str, dict]:
+    """Per method of the Triton ``rerank_select``: its ms alone and the whole selection's with it
+    (replays on a GPU), its kernels' device times, and whether its rows equal the radix method's
+    (they must: each matches the reference)."""
+    from kvpolicy.kernels.triton import rerank_select as module
+
+    timed = _timer(device, args.repeats)
+    saved = module.METHOD
+    results = {}
+    first = None
+    try:
+        for method in RERANK_METHODS:
+            module.METHOD = method
+            out = module.rerank_select(*select_args)
+            same = None
+            if first is None:
+                first = out
+            else:
+                same = all(torch.equal(a, b) for a, b in zip(out, first))
+            results[method] = {
+                "ms": timed(lambda: module.rerank_select(*select_args)),
+                "select_ms": timed(select),
+                "kernels_us": kernel_times(lambda: module.rerank_select(*select_args), device, args.repeats),
+                "equals_radix": same,
+            }
+    finally:
+        module.METHOD = saved
+    results["auto"] = {"method": module.method_for(select_args[4].shape[-1])}
+    return results
 
 
 @torch.inference_mode()
@@ -297,10 +397,51 @@ def print_table(results: dict) -> None:
               f"({row['candidates_per_row']} candidates/row; ids at {row['id_gbps']:.0f} GB/s, "
               f"{row['votes_part_id_gbps']:.0f} in the votes part)  [{parts}]; "
               f"append {row['append_ms']:.3f} ms")
+    for row in results["selection"]:
+        print_kernels(row, results["device_type"] == "cuda")
     for row in results["gather"]:
         print(f"  gather {_label(row['context']):>5s} x{row['batch']} {row['order']:>9s} rows: {row['gbps']:.1f} GB/s "
               f"({row['bytes'] / 1e6:.1f} MB in {row['ms']:.3f} ms); plain H2D copy of the same bytes "
               f"{row['copy_gbps']:.1f} GB/s ({row['gbps'] / row['copy_gbps']:.2f}x)")
+
+
+# kernels printed a list (all go to --json)
+_LISTED = 40
+
+
+def print_kernels(row: dict, cuda: bool) -> None:
+    """One table a size (fused path): the selection's kernels, then rerank_select's methods."""
+    if row["path"] != "fused":
+        return
+    what = "us of device time" if cuda else "us of CPU ops (toy run: the figures mean nothing)"
+    print(f"  {_label(row['context'])} x{row['batch']}, {row['candidates_per_row']} candidates/row, "
+          f"R {row['retrieval']}: kernels of the whole selection (fused, rerank_select auto), {what} "
+          f"(median of the repeats)")
+    if row["kernels_us"] is None:
+        print("    (not profiled: the calls launched different kernels)")
+    else:
+        for name, us in row["kernels_us"][:_LISTED]:
+            print(f"    {_short(name):<40s} {us:9.1f}")
+        if len(row["kernels_us"]) > _LISTED:
+            print(f"    ... {len(row['kernels_us']) - _LISTED} more")
+        print(f"    {'sum of kernels':<40s} {sum(us for _, us in row['kernels_us']):9.1f}   "
+              f"(replay of the whole: {1e3 * row['ms']:.1f})")
+    methods = {k: v for k, v in row.get("methods", {}).items() if k != "auto"}
+    if not methods:
+        return
+    auto = row["methods"].get("auto", {}).get("method")
+    print(f"    rerank_select by method (auto picks {auto}): replay us alone | whole selection | "
+          f"sum of its kernels | equal to radix's rows")
+    for method, m in methods.items():
+        kernels = m["kernels_us"]
+        total = "-" if kernels is None else f"{sum(us for _, us in kernels):.1f}"
+        same = "-" if m["equals_radix"] is None else str(m["equals_radix"])
+        print(f"      {method:<8s} {1e3 * m['ms']:9.1f} | {1e3 * m['select_ms']:9.1f} | {total:>9s} | {same}")
+    for method, m in methods.items():
+        if m["kernels_us"] is not None:
+            text = ", ".join(f"{_short(name)} {us:.1f}" for name, us in m["kernels_us"][:_LISTED])
+            more = len(m["kernels_us"]) - _LISTED
+            print(f"      {method} kernels: {text}{f', ... {more} more' if more > 0 else ''}")
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

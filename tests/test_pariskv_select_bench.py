@@ -32,6 +32,9 @@ def test_a_toy_run_writes_both_paths_and_the_gather(bench, tmp_path):
     assert fused["parts_ms"].keys() == {"query_votes", "collision_candidates", "rerank_select", "rest", "old_rerank"}
     assert composed["parts_ms"].keys() == {"encode_query", "collision_count", "candidate_topk", "rerank", "rest"}
     assert fused["append_ms"] > 0 and composed["append_ms"] > 0
+    # the per-kernel profile (CPU ops on a toy run) and, with the reference backend, no methods
+    assert fused["kernels_us"] and all(isinstance(name, str) and us >= 0 for name, us in fused["kernels_us"])
+    assert fused["methods"] == {} and composed["kernels_us"] is None
     # the length rule below 5K tokens: half the zone, over both paths
     assert fused["candidates_per_row"] == composed["candidates_per_row"] == 450
     assert [row["order"] for row in results["gather"]] == ["random", "sorted", "selection"]
@@ -60,3 +63,17 @@ def test_the_default_device_needs_cuda(bench, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args([])
     assert "no CUDA device here (use --device cpu" in capsys.readouterr().err
+
+
+def test_kernel_times_groups_the_kth_kernel_of_every_call(bench):
+    calls = []
+
+    def fn():
+        calls.append(1)
+        torch.ones(3).add_(1).sum()
+
+    times = bench.kernel_times(fn, torch.device("cpu"), 3)
+    assert len(calls) == 4  # a warm-up call, then the repeats
+    assert [name for name, _ in times] == ["aten::ones", "aten::add_", "aten::sum"]
+    assert bench._short("void at::native::(anonymous namespace)::sort<float>(int, float*)") == "sort"
+    assert bench._short("_radix_level_kernel") == "_radix_level_kernel"
