@@ -42,12 +42,12 @@ def sq_dist(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return (x.double() - c.double()).pow(2).sum(-1)
 
 
-def assert_matches_reference(keys, valid, clusters, iters, *, exact=False, tol=1e-4):
+def assert_matches_reference(keys, valid, clusters, iters, *, exact=False, tol=1e-4, **options):
     """Valid tokens' labels agree (all of them if ``exact``, else >= 99% and any other is a
-    near-tie), and centroids agree where every label does."""
+    near-tie), and centroids agree where every label does. ``options``: ``init``, ``precision``."""
     keys, valid = keys.to(DEVICE), valid.to(DEVICE)
-    labels, centroids = triton_kmeans()(keys, valid, clusters, iters)
-    ref_labels, ref_centroids = reference.kmeans(keys, valid, clusters, iters)
+    labels, centroids = triton_kmeans()(keys, valid, clusters, iters, **options)
+    ref_labels, ref_centroids = reference.kmeans(keys, valid, clusters, iters, **options)
     batch, heads, n, dim = keys.shape
     assert labels.shape == (batch, heads, n) and labels.dtype == torch.long
     assert centroids.shape == (batch, heads, clusters, dim) and centroids.dtype == torch.float32
@@ -59,9 +59,11 @@ def assert_matches_reference(keys, valid, clusters, iters, *, exact=False, tol=1
         assert differ.sum() <= 0.01 * mask.sum(), f"{int(differ.sum())} of {int(mask.sum())} labels differ"
     if differ.any():
         # the last labels were assigned against the centroids of the iteration before
-        _, before = reference.kmeans(keys, valid, clusters, iters - 1)
+        _, before = reference.kmeans(keys, valid, clusters, iters - 1, **options)
         b, h, i = differ.nonzero(as_tuple=True)
         x = keys[b, h, i].double()
+        if options.get("precision") == "bf16":  # distances to the rounded centroid, from the rounded key
+            before, x = before.to(torch.bfloat16).float(), x.to(torch.bfloat16).double()
         mine, theirs = sq_dist(x, before[b, h, labels[b, h, i]]), sq_dist(x, before[b, h, ref_labels[b, h, i]])
         scale = x.pow(2).sum(-1) + before[b, h].double().pow(2).sum(-1).mean(-1)
         assert ((mine - theirs).abs() <= tol * scale).all(), (mine - theirs).abs().max()
@@ -183,3 +185,146 @@ def test_cuda_offsets_past_int32():
     nearest = torch.cdist(tail, init[0, 0]).argmin(-1)
     assert (labels[0, 0, -4096:] == nearest).float().mean() > 0.99
     assert torch.isfinite(centroids).all()
+
+
+# ---- init="pages" and precision="bf16" (the cheaper prompt clustering, issue 12 item 5) ----
+
+
+def page_means(keys, valid, clusters):
+    """The pages' mean keys computed one page at a time, from the definition: the valid tokens
+    of rank r in [j * count / C, (j + 1) * count / C) (integer division as r * C // count)."""
+    batch, heads, n, dim = keys.shape
+    out = torch.empty(batch, heads, clusters, dim, dtype=torch.float64)
+    pages = torch.full((batch, n), -1, dtype=torch.long)
+    for b in range(batch):
+        positions = valid[b].nonzero().flatten().tolist()
+        count = len(positions)
+        members = [[] for _ in range(clusters)]
+        for rank, position in enumerate(positions):
+            members[rank * clusters // count].append(position)
+            pages[b, position] = rank * clusters // count
+        for j, rows in enumerate(members):
+            if rows:
+                out[b, :, j] = keys[b, :, rows].double().mean(1)
+            else:  # an empty page keeps the spaced initial token
+                out[b, :, j] = reference.kmeans(keys[b:b + 1], valid[b:b + 1], clusters, 0)[1][0, :, j].double()
+    return pages, out
+
+
+@pytest.mark.parametrize("pads,clusters", [([0, 13], 7), ([3, 0], 16), ([60, 50], 16)])
+def test_pages_init_is_runs_of_consecutive_valid_tokens(pads, clusters):
+    # ([60, 50], 16): 4 and 14 valid tokens for 16 clusters, so some pages are empty
+    gen = torch.Generator().manual_seed(20 + clusters + pads[0])
+    valid = left_padded(2, 64, pads)
+    keys = torch.randn(2, 3, 64, 32, generator=gen)
+    pages, means = page_means(keys, valid, clusters)
+    labels = reference.kmeans_page_labels(valid, clusters)
+    assert torch.equal(labels[valid], pages[valid])
+    for b in range(2):
+        run = labels[b][valid[b]]
+        assert (run.diff() >= 0).all() and (run.diff() <= 1 + clusters // max(1, int(valid[b].sum()))).all()
+        sizes = torch.bincount(run, minlength=clusters)
+        count = int(valid[b].sum())
+        assert sizes.max() <= -(-count // clusters)
+        if count >= clusters:
+            assert sizes.min() >= count // clusters
+    ref_labels, ref_centroids = reference.kmeans(keys, valid, clusters, 0, init="pages")
+    assert torch.equal(ref_labels[valid[:, None].expand(2, 3, 64)], pages[:, None].expand(2, 3, 64)[valid[:, None].expand(2, 3, 64)])
+    torch.testing.assert_close(ref_centroids.double(), means, atol=1e-5, rtol=1e-5)
+    labels_t, centroids_t = triton_kmeans()(keys.to(DEVICE), valid.to(DEVICE), clusters, 0, init="pages")
+    mask = valid[:, None].expand(2, 3, 64).to(DEVICE)
+    assert torch.equal(labels_t[mask], ref_labels.to(DEVICE)[mask])
+    torch.testing.assert_close(centroids_t.double(), means.to(DEVICE), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("iters", [1, 2])
+def test_pages_init_matches_reference(dtype, iters):
+    gen = torch.Generator().manual_seed(30 + iters + len(str(dtype)))
+    keys = torch.randn(2, 2, 140, 64, generator=gen).to(dtype)
+    valid = left_padded(2, 140, [0, 19])
+    assert_matches_reference(keys, valid, 9, iters, init="pages")
+
+
+def test_pages_init_on_separated_runs_labels_match_exactly():
+    # a run per centre, aligned with the evenly spaced tokens: the page means sit near the centres
+    gen = torch.Generator().manual_seed(31)
+    valid = left_padded(2, 96, [0, 13])
+    keys = clustered_keys(gen, valid, 2, 64, clusters=12)
+    assert_matches_reference(keys, valid, 12, 3, init="pages", exact=True)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("init", ["spaced", "pages"])
+def test_bf16_precision_matches_reference(seed, dtype, init):
+    gen = torch.Generator().manual_seed(40 + seed)
+    dim = (64, 40)[seed]
+    keys = torch.randn(2, 2, 120, dim, generator=gen).to(dtype)
+    valid = left_padded(2, 120, [0, 11 + seed])
+    assert_matches_reference(keys, valid, 15, 2, init=init, precision="bf16")
+
+
+def test_bf16_precision_assigns_the_nearest_rounded_centroid():
+    # the reference's own contract: a label is the nearest bf16-rounded centroid of the iteration before
+    gen = torch.Generator().manual_seed(41)
+    keys = torch.randn(1, 2, 100, 64, generator=gen)
+    valid = left_padded(1, 100, [6])
+    for backend in (reference.kmeans, triton_kmeans()):
+        labels, _ = backend(keys.to(DEVICE), valid.to(DEVICE), 11, 2, init="pages", precision="bf16")
+        _, before = reference.kmeans(keys, valid, 11, 1, init="pages", precision="bf16")
+        x = keys.to(torch.bfloat16).double()
+        d = sq_dist(x[..., None, :], before.to(torch.bfloat16).double()[:, :, None])  # (B, H, n, C)
+        chosen = d.gather(-1, labels.cpu()[..., None]).squeeze(-1)
+        ok = (chosen - d.min(-1).values) <= 1e-4 * d.mean()
+        assert ok[valid[:, None].expand(1, 2, 100)].all()
+
+
+def test_bad_init_or_precision_is_refused():
+    keys, valid = torch.randn(1, 1, 8, 16), torch.ones(1, 8, dtype=torch.bool)
+    for backend in (reference.kmeans, triton_kmeans()):
+        with pytest.raises(ValueError, match="init must be one of spaced, pages"):
+            backend(keys.to(DEVICE), valid.to(DEVICE), 2, 1, init="random")
+        with pytest.raises(ValueError, match="precision must be one of split, bf16"):
+            backend(keys.to(DEVICE), valid.to(DEVICE), 2, 1, precision="fp8")
+
+
+def test_builder_options_reach_the_op_and_are_validated():
+    from kvpolicy.errors import ConfigError
+    from kvpolicy.units.kmeans import KMeans
+
+    gen = torch.Generator().manual_seed(50)
+    keys = torch.randn(2, 2, 64, 32, generator=gen)
+    valid = left_padded(2, 64, [0, 5])
+    ops = dispatch.bind("reference", torch.device("cpu"))
+    labels, units = KMeans(tokens_per_cluster=8, iters=0, init="pages").build_labels(keys, valid, ops)
+    assert units == 8
+    pages = reference.kmeans_page_labels(valid, 8)[:, None].expand(2, 2, 64)
+    mask = valid[:, None].expand(2, 2, 64)
+    assert torch.equal(labels[mask], pages[mask])
+    labels, _ = KMeans(tokens_per_cluster=8, iters=2, init="pages", precision="bf16").build_labels(keys, valid, ops)
+    want, _ = reference.kmeans(keys, valid, 8, 2, init="pages", precision="bf16")
+    assert torch.equal(labels, want)
+    labels, _ = KMeans(tokens_per_cluster=8).build_labels(keys, valid, ops)  # defaults: spaced, 8 iters, split
+    assert torch.equal(labels, reference.kmeans(keys, valid, 8, 8)[0])
+    for bad, match in (({"init": "random"}, "init must be one of spaced, pages"),
+                       ({"precision": "fp8"}, "precision must be one of split, bf16"),
+                       ({"iters": 0}, "iters must be an integer >= 1 with init='spaced'"),
+                       ({"iters": -1, "init": "pages"}, "iters must be an integer >= 0")):
+        with pytest.raises(ConfigError, match=match):
+            KMeans(**bad).validate()
+
+
+def test_precision_decides_labels_and_each_backend_honours_it():
+    # many close centroids: rounding them to bf16 moves a dozen of 2048 first labels; each backend
+    # must give the labels of the precision asked for, exactly (one iteration: no cascade)
+    gen = torch.Generator().manual_seed(60)
+    keys = torch.randn(1, 2, 1024, 16, generator=gen)
+    valid = torch.ones(1, 1024, dtype=torch.bool)
+    split, _ = reference.kmeans(keys, valid, 256, 1)
+    rounded, _ = reference.kmeans(keys, valid, 256, 1, precision="bf16")
+    assert int((split != rounded).sum()) >= 5  # the precisions differ here (the test can tell them apart)
+    labels, _ = triton_kmeans()(keys.to(DEVICE), valid.to(DEVICE), 256, 1, precision="bf16")
+    assert torch.equal(labels.cpu(), rounded)
+    labels, _ = triton_kmeans()(keys.to(DEVICE), valid.to(DEVICE), 256, 1)
+    assert torch.equal(labels.cpu(), split)

@@ -11,13 +11,48 @@ from typing import Sequence
 import torch
 
 
-def kmeans(keys: torch.Tensor, valid: torch.Tensor, num_clusters: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
+KMEANS_INITS = ("spaced", "pages")
+KMEANS_PRECISIONS = ("split", "bf16")
+
+
+def kmeans_page_labels(valid: torch.Tensor, num_clusters: int) -> torch.Tensor:
+    """``(B, n)`` long: valid token of rank ``r`` (among its sequence's valid tokens) goes to page
+    ``r * C // count``, so the pages are runs of consecutive valid tokens, ``count / C`` tokens
+    each (at most ``ceil(count / C)``); invalid tokens get the label of the next valid one
+    (ignored). Fewer valid tokens than clusters leaves some pages empty."""
+    seen = torch.cumsum(valid.long(), dim=-1)  # (B, n)
+    count = seen[:, -1:].clamp(min=1)
+    rank = (seen - valid.long()).clamp(max=count - 1)  # rank of the token, or of the next valid one
+    return torch.div(rank * num_clusters, count, rounding_mode="floor")
+
+
+def kmeans(
+    keys: torch.Tensor,
+    valid: torch.Tensor,
+    num_clusters: int,
+    iters: int,
+    init: str = "spaced",
+    precision: str = "split",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Lloyd's K-means per (sequence, KV head).
 
     ``keys``: ``(B, H, n, D)``; ``valid``: ``(B, n)`` bool, invalid tokens neither move
-    centroids nor matter in their labels. Centroids start at evenly spaced tokens
-    (deterministic). Returns ``labels (B, H, n)`` long and ``centroids (B, H, C, D)`` float32.
+    centroids nor matter in their labels. Returns ``labels (B, H, n)`` long and ``centroids
+    (B, H, C, D)`` float32: after ``iters`` (assignment, update) rounds, the labels of the last
+    assignment and the centroids of the last update.
+
+    ``init`` (deterministic either way): "spaced", centroids start at evenly spaced valid
+    tokens of each sequence (labels all 0 at ``iters=0``); "pages", each starts as the mean key
+    of a run of consecutive valid tokens (``kmeans_page_labels``; the labels at ``iters=0``),
+    i.e. one update step from the page labels, a page left empty keeping its spaced token.
+    ``precision``: "split", distances to the float32 centroid; "bf16", to the centroid rounded
+    to bfloat16, from the key rounded to bfloat16 (one bf16 tensor-core dot on the GPU instead
+    of two; labels may then differ from "split" near ties, updates still average the exact keys).
     """
+    if init not in KMEANS_INITS:
+        raise ValueError(f"kmeans: init must be one of {', '.join(KMEANS_INITS)}, got {init!r}")
+    if precision not in KMEANS_PRECISIONS:
+        raise ValueError(f"kmeans: precision must be one of {', '.join(KMEANS_PRECISIONS)}, got {precision!r}")
     batch, heads, n, dim = keys.shape
     x = keys.float()
     weight = valid[:, None, :].expand(batch, heads, n).float()
@@ -26,17 +61,26 @@ def kmeans(keys: torch.Tensor, valid: torch.Tensor, num_clusters: int, iters: in
     count = seen[:, -1:].clamp(min=1)
     spaced = torch.linspace(0, 1, num_clusters, device=keys.device)
     wanted = (spaced * (count - 1)).round().long() + 1  # 1-based rank among valid tokens
-    init = torch.searchsorted(seen.contiguous(), wanted.contiguous()).clamp(max=n - 1)  # (B, C)
-    centroids = x.gather(2, init[:, None, :, None].expand(batch, heads, num_clusters, dim)).clone()
+    init_tokens = torch.searchsorted(seen.contiguous(), wanted.contiguous()).clamp(max=n - 1)  # (B, C)
+    centroids = x.gather(2, init_tokens[:, None, :, None].expand(batch, heads, num_clusters, dim)).clone()
     labels = torch.zeros(batch, heads, n, dtype=torch.long, device=keys.device)
-    for _ in range(iters):
-        # ||x - c||^2 up to a per-token constant
-        distance = centroids.pow(2).sum(-1).unsqueeze(2) - 2 * torch.einsum("bhnd,bhcd->bhnc", x, centroids)
-        labels = distance.argmin(dim=-1)
+
+    def update(labels, centroids):
         sums = torch.zeros_like(centroids).scatter_add_(2, labels.unsqueeze(-1).expand_as(x), x * weight.unsqueeze(-1))
         counts = torch.zeros(batch, heads, num_clusters, device=keys.device).scatter_add_(2, labels, weight)
         # an emptied cluster keeps its old centroid
-        centroids = torch.where(counts.unsqueeze(-1) > 0, sums / counts.clamp(min=1).unsqueeze(-1), centroids)
+        return torch.where(counts.unsqueeze(-1) > 0, sums / counts.clamp(min=1).unsqueeze(-1), centroids)
+
+    if init == "pages":
+        labels = kmeans_page_labels(valid, num_clusters)[:, None, :].expand(batch, heads, n).contiguous()
+        centroids = update(labels, centroids)
+    xd = x.to(torch.bfloat16).float() if precision == "bf16" else x
+    for _ in range(iters):
+        c = centroids.to(torch.bfloat16).float() if precision == "bf16" else centroids
+        # ||x - c||^2 up to a per-token constant
+        distance = c.pow(2).sum(-1).unsqueeze(2) - 2 * torch.einsum("bhnd,bhcd->bhnc", xd, c)
+        labels = distance.argmin(dim=-1)
+        centroids = update(labels, centroids)
     return labels, centroids
 
 

@@ -1,6 +1,8 @@
 """Triton K-means (op ``kmeans``): Lloyd iterations batched over (sequence x KV head).
 
-Same contract and initialisation as ``reference.kmeans``. Per iteration three launches:
+Same contract and initialisation as ``reference.kmeans`` (``init`` "spaced" or "pages",
+``precision`` "split" or "bf16"). "pages" starts with one update (``_accumulate`` +
+``_finalize``) from the page labels. Per iteration three launches:
 
 - ``_assign``: one program per (token block, sequence x head); the key tile stays in
   registers while the program walks all centroids in blocks, scoring ``||c||^2 - 2 x.c``
@@ -21,6 +23,8 @@ only at near-ties (on an H200, bf16 keys, n=32768, C=2048: none of 262144 after 
 iterations). float32 atomic sums add in a varying order, so centroids (and labels at such
 near-ties) can differ from run to run in the last bits. Triton's CPU interpreter gets
 fp32 operands instead of bf16 ones (it cannot multiply bf16); the products are the same.
+``precision="bf16"`` drops the ``lo`` dots: one bf16 dot against the centroid rounded to
+bf16 (norm of the rounded centroid), half the assignment's FLOPs.
 """
 
 from __future__ import annotations
@@ -29,7 +33,18 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import reference
 from ..dispatch import implement, triton_runs_on
+
+
+@triton.jit
+def _round_bf16(x):
+    """float32 -> bfloat16 rounded to nearest even, spelled out in bits: the GPU's own cast does
+    this, Triton's CPU interpreter truncates (which precision "bf16" would see: the reference
+    rounds). Finite inputs only."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 
 @triton.jit
@@ -37,7 +52,7 @@ def _assign(
     keys_ptr, hi_ptr, lo_ptr, norm_ptr, labels_ptr,
     n, C, D, H,
     stride_b, stride_h, stride_n, stride_d,
-    SPLIT_X: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT_X: tl.constexpr, ONE_DOT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # int64: offsets below reach past 2**31 on long prompts
@@ -53,15 +68,16 @@ def _assign(
     x = tl.load(x_ptrs, mask=token_ok[:, None] & dim_ok[None, :], other=0.0)
     if SPLIT_X:
         xf = x.to(tl.float32)
-        x_hi = xf.to(tl.bfloat16)
-        x_lo = (xf - x_hi.to(tl.float32)).to(tl.bfloat16)
+        x_hi = _round_bf16(xf)
+        if not ONE_DOT:
+            x_lo = (xf - x_hi.to(tl.float32)).to(tl.bfloat16)
     else:
         x_hi = x  # bf16 keys: exact
     if UPCAST:
         # Triton's CPU interpreter multiplies bf16 bit patterns in tl.dot; fp32 products of
         # bf16 operands are exact, so this computes the same values as the GPU path
         x_hi = x_hi.to(tl.float32)
-        if SPLIT_X:
+        if SPLIT_X and not ONE_DOT:
             x_lo = x_lo.to(tl.float32)
 
     best = tl.full([BLOCK_N], float("inf"), tl.float32)
@@ -74,14 +90,16 @@ def _assign(
         c_off = c_base + cols[None, :].to(tl.int64) * D + dims[:, None]
         c_mask = col_ok[None, :] & dim_ok[:, None]
         c_hi = tl.load(hi_ptr + c_off, mask=c_mask, other=0.0)
-        c_lo = tl.load(lo_ptr + c_off, mask=c_mask, other=0.0)
         if UPCAST:
             c_hi = c_hi.to(tl.float32)
-            c_lo = c_lo.to(tl.float32)
         dot = tl.dot(x_hi, c_hi)
-        dot = tl.dot(x_hi, c_lo, dot)
-        if SPLIT_X:
-            dot = tl.dot(x_lo, c_hi, dot)
+        if not ONE_DOT:
+            c_lo = tl.load(lo_ptr + c_off, mask=c_mask, other=0.0)
+            if UPCAST:
+                c_lo = c_lo.to(tl.float32)
+            dot = tl.dot(x_hi, c_lo, dot)
+            if SPLIT_X:
+                dot = tl.dot(x_lo, c_hi, dot)
         # padding columns score +inf and never win
         norm = tl.load(norm_ptr + bh * C + cols, mask=col_ok, other=float("inf"))
         dist = norm[None, :] - 2.0 * dot
@@ -122,7 +140,7 @@ def _accumulate(
 def _finalize(
     centroids_ptr, sums_ptr, counts_ptr, hi_ptr, lo_ptr, norm_ptr,
     C, D,
-    BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+    HI_NORM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -137,10 +155,14 @@ def _finalize(
     # an emptied cluster keeps its old centroid
     c = tl.where(count[:, None] > 0, total / tl.maximum(count, 1.0)[:, None], old)
     tl.store(centroids_ptr + off, c, mask=mask)
-    c_hi = c.to(tl.bfloat16)
+    c_hi = _round_bf16(c)
     tl.store(hi_ptr + off, c_hi, mask=mask)
     tl.store(lo_ptr + off, (c - c_hi.to(tl.float32)).to(tl.bfloat16), mask=mask)
-    tl.store(norm_ptr + bh * C + cols, tl.sum(c * c, axis=1), mask=col_ok)
+    if HI_NORM:  # precision "bf16": the distance is to the rounded centroid
+        c_round = c_hi.to(tl.float32)
+        tl.store(norm_ptr + bh * C + cols, tl.sum(c_round * c_round, axis=1), mask=col_ok)
+    else:
+        tl.store(norm_ptr + bh * C + cols, tl.sum(c * c, axis=1), mask=col_ok)
     tl.store(sums_ptr + off, tl.zeros([BLOCK_C, BLOCK_D], tl.float32), mask=mask)
     tl.store(counts_ptr + bh * C + cols, tl.zeros([BLOCK_C], tl.float32), mask=col_ok)
 
@@ -163,8 +185,16 @@ def _assign_config(n: int, C: int, block_d: int, split_x: bool) -> tuple[int, in
 
 
 @implement("triton", "kmeans", supports=triton_runs_on)
-def kmeans(keys: torch.Tensor, valid: torch.Tensor, num_clusters: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lloyd's K-means per (sequence, KV head); see ``reference.kmeans`` for the contract."""
+def kmeans(
+    keys: torch.Tensor, valid: torch.Tensor, num_clusters: int, iters: int, init: str = "spaced",
+    precision: str = "split",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lloyd's K-means per (sequence, KV head); see ``reference.kmeans`` for the contract
+    (``init`` "spaced" or "pages", ``precision`` "split" or "bf16")."""
+    if init not in reference.KMEANS_INITS:
+        raise ValueError(f"kmeans: init must be one of {', '.join(reference.KMEANS_INITS)}, got {init!r}")
+    if precision not in reference.KMEANS_PRECISIONS:
+        raise ValueError(f"kmeans: precision must be one of {', '.join(reference.KMEANS_PRECISIONS)}, got {precision!r}")
     batch, heads, n, dim = keys.shape
     device = keys.device
     C = num_clusters
@@ -176,10 +206,13 @@ def kmeans(keys: torch.Tensor, valid: torch.Tensor, num_clusters: int, iters: in
     count = seen[:, -1:].clamp(min=1)
     spaced = torch.linspace(0, 1, C, device=device)
     wanted = (spaced * (count - 1)).round().long() + 1
-    init = torch.searchsorted(seen.contiguous(), wanted.contiguous()).clamp(max=n - 1)  # (B, C)
-    centroids = keys.gather(2, init[:, None, :, None].expand(batch, heads, C, dim)).float().contiguous()
-    labels = torch.zeros(batch, heads, n, dtype=torch.long, device=device)
-    if iters <= 0:
+    first = torch.searchsorted(seen.contiguous(), wanted.contiguous()).clamp(max=n - 1)  # (B, C)
+    centroids = keys.gather(2, first[:, None, :, None].expand(batch, heads, C, dim)).float().contiguous()
+    if init == "pages":
+        labels = reference.kmeans_page_labels(valid, C)[:, None, :].expand(batch, heads, n).contiguous()
+    else:
+        labels = torch.zeros(batch, heads, n, dtype=torch.long, device=device)
+    if iters <= 0 and init == "spaced":
         return labels, centroids
 
     sums = torch.zeros(batch, heads, C, dim, dtype=torch.float32, device=device)
@@ -198,17 +231,27 @@ def kmeans(keys: torch.Tensor, valid: torch.Tensor, num_clusters: int, iters: in
     strides = keys.stride()
 
     finalize_grid = (triton.cdiv(C, block_cf), bh)
-    # with zero counts this only prepares the split centroids and norms of the initial ones
-    _finalize[finalize_grid](centroids, sums, counts, c_hi, c_lo, norms, C, dim, BLOCK_C=block_cf, BLOCK_D=block_d)
-    for _ in range(iters):
-        _assign[(triton.cdiv(n, block_n), bh)](
-            keys, c_hi, c_lo, norms, labels, n, C, dim, heads, *strides,
-            SPLIT_X=split_x, UPCAST=not keys.is_cuda, BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_D=block_d,
-            num_warps=warps, num_stages=stages,
-        )
+    one_dot = precision == "bf16"
+
+    def update() -> None:
         _accumulate[(triton.cdiv(n, block_na), bh)](
             keys, valid8, labels, sums, counts, n, C, dim, heads, *strides,
             BLOCK_N=block_na, BLOCK_D=block_d,
         )
-        _finalize[finalize_grid](centroids, sums, counts, c_hi, c_lo, norms, C, dim, BLOCK_C=block_cf, BLOCK_D=block_d)
+        _finalize[finalize_grid](centroids, sums, counts, c_hi, c_lo, norms, C, dim, HI_NORM=one_dot,
+                                 BLOCK_C=block_cf, BLOCK_D=block_d)
+
+    if init == "pages":
+        update()  # the pages' mean keys; an empty page keeps its spaced token
+    else:
+        # with zero counts this only prepares the split centroids and norms of the initial ones
+        _finalize[finalize_grid](centroids, sums, counts, c_hi, c_lo, norms, C, dim, HI_NORM=one_dot,
+                                 BLOCK_C=block_cf, BLOCK_D=block_d)
+    for _ in range(iters):
+        _assign[(triton.cdiv(n, block_n), bh)](
+            keys, c_hi, c_lo, norms, labels, n, C, dim, heads, *strides,
+            SPLIT_X=split_x, ONE_DOT=one_dot, UPCAST=not keys.is_cuda, BLOCK_N=block_n, BLOCK_C=block_c,
+            BLOCK_D=block_d, num_warps=warps, num_stages=stages,
+        )
+        update()
     return labels, centroids
