@@ -54,6 +54,20 @@ from kvpolicy.units.analytic_index import AnalyticIndex
 
 FUSED_OPS = ("query_votes", "collision_candidates", "rerank_select")
 RERANK_METHODS = ("radix", "split", "torch")
+# rerank_select's methods, then the radix method's tunables (module constants of
+# kvpolicy/kernels/triton/rerank_select.py) around their defaults: each timed alone
+RERANK_VARIANTS = (
+    ("radix", {"METHOD": "radix"}),
+    ("split", {"METHOD": "split"}),
+    ("torch", {"METHOD": "torch"}),
+    ("radix score 64x8w", {"METHOD": "radix", "_RADIX_SCORE_SUB": 64, "_RADIX_SCORE_WARPS": 8}),
+    ("radix score 128x8w", {"METHOD": "radix", "_RADIX_SCORE_SUB": 128, "_RADIX_SCORE_WARPS": 8}),
+    ("radix score 128x4w", {"METHOD": "radix", "_RADIX_SCORE_SUB": 128, "_RADIX_SCORE_WARPS": 4}),
+    ("radix words 64x8w", {"METHOD": "radix", "SCORE_WORDS": True, "_RADIX_SCORE_SUB": 64, "_RADIX_SCORE_WARPS": 8}),
+    ("radix programs 2048", {"METHOD": "radix", "_RADIX_PROGRAMS": 2048}),
+    ("radix programs 8192", {"METHOD": "radix", "_RADIX_PROGRAMS": 8192}),
+    ("radix programs 16384", {"METHOD": "radix", "_RADIX_PROGRAMS": 16384}),
+)
 
 
 def _ints(text: str) -> list[int]:
@@ -281,9 +295,12 @@ def measure_selection(args: argparse.Namespace, batch: int, context: int, device
             parts["rerank"] = timed(lambda: ops.rerank(rotated, index.codes, index.weight, index.norms, candidates,
                                                        retrieval))
         parts["rest"] = total - sum(parts.values())
+        old_kernels = None
         if fused:  # the old rerank (scores + torch.topk, best first) on the same candidates, beside it
             parts["old_rerank"] = timed(lambda: ops.rerank(rotated, index.codes, index.weight, index.norms, candidates,
                                                            retrieval))
+            old_kernels = kernel_times(lambda: ops.rerank(rotated, index.codes, index.weight, index.norms, candidates,
+                                                          retrieval), device, args.repeats)
         votes_ms = parts["collision_candidates" if fused else "collision_count"]
         listed = int((candidates >= 0).sum())
         rows.append({
@@ -301,38 +318,47 @@ def measure_selection(args: argparse.Namespace, batch: int, context: int, device
             "kernels_us": profile,
             # rerank_select's methods: alone, as the selection's last op, and their kernels
             "methods": methods,
+            # the old rerank's kernels (its score kernel, then torch.topk's)
+            "old_rerank_kernels_us": old_kernels,
         })
     return rows
 
 
 def measure_methods(args: argparse.Namespace, select_args: tuple, select: Callable[[], object],
                     device: torch.device) -> dict[str, dict]:
-    """Per method of the Triton ``rerank_select``: its ms alone and the whole selection's with it
-    (replays on a GPU), its kernels' device times, and whether its rows equal the radix method's
-    (they must: each matches the reference)."""
+    """Per variant of the Triton ``rerank_select`` (``RERANK_VARIANTS``: its methods, then the
+    radix method's tunables): its ms alone and the whole selection's with it (replays on a GPU),
+    its kernels' device times, and whether its rows equal the first variant's (they must, up to
+    float rounding at the threshold: each matches the reference)."""
     from kvpolicy.kernels.triton import rerank_select as module
 
     timed = _timer(device, args.repeats)
-    saved = module.METHOD
+    names = {name for _, settings in RERANK_VARIANTS for name in settings}
+    saved = {name: getattr(module, name) for name in names}
     results = {}
     first = None
     try:
-        for method in RERANK_METHODS:
-            module.METHOD = method
+        for label, settings in RERANK_VARIANTS:
+            for name, value in settings.items():
+                setattr(module, name, value)
             out = module.rerank_select(*select_args)
             same = None
             if first is None:
                 first = out
             else:
                 same = all(torch.equal(a, b) for a, b in zip(out, first))
-            results[method] = {
+            results[label] = {
+                "settings": settings,
                 "ms": timed(lambda: module.rerank_select(*select_args)),
                 "select_ms": timed(select),
                 "kernels_us": kernel_times(lambda: module.rerank_select(*select_args), device, args.repeats),
                 "equals_radix": same,
             }
+            for name, value in saved.items():
+                setattr(module, name, value)
     finally:
-        module.METHOD = saved
+        for name, value in saved.items():
+            setattr(module, name, value)
     results["auto"] = {"method": module.method_for(select_args[4].shape[-1])}
     return results
 
@@ -436,7 +462,10 @@ def print_kernels(row: dict, cuda: bool) -> None:
         kernels = m["kernels_us"]
         total = "-" if kernels is None else f"{sum(us for _, us in kernels):.1f}"
         same = "-" if m["equals_radix"] is None else str(m["equals_radix"])
-        print(f"      {method:<8s} {1e3 * m['ms']:9.1f} | {1e3 * m['select_ms']:9.1f} | {total:>9s} | {same}")
+        print(f"      {method:<22s} {1e3 * m['ms']:9.1f} | {1e3 * m['select_ms']:9.1f} | {total:>9s} | {same}")
+    if row.get("old_rerank_kernels_us"):
+        text = ", ".join(f"{_short(name)} {us:.1f}" for name, us in row["old_rerank_kernels_us"][:_LISTED])
+        print(f"      old rerank (scores + torch.topk) kernels: {text}")
     for method, m in methods.items():
         if m["kernels_us"] is not None:
             text = ", ".join(f"{_short(name)} {us:.1f}" for name, us in m["kernels_us"][:_LISTED])

@@ -315,6 +315,8 @@ def small_select(request, monkeypatch):
     monkeypatch.setattr(rerank_select, "_BLOCK", 32)
     monkeypatch.setattr(rerank_select, "_RADIX_PROGRAMS", 64)
     monkeypatch.setattr(rerank_select, "_RADIX_SUB", 16)
+    monkeypatch.setattr(rerank_select, "_RADIX_SCORE_SUB", 8)
+    monkeypatch.setattr(rerank_select, "_PLACE_BLOCK", 4)
     monkeypatch.setattr(rerank_select, "METHOD", request.param)
     return rerank_select.rerank_select
 
@@ -412,6 +414,37 @@ def test_rerank_select_orders_negative_scores_and_zero(small_select):
         want = reference_analytic.rerank_select(*inputs, capacity)
         got = small_select(*[t.to(DEVICE) for t in inputs], capacity)
         _assert_selects_like_reference(got, want, inputs, capacity)
+
+
+@pytest.mark.parametrize("method", ["radix", "torch", "split"])
+@pytest.mark.parametrize(
+    "width, listed, buffered",
+    [
+        (100, [[100, 100], [60, 0]], 3),  # one chunk at the default sizes
+        (0, [[0, 0], [0, 0]], 3),  # no candidates: the buffer's rows, then -1
+        (100, [[100, 100], [60, 0]], 300),  # the buffer runs past the positions and fills the budget
+    ],
+)
+def test_rerank_select_edges_at_the_default_sizes(method, width, listed, buffered):
+    from kvpolicy.kernels.triton import rerank_select
+
+    inputs = _select_inputs(width + buffered, 2, 2, 300, 32, 4, width, listed, 280, buffered)
+    want = reference_analytic.rerank_select(*inputs, 40)
+    got = rerank_select.rerank_select(*[t.to(DEVICE) for t in inputs], 40, method=method)
+    _assert_selects_like_reference(got, want, inputs, 40)
+
+
+def test_rerank_select_method_table(monkeypatch):
+    from kvpolicy.kernels.triton import rerank_select
+
+    monkeypatch.setattr(rerank_select, "_METHOD_BY_WIDTH", ((0, "torch"), (5000, "radix"), (50000, "split")))
+    assert [rerank_select.method_for(w) for w in (10, 4999, 5000, 49999, 60000)] == [
+        "torch", "torch", "radix", "radix", "split"]
+    monkeypatch.setattr(rerank_select, "METHOD", "split")
+    assert rerank_select.method_for(10) == "split"
+    monkeypatch.setattr(rerank_select, "METHOD", "bitonic")
+    with pytest.raises(ValueError, match="METHOD 'bitonic'; accepted: auto, radix, split, torch"):
+        rerank_select.method_for(10)
 
 
 def test_rerank_select_refuses_misshaped_inputs(small_select):

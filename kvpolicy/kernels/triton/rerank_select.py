@@ -322,8 +322,17 @@ _RADIX_LEVELS = 4
 # programs per call of each pass (about), and the most chunks a row (the place pass sums them)
 _RADIX_PROGRAMS = 4096
 _MAX_CHUNKS = 256
-# keys per step of the level and place passes
+# keys per step of the level and place passes; rows per step of the place pass's buffer rows and tail
 _RADIX_SUB = 1024
+_PLACE_BLOCK = 256
+# the score pass: candidates a step and warps a program (registers: sm_90, Triton 3.6, compiled
+# offline with the runtime's specialization: 64 at 32 x 4 warps, 168 at 128 x 4, where the old
+# rerank kernel took 255 and spilled 216 bytes; fewer registers, more programs resident, more
+# code bytes in flight), and whether it reads the codes as int32 words where the layout allows
+# (else bytes; words convert layouts through shared memory). Not measured on a GPU yet
+_RADIX_SCORE_SUB = 32
+_RADIX_SCORE_WARPS = 4
+SCORE_WORDS = False
 
 
 @triton.jit
@@ -355,35 +364,57 @@ def _radix_score_kernel(
     cand_sb, cand_sh, cand_sc,
     values_ptr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-    BINS: tl.constexpr, LEVELS: tl.constexpr, WIDE: tl.constexpr,
+    BINS: tl.constexpr, LEVELS: tl.constexpr, WIDE: tl.constexpr, WORDS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = row // H
     h = row % H
-    i = tl.arange(0, BLOCK_HALF)
-    in_i = i < HALF
-    # coordinate 2i is byte i's low nibble, 2i + 1 its high nibble
     q_base = query_ptr + b * q_sb + h * q_sh
-    q_even = tl.load(q_base + (2 * i) * q_sd, mask=in_i, other=0.0).to(tl.float32)
-    q_odd = tl.load(q_base + (2 * i + 1) * q_sd, mask=in_i, other=0.0).to(tl.float32)
+    if WORDS:
+        # codes as int32 words (codes_ptr is the int32 view): nibble j of word w is coordinate
+        # 8w + j, so a candidate's D / 2 bytes are D / 8 words (vector loads, and a quarter of the
+        # registers of a byte tile); the coordinates are visited nibble by nibble below
+        i = tl.arange(0, BLOCK_HALF)  # words
+        in_i = i < HALF // 4
+        q_even = tl.zeros([BLOCK_HALF], dtype=tl.float32)  # not read
+        q_odd = q_even
+    else:
+        i = tl.arange(0, BLOCK_HALF)
+        in_i = i < HALF
+        # coordinate 2i is byte i's low nibble, 2i + 1 its high nibble
+        q_even = tl.load(q_base + (2 * i) * q_sd, mask=in_i, other=0.0).to(tl.float32)
+        q_odd = tl.load(q_base + (2 * i + 1) * q_sd, mask=in_i, other=0.0).to(tl.float32)
     unlisted = tl.full([SUB], -2147483648, tl.int32)
     bins = tl.arange(0, BINS)
     hist = tl.zeros([BINS], dtype=tl.int32)
+    cand_row = cand_ptr + b * cand_sb + h * cand_sh
+    # the next step's candidates are loaded a step ahead, so a step waits on one load (its
+    # codes), not two (the candidates, then their codes)
+    c = chunk * CHUNK + tl.arange(0, SUB).to(tl.int64)
+    cand_next = tl.load(cand_row + c * cand_sc, mask=c < W, other=-1).to(tl.int64)
     for s0 in range(0, CHUNK, SUB):
         c = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
         in_c = c < W
-        cand = tl.load(cand_ptr + b * cand_sb + h * cand_sh + c * cand_sc, mask=in_c, other=-1).to(tl.int64)
+        cand = cand_next
+        ahead = c + SUB
+        cand_next = tl.load(cand_row + ahead * cand_sc, mask=(ahead < W) & (s0 + SUB < CHUNK), other=-1).to(tl.int64)
         listed = cand >= 0
-        token = tl.where(listed, cand, 0)
+        token = tl.maximum(cand, 0)  # (a where here trips Triton 3.6's layouts with the carried load)
         rows = listed[:, None] & in_i[None, :]
         packed = tl.load(
             codes_ptr + b * code_sb + h * code_sh + token[:, None] * code_sn + i[None, :] * code_sd,
             mask=rows, other=0,
         ).to(tl.int32)
-        low_val = tl.load(values_ptr + (packed & 15))
-        high_val = tl.load(values_ptr + (packed >> 4))
-        terms = low_val * q_even[None, :] + high_val * q_odd[None, :]
+        if WORDS:
+            terms = tl.zeros([SUB, BLOCK_HALF], dtype=tl.float32)
+            for j in tl.static_range(8):
+                q_j = tl.load(q_base + (8 * i + j) * q_sd, mask=in_i, other=0.0).to(tl.float32)
+                terms += tl.load(values_ptr + ((packed >> (4 * j)) & 15)) * q_j[None, :]
+        else:
+            low_val = tl.load(values_ptr + (packed & 15))
+            high_val = tl.load(values_ptr + (packed >> 4))
+            terms = low_val * q_even[None, :] + high_val * q_odd[None, :]
         dot = tl.sum(tl.where(rows, terms, 0.0), axis=1)
         weight = tl.load(weight_ptr + b * weight_sb + h * weight_sh + token * weight_sn, mask=listed, other=0.0)
         norm = tl.load(norms_ptr + b * norm_sb + h * norm_sh + token * norm_sn, mask=listed, other=0.0)
@@ -394,7 +425,7 @@ def _radix_score_kernel(
         key = tl.where(listed, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), unlisted)
         if WIDE:
             # (key, then the lower index first) as one int64 for torch.topk: unique, so its order is fixed
-            wide = (key.to(tl.int64) << 32) | (4294967295 - c)
+            wide = (key.to(tl.int64) << 32) | (W - 1 - c)
             tl.store(keys_ptr + row * W + c, wide, mask=in_c)
         else:
             tl.store(keys_ptr + row * W + c, key, mask=in_c)
@@ -617,26 +648,39 @@ def _outputs(batch, heads, capacity, device):
             torch.empty(batch, heads, dtype=torch.long, device=device))
 
 
+def _code_words(codes: torch.Tensor) -> torch.Tensor | None:
+    """The packed codes as int32 words (8 nibbles each) where ``SCORE_WORDS`` and the layout allow; else None."""
+    if not SCORE_WORDS or codes.shape[-1] % 4 or codes.stride(-1) != 1:
+        return None
+    try:
+        return codes.view(torch.int32)
+    except RuntimeError:  # strides or offset not a multiple of 4 bytes
+        return None
+
+
 def _score_launch(query_rotated, codes, weight, norms, candidates, keys, row_hist, chunk, chunks, wide):
     batch, heads, n, half = codes.shape
     width = candidates.shape[-1]
     values = nibble_values(2 * half, codes.device)  # cached on the device
+    words = _code_words(codes)
+    source = codes if words is None else words
     _radix_score_kernel[(batch * heads, chunks)](
-        query_rotated, codes, weight, norms, candidates, keys, row_hist,
+        query_rotated, source, weight, norms, candidates, keys, row_hist,
         heads, width,
-        *query_rotated.stride(), *codes.stride(), *weight.stride(), *norms.stride(), *candidates.stride(),
+        *query_rotated.stride(), *source.stride(), *weight.stride(), *norms.stride(), *candidates.stride(),
         values,
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), CHUNK=chunk, SUB=min(chunk, _SCORE_SUB),
-        BINS=_RADIX_BINS, LEVELS=_RADIX_LEVELS, WIDE=wide,
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half if words is None else half // 4), CHUNK=chunk,
+        SUB=min(chunk, _RADIX_SCORE_SUB), BINS=_RADIX_BINS, LEVELS=_RADIX_LEVELS, WIDE=wide, WORDS=words is not None,
+        num_warps=_RADIX_SCORE_WARPS,
     )
 
 
 def radix_chunk(rows: int, width: int) -> int:
     """Candidates per program of the radix method's passes: about ``_RADIX_PROGRAMS`` programs a
-    call, at most ``_MAX_CHUNKS`` chunks a row, at least ``_SCORE_SUB``."""
+    call, at most ``_MAX_CHUNKS`` chunks a row, at least ``_RADIX_SCORE_SUB``."""
     chunk = triton.next_power_of_2(triton.cdiv(max(1, rows * width), _RADIX_PROGRAMS))
     chunk = max(chunk, triton.next_power_of_2(triton.cdiv(max(1, width), _MAX_CHUNKS)))
-    return max(_SCORE_SUB, min(chunk, triton.next_power_of_2(max(1, width))))
+    return max(_RADIX_SCORE_SUB, min(chunk, triton.next_power_of_2(max(1, width))))
 
 
 def _radix(query_rotated, codes, weight, norms, candidates, token_valid, slots, indexed, next_position, capacity):
@@ -668,8 +712,8 @@ def _radix(query_rotated, codes, weight, norms, candidates, token_valid, slots, 
         ids, out_slots, valid_bytes, count,
         heads, width, chunks, capacity, n, triton.cdiv(capacity, chunks),
         *candidates.stride(), *token_bytes.stride(), slots.stride(0),
-        CHUNK=chunk, SUB=sub, CHUNKS_BLOCK=triton.next_power_of_2(chunks), LEVELS=_RADIX_LEVELS,
-        BLOCK=min(_BLOCK, triton.next_power_of_2(capacity)),
+        CHUNK=chunk, SUB=sub, CHUNKS_BLOCK=max(2, triton.next_power_of_2(chunks)), LEVELS=_RADIX_LEVELS,
+        BLOCK=min(_PLACE_BLOCK, triton.next_power_of_2(triton.cdiv(capacity, chunks))),
     )
     return ids, count, out_slots, valid
 
@@ -694,7 +738,7 @@ def _torch_topk(query_rotated, codes, weight, norms, candidates, token_valid, sl
     buffered = (next_position - indexed).clamp(min=0, max=capacity)
     rank = torch.arange(best.shape[-1], device=device)
     chosen = (rank < capacity - buffered) & ((best >> 32) > -(1 << 31))
-    index = (4294967295 - (best & 4294967295)).clamp(max=width - 1)
+    index = (width - 1 - (best & 0xFFFFFFFF)).clamp(min=0)
     position = candidates.reshape(rows, width).gather(1, index)
     picked = torch.where(chosen, position, n).sort(-1).values.view(batch, heads, -1)  # by position, n = none
     return _compose(picked, token_valid, slots, indexed, next_position, capacity, n)
