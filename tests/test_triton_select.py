@@ -1,9 +1,9 @@
 """Triton budget fill against the reference: exactly equal outputs on fresh random inputs.
 
-Rows of sequences outside ``take`` must hold the Triton op's empty selection; the three
-rankings (the full in-kernel sort, the threshold select and torch.sort, each forced through
-``RANKING``, and the default rule) must all give the reference's stable descending order, ties
-and special values included.
+Rows of sequences outside ``take`` must hold the Triton op's empty selection; every ranking
+(the full in-kernel sort, the threshold select, torch.sort, torch.topk and the radix select,
+each forced through ``RANKING``, and the default rule) must give the reference's stable
+descending order, ties and special values included.
 
 Without CUDA the kernel runs on CPU tensors through Triton's interpreter (conftest turns it
 on); with CUDA the same cases run on the GPU, plus decode-sized ones.
@@ -41,7 +41,7 @@ def _random_units(batch, heads, units, tokens, max_size, seed, p_inf=0.15, p_emp
     return scores, sizes, starts, order
 
 
-RANKINGS = ["auto", "full", "threshold", "torch.sort", "topk"]
+RANKINGS = ["auto", "full", "threshold", "torch.sort", "topk", "radix"]
 
 
 def _use_ranking(name, monkeypatch):
@@ -166,9 +166,10 @@ def test_ranking_of_special_scores_and_ties(units, capacity, block, ranking, mon
     from kvpolicy.kernels.triton import select
 
     _use_ranking(ranking, monkeypatch)
-    if block is not None:  # several blocks of units and of positions
+    if block is not None:  # several blocks of units and of positions, several radix chunks
         monkeypatch.setattr(select, "_BLOCK", block)
         monkeypatch.setattr(select, "_THRESHOLD_BLOCK", block)
+        monkeypatch.setattr(select, "_RADIX_CHUNK", block)
     _, sizes, starts, order = _random_units(2, 2, units, 3 * units, 4, seed=units, p_empty=0.2)
     scores = _special_scores(2, 2, units, seed=units + 1)
     _check(scores, sizes, starts, order, capacity, torch.tensor([True, False], device=DEVICE))
@@ -189,53 +190,90 @@ def test_descending_key_orders_like_a_stable_descending_sort():
     ranked = torch.sort(scores[0, 0], descending=True, stable=True).indices
     selectable = scores[0, 0][ranked] > float("-inf")
     assert unit_ids[0, 0, : int(num_units)].tolist() == ranked[selectable].tolist()
-    assert select._FULL_SORT_MAX_WITHOUT_TAKE >= units and select.RANKING == "auto"  # the kernel ranked it
+    assert select.RANKING == "auto" and select.auto_ranking(units, take_inline=False) == "full"  # the kernel ranked it
+
+
+# the auto rule's limits lowered so the interpreter stays quick (full sorts up to 128 units
+# without take and 256 with take, the radix select above)
+_SMALL_AUTO_RANKING = ((128, "full", "full"), (256, "full", "radix"), (None, "radix", "radix"))
 
 
 @pytest.mark.parametrize("units", [255, 256, 257])
 def test_select_budget_around_the_full_sort_limit(units, monkeypatch):
-    # the limits lowered to 256 (with take) and 128 (without) so the interpreter stays quick: a
-    # padded block, a full one, and the threshold select or torch.sort just above; small blocks
-    # so every walk takes several steps
+    # a padded block, a full one, and the radix select just above; small blocks and radix chunks
+    # so every walk takes several steps (257: a last chunk of one unit)
     from kvpolicy.kernels.triton import select
 
-    monkeypatch.setattr(select, "_FULL_SORT_MAX", 256)
-    monkeypatch.setattr(select, "_FULL_SORT_MAX_WITHOUT_TAKE", 128)
+    monkeypatch.setattr(select, "AUTO_RANKING", _SMALL_AUTO_RANKING)
     monkeypatch.setattr(select, "_BLOCK", 32)
-    monkeypatch.setattr(select, "_THRESHOLD_BLOCK", 32)
+    monkeypatch.setattr(select, "_RADIX_CHUNK", 32)
     inputs = _random_units(2, 2, units, 1000, 4, seed=units, levels=20)
     _check(*inputs, 150, torch.tensor([False, True], device=DEVICE))
     _check(*inputs, 150)
 
 
-@pytest.mark.parametrize("units", [128, 129])
-def test_with_take_the_kernel_never_calls_a_library_ranking(units, monkeypatch):
-    # with take, below and above the full-sort limit (lowered to 128) the kernel ranks; without
-    # take above 2,048 units... lowered to 64 here, torch.topk ranks (only the Triton op's calls count)
+def _count_library_rankings(monkeypatch):
+    """A list that grows by "sort" / "topk" at each torch.sort / torch.topk call from now on."""
+    calls = []
+    real_sort, real_topk = torch.sort, torch.topk
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: calls.append("sort") or real_sort(*a, **k))
+    monkeypatch.setattr(torch, "topk", lambda *a, **k: calls.append("topk") or real_topk(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("units", [128, 129, 257])
+def test_auto_never_calls_a_library_ranking(units, monkeypatch):
+    # with take inline, without take and inside a conditional node's body (only re-selecting
+    # steps run it), below and above the lowered limits: the kernels rank (only the Triton
+    # op's calls count)
+    from kvpolicy import graph_branch
     from kvpolicy.kernels.triton import select
 
-    monkeypatch.setattr(select, "_FULL_SORT_MAX", 128)
-    monkeypatch.setattr(select, "_FULL_SORT_MAX_WITHOUT_TAKE", 64)
+    monkeypatch.setattr(select, "AUTO_RANKING", _SMALL_AUTO_RANKING)
     monkeypatch.setattr(select, "_BLOCK", 32)
-    sorts = []
-    real_sort, real_topk = torch.sort, torch.topk
-    monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append("sort") or real_sort(*a, **k))
-    monkeypatch.setattr(torch, "topk", lambda *a, **k: sorts.append("topk") or real_topk(*a, **k))
+    monkeypatch.setattr(select, "_RADIX_CHUNK", 64)
     inputs = _random_units(2, 2, units, 1000, 4, seed=units, levels=20)
     want = reference.select_budget(*inputs, 150)
-    for take, torch_sorts in ((torch.tensor([True, True], device=DEVICE), 0), (None, 1)):
-        before = len(sorts)
+    calls = _count_library_rankings(monkeypatch)
+    for take in (torch.tensor([True, True], device=DEVICE), None):
         got = _select_budget()(*inputs, 150, take)
-        assert sorts[before:] == ["topk"] * torch_sorts
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-    # inside a conditional node's body only re-selecting steps run: ranked like without take
-    from kvpolicy import graph_branch
-
     monkeypatch.setattr(graph_branch, "in_conditional_body", lambda: True)
-    before = len(sorts)
     got = _select_budget()(*inputs, 150, torch.tensor([True, False], device=DEVICE))
-    assert sorts[before:] == ["topk"]
     assert all(torch.equal(a[:1], b[:1]) for a, b in zip(got, want))
+    assert calls == []
+
+
+def test_auto_follows_its_table(monkeypatch):
+    # a table whose rows call library rankings shows which row and column each call took
+    from kvpolicy import graph_branch
+    from kvpolicy.kernels.triton import select
+
+    monkeypatch.setattr(select, "AUTO_RANKING", ((64, "full", "topk"), (None, "radix", "torch.sort")))
+    take = torch.tensor([True, True], device=DEVICE)
+    cases = [(_random_units(2, 2, units, 1000, 4, seed=units, levels=20), without) for units, without in
+             ((64, ["topk"]), (65, ["sort"]))]
+    wants = [reference.select_budget(*inputs, 150) for inputs, _ in cases]
+    calls = _count_library_rankings(monkeypatch)
+    for (inputs, without), want in zip(cases, wants):
+        for rows, expected in ((take, []), (None, without)):
+            del calls[:]
+            got = _select_budget()(*inputs, 150, rows)
+            assert calls == expected and all(torch.equal(a, b) for a, b in zip(got, want))
+        monkeypatch.setattr(graph_branch, "in_conditional_body", lambda: True)
+        del calls[:]
+        _select_budget()(*inputs, 150, take)
+        assert calls == without
+        monkeypatch.setattr(graph_branch, "in_conditional_body", lambda: False)
+    assert select.auto_ranking(64, take_inline=True) == "full" and select.auto_ranking(10**6, False) == "torch.sort"
+
+
+def test_the_auto_table_names_rankings_and_covers_every_unit_count():
+    from kvpolicy.kernels.triton import select
+
+    limits = [limit for limit, _, _ in select.AUTO_RANKING]
+    assert limits[-1] is None and limits[:-1] == sorted(limits[:-1])
+    assert all(name in select.RANKINGS for _, *names in select.AUTO_RANKING for name in names)
 
 
 def test_an_unknown_ranking_is_refused(monkeypatch):
@@ -246,20 +284,27 @@ def test_an_unknown_ranking_is_refused(monkeypatch):
         _select_budget()(*_random_units(1, 1, 8, 50, 3, seed=1), 10)
 
 
-@pytest.mark.parametrize("capacity", [700, 40000, 90000])
-def test_threshold_select_past_many_blocks(capacity, monkeypatch):
+@pytest.mark.parametrize(
+    "ranking, capacity", [("threshold", 700), ("threshold", 40000), ("threshold", 90000), ("radix", 700)]
+)
+def test_threshold_select_past_many_blocks(capacity, ranking, monkeypatch):
     # 2,049 units: the budget cut mid-ranking, and a budget of more tokens than all units hold
-    # (every unit taken)
-    _use_ranking("threshold", monkeypatch)
+    # (every unit taken); for the radix select three chunks, the last of one unit (the
+    # interpreter's sort of the 4,096-key block a budget above 2,048 needs is too slow here)
+    _use_ranking(ranking, monkeypatch)
     inputs = _random_units(2, 1, 2049, 40000, 3, seed=2049, levels=200)
     _check(*inputs, capacity, torch.tensor([True, False], device=DEVICE))
     _check(*inputs, capacity)
 
 
-def test_threshold_select_keeps_better_units_behind_many_ties(monkeypatch):
+@pytest.mark.parametrize("ranking", ["threshold", "radix"])
+def test_threshold_select_keeps_better_units_behind_many_ties(ranking, monkeypatch):
     # 250 one-token units tie at the cut, the 50 better ones come after them by index: the
     # candidates must hold every better unit and the first ties, not the first units by index
-    _use_ranking("threshold", monkeypatch)
+    from kvpolicy.kernels.triton import select
+
+    _use_ranking(ranking, monkeypatch)
+    monkeypatch.setattr(select, "_RADIX_CHUNK", 16)  # ties over many chunks
     units, capacity = 300, 64
     scores = torch.ones(1, 1, units, device=DEVICE)
     scores[..., 250:] = 2.0
@@ -270,12 +315,99 @@ def test_threshold_select_keeps_better_units_behind_many_ties(monkeypatch):
     assert unit_ids[0, 0, :50].tolist() == list(range(250, 300)) and unit_ids[0, 0, 50:64].tolist() == list(range(14))
 
 
+# ---- the radix select: digits below the top bits, ties over chunks, both sort blocks ---------
+
+def _close_scores(batch, heads, units, low_bits, seed):
+    """Scores whose float bits differ only in their ``low_bits`` lowest bits (both signs, ties
+    among them), so that the radix select's later passes pick the cut."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    bits = 0x3F800000 + torch.randint(0, 2**low_bits, (batch, heads, units), generator=g, device=DEVICE)
+    scores = bits.to(torch.int32).view(torch.float32)
+    return torch.where(torch.rand(scores.shape, generator=g, device=DEVICE) < 0.3, -scores, scores)
+
+
+@pytest.mark.parametrize("low_bits", [8, 9, 20, 21])
+def test_radix_select_when_later_digits_decide(low_bits, monkeypatch):
+    # 8: only the last pass's 8 bits differ (many ties); 9 / 20: the middle pass's too;
+    # 21: the first pass's lowest bit too
+    from kvpolicy.kernels.triton import select
+
+    _use_ranking("radix", monkeypatch)
+    monkeypatch.setattr(select, "_RADIX_CHUNK", 32)
+    _, sizes, starts, order = _random_units(2, 1, 240, 1000, 5, seed=low_bits, p_empty=0.1)
+    scores = _close_scores(2, 1, 240, low_bits, seed=low_bits + 1)
+    _check(scores, sizes, starts, order, 1)
+    _check(scores, sizes, starts, order, 97, torch.tensor([True, False], device=DEVICE))
+    _check(scores, sizes, starts, order, 250)
+
+
+def test_radix_select_cut_exactly_at_a_unit_edge(monkeypatch):
+    # one-token units: the budget ends exactly at a unit's last token, never inside one
+    from kvpolicy.kernels.triton import select
+
+    _use_ranking("radix", monkeypatch)
+    monkeypatch.setattr(select, "_RADIX_CHUNK", 16)
+    scores, _, _, _ = _random_units(1, 2, 100, 100, 1, seed=8, p_inf=0.1)
+    sizes = torch.ones(1, 2, 100, dtype=torch.long, device=DEVICE)
+    starts = torch.arange(100, device=DEVICE).expand(1, 2, 100).contiguous()
+    order = torch.arange(100, device=DEVICE).flip(0).expand(1, 2, 100).contiguous()
+    for capacity in (1, 2, 63, 64, 65, 89, 90, 91):
+        _check(scores, sizes, starts, order, capacity)
+
+
+def test_radix_select_sorts_many_winners_in_the_whole_block(monkeypatch):
+    # the small sort block lowered to 8: budgets whose better-than-cut units fit it and ones
+    # whose do not (then the min(U, R) block sorts them); 1,000 is more than all tokens
+    from kvpolicy.kernels.triton import select
+
+    _use_ranking("radix", monkeypatch)
+    monkeypatch.setattr(select, "_RADIX_CHUNK", 32)
+    monkeypatch.setattr(select, "_RADIX_SMALL_SORT", 8)
+    inputs = _random_units(2, 2, 200, 800, 3, seed=9, levels=40)
+    for capacity in (5, 12, 60, 300, 1000):
+        _check(*inputs, capacity, torch.tensor([False, True], device=DEVICE))
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    batch=st.integers(1, 2),
+    heads=st.integers(1, 2),
+    units=st.integers(1, 90),
+    max_size=st.integers(1, 30),
+    capacity=st.integers(0, 200),
+    kind=st.sampled_from(["normal", "levels", "special", "close"]),
+    chunk=st.sampled_from([1, 8, 16]),
+    take_bits=st.integers(0, 3),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_radix_select_property(batch, heads, units, max_size, capacity, kind, chunk, take_bits, seed):
+    # monkeypatch is function-scoped: hypothesis reruns the body, so patch and restore here
+    from kvpolicy.kernels.triton import select
+
+    saved = select.RANKING, select._RADIX_CHUNK
+    select.RANKING, select._RADIX_CHUNK = "radix", chunk
+    try:
+        take = None if take_bits == 3 else torch.tensor([bool(take_bits >> b & 1) for b in range(batch)],
+                                                        device=DEVICE)
+        scores, sizes, starts, order = _random_units(batch, heads, units, 600, max_size, seed,
+                                                     levels=3 if kind == "levels" else None)
+        if kind == "special":
+            scores = _special_scores(batch, heads, units, seed + 1)
+        elif kind == "close":
+            scores = _close_scores(batch, heads, units, 9, seed + 1)
+        _check(scores, sizes, starts, order, capacity, take)
+    finally:
+        select.RANKING, select._RADIX_CHUNK = saved
+
+
 # ---- CUDA only: decode-sized problems --------------------------------------------------
 
 @needs_cuda
+@pytest.mark.parametrize("ranking", ["auto", "radix"])
 @pytest.mark.parametrize("levels", [None, 20])
 @pytest.mark.parametrize("max_size", [1, 16, 64])
-def test_select_budget_at_decode_sizes(levels, max_size):
+def test_select_budget_at_decode_sizes(levels, max_size, ranking, monkeypatch):
+    _use_ranking(ranking, monkeypatch)
     inputs = _random_units(4, 8, 8192, 131072, max_size, seed=max_size, levels=levels)
     _check(*inputs, 2048)
     _check(*inputs, 4096)
@@ -283,9 +415,10 @@ def test_select_budget_at_decode_sizes(levels, max_size):
 
 
 @needs_cuda
+@pytest.mark.parametrize("ranking", ["threshold", "radix"])
 @pytest.mark.parametrize("units", [16400, 40000])
-def test_threshold_select_at_long_context_unit_counts(units, monkeypatch):
-    _use_ranking("threshold", monkeypatch)
+def test_threshold_select_at_long_context_unit_counts(units, ranking, monkeypatch):
+    _use_ranking(ranking, monkeypatch)
     inputs = _random_units(2, 8, units, 600000, 16, seed=units, levels=None)
     _check(*inputs, 2048)
     _check(*inputs, 2048, torch.tensor([False, True], device=DEVICE))
@@ -299,8 +432,10 @@ def test_select_budget_with_take_at_decode_sizes(units):
 
 
 @needs_cuda
+@pytest.mark.parametrize("ranking", ["auto", "radix"])
 @pytest.mark.parametrize("units", [8192, 30000])
-def test_select_budget_with_take_replays_in_a_cuda_graph(units):
+def test_select_budget_with_take_replays_in_a_cuda_graph(units, ranking, monkeypatch):
+    _use_ranking(ranking, monkeypatch)
     scores, sizes, starts, order = _random_units(4, 8, units, 65536, 16, seed=1)
     take = torch.tensor([True, True, False, True], device=DEVICE)
     fill = _select_budget()
@@ -322,7 +457,9 @@ def test_select_budget_with_take_replays_in_a_cuda_graph(units):
 
 
 @needs_cuda
-def test_select_budget_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("ranking", ["auto", "radix"])
+def test_select_budget_replays_in_a_cuda_graph(ranking, monkeypatch):
+    _use_ranking(ranking, monkeypatch)
     scores, sizes, starts, order = _random_units(4, 8, 8192, 65536, 16, seed=1)
     fill = _select_budget()
     fill(scores, sizes, starts, order, 2048)  # compile outside the capture
