@@ -97,7 +97,7 @@ class PolicyLayerState:
                 self.units_ready.record(side)
             else:
                 self._build_index_and_pool(keys, values, retrievable)
-        self.boundary = torch.zeros(batch, self.store.slot_valid.shape[1], dtype=torch.bool, device=device)
+        self.boundary = torch.zeros(batch, self.store.pool.valid.shape[1], dtype=torch.bool, device=device)
         self.trigger_state = policy.trigger.init_state(batch, num_q_heads, dim, device)
         policy.trigger.attach(self.trigger_state, self)
         self.has_selection = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -133,8 +133,8 @@ class PolicyLayerState:
     def reserve(self, tokens: int) -> None:
         """Room for ``tokens`` more decode steps without growing any buffer (before capture)."""
         self.store.reserve(tokens)
-        if self.boundary.shape[1] < self.store.slot_valid.shape[1]:
-            grown = torch.zeros_like(self.store.slot_valid)
+        if self.boundary.shape[1] < self.store.pool.valid.shape[1]:
+            grown = torch.zeros_like(self.store.pool.valid)
             grown[:, : self.boundary.shape[1]] = self.boundary
             self.boundary = grown
         if self.units is not None:
@@ -155,7 +155,7 @@ class PolicyLayerState:
     def wait_for_units(self) -> None:
         """Make the current stream wait for the prompt's units (built on a side stream)."""
         if self.units_ready is not None:
-            torch.cuda.current_stream(self.store.slot_valid.device).wait_event(self.units_ready)
+            torch.cuda.current_stream(self.store.pool.valid.device).wait_event(self.units_ready)
             self.units_ready = None
 
     def decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
@@ -169,8 +169,8 @@ class PolicyLayerState:
         self.wait_for_units()
         store = self.store
         store.make_room()
-        if self.boundary.shape[1] < store.slot_valid.shape[1]:
-            grown = torch.zeros_like(store.slot_valid)
+        if self.boundary.shape[1] < store.pool.valid.shape[1]:
+            grown = torch.zeros_like(store.pool.valid)
             grown[:, : self.boundary.shape[1]] = self.boundary
             self.boundary = grown
         if self.units is not None and self.policy.selector is not None:

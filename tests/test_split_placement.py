@@ -48,7 +48,7 @@ def generate(model, pol, new_tokens: int):
 
 
 def device_pool_bytes(cache) -> int:
-    return sum(2 * s.store.pool_keys.numel() * s.store.pool_keys.element_size()
+    return sum(2 * s.store.pool.keys.numel() * s.store.pool.keys.element_size()
                for s in cache.policy_layers() if s.pool_on_device)
 
 
@@ -108,7 +108,7 @@ def test_a_reserve_before_capture_keeps_the_limit(llama):
         # room for 712 slots is 1.56 prompt pools: 0 and 1 must leave for 2 to grow in place
         assert cache.placer.moved_layers == [0, 1] and cache.placer.device_layers() == [2]
         assert device_pool_bytes(cache) == cache.placer.used <= limit
-        assert all(s.store.pool_keys.shape[2] >= PROMPT + 2 * RESERVE for s in cache.policy_layers())
+        assert all(s.store.pool.keys.shape[2] >= PROMPT + 2 * RESERVE for s in cache.policy_layers())
 
 
 def test_free_memory_sizing_leaves_the_headroom(llama, monkeypatch):
@@ -243,9 +243,9 @@ def test_on_a_gpu_the_split_puts_pools_on_the_device_and_pinned_host():
                 placer = session.cache.placer
                 assert placer.moved_layers == [0, 1]
                 for s in states:
-                    assert s.store.pool_keys.device.type == "cpu" and s.store.pool_keys.is_pinned()
+                    assert s.store.pool.keys.device.type == "cpu" and s.store.pool.keys.is_pinned()
     assert torch.equal(outs["gpu"], outs["split"])
     with policy(placement="split", gpu_pool_bytes=2 * layer_pool(batch)).apply(model) as session:
         model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-        kinds = [(s.store.pool_keys.device.type, s.store.pool_keys.is_pinned()) for s in session.cache.policy_layers()]
+        kinds = [(s.store.pool.keys.device.type, s.store.pool.keys.is_pinned()) for s in session.cache.policy_layers()]
     assert kinds == [("cuda", False), ("cuda", False), ("cpu", True), ("cpu", True)]

@@ -181,8 +181,7 @@ def probe_device_bytes(model, policy: Policy, context: int, steps: int, seed: in
             state.wait_for_units()
             state.reserve(steps + 2)
         torch.cuda.synchronize(device)
-        pools = sum(2 * s.store.pool_keys.numel() * s.store.pool_keys.element_size() for s in states
-                    if s.store.pool_keys.device.type == "cuda")
+        pools = sum(s.store.pool.nbytes() for s in states if s.store.pool.device.type == "cuda")
         peak = torch.cuda.max_memory_allocated(device) - base
     session.cache = None  # the session outlives the block: let its cache go before the next cell
     del cache, states

@@ -183,7 +183,7 @@ def time_layer(
     attention = dispatch.get("sparse_decode_attention", backend, device)
     parts = store.attention_parts()
     attention_ms = timer(lambda: attention(query, parts, scale), device, repeats)
-    row = d * store.pool_keys.element_size()
+    row = d * store.pool.keys.element_size()
     return LayerTimes(
         preset=policy.name, placement=policy.placement, backend=backend, batch=b, context=n, budget=policy.budget,
         trigger_ms=trigger_ms, selection_ms=selection_ms, transfer_ms=transfer_ms,

@@ -109,7 +109,7 @@ class SplitLayerState(PolicyLayerState):
         return self.placer.layers.get(self.layer_idx)
 
     def _pool_bytes(self, capacity: int | None = None) -> int:
-        keys = self.store.pool_keys
+        keys = self.store.pool.keys
         batch, heads, have, dim = keys.shape
         return pool_bytes(batch, heads, have if capacity is None else capacity, dim, keys.element_size())
 
@@ -122,13 +122,13 @@ class SplitLayerState(PolicyLayerState):
 
     def plan_step(self) -> None:
         store = self.store
-        capacity = store.pool_keys.shape[2]
+        capacity = store.pool.capacity
         if store.length >= capacity:  # make_room is about to double the pool
             self._before_growth(store.length + capacity)
         super().plan_step()
 
     def reserve(self, tokens: int) -> None:
-        if self.store.length + tokens > self.store.pool_keys.shape[2]:
+        if self.store.length + tokens > self.store.pool.capacity:
             self._before_growth(self.store.length + tokens)
         super().reserve(tokens)
 
@@ -139,12 +139,12 @@ class SplitLayerState(PolicyLayerState):
         old, new = self._pool_bytes(), self._pool_bytes(capacity)
         if self.placer.grow(self.layer_idx, old, new):
             return
-        store, host = self.store, self.placer.host
-        for name in ("pool_keys", "pool_values"):
-            pool = getattr(store, name)
-            moved = _allocate_pool(pool, pool.shape[2], host, store.slot_valid.device)
-            moved.copy_(pool)
-            setattr(store, name, moved)
+        pool, host = self.store.pool, self.placer.host
+        for name in ("keys", "values"):
+            rows = getattr(pool, name)
+            moved = _allocate_pool(rows, rows.shape[2], host, pool.valid.device)
+            moved.copy_(rows)
+            setattr(pool, name, moved)
         self.pool_device = host
         self.placer.moved(self.layer_idx, old)
 
@@ -420,7 +420,7 @@ class PolicySession:
             pool = {"pool_device_bytes": 0, "pool_host_bytes": 0, "pool_device_layers": []}
             for s in states:
                 on_device = s.pool_on_device if isinstance(s, SplitLayerState) else self.policy.placement == "gpu"
-                nbytes = sum(t.numel() * t.element_size() for t in (s.store.pool_keys, s.store.pool_values))
+                nbytes = s.store.pool.nbytes()
                 pool["pool_device_bytes" if on_device else "pool_host_bytes"] += nbytes
                 if on_device:
                     pool["pool_device_layers"].append(s.layer_idx)
