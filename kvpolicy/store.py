@@ -18,6 +18,9 @@
                trigger fires again; tokens leaving the local window join it while it has room.
                A re-selection reads from the pool only the rows the buffer does not hold yet.
 
+Each tier is typed (``kvpolicy/tiers.py``: ``Pool``, ``Tier``, ``SinkTier``, ``RetrievedBuffer``),
+and the step's ops take the tier they work on.
+
 Sequences of a batch decode in lockstep, so slot numbers (and the ring position of a slot)
 are the same for every sequence. The host counts them (``length``) to size buffers, but a
 decode step reads the slot from a device counter (``next_slot``), never from the host: with
@@ -457,7 +460,7 @@ class TieredStore:
         self.retrieved.held.zero_()
 
     def local_slots(self) -> torch.Tensor:
-        """``(L,)`` the slot each ring position holds (meaningful where ``local_valid``)."""
+        """``(L,)`` the slot each ring position holds (meaningful where ``local.valid``)."""
         capacity = self.local_capacity
         newest = self.next_slot - 1
         position = torch.arange(capacity, device=self.local.valid.device)

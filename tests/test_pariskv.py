@@ -171,7 +171,7 @@ def test_candidates_do_not_depend_on_reserved_room():
     assert selector.candidates_for(big.capacity, 100) > selector.candidates_for(small.capacity, 100)
     a = selector.select(query, small, 100, "reference")
     b = selector.select(query, big, 100, "reference")
-    assert torch.equal(a.slots, b.slots) and torch.equal(a.pool.valid, b.pool.valid)
+    assert torch.equal(a.slots, b.slots) and torch.equal(a.slot_valid, b.slot_valid)
 
 
 def test_layer_attends_the_update_buffer_in_full():

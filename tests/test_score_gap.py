@@ -182,8 +182,8 @@ def test_the_decision_is_per_sequence():
 def test_the_step_replays_with_frozen_host_state():
     steps = 30
     eager, replayed = (_layer({"name": "score_gap", "margin": 0.5}, batch=2, seed=1) for _ in range(2))
-    eager.reserve(steps)
-    replayed.reserve(steps)
+    eager.plan.reserve(steps)
+    replayed.plan.reserve(steps)
     captured = _tensors(replayed)
     pointers = {k: t.data_ptr() for k, t in captured.items()}
     host = _host_state(replayed)

@@ -13,7 +13,8 @@ import kvpolicy
 from kvpolicy import cli
 from kvpolicy.errors import ConfigError, KVPolicyError
 from kvpolicy.graph import DecodeGraph
-from kvpolicy.integrations.transformers import SplitLayerState, cache_argument_name
+from kvpolicy.integrations.transformers import cache_argument_name
+from kvpolicy.plan import SplitPlan
 from kvpolicy.placement import PoolPlacer, check_limit, pool_bytes
 
 from conftest import build_model, left_padded_batch
@@ -49,7 +50,7 @@ def generate(model, pol, new_tokens: int):
 
 def device_pool_bytes(cache) -> int:
     return sum(2 * s.store.pool.keys.numel() * s.store.pool.keys.element_size()
-               for s in cache.policy_layers() if s.pool_on_device)
+               for s in cache.policy_layers() if s.plan.pool_on_device)
 
 
 def test_the_first_layers_that_fit_the_limit_take_the_device(llama):
@@ -58,11 +59,11 @@ def test_the_first_layers_that_fit_the_limit_take_the_device(llama):
     # room for two layers' pools and most of a third: the third goes to the host, so does the fourth
     limit = 2 * layer_pool(batch) + layer_pool(batch) // 2
     out, stats, cache = generate(llama, policy(placement="split", gpu_pool_bytes=limit), new_tokens=8)
-    assert [s.pool_on_device for s in cache.policy_layers()] == [True, True, False, False]
+    assert [s.plan.pool_on_device for s in cache.policy_layers()] == [True, True, False, False]
     assert stats.pool_device_layers == [0, 1]
     assert stats.pool_device_bytes == 2 * layer_pool(batch) == cache.placer.used
     assert stats.pool_host_bytes == 2 * layer_pool(batch)
-    assert all(isinstance(s, SplitLayerState) for s in cache.policy_layers())
+    assert all(isinstance(s.plan, SplitPlan) for s in cache.policy_layers())
 
 
 # limit in prompt pools -> the layers whose device pool moved to the host as it grew, and those

@@ -155,7 +155,7 @@ def time_layer(
     if device.type == "cuda":
         torch.cuda.empty_cache()
     state.wait_for_units()
-    state.reserve(decode_steps)
+    state.plan.reserve(decode_steps)
     store, units = state.store, state.units
     capacity = store.retrieval_capacity
     backend = policy.backend

@@ -61,12 +61,11 @@ def _admit_kernel(
 def admit_row(buffer, evicted, mask: torch.Tensor) -> None:
     """Row ``fill`` of each (sequence, head) with room takes the evicted token where ``mask &
     evicted.valid``; in place, see the reference."""
-    retrieved_keys = buffer.keys
     key, value, slot, token_valid = evicted.key, evicted.value, evicted.slot, evicted.valid
-    batch, heads, capacity, dim = retrieved_keys.shape
-    device = retrieved_keys.device
+    batch, heads, capacity, dim = buffer.keys.shape
+    device = buffer.keys.device
     shapes = {
-        "buffer.values": (buffer.values, (batch, heads, capacity, dim), retrieved_keys.dtype),
+        "buffer.values": (buffer.values, (batch, heads, capacity, dim), buffer.keys.dtype),
         "buffer.slots": (buffer.slots, (batch, heads, capacity), torch.long),
         "buffer.valid": (buffer.valid, (batch, heads, capacity), torch.bool),
         "buffer.held": (buffer.held, (batch, heads, capacity), torch.bool),
@@ -86,13 +85,12 @@ def admit_row(buffer, evicted, mask: torch.Tensor) -> None:
         return
     valid = buffer.valid.view(torch.uint8)  # same memory: the kernel writes the store's tensors
     held = buffer.held.view(torch.uint8)
-    retrieved_values, retrieved_slots, retrieved_fill = buffer.values, buffer.slots, buffer.fill
     _admit_kernel[(heads, batch)](
-        retrieved_keys, retrieved_values, retrieved_slots, valid, held, retrieved_fill,
+        buffer.keys, buffer.values, buffer.slots, valid, held, buffer.fill,
         key, value, slot, mask.view(torch.uint8), token_valid.view(torch.uint8),
         capacity,
-        *retrieved_keys.stride(), *retrieved_values.stride(), *retrieved_slots.stride(),
-        *valid.stride(), *held.stride(), *retrieved_fill.stride(),
+        *buffer.keys.stride(), *buffer.values.stride(), *buffer.slots.stride(),
+        *valid.stride(), *held.stride(), *buffer.fill.stride(),
         *key.stride(), *value.stride(),
         mask.stride(0), token_valid.stride(0),
         D=dim, BLOCK_D=triton.next_power_of_2(max(dim, 1)),
