@@ -33,6 +33,7 @@ from ..layer import PolicyLayerState
 from ..policy import Policy
 from ..presets import preset
 from ..units.base import UnitBuilder
+from ..units.table import UnitTable
 from .timing import time_ms, time_replay_ms
 
 
@@ -109,7 +110,7 @@ def layer_policy(name: str, budget: int, placement: str, backend: str, random_un
     (K-means' sizes and scatter without its cost). Presets with their own index (pariskv's
     ``analytic``) keep it: encoding costs one pass over the keys, nothing to stand in for."""
     policy = preset(name, budget=budget, placement=placement, backend=backend)
-    if random_units and policy.prefill_units.index_kind == "table":
+    if random_units and issubclass(policy.prefill_units.index_type(), UnitTable):
         policy.prefill_units = RandomGroups()
     return policy
 
