@@ -16,6 +16,7 @@ import torch
 from kvpolicy.bench.timing import time_replay_ms
 from kvpolicy.kernels import reference
 from kvpolicy.kernels.triton import refresh
+from kvpolicy.tiers import RetrievedBuffer
 
 
 def main() -> None:
@@ -42,9 +43,11 @@ def main() -> None:
         take = torch.ones(batch, dtype=torch.bool, device=device)
         source = torch.empty(shape, dtype=torch.int32, device=device)
         read = torch.zeros(batch, dtype=torch.long, device=device)
+        rows = current.new_zeros(*shape, 0, dtype=torch.bfloat16)  # the op reads only labels and held flags
+        buffer = RetrievedBuffer(rows, rows, held, slots=current, held=held, fill=current.new_zeros(shape[:2]))
         times = []
         for op in (refresh.resident_rows, reference.resident_rows):
-            times.append(1e3 * time_replay_ms(lambda op=op: op(wanted, take, current, held, source, read), device,
+            times.append(1e3 * time_replay_ms(lambda op=op: op(wanted, take, buffer, source, read), device,
                                               args.repeats))
         print(f"{batch:2d} {times[0]:8.1f} {times[1]:10.1f}", flush=True)
 

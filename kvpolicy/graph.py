@@ -56,7 +56,7 @@ class DecodeGraph:
         self.branches = graph_branch.resolve(branches, self.device, emulate=emulate)  # "node" or "inline"
         for state in states:
             state.wait_for_units()
-            state.reserve(steps)
+            state.plan.reserve(steps)
         self.steps_left = steps
         batch = positions.shape[0]
         self.input_ids = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
@@ -103,7 +103,7 @@ class DecodeGraph:
         return self.logits
 
     def _capture(self) -> None:
-        self.captured_counters = [s.host_counters() for s in self.states]
+        self.captured_counters = [s.plan.counters() for s in self.states]
         if self.emulate:
             return
         self.graph = torch.cuda.CUDAGraph()
@@ -115,22 +115,22 @@ class DecodeGraph:
         self.captured_logits = captured
         # capturing ran the step's Python (host counters moved) but none of its kernels
         for state, counters in zip(self.states, self.captured_counters):
-            state.set_host_counters(counters)
+            state.plan.restore(counters)
 
     def _replay(self) -> None:
         if self.emulate:
             # what a replay does: the captured step's work, with the host state of capture time
-            now = [s.host_counters() for s in self.states]
+            now = [s.plan.counters() for s in self.states]
             for state, counters in zip(self.states, self.captured_counters):
-                state.set_host_counters(counters)
+                state.plan.restore(counters)
             self.logits.copy_(self._forward())
             for state, counters in zip(self.states, now):
-                state.set_host_counters(counters)
+                state.plan.restore(counters)
         else:
             self.graph.replay()
             self.logits.copy_(self.captured_logits)
         for state in self.states:
-            state.count_replayed_step()
+            state.plan.count_replayed_step()
 
 
 @torch.inference_mode()

@@ -1,9 +1,10 @@
 """One layer's policy state and its two entry points: prefill and the decode step.
 
-A decode step is a plan and a run. The plan (``plan_step``) is the host side: room in every
-buffer for the step's token, grown before any kernel (a captured graph reserved its steps' room
-up front, so it is a no-op there). The run (``run_step``) is kernels on fixed buffers, through the
-ops bound at prefill (``dispatch.bind``), with no host reads of tensor values anywhere:
+A decode step is a plan and a run. The plan (``self.plan``, a ``kvpolicy.plan.LayerPlan``) is the
+host side: where the pool goes, room in every buffer for the step's token, grown before any
+kernel (a captured graph reserved its steps' room up front, so it is a no-op there), and the
+host counters. The run (``run_step``) is kernels on fixed buffers, through the ops bound at
+prefill (``dispatch.bind``), with no host reads of tensor values anywhere:
     1. the new token goes to the pool and the local ring; the ring pushes out its oldest token
     2. trigger -> ``reselect`` (B,) bool, forced on the first step (``note_decision``)
     3. the pushed-out token joins the retrieval index: a decode unit of the unit table (segments
@@ -22,6 +23,8 @@ import torch
 
 from . import graph_branch
 from .kernels import dispatch
+from .placement import PoolPlacer
+from .plan import LayerPlan, SplitPlan
 from .store import TieredStore
 from .units.index import RetrievalIndex
 
@@ -48,10 +51,12 @@ class PolicyLayerState:
     the selector.
     """
 
-    def __init__(self, policy: "Policy", layer_idx: int, pool_device: torch.device):
+    def __init__(self, policy: "Policy", layer_idx: int, pool_device: torch.device, placer: PoolPlacer | None = None):
+        """``pool_device``: where the pool goes; with a ``placer`` (placement "split") the placer
+        chooses per layer when the prompt arrives."""
         self.policy = policy
         self.layer_idx = layer_idx
-        self.pool_device = pool_device
+        self.plan = LayerPlan(self, pool_device) if placer is None else SplitPlan(self, placer)
         self.store: TieredStore | None = None
         self.units: RetrievalIndex | None = None  # UnitTable, AnalyticIndex... (units/index.py)
         self.trigger_state: Any = None
@@ -78,9 +83,10 @@ class PolicyLayerState:
         selects = policy.selector is not None
         # with units, the zone's pool rows are written unit by unit once the units exist
         self.store = TieredStore.from_prefill(
-            keys, values, token_valid, policy.sink, policy.local, policy.retrieval_budget, self.pool_device,
-            defer_zone=selects,
+            keys, values, token_valid, policy.sink, policy.local, policy.retrieval_budget,
+            self.plan.place_prompt(keys), defer_zone=selects,
         )
+        self.plan.settle()
         if selects:
             zone = self.store.zone_end
             retrievable = token_valid[:, :zone] & ~self.store.sink_slot_mask()
@@ -97,7 +103,7 @@ class PolicyLayerState:
                 self.units_ready.record(side)
             else:
                 self._build_index_and_pool(keys, values, retrievable)
-        self.boundary = torch.zeros(batch, self.store.slot_valid.shape[1], dtype=torch.bool, device=device)
+        self.boundary = torch.zeros(batch, self.store.pool.valid.shape[1], dtype=torch.bool, device=device)
         self.trigger_state = policy.trigger.init_state(batch, num_q_heads, dim, device)
         policy.trigger.attach(self.trigger_state, self)
         self.has_selection = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -109,36 +115,6 @@ class PolicyLayerState:
         if self.units is None:
             return 0
         return sum(t.numel() * t.element_size() for t in vars(self.units).values() if isinstance(t, torch.Tensor))
-
-    def host_counters(self) -> dict:
-        """The host-side counters a decode step advances (what a graph replay leaves behind)."""
-        out = {"decode_steps": self.decode_steps, "length": self.store.length}
-        if self.units is not None:
-            out["units"] = self.units.host_counters()
-        return out
-
-    def set_host_counters(self, counters: dict) -> None:
-        self.decode_steps = counters["decode_steps"]
-        self.store.length = counters["length"]
-        if self.units is not None:
-            self.units.set_host_counters(counters["units"])
-
-    def count_replayed_step(self) -> None:
-        """Advance the host counters as ``decode`` does, for a step that ran as a graph replay."""
-        self.decode_steps += 1
-        self.store.length += 1
-        if self.units is not None and self.policy.selector is not None:
-            self.units.count_replayed_token()
-
-    def reserve(self, tokens: int) -> None:
-        """Room for ``tokens`` more decode steps without growing any buffer (before capture)."""
-        self.store.reserve(tokens)
-        if self.boundary.shape[1] < self.store.slot_valid.shape[1]:
-            grown = torch.zeros_like(self.store.slot_valid)
-            grown[:, : self.boundary.shape[1]] = self.boundary
-            self.boundary = grown
-        if self.units is not None:
-            self.units.reserve(tokens)
 
     def _build_index_and_pool(self, keys: torch.Tensor, values: torch.Tensor, retrievable: torch.Tensor) -> None:
         zone = self.store.zone_end
@@ -155,26 +131,13 @@ class PolicyLayerState:
     def wait_for_units(self) -> None:
         """Make the current stream wait for the prompt's units (built on a side stream)."""
         if self.units_ready is not None:
-            torch.cuda.current_stream(self.store.slot_valid.device).wait_event(self.units_ready)
+            torch.cuda.current_stream(self.store.pool.valid.device).wait_event(self.units_ready)
             self.units_ready = None
 
     def decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
         """``query (B, Hq, D)``, ``key``/``value`` ``(B, H, D)`` -> attention output ``(B, Hq, D)``."""
-        self.plan_step()
+        self.plan.before_step()
         return self.run_step(query, key, value, scale)
-
-    def plan_step(self) -> None:
-        """The host side of a step, before any of its kernels: room for its token in every buffer
-        (a no-op once ``reserve`` made room for a captured graph's steps), and the prompt's units."""
-        self.wait_for_units()
-        store = self.store
-        store.make_room()
-        if self.boundary.shape[1] < store.slot_valid.shape[1]:
-            grown = torch.zeros_like(store.slot_valid)
-            grown[:, : self.boundary.shape[1]] = self.boundary
-            self.boundary = grown
-        if self.units is not None and self.policy.selector is not None:
-            self.units.make_room()
 
     def run_step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
         """The device side of a step: kernels on fixed buffers, nothing read back (a replay runs this)."""

@@ -1,6 +1,6 @@
 """KV over GPU and host: where each layer's pool goes under placement "split".
 
-A layer's pool (the keys and values of every slot, ``TieredStore.pool_keys``/``pool_values``)
+A layer's pool (the keys and values of every slot, ``TieredStore.pool``)
 goes on the attention device while the cache's pools there stay within a byte limit, and in
 pinned host memory after that. The unit is a whole layer's pool: the step reads one pool per
 layer, so a layer's gathers are all device reads or all PCIe reads, and the kernels need no

@@ -18,20 +18,21 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
+from .choices import BACKENDS, PLACEMENTS
 from .errors import ConfigError
-from .kernels.dispatch import BACKENDS
-from .registry import lookup
-from .selectors.base import Selector
-from .triggers.base import Trigger
-from .units.base import UnitBuilder
+from .registry import base_class, lookup
 
-PLACEMENTS = ("cpu", "gpu", "split")
+if TYPE_CHECKING:
+    from .selectors.base import Selector
+    from .triggers.base import Trigger
+    from .units.base import UnitBuilder
 
 
-def _resolve(kind: str, spec: Any, base: type) -> Any:
+def _resolve(kind: str, spec: Any) -> Any:
     """A component instance from an instance, a registered name or ``{"name": ..., **options}``."""
+    base = base_class(kind)
     if spec is None or isinstance(spec, base):
         return spec
     if isinstance(spec, str):
@@ -82,10 +83,10 @@ class Policy:
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
-        self.trigger = _resolve("trigger", self.trigger, Trigger)
-        self.prefill_units = _resolve("units", self.prefill_units, UnitBuilder)
-        self.decode_units = _resolve("units", self.decode_units, UnitBuilder)
-        self.selector = _resolve("selector", self.selector, Selector)
+        self.trigger = _resolve("trigger", self.trigger)
+        self.prefill_units = _resolve("units", self.prefill_units)
+        self.decode_units = _resolve("units", self.decode_units)
+        self.selector = _resolve("selector", self.selector)
         self.validate()
 
     @property
@@ -143,7 +144,7 @@ class Policy:
                     f"units {self.decode_units.registered_name!r} cannot group generated tokens (decode_units); "
                     f"use one of: {', '.join(_builders('builds_decode'))}"
                 )
-            self._check_index_kinds()
+            self._check_index_types()
         for component in (self.trigger, self.prefill_units, self.decode_units, self.selector):
             if component is not None:
                 component.validate()
@@ -151,22 +152,22 @@ class Policy:
             for component in (self.prefill_units, self.decode_units, self.selector):
                 component.validate_in(self)
 
-    def _check_index_kinds(self) -> None:
+    def _check_index_types(self) -> None:
         """The prefill builder makes the index; the decode builder and the selector must fit it."""
         prefill, decode, selector = self.prefill_units, self.decode_units, self.selector
-        kind = prefill.index_kind
-        if selector.index_kind != kind:
-            fitting = [n for n in _names("selector") if lookup("selector", n).index_kind == kind]
+        index = prefill.index_type()
+        if not issubclass(index, selector.reads):
+            fitting = [n for n in _names("selector") if issubclass(index, lookup("selector", n).reads)]
             raise ConfigError(
-                f"selector {selector.registered_name!r} reads a {selector.index_kind!r} index, but prefill_units "
-                f"{prefill.registered_name!r} build a {kind!r} index; selectors for it: {', '.join(fitting)}"
+                f"selector {selector.registered_name!r} reads the index type {selector.reads.__name__}, but "
+                f"prefill_units {prefill.registered_name!r} build {index.__name__}; selectors for it: {', '.join(fitting)}"
             )
-        if kind == "table":
-            if decode.index_kind != kind:
+        if index is _unit_table():
+            if decode.index_type() is not index:
                 raise ConfigError(
-                    f"decode_units {decode.registered_name!r} build their own {decode.index_kind!r} index and cannot "
-                    f"extend the unit table of prefill_units {prefill.registered_name!r}; use them as prefill_units "
-                    f"too, or decode_units one of: {', '.join(_builders('builds_decode', 'table'))}"
+                    f"decode_units {decode.registered_name!r} build their own {decode.index_type().__name__} and "
+                    f"cannot extend the unit table of prefill_units {prefill.registered_name!r}; use them as "
+                    f"prefill_units too, or decode_units one of: {', '.join(_builders('builds_decode', index))}"
                 )
         elif decode != prefill:
             # one index takes the prompt and the generated tokens: one set of options
@@ -282,8 +283,12 @@ def _names(kind: str) -> list[str]:
     return names(kind)
 
 
-def _builders(flag: str, index_kind: str | None = None) -> list[str]:
+def _builders(flag: str, index: type | None = None) -> list[str]:
     return [
         n for n in _names("units")
-        if getattr(lookup("units", n), flag) and index_kind in (None, lookup("units", n).index_kind)
+        if getattr(lookup("units", n), flag) and index in (None, lookup("units", n).index_type())
     ]
+
+
+def _unit_table() -> type:
+    return base_class("units").index_type()  # the base builder's index: the unit table

@@ -34,7 +34,7 @@ def register(kind: str, name: str) -> Callable[[T], T]:
     _check_kind(kind)
 
     def decorate(cls: T) -> T:
-        base = _base_class(kind)
+        base = base_class(kind)
         if not (isinstance(cls, type) and issubclass(cls, base)):
             what = f"class {cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else repr(cls)
             raise ConfigError(f"cannot register {what} as {kind} {name!r}: a {kind} must subclass "
@@ -53,7 +53,7 @@ def register(kind: str, name: str) -> Callable[[T], T]:
     return decorate
 
 
-def _base_class(kind: str) -> type:
+def base_class(kind: str) -> type:
     """The class every component of ``kind`` subclasses (imported here: its module registers built-ins)."""
     if kind == "trigger":
         from .triggers.base import Trigger

@@ -18,6 +18,9 @@
                trigger fires again; tokens leaving the local window join it while it has room.
                A re-selection reads from the pool only the rows the buffer does not hold yet.
 
+Each tier is typed (``kvpolicy/tiers.py``: ``Pool``, ``Tier``, ``SinkTier``, ``RetrievedBuffer``),
+and the step's ops take the tier they work on.
+
 Sequences of a batch decode in lockstep, so slot numbers (and the ring position of a slot)
 are the same for every sequence. The host counts them (``length``) to size buffers, but a
 decode step reads the slot from a device counter (``next_slot``), never from the host: with
@@ -34,6 +37,7 @@ import torch
 
 from .kernels import dispatch
 from .pinned import pinned_empty
+from .tiers import Evicted, Pool, RetrievedBuffer, SinkTier, Tier
 
 
 def _allocate_pool(like: torch.Tensor, capacity: int, device: torch.device, attention_device: torch.device) -> torch.Tensor:
@@ -100,43 +104,21 @@ def _rows_for(tokens: int, sink: int, retrieval: int, local: int, wanted: int) -
 
 
 @dataclass
-class Evicted:
-    """The token the local ring pushed out this step (``valid`` False while the ring fills)."""
-
-    slot: torch.Tensor  # () long, device; clamped to >= 0
-    key: torch.Tensor  # (B, H, D)
-    value: torch.Tensor
-    valid: torch.Tensor  # (B,)
-
-
-@dataclass
 class TieredStore:
-    pool_keys: torch.Tensor  # (B, H, capacity, D)
-    pool_values: torch.Tensor
+    """One layer's KV in its tiers (see the module docstring); the three attended tiers are
+    views of ``attended``, re-made together when the plan grows it."""
+
+    pool: Pool
+    attended: Tier  # (B, H, S + R + L): sink | retrieved | local, so a step's attention reads one part
+    sink: SinkTier  # its ``slots`` are the first rows of ``sink_slots_all``: those filled so far
+    retrieved: RetrievedBuffer
+    local: Tier  # a ring: slot s lives at s % L (L < local_limit: no slot >= L yet)
     length: int  # slots written, counted on the host (buffer sizes, statistics)
     next_slot: torch.Tensor  # () long on the attention device: the slot the next token takes
-    slot_valid: torch.Tensor  # (B, capacity) bool, attention device
-    sink_keys: torch.Tensor  # (B, H, S, D)
-    sink_values: torch.Tensor
-    sink_valid: torch.Tensor  # (B, S)
-    sink_slots: torch.Tensor  # (B, S) long; -1 where the prompt has fewer valid tokens (a view of sink_slots_all)
-    local_keys: torch.Tensor  # (B, H, L, D) ring: slot s lives at s % L (L < local_limit: no slot >= L yet)
-    local_values: torch.Tensor
-    local_valid: torch.Tensor  # (B, L)
-    retrieved_keys: torch.Tensor  # (B, H, R, D)
-    retrieved_values: torch.Tensor
-    retrieved_valid: torch.Tensor  # (B, H, R)
-    retrieved_slots: torch.Tensor  # (B, H, R) long: which slot each retrieved row holds
-    retrieved_fill: torch.Tensor  # (B, H) long: retrieved[..., :fill] is in use
     zone_end: int  # slots [0, zone_end) of the prompt are sink or retrievable
-    # (B, H, R) bool: the row holds exactly its slot's pool row (not before it is first filled),
-    # so a re-selection may copy it on the device instead of reading the pool again
-    retrieved_held: torch.Tensor | None = None
     # (B,) long, cumulative: buffer rows fetch read from the pool, over all heads (a row is one
     # token's key and value of one head); a fetch of R fresh rows adds H * R
     pool_rows_read: torch.Tensor | None = None
-    # (B, H, zone_end) int32: the pool row of each zone slot once ``lay_out_zone`` ran (None: row = slot)
-    zone_rows: torch.Tensor | None = None
     # fetch's work buffers, shared by the stores of one shape (see _shared): (B, H, R, D) where
     # the new rows are assembled, and (B, H, R) int32, the buffer row holding each wanted slot
     scratch: torch.Tensor | None = field(default=None, repr=False)
@@ -145,21 +127,12 @@ class TieredStore:
     # ring pushed out, and () long, the slot the step's token took
     evicted: Evicted | None = field(default=None, repr=False)
     current_slot: torch.Tensor | None = field(default=None, repr=False)
-    # (B, H, S + R + L): the buffer the sink, retrieved and local tiers above are views of (and
-    # its validity), so a step's attention reads one part; ``local_valid`` is head 0's view of
-    # ``local_valid_heads (B, H, L)``, which writers update for every head
-    attended_keys: torch.Tensor | None = field(default=None, repr=False)
-    attended_values: torch.Tensor | None = field(default=None, repr=False)
-    attended_valid: torch.Tensor | None = field(default=None, repr=False)
-    local_valid_heads: torch.Tensor | None = field(default=None, repr=False)
-    sink_valid_heads: torch.Tensor | None = field(default=None, repr=False)  # (B, H, S), likewise
     # the policy's retrieved rows (budget - sink - local); the buffer holds fewer while fewer
     # tokens have left the local window, and the plan grows it (``make_room``) up to this
     retrieval_limit: int | None = None
     # the policy's local window; the ring holds fewer rows while the sequence is shorter
     local_limit: int | None = None
-    # (B, min(sink, prompt)): the slot of every sink row there will be; ``sink_slots`` is the
-    # first rows of it, those the tokens outside the window can fill so far
+    # (B, min(sink, prompt)): the slot of every sink row there will be
     sink_slots_all: torch.Tensor | None = None
     # whether the retrieval index is a unit table (``lay_out_zone`` got a unit order), whose
     # units hold retrievable tokens only; see ``retrievable`` for what other indexes may ask
@@ -167,25 +140,23 @@ class TieredStore:
     prompt_length: int | None = None
 
     def __post_init__(self) -> None:
-        keys = self.retrieved_keys
-        if self.retrieved_held is None:
-            self.retrieved_held = torch.zeros_like(self.retrieved_valid)
+        keys = self.retrieved.keys
         if self.pool_rows_read is None:
             self.pool_rows_read = torch.zeros(keys.shape[0], dtype=torch.long, device=keys.device)
         if self.scratch is None:
-            if self.retrieved_values.shape != keys.shape or self.retrieved_values.dtype != keys.dtype:
+            if self.retrieved.values.shape != keys.shape or self.retrieved.values.dtype != keys.dtype:
                 raise ValueError("TieredStore: retrieved keys and values must have one shape and dtype")
             self.scratch = _shared(keys.shape, keys.dtype, keys)
         if self.source is None:
             # -1 (nothing resident) until written: a backend may read entries it was not asked to fill
             self.source = _shared(keys.shape[:3], torch.int32, keys, fill=-1)
         if self.evicted is None:
-            ring = self.local_keys
+            ring = self.local.keys
             batch, heads, _, dim = ring.shape
             self.evicted = Evicted(
                 slot=torch.zeros((), dtype=torch.long, device=ring.device),
                 key=ring.new_zeros(batch, heads, dim),
-                value=self.local_values.new_zeros(batch, heads, dim),
+                value=self.local.values.new_zeros(batch, heads, dim),
                 valid=torch.zeros(batch, dtype=torch.bool, device=ring.device),
             )
         if self.current_slot is None:
@@ -195,17 +166,17 @@ class TieredStore:
         if self.local_limit is None:
             self.local_limit = self.local_capacity
         if self.sink_slots_all is None:
-            self.sink_slots_all = self.sink_slots
+            self.sink_slots_all = self.sink.slots
         if self.prompt_length is None:
             self.prompt_length = self.length
 
     @property
     def local_capacity(self) -> int:
-        return self.local_keys.shape[2]
+        return self.local.rows
 
     @property
     def retrieval_capacity(self) -> int:
-        return self.retrieved_keys.shape[2]
+        return self.retrieved.rows
 
     @classmethod
     def from_prefill(
@@ -278,29 +249,21 @@ class TieredStore:
         local_valid_heads[:, :, positions] = token_valid[:, None, zone_end:]
 
         return cls(
-            pool_keys=pool_keys,
-            pool_values=pool_values,
+            pool=Pool(pool_keys, pool_values, slot_valid),
+            attended=Tier(attended_keys, attended_values, attended_valid),
+            sink=SinkTier(attended_keys[:, :, sink_part], attended_values[:, :, sink_part],
+                          attended_valid[:, :, sink_part], sink_slots[:, :sink_rows]),
+            retrieved=RetrievedBuffer(
+                attended_keys[:, :, retrieved_part], attended_values[:, :, retrieved_part],
+                attended_valid[:, :, retrieved_part],
+                slots=torch.zeros(batch, heads, retrieval_rows, dtype=torch.long, device=device),
+                held=torch.zeros(batch, heads, retrieval_rows, dtype=torch.bool, device=device),
+                fill=torch.zeros(batch, heads, dtype=torch.long, device=device),
+            ),
+            local=Tier(local_keys, local_values, local_valid_heads),
             length=prompt,
             next_slot=torch.tensor(prompt, dtype=torch.long, device=device),
-            slot_valid=slot_valid,
-            sink_keys=attended_keys[:, :, sink_part],
-            sink_values=attended_values[:, :, sink_part],
-            sink_valid=attended_valid[:, 0, sink_part],
-            sink_slots=sink_slots[:, :sink_rows],
-            local_keys=local_keys,
-            local_values=local_values,
-            local_valid=attended_valid[:, 0, local_part],
-            retrieved_keys=attended_keys[:, :, retrieved_part],
-            retrieved_values=attended_values[:, :, retrieved_part],
-            retrieved_valid=attended_valid[:, :, retrieved_part],
-            retrieved_slots=torch.zeros(batch, heads, retrieval_rows, dtype=torch.long, device=device),
-            retrieved_fill=torch.zeros(batch, heads, dtype=torch.long, device=device),
             zone_end=zone_end,
-            attended_keys=attended_keys,
-            attended_values=attended_values,
-            attended_valid=attended_valid,
-            local_valid_heads=local_valid_heads,
-            sink_valid_heads=attended_valid[:, :, sink_part],
             retrieval_limit=retrieval,
             local_limit=local,
             sink_slots_all=sink_slots,
@@ -317,31 +280,34 @@ class TieredStore:
         self.unit_table = order is not None
         if zone == 0:
             return
+        pool = self.pool
         if order is None:
-            _copy_prompt(self.pool_keys, keys[:, :, :zone])
-            _copy_prompt(self.pool_values, values[:, :, :zone])
+            _copy_prompt(pool.keys, keys[:, :, :zone])
+            _copy_prompt(pool.values, values[:, :, :zone])
             return
         order = order[..., :zone]
         index = order.unsqueeze(-1).expand(*order.shape, keys.shape[-1])
-        _copy_prompt(self.pool_keys, keys[:, :, :zone].gather(2, index))
-        _copy_prompt(self.pool_values, values[:, :, :zone].gather(2, index))
+        _copy_prompt(pool.keys, keys[:, :, :zone].gather(2, index))
+        _copy_prompt(pool.values, values[:, :, :zone].gather(2, index))
         # int32: the table is held per layer for the whole generation (4 x 128K: 16 MB a layer)
         rows = torch.empty(order.shape, dtype=torch.int32, device=order.device)
         rows.scatter_(2, order, torch.arange(zone, dtype=torch.int32, device=order.device).expand_as(order))
-        self.zone_rows = rows
+        pool.zone_rows = rows
 
     def pool_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """The pool row holding each of ``slots`` (``(B, H, R)``)."""
-        if self.zone_rows is None:
+        zone_rows = self.pool.zone_rows
+        if zone_rows is None:
             return slots
         zone = self.zone_end
-        in_zone = self.zone_rows.gather(2, slots.clamp(0, zone - 1))
+        in_zone = zone_rows.gather(2, slots.clamp(0, zone - 1))
         return torch.where(slots < zone, in_zone, slots)  # int32 rows promote to long in the same kernel
 
     def sink_slot_mask(self) -> torch.Tensor:
         """``(B, zone_end)`` True where a zone slot is a sink token (so not retrievable)."""
-        seen = torch.cumsum(self.slot_valid[:, : self.zone_end].long(), dim=-1)
-        return self.slot_valid[:, : self.zone_end] & (seen <= self.sink_slots_all.shape[1])
+        zone_valid = self.pool.valid[:, : self.zone_end]
+        seen = torch.cumsum(zone_valid.long(), dim=-1)
+        return zone_valid & (seen <= self.sink_slots_all.shape[1])
 
     def rows_for(self, tokens: int) -> tuple[int, int, int]:
         """``(sink, retrieved, local)`` rows a sequence of ``tokens`` tokens can fill (``_rows_for``)."""
@@ -371,29 +337,30 @@ class TieredStore:
     def reserve(self, tokens: int) -> None:
         """Room for ``tokens`` more decode tokens without growing (before capturing a step)."""
         self._fit(self.length + tokens)
-        capacity = self.pool_keys.shape[2]
+        pool = self.pool
+        capacity = pool.capacity
         if self.length + tokens <= capacity:
             return
         new = self.length + tokens
-        for name in ("pool_keys", "pool_values"):
-            old = getattr(self, name)
-            grown = _allocate_pool(old, new, old.device, self.slot_valid.device)
+        for name in ("keys", "values"):
+            old = getattr(pool, name)
+            grown = _allocate_pool(old, new, old.device, pool.valid.device)
             grown[:, :, :capacity].copy_(old)
-            setattr(self, name, grown)
-        pad = torch.zeros(self.slot_valid.shape[0], new - capacity, dtype=torch.bool, device=self.slot_valid.device)
-        self.slot_valid = torch.cat([self.slot_valid, pad], dim=1)
+            setattr(pool, name, grown)
+        pad = torch.zeros(pool.valid.shape[0], new - capacity, dtype=torch.bool, device=pool.valid.device)
+        pool.valid = torch.cat([pool.valid, pad], dim=1)
 
     def make_room(self) -> None:
         """Room for one more token (host side, before the step's kernels): in the pool (doubling),
         and in the attended buffer's tiers, which grow to exactly what the next token makes
         attendable (``rows_for``), so they never hold more rows than the sequence has tokens."""
-        if self.length >= self.pool_keys.shape[2]:
-            self.reserve(self.pool_keys.shape[2])
+        if self.length >= self.pool.capacity:
+            self.reserve(self.pool.capacity)
         self._fit(self.length + 1)
 
     def _fit(self, tokens: int) -> None:
         wanted = self.rows_for(tokens)
-        now = (self.sink_keys.shape[2], self.retrieval_capacity, self.local_capacity)
+        now = (self.sink.rows, self.retrieval_capacity, self.local_capacity)
         # grow only: a reserve may have made a tier larger than this token needs, and a buffer
         # re-made inside a captured step would leave the graph reading the old one
         if any(w > n for w, n in zip(wanted, now)):
@@ -407,42 +374,41 @@ class TieredStore:
         it holds keeps its position ``slot % L``."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise AssertionError("the attended buffer cannot grow inside a captured step: reserve the steps first")
-        old_sink, old, old_local = self.sink_keys.shape[2], self.retrieval_capacity, self.local_capacity
+        old_sink, old, old_local = self.sink.rows, self.retrieval_capacity, self.local_capacity
         if local != old_local and self.length > old_local:
             raise AssertionError(f"the local ring of {old_local} rows cannot grow to {local}: slot {self.length - 1} "
                                  "already wrapped around it")
-        batch, heads, _, dim = self.attended_keys.shape
+        was = self.attended
+        batch, heads, _, dim = was.keys.shape
         total = sink + rows + local
-        keys = self.attended_keys.new_zeros(batch, heads, total, dim)
-        values = self.attended_values.new_zeros(batch, heads, total, dim)
-        valid = self.attended_valid.new_zeros(batch, heads, total)
-        for new, was in ((keys, self.attended_keys), (values, self.attended_values), (valid, self.attended_valid)):
-            new[:, :, :old_sink] = was[:, :, :old_sink]
-            new[:, :, sink : sink + old] = was[:, :, old_sink : old_sink + old]
-            new[:, :, sink + rows : sink + rows + old_local] = was[:, :, old_sink + old :]
+        grown = Tier(was.keys.new_zeros(batch, heads, total, dim), was.values.new_zeros(batch, heads, total, dim),
+                     was.valid.new_zeros(batch, heads, total))
+        for new, before in ((grown.keys, was.keys), (grown.values, was.values), (grown.valid, was.valid)):
+            new[:, :, :old_sink] = before[:, :, :old_sink]
+            new[:, :, sink : sink + old] = before[:, :, old_sink : old_sink + old]
+            new[:, :, sink + rows : sink + rows + old_local] = before[:, :, old_sink + old :]
         if sink > old_sink:
             slots = self.sink_slots_all[:, old_sink:sink]
             rows_of = self.pool_rows(slots.clamp(min=0)[:, None, :].expand(batch, heads, -1).contiguous())
-            for new, pool in ((keys, self.pool_keys), (values, self.pool_values)):
+            for new, pool in ((grown.keys, self.pool.keys), (grown.values, self.pool.values)):
                 index = rows_of.to(pool.device)[..., None].expand(batch, heads, sink - old_sink, dim)
                 new[:, :, old_sink:sink] = pool.gather(2, index).to(new.device, new.dtype)
-        sink_part, retrieved_part, local_part = slice(0, sink), slice(sink, sink + rows), slice(sink + rows, None)
-        self.attended_keys, self.attended_values, self.attended_valid = keys, values, valid
-        self.sink_keys, self.sink_values = keys[:, :, sink_part], values[:, :, sink_part]
-        self.sink_valid, self.sink_valid_heads = valid[:, 0, sink_part], valid[:, :, sink_part]
-        self.sink_slots = self.sink_slots_all[:, :sink]
-        self.local_keys, self.local_values = keys[:, :, local_part], values[:, :, local_part]
-        self.local_valid, self.local_valid_heads = valid[:, 0, local_part], valid[:, :, local_part]
-        self.retrieved_keys, self.retrieved_values = keys[:, :, retrieved_part], values[:, :, retrieved_part]
-        self.retrieved_valid = valid[:, :, retrieved_part]
+
+        def part(at: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return grown.keys[:, :, at], grown.values[:, :, at], grown.valid[:, :, at]
+
+        self.attended = grown
+        self.sink = SinkTier(*part(slice(0, sink)), slots=self.sink_slots_all[:, :sink])
+        self.local = Tier(*part(slice(sink + rows, None)))
+        buffer = self.retrieved
+        slots, held = buffer.slots, buffer.held
         if rows != old:
-            for name in ("retrieved_slots", "retrieved_held"):
-                was = getattr(self, name)
-                grown = was.new_zeros(batch, heads, rows)
-                grown[:, :, :old] = was
-                setattr(self, name, grown)
-            self.scratch = _shared(self.retrieved_keys.shape, keys.dtype, keys)
-            self.source = _shared(self.retrieved_keys.shape[:3], torch.int32, keys, fill=-1)
+            slots, held = slots.new_zeros(batch, heads, rows), held.new_zeros(batch, heads, rows)
+            slots[:, :, :old], held[:, :, :old] = buffer.slots, buffer.held
+        self.retrieved = RetrievedBuffer(*part(slice(sink, sink + rows)), slots=slots, held=held, fill=buffer.fill)
+        if rows != old:
+            self.scratch = _shared(self.retrieved.keys.shape, grown.keys.dtype, grown.keys)
+            self.source = _shared(self.retrieved.keys.shape[:3], torch.int32, grown.keys, fill=-1)
 
     def append(self, key: torch.Tensor, value: torch.Tensor, ops) -> Evicted:
         """Write one decode token (``(B, H, D)``) to the pool and the local ring.
@@ -463,13 +429,14 @@ class TieredStore:
         for sequences that re-select, and only those whose slot the buffer does not already hold
         (counted in ``pool_rows_read``).
         """
-        ops = dispatch.as_ops(ops, self.retrieved_keys.device)
+        buffer = self.retrieved
+        ops = dispatch.as_ops(ops, buffer.keys.device)
         # rows the buffer already holds are copied on the device; only the others are read
         # from the pool (over PCIe for a host pool). Same contents as gathering every row.
-        ops.resident_rows(slots, reselect, self.retrieved_slots, self.retrieved_held, self.source, self.pool_rows_read)
+        ops.resident_rows(slots, reselect, buffer, self.source, self.pool_rows_read)
         rows = self.pool_rows(slots)
-        ops.refresh_rows(self.pool_keys, rows, reselect, self.source, self.retrieved_keys, self.scratch)
-        ops.refresh_rows(self.pool_values, rows, reselect, self.source, self.retrieved_values, self.scratch)
+        ops.refresh_rows(self.pool.keys, rows, reselect, self.source, buffer.keys, self.scratch)
+        ops.refresh_rows(self.pool.values, rows, reselect, self.source, buffer.values, self.scratch)
         # the buffer's slots, validity (padding inside a unit is fetched, never attended), fill
         # and held flags (a slot not written yet was read as whatever the pool held: never reused)
         ops.commit_selection(self, slots, slot_valid, reselect)
@@ -481,47 +448,40 @@ class TieredStore:
         """
         if self.retrieval_capacity == 0:
             return
-        dispatch.as_ops(ops, self.retrieved_keys.device).admit_row(
-            self.retrieved_keys, self.retrieved_values, self.retrieved_slots, self.retrieved_valid,
-            self.retrieved_held, self.retrieved_fill, evicted.key, evicted.value, evicted.slot, mask, evicted.valid,
-        )
+        dispatch.as_ops(ops, self.retrieved.keys.device).admit_row(self.retrieved, evicted, mask)
 
     def attention_parts(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """The ``(keys, values, valid)`` parts a step attends to: the one attended buffer."""
-        return [(self.attended_keys, self.attended_values, self.attended_valid)]
+        return [(self.attended.keys, self.attended.values, self.attended.valid)]
 
     def forget_resident(self) -> None:
         """Treat no retrieved row as reusable, so the next fetch reads every row from the pool
         (a cold transfer, for benchmarks; in place, so it may run between graph replays)."""
-        self.retrieved_held.zero_()
+        self.retrieved.held.zero_()
 
     def local_slots(self) -> torch.Tensor:
-        """``(L,)`` the slot each ring position holds (meaningful where ``local_valid``)."""
+        """``(L,)`` the slot each ring position holds (meaningful where ``local.valid``)."""
         capacity = self.local_capacity
         newest = self.next_slot - 1
-        position = torch.arange(capacity, device=self.local_valid.device)
+        position = torch.arange(capacity, device=self.local.valid.device)
         # the ring holds slots (newest - capacity, newest]; slot s sits at s % capacity
         # positions never written yet would map below 0; they are invalid, keep them indexable
         return (newest - ((newest - position) % capacity)).clamp(min=0)
 
     def attended_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slots, valid)``, both ``(B, H, S + R + L)``: every token this step attends to."""
-        batch, heads = self.retrieved_slots.shape[:2]
-        sink = self.sink_slots.clamp(min=0)[:, None, :].expand(batch, heads, -1)
-        sink_valid = self.sink_valid[:, None, :].expand(batch, heads, -1)
+        batch, heads = self.retrieved.slots.shape[:2]
+        sink = self.sink.slots.clamp(min=0)[:, None, :].expand(batch, heads, -1)
         local = self.local_slots().expand(batch, heads, -1)
-        local_valid = self.local_valid[:, None, :].expand(batch, heads, -1)
-        slots = torch.cat([sink, self.retrieved_slots, local], dim=-1)
-        valid = torch.cat([sink_valid, self.retrieved_valid, local_valid], dim=-1)
+        slots = torch.cat([sink, self.retrieved.slots, local], dim=-1)
+        valid = torch.cat([self.sink.valid, self.retrieved.valid, self.local.valid], dim=-1)
         return slots, valid
 
     def device_bytes(self) -> int:
         """KV bytes held on the attention device (sink + local + retrieved)."""
-        tensors = (self.sink_keys, self.sink_values, self.local_keys, self.local_values,
-                   self.retrieved_keys, self.retrieved_values)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(tier.nbytes() for tier in (self.sink, self.retrieved, self.local))
 
     def full_bytes(self) -> int:
         """Bytes the full KV of the tokens so far takes (what a dense cache would hold)."""
-        batch, heads, _, dim = self.pool_keys.shape
-        return 2 * batch * heads * self.length * dim * self.pool_keys.element_size()
+        batch, heads, _, dim = self.pool.keys.shape
+        return 2 * batch * heads * self.length * dim * self.pool.keys.element_size()

@@ -31,7 +31,7 @@ def fed(model, policy, ids, mask, tokens, emulate, branches):
         runner = DecodeGraph(model, cache, mask.long().sum(-1), STEPS - 1, emulate=emulate, branches=branches)
         for i in range(STEPS - 1):
             logits.append(runner.step(tokens[:, i]).clone())
-        sizes = [(s.store.sink_keys.shape[2], s.store.retrieval_capacity, s.store.local_capacity) for s in runner.states[:1]]
+        sizes = [(s.store.sink.keys.shape[2], s.store.retrieval_capacity, s.store.local_capacity) for s in runner.states[:1]]
     return torch.stack(logits, 1), sizes
 
 

@@ -61,8 +61,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="host-read-of-next-slot",
         file="kvpolicy/kernels/reference_step.py",
-        original="    slot = store.next_slot\n    evicted = store.evicted",
-        replacement="    slot = torch.tensor(int(store.next_slot), device=store.next_slot.device)\n    evicted = store.evicted",
+        original="    slot = store.next_slot\n    evicted, pool, ring, sink =",
+        replacement="    slot = torch.tensor(int(store.next_slot), device=store.next_slot.device)\n    evicted, pool, ring, sink =",
         tests=("tests/test_graph_ready.py",),
         why="the step reads its slot on the host: a graph replay would write every token to the captured slot",
     ),
@@ -134,8 +134,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="fetch-fills-the-whole-buffer",
         file="kvpolicy/kernels/reference_step.py",
-        original="torch.where(take[..., 0], slot_valid.sum(-1), store.retrieved_fill)",
-        replacement="torch.where(take[..., 0], torch.full_like(store.retrieved_fill, slot_valid.shape[-1]), store.retrieved_fill)",
+        original="torch.where(take[..., 0], slot_valid.sum(-1), buffer.fill)",
+        replacement="torch.where(take[..., 0], torch.full_like(buffer.fill, slot_valid.shape[-1]), buffer.fill)",
         tests=("tests/test_dense_equivalence.py", "tests/test_store_refresh.py", "-k", "keep or interval or overlapping"),
         why="a selection marks the buffer full, so nothing is ever admitted",
     ),
@@ -183,7 +183,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="sink-never-filled-from-the-ring",
         file="kvpolicy/kernels/reference_step.py",
-        original="    store.sink_valid_heads.logical_or_(to_sink[:, None, :])\n",
+        original="    sink.valid.logical_or_(to_sink[:, None, :])\n",
         replacement="",
         tests=("tests/test_store.py", "-k", "shorter"),
         why="a prompt shorter than the window never fills its sink (streaming becomes a sliding window)",

@@ -31,10 +31,10 @@ def _snapshot(state: PolicyLayerState) -> dict | None:
         return None
     store = state.store
     return {
-        "slots": store.retrieved_slots.clone(),
-        "valid": store.retrieved_valid.clone(),
-        "fill": store.retrieved_fill.clone(),
-        "keys": store.retrieved_keys.clone(),
+        "slots": store.retrieved.slots.clone(),
+        "valid": store.retrieved.valid.clone(),
+        "fill": store.retrieved.fill.clone(),
+        "keys": store.retrieved.keys.clone(),
         "read": store.pool_rows_read.clone(),
         "reselections": state.reselections.clone(),
         "has_selection": state.has_selection.clone(),
@@ -57,26 +57,26 @@ def check_step(state: PolicyLayerState, before: dict, new_key: torch.Tensor, cou
         assert int(store.pool_rows_read[b]) == int(before["read"][b]), (
             f"layer {state.layer_idx} seq {b}: a step that keeps its selection read rows from the pool"
         )
-        leaving_valid = leaving >= 0 and bool(store.slot_valid[b, leaving])
-        for h in range(store.retrieved_slots.shape[1]):
+        leaving_valid = leaving >= 0 and bool(store.pool.valid[b, leaving])
+        for h in range(store.retrieved.slots.shape[1]):
             fill = int(before["fill"][b, h])
             rows = slice(0, fill)
             what = f"layer {state.layer_idx} seq {b} head {h} (reusing step)"
-            assert torch.equal(store.retrieved_slots[b, h, rows], before["slots"][b, h, rows]), f"{what}: slots moved"
-            assert torch.equal(store.retrieved_valid[b, h, rows], before["valid"][b, h, rows]), f"{what}: validity changed"
-            assert torch.equal(store.retrieved_keys[b, h, rows], before["keys"][b, h, rows]), f"{what}: rows rewritten"
+            assert torch.equal(store.retrieved.slots[b, h, rows], before["slots"][b, h, rows]), f"{what}: slots moved"
+            assert torch.equal(store.retrieved.valid[b, h, rows], before["valid"][b, h, rows]), f"{what}: validity changed"
+            assert torch.equal(store.retrieved.keys[b, h, rows], before["keys"][b, h, rows]), f"{what}: rows rewritten"
             admits = leaving_valid and fill < capacity
-            assert int(store.retrieved_fill[b, h]) == fill + int(admits), f"{what}: fill {fill} -> {int(store.retrieved_fill[b, h])}"
+            assert int(store.retrieved.fill[b, h]) == fill + int(admits), f"{what}: fill {fill} -> {int(store.retrieved.fill[b, h])}"
             if admits:
                 count.admitted += 1
-                assert int(store.retrieved_slots[b, h, fill]) == leaving, f"{what}: the leaving token was not admitted"
-                assert bool(store.retrieved_valid[b, h, fill]), f"{what}: the admitted token is not attended"
+                assert int(store.retrieved.slots[b, h, fill]) == leaving, f"{what}: the leaving token was not admitted"
+                assert bool(store.retrieved.valid[b, h, fill]), f"{what}: the admitted token is not attended"
                 # its key is the one the pool holds for that slot
                 row = int(store.pool_rows(torch.tensor([[[leaving]]], device=store.next_slot.device))[0, 0, 0])
-                assert torch.equal(store.retrieved_keys[b, h, fill], store.pool_keys[b, h, row].to(store.retrieved_keys.device))
+                assert torch.equal(store.retrieved.keys[b, h, fill], store.pool.keys[b, h, row].to(store.retrieved.keys.device))
             # nothing past the rows in use is attended
-            used = int(store.retrieved_fill[b, h])
-            assert not bool(store.retrieved_valid[b, h, used:].any()), f"{what}: rows past fill are attended"
+            used = int(store.retrieved.fill[b, h])
+            assert not bool(store.retrieved.valid[b, h, used:].any()), f"{what}: rows past fill are attended"
 
 
 @contextlib.contextmanager

@@ -83,7 +83,7 @@ def test_host_counters_after_replays_match_an_eager_run(single_thread):
                     out = model(input_ids=token.view(-1, 1), attention_mask=full_mask, use_cache=True,
                                 position_ids=(mask.sum(-1) + step).view(-1, 1), **{cache_argument_name(model): cache})
                     token = out.logits[:, -1].argmax(-1)
-            counters.append([s.host_counters() for s in cache.policy_layers()])
+            counters.append([s.plan.counters() for s in cache.policy_layers()])
             assert counters[-1][0]["decode_steps"] == 10
     assert counters[0] == counters[1]
 

@@ -123,7 +123,7 @@ def check_policy_ran(session, policy, decode_steps, name=None, reuse=None):
         assert int(state.reselections.min()) >= 1
         if name in REUSING:
             assert state.reselections.tolist() == [REUSING[name](decode_steps)] * len(state.reselections)
-        assert bool(state.store.retrieved_valid.any())
+        assert bool(state.store.retrieved.valid.any())
         if hasattr(state.units, "indexed"):  # an analytic index: generated tokens were indexed too
             flushed = int(state.units.indexed) - state.units.num_prompt_units
             buffer = state.units.update_buffer

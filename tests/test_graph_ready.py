@@ -79,8 +79,8 @@ def _layer(name: str, seed: int, past_context: bool = False) -> tuple[PolicyLaye
 def test_decode_step_replays_with_frozen_host_state(name, past_context):
     eager, inputs = _layer(name, seed=3, past_context=past_context)
     replayed, _ = _layer(name, seed=3, past_context=past_context)
-    eager.reserve(STEPS)
-    replayed.reserve(STEPS)
+    eager.plan.reserve(STEPS)
+    replayed.plan.reserve(STEPS)
     captured = _tensors(replayed)
     pointers = {k: t.data_ptr() for k, t in captured.items()}
     host = _host_state(replayed)
@@ -109,7 +109,7 @@ def test_decode_step_replays_with_frozen_host_state(name, past_context):
 def test_a_host_read_in_the_step_is_caught(monkeypatch):
     """The guard is not vacuous: a step that reads its slot counter on the host fails under it."""
     state, inputs = _layer("quest", seed=3)
-    state.reserve(2)
+    state.plan.reserve(2)
     store = state.store
     real_append = type(store).append
 

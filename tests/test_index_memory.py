@@ -107,5 +107,5 @@ def test_a_reserve_before_any_step_is_bounded_by_the_decode_builders_rule():
     keys, values = torch.randn(2, 2, PROMPT, 16, generator=gen), torch.randn(2, 2, PROMPT, 16, generator=gen)
     run = Run(_policy("quest"), keys, values, torch.ones(2, PROMPT, dtype=torch.bool))
     table = run.state.units
-    run.state.reserve(1600)
+    run.state.plan.reserve(1600)
     assert table.start.shape[-1] <= table.num_prompt_units + 1600 // 16 + 16

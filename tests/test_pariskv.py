@@ -238,9 +238,10 @@ def test_preset_defaults():
 @pytest.mark.parametrize(
     "options,message",
     [
-        ({"selector": "top_budget"}, "selector 'top_budget' reads a 'table' index, but prefill_units 'analytic' build "
-                                     "a 'analytic' index; selectors for it: collision_rerank"),
-        ({"prefill_units": "kmeans"}, "selector 'collision_rerank' reads a 'analytic' index.*selectors for it: bound, "
+        ({"selector": "top_budget"}, "selector 'top_budget' reads the index type UnitTable, but prefill_units "
+                                     "'analytic' build AnalyticIndex; selectors for it: collision_rerank"),
+        ({"prefill_units": "kmeans"}, "selector 'collision_rerank' reads the index type AnalyticIndex.*selectors for "
+                                      "it: bound, "
                                       "oracle, top_budget"),
         ({"decode_units": "pages"}, "decode_units must be the same builder with the same options"),
         ({"decode_units": {"name": "analytic", "update_buffer": 9}}, "decode_units must be the same builder"),
@@ -265,7 +266,7 @@ def test_config_errors_name_accepted_values(options, message):
 
 
 def test_table_builders_cannot_take_an_analytic_decode():
-    with pytest.raises(ConfigError, match="decode_units 'analytic' build their own 'analytic' index.*decode_units one of: "
+    with pytest.raises(ConfigError, match="decode_units 'analytic' build their own AnalyticIndex.*decode_units one of: "
                                           "nearest_centroid, pages, segments"):
         Policy(trigger="every_step", prefill_units="kmeans", decode_units="analytic", selector="top_budget", budget=512)
 

@@ -229,8 +229,8 @@ def test_query_cosine_decides_on_the_mean_over_heads():
 
 
 def _pool_key(store, b: int, h: int, slot: int) -> torch.Tensor:
-    row = int(store.pool_rows(torch.tensor([[[slot]]]).expand(store.pool_keys.shape[0], store.pool_keys.shape[1], 1))[b, h, 0])
-    return store.pool_keys[b, h, row].float()
+    row = int(store.pool_rows(torch.tensor([[[slot]]]).expand(store.pool.keys.shape[0], store.pool.keys.shape[1], 1))[b, h, 0])
+    return store.pool.keys[b, h, row].float()
 
 
 def _decoded(name: str, steps: int, seed: int = 4, **options) -> Run:
@@ -266,7 +266,7 @@ def test_every_unit_summarises_the_pool_rows_of_its_slots(name):
                 size = int(table.size[b, h, u])
                 start = int(table.start[b, h, u])
                 slots = table.order[b, h, start: start + size].tolist()
-                real = [s for s in slots if bool(store.slot_valid[b, s])]
+                real = [s for s in slots if bool(store.pool.valid[b, s])]
                 where = f"{name}: seq {b} head {h} unit {u}"
                 if u == table.num_prompt_units - 1 and not table.selectable[b, h, u]:
                     continue  # the never-selectable unit of padding and sink tokens
@@ -283,8 +283,8 @@ def test_every_unit_summarises_the_pool_rows_of_its_slots(name):
                 if u >= table.num_prompt_units:
                     decode_units += 1
             # every real retrievable slot is in exactly one selectable unit
-            retrievable = [s for s in range(store.zone_end) if bool(store.slot_valid[b, s])]
-            sinks = set(store.sink_slots[b].tolist())
+            retrievable = [s for s in range(store.zone_end) if bool(store.pool.valid[b, s])]
+            sinks = set(store.sink.slots[b].tolist())
             expected = sorted([s for s in retrievable if s not in sinks] + left)
             assert sorted(seen) == expected, f"{name}: seq {b} head {h} units do not cover the retrievable slots once"
     assert decode_units > 0
@@ -305,8 +305,8 @@ def test_the_analytic_index_encodes_the_pool_rows_of_its_slots():
     assert torch.equal(index.codes[:, :, :n], want.codes)
     torch.testing.assert_close(index.weight[:, :, :n], want.weight)
     torch.testing.assert_close(index.norms[:, :, :n], want.norms)
-    retrievable = store.slot_valid[:, slots] & ~torch.isin(slots, store.sink_slots[0])[None]
-    retrievable[1] = store.slot_valid[1, slots] & ~torch.isin(slots, store.sink_slots[1])
+    retrievable = store.pool.valid[:, slots] & ~torch.isin(slots, store.sink.slots[0])[None]
+    retrievable[1] = store.pool.valid[1, slots] & ~torch.isin(slots, store.sink.slots[1])
     assert torch.equal(index.token_valid[:, :n], retrievable)
 
 

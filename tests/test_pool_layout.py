@@ -21,7 +21,7 @@ def _prefilled(name: str, batch=2, heads=2, prompt=600, dim=32):
 def test_every_prompt_unit_is_one_contiguous_run_of_pool_rows():
     state, _, _ = _prefilled("louiskv")
     units, store = state.units, state.store
-    assert store.zone_rows is not None
+    assert store.pool.zone_rows is not None
     runs = 0
     for b in range(2):
         for h in range(2):
@@ -42,8 +42,8 @@ def test_pool_rows_hold_their_slots_keys_and_values():
     slots = torch.arange(keys.shape[2]).expand(2, 2, -1)
     rows = store.pool_rows(slots)
     index = rows.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
-    assert torch.equal(store.pool_keys.gather(2, index), keys)
-    assert torch.equal(store.pool_values.gather(2, index), values)
+    assert torch.equal(store.pool.keys.gather(2, index), keys)
+    assert torch.equal(store.pool.values.gather(2, index), values)
     # the zone is permuted (K-means mixes slots), the local window keeps row = slot
     zone = store.zone_end
     assert not torch.equal(rows[..., :zone], slots[..., :zone])
@@ -52,7 +52,7 @@ def test_pool_rows_hold_their_slots_keys_and_values():
 
 def test_policies_without_units_keep_row_equal_to_slot():
     state, keys, _ = _prefilled("streaming")
-    assert state.store.zone_rows is None
+    assert state.store.pool.zone_rows is None
     slots = torch.arange(keys.shape[2]).expand(2, 2, -1)
     assert torch.equal(state.store.pool_rows(slots), slots)
 
@@ -64,8 +64,8 @@ def test_a_deferred_zone_laid_out_without_order_keeps_row_equal_to_slot():
     valid = torch.ones(2, 300, dtype=torch.bool)
     store = TieredStore.from_prefill(keys, values, valid, 4, 16, 64, torch.device("cpu"), defer_zone=True)
     store.lay_out_zone(keys, values, None)
-    assert store.zone_rows is None
-    assert torch.equal(store.pool_keys[:, :, :300], keys) and torch.equal(store.pool_values[:, :, :300], values)
+    assert store.pool.zone_rows is None
+    assert torch.equal(store.pool.keys[:, :, :300], keys) and torch.equal(store.pool.values[:, :, :300], values)
 
 
 def test_the_eval_meters_read_keys_by_slot_not_by_pool_row():
@@ -75,5 +75,5 @@ def test_the_eval_meters_read_keys_by_slot_not_by_pool_row():
 
     state, keys, _ = _prefilled("clusterkv")
     store = state.store
-    assert not torch.equal(store.pool_keys[:, :, : keys.shape[2]], keys)  # the zone is permuted
+    assert not torch.equal(store.pool.keys[:, :, : keys.shape[2]], keys)  # the zone is permuted
     assert torch.equal(keys_by_slot(store, torch.device("cpu"))[:, :, : keys.shape[2]], keys.float())

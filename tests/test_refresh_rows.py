@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvpolicy.kernels import dispatch, reference
+from kvpolicy.tiers import RetrievedBuffer
 
 from bitwise import BITS as _BITS
 from bitwise import random_pool as _random_pool
@@ -30,8 +31,14 @@ def _locate(backend, slots, take, current, held):
     """``resident_rows`` into fresh outputs: ``(source, rows_read)``."""
     source = torch.full(slots.shape, -7, dtype=torch.int32, device=slots.device)  # -7: "untouched"
     rows_read = torch.full((slots.shape[0],), 5, dtype=torch.long, device=slots.device)
-    dispatch.get("resident_rows", backend, DEVICE)(slots, take, current, held, source, rows_read)
+    dispatch.get("resident_rows", backend, DEVICE)(slots, take, _buffer(current, held), source, rows_read)
     return source, rows_read - 5
+
+
+def _buffer(current: torch.Tensor, held: torch.Tensor) -> RetrievedBuffer:
+    """A retrieved buffer labelled ``current`` (held where ``held``); resident_rows reads no rows."""
+    rows = current.new_zeros(*current.shape, 0, dtype=torch.float32)
+    return RetrievedBuffer(rows, rows, held, slots=current, held=held, fill=current.new_zeros(current.shape[:2]))
 
 
 
@@ -283,7 +290,7 @@ def test_pinned_refresh_replays_in_a_cuda_graph(pinned_pool):
     rows_read = torch.zeros(2, dtype=torch.long, device="cuda")
 
     def step():
-        dispatch.get("resident_rows", "triton", DEVICE)(slots, take, current, held, source, rows_read)
+        dispatch.get("resident_rows", "triton", DEVICE)(slots, take, _buffer(current, held), source, rows_read)
         _refresh("triton")(pinned_pool, slots, take, source, out, scratch)
         current.copy_(torch.where(take.view(-1, 1, 1), slots, current))
 

@@ -58,7 +58,7 @@ def _step(state: PolicyLayerState, query: torch.Tensor) -> bool:
 
 
 def _attended_pages(state: PolicyLayerState) -> set[int]:
-    slots = state.store.retrieved_slots[0, 0][state.store.retrieved_valid[0, 0]]
+    slots = state.store.retrieved.slots[0, 0][state.store.retrieved.valid[0, 0]]
     return {int(s) // PAGE for s in slots if int(s) < PAGE * PAGES}
 
 
@@ -108,7 +108,7 @@ def _check_held_is_what_is_attended(state: PolicyLayerState) -> None:
     trigger = state.policy.trigger
     trigger._follow_leaving_token(state.trigger_state)  # what the next decide does first; idempotent
     held = trigger.held_mask(state.trigger_state)[0, 0]
-    retrieved = {int(s) for s in state.store.retrieved_slots[0, 0][state.store.retrieved_valid[0, 0]]}
+    retrieved = {int(s) for s in state.store.retrieved.slots[0, 0][state.store.retrieved.valid[0, 0]]}
     selectable = state.units.selectable[0, 0]
     for unit in range(state.units.capacity):
         slots = _unit_slots(state, unit) if bool(selectable[unit]) else set()
@@ -147,7 +147,7 @@ def test_decode_tokens_dropped_from_a_full_buffer_are_not_held(measure, margin):
     assert fired[0] and not any(fired[1:LOCAL + 1])
     assert any(fired[LOCAL + 1:]), "the decoded keys outscored the held pages and were never fetched"
     left = set(range(PROMPT, PROMPT + PAGE - 1))  # decoded tokens that have left the local window
-    retrieved = {int(s) for s in state.store.retrieved_slots[0, 0][state.store.retrieved_valid[0, 0]]}
+    retrieved = {int(s) for s in state.store.retrieved.slots[0, 0][state.store.retrieved.valid[0, 0]]}
     assert left & retrieved
 
 
@@ -182,8 +182,8 @@ def test_the_decision_is_per_sequence():
 def test_the_step_replays_with_frozen_host_state():
     steps = 30
     eager, replayed = (_layer({"name": "score_gap", "margin": 0.5}, batch=2, seed=1) for _ in range(2))
-    eager.reserve(steps)
-    replayed.reserve(steps)
+    eager.plan.reserve(steps)
+    replayed.plan.reserve(steps)
     captured = _tensors(replayed)
     pointers = {k: t.data_ptr() for k, t in captured.items()}
     host = _host_state(replayed)
@@ -271,7 +271,7 @@ def test_leaving_ignored_keeps_the_selection_whatever_left_the_window():
         state.decode(_toward(2), key, torch.randn(1, H, D), D**-0.5)
         fired.append(bool((state.reselections - before)[0]))
     assert fired == [True] + [False] * (LOCAL + PAGE - 1)
-    retrieved = {int(s) for s in state.store.retrieved_slots[0, 0][state.store.retrieved_valid[0, 0]]}
+    retrieved = {int(s) for s in state.store.retrieved.slots[0, 0][state.store.retrieved.valid[0, 0]]}
     assert not set(range(PROMPT, PROMPT + PAGE)) & retrieved
     with pytest.raises(ConfigError, match="leaving must be one of unheld, ignored"):
         ScoreGap(leaving="dropped").validate()

@@ -13,7 +13,8 @@ import kvpolicy
 from kvpolicy import cli
 from kvpolicy.errors import ConfigError, KVPolicyError
 from kvpolicy.graph import DecodeGraph
-from kvpolicy.integrations.transformers import SplitLayerState, cache_argument_name
+from kvpolicy.integrations.transformers import cache_argument_name
+from kvpolicy.plan import SplitPlan
 from kvpolicy.placement import PoolPlacer, check_limit, pool_bytes
 
 from conftest import build_model, left_padded_batch
@@ -48,8 +49,8 @@ def generate(model, pol, new_tokens: int):
 
 
 def device_pool_bytes(cache) -> int:
-    return sum(2 * s.store.pool_keys.numel() * s.store.pool_keys.element_size()
-               for s in cache.policy_layers() if s.pool_on_device)
+    return sum(2 * s.store.pool.keys.numel() * s.store.pool.keys.element_size()
+               for s in cache.policy_layers() if s.plan.pool_on_device)
 
 
 def test_the_first_layers_that_fit_the_limit_take_the_device(llama):
@@ -58,11 +59,11 @@ def test_the_first_layers_that_fit_the_limit_take_the_device(llama):
     # room for two layers' pools and most of a third: the third goes to the host, so does the fourth
     limit = 2 * layer_pool(batch) + layer_pool(batch) // 2
     out, stats, cache = generate(llama, policy(placement="split", gpu_pool_bytes=limit), new_tokens=8)
-    assert [s.pool_on_device for s in cache.policy_layers()] == [True, True, False, False]
+    assert [s.plan.pool_on_device for s in cache.policy_layers()] == [True, True, False, False]
     assert stats.pool_device_layers == [0, 1]
     assert stats.pool_device_bytes == 2 * layer_pool(batch) == cache.placer.used
     assert stats.pool_host_bytes == 2 * layer_pool(batch)
-    assert all(isinstance(s, SplitLayerState) for s in cache.policy_layers())
+    assert all(isinstance(s.plan, SplitPlan) for s in cache.policy_layers())
 
 
 # limit in prompt pools -> the layers whose device pool moved to the host as it grew, and those
@@ -108,7 +109,7 @@ def test_a_reserve_before_capture_keeps_the_limit(llama):
         # room for 712 slots is 1.56 prompt pools: 0 and 1 must leave for 2 to grow in place
         assert cache.placer.moved_layers == [0, 1] and cache.placer.device_layers() == [2]
         assert device_pool_bytes(cache) == cache.placer.used <= limit
-        assert all(s.store.pool_keys.shape[2] >= PROMPT + 2 * RESERVE for s in cache.policy_layers())
+        assert all(s.store.pool.keys.shape[2] >= PROMPT + 2 * RESERVE for s in cache.policy_layers())
 
 
 def test_free_memory_sizing_leaves_the_headroom(llama, monkeypatch):
@@ -243,9 +244,9 @@ def test_on_a_gpu_the_split_puts_pools_on_the_device_and_pinned_host():
                 placer = session.cache.placer
                 assert placer.moved_layers == [0, 1]
                 for s in states:
-                    assert s.store.pool_keys.device.type == "cpu" and s.store.pool_keys.is_pinned()
+                    assert s.store.pool.keys.device.type == "cpu" and s.store.pool.keys.is_pinned()
     assert torch.equal(outs["gpu"], outs["split"])
     with policy(placement="split", gpu_pool_bytes=2 * layer_pool(batch)).apply(model) as session:
         model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-        kinds = [(s.store.pool_keys.device.type, s.store.pool_keys.is_pinned()) for s in session.cache.policy_layers()]
+        kinds = [(s.store.pool.keys.device.type, s.store.pool.keys.is_pinned()) for s in session.cache.policy_layers()]
     assert kinds == [("cuda", False), ("cuda", False), ("cpu", True), ("cpu", True)]

@@ -16,7 +16,7 @@ def _decode_and_observe(model, policy, prompt_len=150, steps=40, pad=5):
 
     def observer(state, query):
         slots, valid = state.store.attended_slots()
-        seen.append((state.layer_idx, state.store.length, slots.clone(), valid.clone(), state.store.slot_valid.clone()))
+        seen.append((state.layer_idx, state.store.length, slots.clone(), valid.clone(), state.store.pool.valid.clone()))
 
     with policy.apply(model) as session, torch.inference_mode():
         cache = session.new_cache()
@@ -85,7 +85,7 @@ def test_a_prompt_shorter_than_the_window_keeps_its_sink():
         seen = set(slots[b, 0][attended[b, 0]].tolist())
         window = set(range(newest - local + 1, newest + 1))
         assert seen == wanted_sinks[b] | window, f"sequence {b}"
-    assert store.sink_valid.tolist() == [[True] * 4, [True, True, True, False]]
+    assert store.sink.valid[:, 0].tolist() == [[True] * 4, [True, True, True, False]]
 
 
 def test_a_budget_past_the_context_allocates_only_what_can_be_retrieved():
@@ -157,7 +157,7 @@ def test_the_attended_buffer_never_holds_more_than_the_full_kv(name, prompt):
         for h in range(2):
             seen = slots[b, h][attended[b, h]].tolist()
             assert len(seen) == len(set(seen))
-            want = set(torch.nonzero(store.slot_valid[b, : store.length]).flatten().tolist())
+            want = set(torch.nonzero(store.pool.valid[b, : store.length]).flatten().tolist())
             if name == "streaming":  # the sink (the prompt's first 4 valid tokens) and the window
                 sink = set(sorted(t for t in want if t < prompt)[:4])
                 want = sink | (want & set(range(newest - local + 1, newest + 1)))

@@ -38,16 +38,16 @@ def _old_fetch(store, slots, slot_valid, reselect):
         for h in range(slots.shape[1]):
             for r in range(slots.shape[2]):
                 slot = int(slots[b, h, r])
-                store.retrieved_keys[b, h, r] = store.pool_keys[b, h, slot]
-                store.retrieved_values[b, h, r] = store.pool_values[b, h, slot]
-                store.retrieved_slots[b, h, r] = slot
-                store.retrieved_valid[b, h, r] = bool(slot_valid[b, h, r]) and bool(store.slot_valid[b, slot])
-            store.retrieved_fill[b, h] = int(slot_valid[b, h].sum())
+                store.retrieved.keys[b, h, r] = store.pool.keys[b, h, slot]
+                store.retrieved.values[b, h, r] = store.pool.values[b, h, slot]
+                store.retrieved.slots[b, h, r] = slot
+                store.retrieved.valid[b, h, r] = bool(slot_valid[b, h, r]) and bool(store.pool.valid[b, slot])
+            store.retrieved.fill[b, h] = int(slot_valid[b, h].sum())
 
 
 def _assert_same(store, shadow, step):
-    for name in ("retrieved_keys", "retrieved_values", "retrieved_slots", "retrieved_valid", "retrieved_fill"):
-        got, want = getattr(store, name), getattr(shadow, name)
+    for name in ("keys", "values", "slots", "valid", "fill"):
+        got, want = getattr(store.retrieved, name), getattr(shadow.retrieved, name)
         if got.is_floating_point():
             got, want = got.view(torch.int32), want.view(torch.int32)
         assert torch.equal(got.cpu(), want.cpu()), f"step {step}: {name} differs from a full gather"
@@ -76,7 +76,7 @@ def _run(kind, backend, device, pool_device, steps=24, seed=0):
             # draws repeat slots, and the tail is padding at slot 0 (as a budget fill leaves it)
             fresh = torch.randint(0, store.length, (B, H, R), generator=gen)
             pick = torch.randint(0, 2 * R, (B, H, R), generator=gen)
-            slots = torch.cat([shadow.retrieved_slots.cpu(), fresh], dim=-1).gather(-1, pick)
+            slots = torch.cat([shadow.retrieved.slots.cpu(), fresh], dim=-1).gather(-1, pick)
             slot_valid = torch.arange(R) < torch.randint(R // 2, R + 1, (B, H, 1), generator=gen)
             slots = torch.where(slot_valid, slots, 0)
 
@@ -92,10 +92,10 @@ def _run(kind, backend, device, pool_device, steps=24, seed=0):
         store.fetch(slots, slot_valid, reselect_d, backend)
         _old_fetch(shadow, slots, slot_valid, reselect_d)
         admit = ~reselect_d if kind != "disjoint" else torch.zeros_like(reselect_d)
-        fill_before = shadow.retrieved_fill.cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
+        fill_before = shadow.retrieved.fill.cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
         store.admit(evicted, admit, "reference")
         shadow.admit(shadow_evicted, admit, "reference")
-        admitted = shadow.retrieved_fill.cpu() > fill_before
+        admitted = shadow.retrieved.fill.cpu() > fill_before
         for b, h in admitted.nonzero().tolist():
             rows[b][h][int(fill_before[b, h])] = int(shadow_evicted.slot)
         _assert_same(store, shadow, step)
@@ -146,8 +146,8 @@ def test_unwritten_slots_are_never_reused():
     every = torch.ones(B, dtype=torch.bool)
     valid = torch.ones(B, H, R, dtype=torch.bool)
     for s in (store, shadow):
-        s.pool_keys[:, :, ahead] = 99.0
-        s.pool_values[:, :, ahead] = 99.0
+        s.pool.keys[:, :, ahead] = 99.0
+        s.pool.values[:, :, ahead] = 99.0
     store.fetch(slots, valid, every, "reference")
     _old_fetch(shadow, slots, valid, every)
     key, value = torch.randn(2, B, H, D)
@@ -156,13 +156,13 @@ def test_unwritten_slots_are_never_reused():
     store.fetch(slots, valid, every, "reference")
     _old_fetch(shadow, slots, valid, every)
     _assert_same(store, shadow, 1)
-    assert torch.equal(store.retrieved_keys[:, :, 0], key)
+    assert torch.equal(store.retrieved.keys[:, :, 0], key)
 
 
 def test_stores_of_one_shape_share_one_scratch():
     a, b = _stores(0, torch.device("cpu"), torch.device("cpu"))
     assert a.scratch is b.scratch
-    assert a.scratch.shape == a.retrieved_keys.shape
+    assert a.scratch.shape == a.retrieved.keys.shape
 
 
 @pytest.mark.parametrize("name", ["quest", "louiskv"])

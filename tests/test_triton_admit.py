@@ -14,12 +14,11 @@ from bitwise import random_pool, same_bits
 
 from kvpolicy.kernels import dispatch, reference
 from kvpolicy.store import TieredStore
+from kvpolicy.tiers import Evicted, RetrievedBuffer
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-FIELDS = (
-    "retrieved_keys", "retrieved_values", "retrieved_slots", "retrieved_valid", "retrieved_held", "retrieved_fill",
-)
+FIELDS = ("keys", "values", "slots", "valid", "held", "fill")  # of a RetrievedBuffer
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -31,21 +30,21 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _random_buffers(batch, heads, rows, dim, dtype, gen, fill_max=None):
     cpu = torch.device("cpu")
     return {
-        "retrieved_keys": random_pool((batch, heads, rows, dim), dtype, cpu, gen),
-        "retrieved_values": random_pool((batch, heads, rows, dim), dtype, cpu, gen),
-        "retrieved_slots": torch.randint(0, 1000, (batch, heads, rows), generator=gen),
-        "retrieved_valid": torch.rand(batch, heads, rows, generator=gen) > 0.5,
-        "retrieved_held": torch.rand(batch, heads, rows, generator=gen) > 0.5,
+        "keys": random_pool((batch, heads, rows, dim), dtype, cpu, gen),
+        "values": random_pool((batch, heads, rows, dim), dtype, cpu, gen),
+        "slots": torch.randint(0, 1000, (batch, heads, rows), generator=gen),
+        "valid": torch.rand(batch, heads, rows, generator=gen) > 0.5,
+        "held": torch.rand(batch, heads, rows, generator=gen) > 0.5,
         # from empty to full, per (sequence, head)
-        "retrieved_fill": torch.randint(0, (rows if fill_max is None else fill_max) + 1, (batch, heads), generator=gen),
+        "fill": torch.randint(0, (rows if fill_max is None else fill_max) + 1, (batch, heads), generator=gen),
     }
 
 
 def _admit_both(ref, tri, key, value, slot, mask, token_valid):
-    reference.admit_row(*(ref[f] for f in FIELDS), key, value, slot, mask, token_valid)
+    reference.admit_row(RetrievedBuffer(**ref), Evicted(slot, key, value, token_valid), mask)
     admit = dispatch.get("admit_row", "triton", DEVICE)
-    admit(*(tri[f] for f in FIELDS), key.to(DEVICE), value.to(DEVICE), slot.to(DEVICE), mask.to(DEVICE),
-          token_valid.to(DEVICE))
+    evicted = Evicted(slot.to(DEVICE), key.to(DEVICE), value.to(DEVICE), token_valid.to(DEVICE))
+    admit(RetrievedBuffer(**tri), evicted, mask.to(DEVICE))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -71,7 +70,7 @@ def test_admit_row_matches_reference(dtype, batch, heads, rows, dim):
 def test_admit_row_into_full_buffers_changes_nothing(dtype):
     gen = torch.Generator().manual_seed(7)
     ref = _random_buffers(2, 3, 4, 64, dtype, gen)
-    ref["retrieved_fill"].fill_(4)
+    ref["fill"].fill_(4)
     before = {f: t.clone() for f, t in ref.items()}
     tri = {f: t.clone().to(DEVICE) for f, t in ref.items()}
     yes = torch.ones(2, dtype=torch.bool)
@@ -99,13 +98,13 @@ def test_store_admit_backends_agree(dtype):
         key, value = torch.randn(2, batch, heads, dim, generator=gen).to(dtype)
         mask = torch.tensor([True, step % 3 != 0])
         for backend, store in stores.items():
-            device = store.retrieved_keys.device
+            device = store.retrieved.keys.device
             evicted = store.append(key.to(device), value.to(device), "reference")
             store.admit(evicted, mask.to(device), backend)
     ref, tri = stores["reference"], stores["triton"]
     for name in FIELDS:
-        assert _same(getattr(tri, name), getattr(ref, name)), name
-    assert (ref.retrieved_fill == retrieval).any() and (ref.retrieved_fill < retrieval).any()
+        assert _same(getattr(tri.retrieved, name), getattr(ref.retrieved, name)), name
+    assert (ref.retrieved.fill == retrieval).any() and (ref.retrieved.fill < retrieval).any()
 
 
 def test_store_admit_without_a_retrieved_buffer_is_a_no_op():
@@ -113,15 +112,15 @@ def test_store_admit_without_a_retrieved_buffer_is_a_no_op():
     store = TieredStore.from_prefill(keys, keys.clone(), torch.ones(1, 12, dtype=torch.bool), 2, 4, 0, keys.device)
     evicted = store.append(torch.randn(1, 2, 16), torch.randn(1, 2, 16), "reference")
     store.admit(evicted, torch.ones(1, dtype=torch.bool), "triton")
-    assert store.retrieved_fill.shape == (1, 2) and int(store.retrieved_fill.sum()) == 0
+    assert store.retrieved.fill.shape == (1, 2) and int(store.retrieved.fill.sum()) == 0
 
 
 def test_admit_row_refuses_mismatched_buffers():
     admit = dispatch.get("admit_row", "triton", DEVICE)
     gen = torch.Generator().manual_seed(0)
     bufs = {f: t.to(DEVICE) for f, t in _random_buffers(2, 3, 4, 16, torch.float32, gen).items()}
-    bufs["retrieved_fill"] = bufs["retrieved_fill"][:1]
+    bufs["fill"] = bufs["fill"][:1]
     flag = torch.ones(2, dtype=torch.bool, device=DEVICE)
     row = torch.zeros(2, 3, 16, device=DEVICE)
-    with pytest.raises(ValueError, match="retrieved_fill must be"):
-        admit(*(bufs[f] for f in FIELDS), row, row, torch.tensor(0, device=DEVICE), flag, flag)
+    with pytest.raises(ValueError, match="buffer.fill must be"):
+        admit(RetrievedBuffer(**bufs), Evicted(torch.tensor(0, device=DEVICE), row, row, flag), flag)

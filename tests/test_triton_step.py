@@ -5,6 +5,7 @@ bit for bit, over enough steps that the ring wraps and units are cut."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import pytest
@@ -36,10 +37,16 @@ def _store(seed: int, batch=2, heads=3, prompt=40, dim=16, local=8, retrieval=12
 
 def _tensors(store: TieredStore) -> dict:
     # fetch's shared work buffers are scratch space (unspecified contents)
-    out = {k: v for k, v in vars(store).items() if isinstance(v, torch.Tensor) and k not in ("scratch", "source")}
-    for name in ("pool_keys", "pool_values"):  # rows past the written slots were never initialised
+    out = {}
+    for name, value in vars(store).items():
+        if name in ("scratch", "source"):
+            continue
+        if isinstance(value, torch.Tensor):
+            out[name] = value
+        elif dataclasses.is_dataclass(value):  # a tier, the pool, the evicted token
+            out.update({f"{name}.{k}": v for k, v in vars(value).items() if isinstance(v, torch.Tensor)})
+    for name in ("pool.keys", "pool.values"):  # rows past the written slots were never initialised
         out[name] = out[name][:, :, : store.length]
-    out.update({f"evicted.{k}": v for k, v in vars(store.evicted).items()})
     return out
 
 
@@ -124,13 +131,13 @@ def test_commit_selection_matches_reference():
         ref.append(torch.randn(2, 3, 16, generator=gen).to(DEVICE), torch.randn(2, 3, 16, generator=gen).to(DEVICE),
                    "reference")
     fast = copy.deepcopy(ref)
-    slots = torch.randint(0, ref.slot_valid.shape[1], (2, 3, 12), generator=gen).to(DEVICE)
+    slots = torch.randint(0, ref.pool.valid.shape[1], (2, 3, 12), generator=gen).to(DEVICE)
     listed = (torch.rand(2, 3, 12, generator=gen) < 0.7).to(DEVICE)
     reselect = torch.tensor([True, False], device=DEVICE)
     reference_step.commit_selection(ref, slots, listed, reselect)
     _triton().commit_selection(fast, slots, listed, reselect)
     _assert_same(_tensors(ref), _tensors(fast), "commit")
-    assert torch.equal(ref.retrieved_slots[0], slots[0])  # the re-selecting sequence took it
+    assert torch.equal(ref.retrieved.slots[0], slots[0])  # the re-selecting sequence took it
 
 
 def _table(seed: int, batch=2, heads=2, dim=16, zone=24):

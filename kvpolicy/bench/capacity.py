@@ -33,7 +33,8 @@ import torch
 
 from .. import pinned
 from ..errors import KVPolicyError
-from ..integrations.transformers import _PREFILL_RESERVE, PolicyCache
+from ..integrations.transformers import PolicyCache
+from ..plan import PREFILL_RESERVE
 from ..placement import device_available_bytes, device_total_bytes, host_available_bytes, pool_bytes
 from ..policy import Policy, bytes_text
 from .e2e import Throughput, full_throughput, lay_random_context, time_policy_decode
@@ -113,7 +114,7 @@ def plan_full(memory: Memory, shape: KVShape, context: int, steps: int) -> Plan:
 
 def split_slots(context: int, steps: int) -> int:
     """Slots of a pool after prefill and ``DecodeGraph``'s reserve of ``steps + 2``."""
-    return context + max(_PREFILL_RESERVE, steps + 2)
+    return context + max(PREFILL_RESERVE, steps + 2)
 
 
 def plan_split(memory: Memory, shape: KVShape, context: int, steps: int, device_per_sequence: int) -> Plan:
@@ -179,10 +180,9 @@ def probe_device_bytes(model, policy: Policy, context: int, steps: int, seed: in
         states = cache.policy_layers()
         for state in states:
             state.wait_for_units()
-            state.reserve(steps + 2)
+            state.plan.reserve(steps + 2)
         torch.cuda.synchronize(device)
-        pools = sum(2 * s.store.pool_keys.numel() * s.store.pool_keys.element_size() for s in states
-                    if s.store.pool_keys.device.type == "cuda")
+        pools = sum(s.store.pool.nbytes() for s in states if s.store.pool.device.type == "cuda")
         peak = torch.cuda.max_memory_allocated(device) - base
     session.cache = None  # the session outlives the block: let its cache go before the next cell
     del cache, states

@@ -33,6 +33,7 @@ from ..layer import PolicyLayerState
 from ..policy import Policy
 from ..presets import preset
 from ..units.base import UnitBuilder
+from ..units.table import UnitTable
 from .timing import time_ms, time_replay_ms
 
 
@@ -109,7 +110,7 @@ def layer_policy(name: str, budget: int, placement: str, backend: str, random_un
     (K-means' sizes and scatter without its cost). Presets with their own index (pariskv's
     ``analytic``) keep it: encoding costs one pass over the keys, nothing to stand in for."""
     policy = preset(name, budget=budget, placement=placement, backend=backend)
-    if random_units and policy.prefill_units.index_kind == "table":
+    if random_units and issubclass(policy.prefill_units.index_type(), UnitTable):
         policy.prefill_units = RandomGroups()
     return policy
 
@@ -155,7 +156,7 @@ def time_layer(
     if device.type == "cuda":
         torch.cuda.empty_cache()
     state.wait_for_units()
-    state.reserve(decode_steps)
+    state.plan.reserve(decode_steps)
     store, units = state.store, state.units
     capacity = store.retrieval_capacity
     backend = policy.backend
@@ -183,7 +184,7 @@ def time_layer(
     attention = dispatch.get("sparse_decode_attention", backend, device)
     parts = store.attention_parts()
     attention_ms = timer(lambda: attention(query, parts, scale), device, repeats)
-    row = d * store.pool_keys.element_size()
+    row = d * store.pool.keys.element_size()
     return LayerTimes(
         preset=policy.name, placement=policy.placement, backend=backend, batch=b, context=n, budget=policy.budget,
         trigger_ms=trigger_ms, selection_ms=selection_ms, transfer_ms=transfer_ms,

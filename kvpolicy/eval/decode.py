@@ -72,7 +72,7 @@ class _RecallMeter:
         batch, kv_heads, capacity, dim = keys.shape
         q = query.float().view(batch, kv_heads, -1, dim)
         logits = torch.einsum("bhgd,bhnd->bhgn", q, keys) * dim**-0.5
-        logits = logits.masked_fill(~store.slot_valid[:, None, None, :capacity], float("-inf"))
+        logits = logits.masked_fill(~store.pool.valid[:, None, None, :capacity], float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         # masked slots hold no mass, so taking them among the top k changes nothing
         oracle = probs.topk(min(self.budget, capacity), dim=-1).values.sum(-1)  # (B, H, G)
@@ -92,7 +92,7 @@ class _RecallMeter:
 def keys_by_slot(store, device: torch.device) -> torch.Tensor:
     """``(B, H, capacity, D)`` float32: the pool's keys in slot order, on ``device`` (the pool
     holds the prompt zone unit by unit, so row ``i`` is not slot ``i`` there)."""
-    keys = store.pool_keys.to(device).float()
+    keys = store.pool.keys.to(device).float()
     batch, kv_heads, capacity, dim = keys.shape
     slot_order = torch.arange(capacity, device=device).expand(batch, kv_heads, capacity)
     rows = store.pool_rows(slot_order)

@@ -80,7 +80,7 @@ class DriftMeter:
         batch, kv_heads, _, dim = keys.shape
         q = query.float().view(batch, kv_heads, -1, dim)
         logits = torch.einsum("bhgd,bhnd->bhgn", q, keys) * dim**-0.5
-        logits = logits.masked_fill(~store.slot_valid[:, None, None, :length], float("-inf"))
+        logits = logits.masked_fill(~store.pool.valid[:, None, None, :length], float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         top = probs.topk(min(self.budget, length), dim=-1)
 
@@ -94,7 +94,7 @@ class DriftMeter:
         generated = (top.indices >= self.prompt_length) & (top.indices < length - state.policy.local)
         # the prompt's retrieval zone: before zone_end, less the sink tokens (always attended)
         sink = torch.zeros(batch, length + 1, dtype=torch.bool, device=query.device)
-        sink.scatter_(-1, torch.where(store.sink_valid, store.sink_slots, length), True)
+        sink.scatter_(-1, torch.where(store.sink.valid[:, 0], store.sink.slots, length), True)
         in_sink = sink[:, None, None, :length].expand(-1, kv_heads, groups, -1).gather(-1, top.indices)
         prompt = (top.indices < store.zone_end) & ~in_sink
         held = (probs * attended.unsqueeze(2)).sum(-1)

@@ -27,8 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..errors import KVPolicyError, UnsupportedModelError
 from ..kernels import dispatch
 from ..layer import PolicyLayerState
-from ..placement import PoolPlacer, check_limit, pool_bytes
-from ..store import TieredStore, _allocate_pool
+from ..placement import PoolPlacer, check_limit
 
 ATTENTION_NAME = "kvpolicy"
 
@@ -89,66 +88,6 @@ class PolicyCacheLayer(DynamicLayer):
     crop = batch_repeat_interleave = batch_select_indices = reorder_cache = _unsupported
 
 
-# the slots a new pool has past its prompt (``TieredStore.from_prefill``'s ``reserve``), read
-# from its signature so that a split counts the pool prefill will make
-_PREFILL_RESERVE = inspect.signature(TieredStore.from_prefill).parameters["reserve"].default
-
-
-class SplitLayerState(PolicyLayerState):
-    """A layer state under placement "split": its pool's place is chosen when its prompt
-    arrives, by the cache's :class:`~kvpolicy.placement.PoolPlacer`, and a pool on the device
-    that would grow past the limit moves to pinned host memory first (host side, in the plan)."""
-
-    def __init__(self, policy, layer_idx: int, placer: PoolPlacer):
-        super().__init__(policy, layer_idx, placer.device)
-        self.placer = placer
-
-    @property
-    def pool_on_device(self) -> bool | None:
-        """True / False once prefilled (pool on the attention device / on the host); None before."""
-        return self.placer.layers.get(self.layer_idx)
-
-    def _pool_bytes(self, capacity: int | None = None) -> int:
-        keys = self.store.pool_keys
-        batch, heads, have, dim = keys.shape
-        return pool_bytes(batch, heads, have if capacity is None else capacity, dim, keys.element_size())
-
-    def prefill(self, keys: torch.Tensor, values: torch.Tensor, token_valid: torch.Tensor, num_q_heads: int) -> None:
-        batch, heads, prompt, dim = keys.shape
-        planned = pool_bytes(batch, heads, prompt + _PREFILL_RESERVE, dim, keys.element_size())
-        self.pool_device = self.placer.place(self.layer_idx, planned)
-        super().prefill(keys, values, token_valid, num_q_heads)
-        self.placer.settle(self.layer_idx, planned, self._pool_bytes())
-
-    def plan_step(self) -> None:
-        store = self.store
-        capacity = store.pool_keys.shape[2]
-        if store.length >= capacity:  # make_room is about to double the pool
-            self._before_growth(store.length + capacity)
-        super().plan_step()
-
-    def reserve(self, tokens: int) -> None:
-        if self.store.length + tokens > self.store.pool_keys.shape[2]:
-            self._before_growth(self.store.length + tokens)
-        super().reserve(tokens)
-
-    def _before_growth(self, capacity: int) -> None:
-        if not self.pool_on_device:
-            return  # a host pool grows on the host
-        self.wait_for_units()  # the prompt's units lay the pool out on a side stream: copy it after
-        old, new = self._pool_bytes(), self._pool_bytes(capacity)
-        if self.placer.grow(self.layer_idx, old, new):
-            return
-        store, host = self.store, self.placer.host
-        for name in ("pool_keys", "pool_values"):
-            pool = getattr(store, name)
-            moved = _allocate_pool(pool, pool.shape[2], host, store.slot_valid.device)
-            moved.copy_(pool)
-            setattr(store, name, moved)
-        self.pool_device = host
-        self.placer.moved(self.layer_idx, old)
-
-
 class PolicyCache(DynamicCache):
     """transformers' DynamicCache with the policy serving every full-attention layer.
 
@@ -170,11 +109,7 @@ class PolicyCache(DynamicCache):
         for idx, layer in enumerate(self.layers):
             # exact type: sliding-window, linear-attention and other special layers keep their own cache
             if type(layer) is DynamicLayer:
-                if self.placer is not None:
-                    state = SplitLayerState(policy, idx, self.placer)
-                else:
-                    state = PolicyLayerState(policy, idx, pool_device)
-                self.layers[idx] = PolicyCacheLayer(state)
+                self.layers[idx] = PolicyCacheLayer(PolicyLayerState(policy, idx, pool_device, self.placer))
                 self.served.append(idx)
         if not self.served:
             raise UnsupportedModelError(
@@ -419,8 +354,8 @@ class PolicySession:
             served = len(states)
             pool = {"pool_device_bytes": 0, "pool_host_bytes": 0, "pool_device_layers": []}
             for s in states:
-                on_device = s.pool_on_device if isinstance(s, SplitLayerState) else self.policy.placement == "gpu"
-                nbytes = sum(t.numel() * t.element_size() for t in (s.store.pool_keys, s.store.pool_values))
+                on_device = s.plan.pool_on_device
+                nbytes = s.store.pool.nbytes()
                 pool["pool_device_bytes" if on_device else "pool_host_bytes"] += nbytes
                 if on_device:
                     pool["pool_device_layers"].append(s.layer_idx)

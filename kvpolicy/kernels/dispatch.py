@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from ..choices import BACKENDS
 from ..errors import BackendUnavailableError, ConfigError
 from . import reference, reference_analytic, reference_step
 
@@ -35,7 +36,6 @@ _REFERENCE_MODULE = {
     **{op: reference_step for op in ("append_token", "note_decision", "query_cosine_fire", "interval_fire",
                                      "commit_selection", "append_leaving_by_rule")},
 }
-BACKENDS = ("auto", "reference", "triton")
 # auto tries these in order
 _PREFERENCE = ("triton", "reference")
 

@@ -204,19 +204,12 @@ def gather_rows_into(pool: torch.Tensor, slots: torch.Tensor, take: torch.Tensor
     out.copy_(torch.where(take.view(-1, 1, 1, 1), rows, out))
 
 
-def resident_rows(
-    slots: torch.Tensor,
-    take: torch.Tensor,
-    current_slots: torch.Tensor,
-    current_held: torch.Tensor,
-    source: torch.Tensor,
-    rows_read: torch.Tensor,
-) -> None:
+def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch.Tensor, rows_read: torch.Tensor) -> None:
     """Where each wanted slot already sits in the current buffer, for ``refresh_rows``.
 
-    ``slots``: ``(B, H, R)`` the new selection; ``current_slots`` / ``current_held``:
-    ``(B, H, R')`` the slot each buffer row is labelled with, and whether the row really holds
-    that slot's pool row. For the sequences where ``take (B,)``: ``source (B, H, R)`` int32
+    ``slots``: ``(B, H, R)`` the new selection; ``buffer``: the current ``RetrievedBuffer``, whose
+    ``slots`` / ``held`` ``(B, H, R')`` say the slot each row is labelled with, and whether the
+    row really holds that slot's pool row. For the sequences where ``take (B,)``: ``source (B, H, R)`` int32
     gets the last held row labelled with each wanted slot, or -1 (a negative slot is never
     found), and ``rows_read (B,)`` long grows by the count of -1 (rows the pool must supply).
     Both are left untouched for the other sequences.
@@ -224,6 +217,7 @@ def resident_rows(
     Sort + binary search: O(R log R), and no memory that grows with the pool (a slot -> row
     map on the device would cost 4 bytes per pool slot and head). No host reads.
     """
+    current_slots, current_held = buffer.slots, buffer.held
     if current_slots.shape[-1] == 0 or slots.shape[-1] == 0:
         found = torch.full(slots.shape, -1, dtype=torch.int32, device=slots.device)
     else:
@@ -346,44 +340,33 @@ def append_to_unit(
     selectable.scatter_(2, index, selectable.gather(2, index) | (valid_h & (open_unit >= 0).view(batch, 1, 1)))
 
 
-def admit_row(
-    retrieved_keys: torch.Tensor,
-    retrieved_values: torch.Tensor,
-    retrieved_slots: torch.Tensor,
-    retrieved_valid: torch.Tensor,
-    retrieved_held: torch.Tensor,
-    retrieved_fill: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    slot: torch.Tensor,
-    mask: torch.Tensor,
-    token_valid: torch.Tensor,
-) -> None:
-    """Append one token to the retrieved buffer of each (sequence, head) that has room, in place.
+def admit_row(buffer, evicted, mask: torch.Tensor) -> None:
+    """Append the token the ring pushed out to the retrieved buffer of each (sequence, head) that
+    has room, in place.
 
-    Buffers: ``retrieved_keys`` / ``retrieved_values`` ``(B, H, R, D)``, ``retrieved_slots``
-    ``(B, H, R)`` long, ``retrieved_valid`` / ``retrieved_held`` ``(B, H, R)`` bool,
-    ``retrieved_fill (B, H)`` long. Where ``fill < R`` and ``mask (B,)`` and ``token_valid
-    (B,)``: row ``fill`` takes ``key`` / ``value`` ``(B, H, D)`` and ``slot`` (0-dim device
-    long), is marked valid and held, and ``fill`` grows by one. Nothing changes elsewhere.
+    ``buffer``: a ``RetrievedBuffer`` (keys/values ``(B, H, R, D)``, slots ``(B, H, R)`` long,
+    valid/held ``(B, H, R)`` bool, fill ``(B, H)`` long); ``evicted``: an ``Evicted`` (key/value
+    ``(B, H, D)``, slot 0-dim device long, valid ``(B,)``). Where ``fill < R`` and ``mask (B,)`` and
+    ``evicted.valid``: row ``fill`` takes the token's key, value and slot, is marked valid and
+    held, and ``fill`` grows by one. Nothing changes elsewhere.
     """
-    batch, heads, capacity, dim = retrieved_keys.shape
+    batch, heads, capacity, dim = buffer.keys.shape
     if capacity == 0:
         return
-    room = retrieved_fill < capacity  # (B, H)
-    admit = room & (mask & token_valid).view(batch, 1)
-    index = retrieved_fill.clamp(max=capacity - 1).unsqueeze(-1)  # (B, H, 1)
+    room = buffer.fill < capacity  # (B, H)
+    admit = room & (mask & evicted.valid).view(batch, 1)
+    index = buffer.fill.clamp(max=capacity - 1).unsqueeze(-1)  # (B, H, 1)
     vec = index.unsqueeze(-1).expand(batch, heads, 1, dim)
     a = admit.view(batch, heads, 1, 1)
-    old_k = retrieved_keys.gather(2, vec)
-    old_v = retrieved_values.gather(2, vec)
-    retrieved_keys.scatter_(2, vec, torch.where(a, key.unsqueeze(2), old_k))
-    retrieved_values.scatter_(2, vec, torch.where(a, value.unsqueeze(2), old_v))
-    old_slot = retrieved_slots.gather(2, index)
-    retrieved_slots.scatter_(2, index, torch.where(admit.unsqueeze(-1), slot, old_slot))
-    old_valid = retrieved_valid.gather(2, index)
-    retrieved_valid.scatter_(2, index, old_valid | admit.unsqueeze(-1))
+    old_k = buffer.keys.gather(2, vec)
+    old_v = buffer.values.gather(2, vec)
+    buffer.keys.scatter_(2, vec, torch.where(a, evicted.key.unsqueeze(2), old_k))
+    buffer.values.scatter_(2, vec, torch.where(a, evicted.value.unsqueeze(2), old_v))
+    old_slot = buffer.slots.gather(2, index)
+    buffer.slots.scatter_(2, index, torch.where(admit.unsqueeze(-1), evicted.slot, old_slot))
+    old_valid = buffer.valid.gather(2, index)
+    buffer.valid.scatter_(2, index, old_valid | admit.unsqueeze(-1))
     # the ring's copy of a token has the same bits as its pool row
-    old_held = retrieved_held.gather(2, index)
-    retrieved_held.scatter_(2, index, old_held | admit.unsqueeze(-1))
-    retrieved_fill.add_(admit.long())
+    old_held = buffer.held.gather(2, index)
+    buffer.held.scatter_(2, index, old_held | admit.unsqueeze(-1))
+    buffer.fill.add_(admit.long())

@@ -22,26 +22,25 @@ def append_token(store, key: torch.Tensor, value: torch.Tensor) -> None:
     leaves the ring makes its sink row valid and is not handed on (``valid`` False).
     """
     slot = store.next_slot
-    evicted = store.evicted
+    evicted, pool, ring, sink = store.evicted, store.pool, store.local, store.sink
     store.current_slot.copy_(slot)
-    store.pool_keys.index_copy_(2, slot.view(1).to(store.pool_keys.device),
-                                key.unsqueeze(2).to(store.pool_keys.device, store.pool_keys.dtype))
-    store.pool_values.index_copy_(2, slot.view(1).to(store.pool_values.device),
-                                  value.unsqueeze(2).to(store.pool_values.device, store.pool_values.dtype))
-    store.slot_valid.index_fill_(1, slot.view(1), True)
-    capacity = store.local_capacity
+    pool.keys.index_copy_(2, slot.view(1).to(pool.keys.device), key.unsqueeze(2).to(pool.keys.device, pool.keys.dtype))
+    pool.values.index_copy_(2, slot.view(1).to(pool.values.device),
+                            value.unsqueeze(2).to(pool.values.device, pool.values.dtype))
+    pool.valid.index_fill_(1, slot.view(1), True)
+    capacity = ring.rows
     position = (slot % capacity).view(1)
     evicted.slot.copy_((slot - capacity).clamp(min=0))
-    evicted.key.copy_(store.local_keys.index_select(2, position).squeeze(2))
-    evicted.value.copy_(store.local_values.index_select(2, position).squeeze(2))
-    leaving = store.local_valid.index_select(1, position).squeeze(1) & (slot >= capacity)
+    evicted.key.copy_(ring.keys.index_select(2, position).squeeze(2))
+    evicted.value.copy_(ring.values.index_select(2, position).squeeze(2))
+    leaving = ring.valid[:, 0].index_select(1, position).squeeze(1) & (slot >= capacity)
     # a sink token leaving the ring: its sink row becomes valid, and it is not retrieved as well
-    to_sink = (store.sink_slots == evicted.slot) & ~store.sink_valid & leaving[:, None]  # (B, S)
-    store.sink_valid_heads.logical_or_(to_sink[:, None, :])
+    to_sink = (sink.slots == evicted.slot) & ~sink.valid[:, 0] & leaving[:, None]  # (B, S)
+    sink.valid.logical_or_(to_sink[:, None, :])
     evicted.valid.copy_(leaving & ~to_sink.any(-1))
-    store.local_keys.index_copy_(2, position, key.unsqueeze(2).to(store.local_keys.dtype))
-    store.local_values.index_copy_(2, position, value.unsqueeze(2).to(store.local_values.dtype))
-    store.local_valid_heads.index_fill_(2, position, True)
+    ring.keys.index_copy_(2, position, key.unsqueeze(2).to(ring.keys.dtype))
+    ring.values.index_copy_(2, position, value.unsqueeze(2).to(ring.values.dtype))
+    ring.valid.index_fill_(2, position, True)
 
 
 def note_decision(
@@ -91,14 +90,14 @@ def commit_selection(store, slots: torch.Tensor, slot_valid: torch.Tensor, resel
     unit is fetched, never attended); a row is held (reusable by the next fetch without a pool
     read) where its slot was written already.
     """
-    batch = slots.shape[0]
-    valid = slot_valid & store.slot_valid.gather(1, slots.view(batch, -1)).view_as(slots)
+    batch, buffer = slots.shape[0], store.retrieved
+    valid = slot_valid & store.pool.valid.gather(1, slots.view(batch, -1)).view_as(slots)
     take = reselect.view(-1, 1, 1)
-    store.retrieved_valid.copy_(torch.where(take, valid, store.retrieved_valid))
-    store.retrieved_slots.copy_(torch.where(take, slots, store.retrieved_slots))
-    store.retrieved_fill.copy_(torch.where(take[..., 0], slot_valid.sum(-1), store.retrieved_fill))
+    buffer.valid.copy_(torch.where(take, valid, buffer.valid))
+    buffer.slots.copy_(torch.where(take, slots, buffer.slots))
+    buffer.fill.copy_(torch.where(take[..., 0], slot_valid.sum(-1), buffer.fill))
     held = (slots >= 0) & (slots < store.next_slot)
-    store.retrieved_held.copy_(torch.where(take, held, store.retrieved_held))
+    buffer.held.copy_(torch.where(take, held, buffer.held))
 
 
 def append_leaving_by_rule(table, slot, key, valid, boundary, max_size: int, at_boundary: bool) -> None:

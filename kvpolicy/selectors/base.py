@@ -41,8 +41,8 @@ class Selector:
     """Base class. Subclasses are dataclasses whose fields are their options."""
 
     registered_name: ClassVar[str] = ""
-    #: The kind of per-layer index it reads (``UnitBuilder.index_kind``): "table" is a UnitTable.
-    index_kind: ClassVar[str] = "table"
+    #: The class of per-layer index it reads (``UnitBuilder.index_type``).
+    reads: ClassVar[type] = UnitTable
     # the ``unit_scores`` kernel op method that computes ``score`` ("mean", "bound"), set by the
     # class that defines ``score``; None: ``select`` calls ``score`` (plain PyTorch)
     score_method: ClassVar[str | None] = None

@@ -10,6 +10,7 @@ from .. import analytic
 from ..errors import ConfigError
 from ..kernels import dispatch, reference_analytic
 from ..registry import register
+from ..units.analytic_index import AnalyticIndex
 from .base import Selection, Selector
 
 
@@ -62,7 +63,7 @@ class CollisionRerank(Selector):
     candidate_fraction: float = analytic.DEFAULT_CANDIDATE_FRACTION
     min_candidates: float = 2.0
     tiers: int | None = None
-    index_kind = "analytic"
+    reads = AnalyticIndex
 
     def validate(self) -> None:
         fraction = self.candidate_fraction

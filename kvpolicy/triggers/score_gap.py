@@ -160,7 +160,7 @@ class ScoreGap(Trigger):
         state.held_count = torch.zeros(batch, heads, dtype=torch.long, device=device)
         state.seen_open = units.open_unit.clone()
         state.seen_size = _open_unit_size(units)
-        state.seen_fill = layer.store.retrieved_fill.clone()
+        state.seen_fill = layer.store.retrieved.fill.clone()
         state.units_at_selection = units.decode_units.clone()
 
     def selected(self, state: ScoreGapState, selection: Any, reselect: torch.Tensor) -> None:
@@ -178,7 +178,7 @@ class ScoreGap(Trigger):
         units, store = state.layer.units, state.layer.store
         state.seen_open.copy_(torch.where(reselect, units.open_unit, state.seen_open))
         state.seen_size.copy_(torch.where(rows, _open_unit_size(units), state.seen_size))
-        state.seen_fill.copy_(torch.where(rows, store.retrieved_fill, state.seen_fill))
+        state.seen_fill.copy_(torch.where(rows, store.retrieved.fill, state.seen_fill))
         state.units_at_selection.copy_(torch.where(reselect, units.decode_units, state.units_at_selection))
         state.has_selection.logical_or_(reselect)
 
@@ -189,7 +189,7 @@ class ScoreGap(Trigger):
         units, store = state.layer.units, state.layer.store
         unit = units.open_unit  # (B,)
         size = _open_unit_size(units)
-        fill = store.retrieved_fill
+        fill = store.retrieved.fill
         moved = (unit != state.seen_open).view(-1, 1)
         appended = (unit >= 0).view(-1, 1) & (moved | (size != state.seen_size))  # (B, H)
         admitted = fill > state.seen_fill

@@ -50,7 +50,10 @@ class Analytic(UnitBuilder):
     seed: int = 0
     builds_prompt = True
     builds_decode = True
-    index_kind = "analytic"
+
+    @classmethod
+    def index_type(cls) -> type:
+        return AnalyticIndex
 
     def validate(self) -> None:
         if self.subspaces is not None and (

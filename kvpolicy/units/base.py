@@ -6,7 +6,7 @@ whether the leaving token opens a new unit (``starts_new_unit``). The framework 
 into one :class:`~kvpolicy.units.table.UnitTable`, so selectors never care how units were made.
 
 A builder whose units need another structure (ParisKV's per-token codes: ``analytic``) overrides
-``build_index`` and names its ``index_kind``; a selector declares the kind it reads, and the
+``build_index`` and ``index_type``; a selector declares the index class it ``reads``, and the
 policy checks the two match when it is built. Either way the layer sees one object with the
 same three entry points: ``append_leaving_token``, ``reserve`` and the host counters.
 """
@@ -32,8 +32,13 @@ class UnitBuilder:
     builds_prompt: ClassVar[bool] = False
     #: Can group generated tokens as they leave the local window (implements ``starts_new_unit``).
     builds_decode: ClassVar[bool] = False
-    #: The per-layer structure ``build_index`` makes; selectors read one kind ("table": UnitTable).
-    index_kind: ClassVar[str] = "table"
+
+    @classmethod
+    def index_type(cls) -> type:
+        """The class of the per-layer index ``build_index`` makes (a selector ``reads`` one)."""
+        from .table import UnitTable  # table.py builds on this module
+
+        return UnitTable
 
     def validate(self) -> None:
         """Raise ``ConfigError`` for bad options. Called when the policy is built."""

@@ -2,7 +2,7 @@
 
 A prefill builder's ``build_index`` makes one (``UnitTable`` for builders that group tokens,
 ``AnalyticIndex`` for ParisKV's ``analytic``); the layer holds it typed as this protocol and
-calls nothing else, and the selector that declared the matching ``index_kind`` reads the rest.
+calls nothing else, and the selector whose ``reads`` is its class reads the rest.
 """
 
 from __future__ import annotations

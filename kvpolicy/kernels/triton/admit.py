@@ -58,50 +58,39 @@ def _admit_kernel(
 
 
 @implement("triton", "admit_row", supports=triton_runs_on)
-def admit_row(
-    retrieved_keys: torch.Tensor,
-    retrieved_values: torch.Tensor,
-    retrieved_slots: torch.Tensor,
-    retrieved_valid: torch.Tensor,
-    retrieved_held: torch.Tensor,
-    retrieved_fill: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    slot: torch.Tensor,
-    mask: torch.Tensor,
-    token_valid: torch.Tensor,
-) -> None:
-    """Row ``fill`` of each (sequence, head) with room takes the token where ``mask & token_valid``;
-    in place, see the reference."""
-    batch, heads, capacity, dim = retrieved_keys.shape
-    device = retrieved_keys.device
+def admit_row(buffer, evicted, mask: torch.Tensor) -> None:
+    """Row ``fill`` of each (sequence, head) with room takes the evicted token where ``mask &
+    evicted.valid``; in place, see the reference."""
+    key, value, slot, token_valid = evicted.key, evicted.value, evicted.slot, evicted.valid
+    batch, heads, capacity, dim = buffer.keys.shape
+    device = buffer.keys.device
     shapes = {
-        "retrieved_values": (retrieved_values, (batch, heads, capacity, dim), retrieved_keys.dtype),
-        "retrieved_slots": (retrieved_slots, (batch, heads, capacity), torch.long),
-        "retrieved_valid": (retrieved_valid, (batch, heads, capacity), torch.bool),
-        "retrieved_held": (retrieved_held, (batch, heads, capacity), torch.bool),
-        "retrieved_fill": (retrieved_fill, (batch, heads), torch.long),
-        "key": (key, (batch, heads, dim), key.dtype),
-        "value": (value, (batch, heads, dim), value.dtype),
+        "buffer.values": (buffer.values, (batch, heads, capacity, dim), buffer.keys.dtype),
+        "buffer.slots": (buffer.slots, (batch, heads, capacity), torch.long),
+        "buffer.valid": (buffer.valid, (batch, heads, capacity), torch.bool),
+        "buffer.held": (buffer.held, (batch, heads, capacity), torch.bool),
+        "buffer.fill": (buffer.fill, (batch, heads), torch.long),
+        "evicted.key": (key, (batch, heads, dim), key.dtype),
+        "evicted.value": (value, (batch, heads, dim), value.dtype),
         "mask": (mask, (batch,), torch.bool),
-        "token_valid": (token_valid, (batch,), torch.bool),
+        "evicted.valid": (token_valid, (batch,), torch.bool),
     }
     for name, (tensor, shape, dtype) in shapes.items():
         if tuple(tensor.shape) != shape or tensor.dtype != dtype or tensor.device != device:
             raise ValueError(f"triton admit_row: {name} must be {dtype} {shape} on {device}, got "
                              f"{tensor.dtype} {tuple(tensor.shape)} on {tensor.device}")
     if slot.numel() != 1 or slot.device != device:
-        raise ValueError("triton admit_row: slot must be a one-element tensor on the buffer's device")
+        raise ValueError("triton admit_row: evicted.slot must be a one-element tensor on the buffer's device")
     if batch * heads * capacity == 0:
         return
-    valid = retrieved_valid.view(torch.uint8)  # same memory: the kernel writes the store's tensors
-    held = retrieved_held.view(torch.uint8)
+    valid = buffer.valid.view(torch.uint8)  # same memory: the kernel writes the store's tensors
+    held = buffer.held.view(torch.uint8)
     _admit_kernel[(heads, batch)](
-        retrieved_keys, retrieved_values, retrieved_slots, valid, held, retrieved_fill,
+        buffer.keys, buffer.values, buffer.slots, valid, held, buffer.fill,
         key, value, slot, mask.view(torch.uint8), token_valid.view(torch.uint8),
         capacity,
-        *retrieved_keys.stride(), *retrieved_values.stride(), *retrieved_slots.stride(),
-        *valid.stride(), *held.stride(), *retrieved_fill.stride(),
+        *buffer.keys.stride(), *buffer.values.stride(), *buffer.slots.stride(),
+        *valid.stride(), *held.stride(), *buffer.fill.stride(),
         *key.stride(), *value.stride(),
         mask.stride(0), token_valid.stride(0),
         D=dim, BLOCK_D=triton.next_power_of_2(max(dim, 1)),

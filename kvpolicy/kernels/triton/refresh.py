@@ -78,16 +78,11 @@ def _locate_kernel(
 
 
 @implement("triton", "resident_rows", supports=triton_runs_on)
-def resident_rows(
-    slots: torch.Tensor,
-    take: torch.Tensor,
-    current_slots: torch.Tensor,
-    current_held: torch.Tensor,
-    source: torch.Tensor,
-    rows_read: torch.Tensor,
-) -> None:
-    """``source`` = the last held row of the buffer labelled with each wanted slot (or -1), and
-    ``rows_read`` += the count of -1, for the sequences where ``take``; see the reference."""
+def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch.Tensor, rows_read: torch.Tensor) -> None:
+    """``source`` = the last held row of ``buffer`` (a ``RetrievedBuffer``) labelled with each
+    wanted slot (or -1), and ``rows_read`` += the count of -1, for the sequences where ``take``;
+    see the reference."""
+    current_slots, current_held = buffer.slots, buffer.held
     batch, heads, rows = slots.shape
     current = current_slots.shape[-1]
     if tuple(source.shape) != (batch, heads, rows) or source.dtype != torch.int32:
@@ -100,7 +95,7 @@ def resident_rows(
         raise ValueError(f"triton resident_rows: rows_read must be long ({batch},), got {rows_read.dtype} "
                          f"{tuple(rows_read.shape)}")
     if current > _COMPARE_MAX:
-        reference.resident_rows(slots, take, current_slots, current_held, source, rows_read)
+        reference.resident_rows(slots, take, buffer, source, rows_read)
         return
     if batch * heads * rows == 0:
         return

@@ -76,27 +76,26 @@ def _append_token_kernel(
 def append_token(store, key: torch.Tensor, value: torch.Tensor) -> None:
     """One launch of ``reference_step.append_token``."""
     batch, heads, dim = key.shape
-    evicted = store.evicted
-    sink = store.sink_slots.shape[1]
-    for name, t in (("local_keys", store.local_keys), ("local_values", store.local_values)):
+    evicted, pool, ring, sink = store.evicted, store.pool, store.local, store.sink
+    for name, t in (("local.keys", ring.keys), ("local.values", ring.values)):
         if t.stride(-1) != 1:
             raise ValueError(f"triton append_token: {name} must be contiguous in its last dim")
     if batch * heads == 0:
         return
     device = key.device
-    pool_k, pool_v = _pool_argument(store.pool_keys, device), _pool_argument(store.pool_values, device)
+    pool_k, pool_v = _pool_argument(pool.keys, device), _pool_argument(pool.values, device)
     key, value = key.contiguous(), value.contiguous()
     _append_token_kernel[(heads, batch)](
-        pool_k, pool_v, store.local_keys, store.local_values, store.local_valid_heads.view(torch.uint8),
-        store.slot_valid.view(torch.uint8), store.next_slot,
+        pool_k, pool_v, ring.keys, ring.values, ring.valid.view(torch.uint8),
+        pool.valid.view(torch.uint8), store.next_slot,
         key, value, evicted.key, evicted.value, evicted.valid.view(torch.uint8), evicted.slot, store.current_slot,
-        store.sink_slots, store.sink_valid_heads.view(torch.uint8),
-        heads, store.local_capacity, sink, store.sink_slots.stride(0), *store.sink_valid_heads.stride()[:2],
-        *store.pool_keys.stride()[:3], *store.pool_values.stride()[:3],
-        *store.local_keys.stride()[:3], *store.local_values.stride()[:3],
-        *store.local_valid_heads.stride()[:2], store.slot_valid.stride(0),
+        sink.slots, sink.valid.view(torch.uint8),
+        heads, ring.rows, sink.rows, sink.slots.stride(0), *sink.valid.stride()[:2],
+        *pool.keys.stride()[:3], *pool.values.stride()[:3],
+        *ring.keys.stride()[:3], *ring.values.stride()[:3],
+        *ring.valid.stride()[:2], pool.valid.stride(0),
         *key.stride()[:2], *value.stride()[:2], *evicted.key.stride()[:2], *evicted.value.stride()[:2],
-        D=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_S=triton.next_power_of_2(max(sink, 1)),
+        D=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_S=triton.next_power_of_2(max(sink.rows, 1)),
     )
 
 
@@ -227,17 +226,18 @@ def commit_selection(store, slots: torch.Tensor, slot_valid: torch.Tensor, resel
     batch, heads, rows = slots.shape
     if batch * heads * rows == 0:
         return
-    for name, t in (("slots", slots), ("slot_valid", slot_valid), ("retrieved_valid", store.retrieved_valid),
-                    ("retrieved_slots", store.retrieved_slots), ("retrieved_held", store.retrieved_held)):
+    buffer, pool = store.retrieved, store.pool
+    for name, t in (("slots", slots), ("slot_valid", slot_valid), ("retrieved.valid", buffer.valid),
+                    ("retrieved.slots", buffer.slots), ("retrieved.held", buffer.held)):
         if t.stride(-1) != 1:
             raise ValueError(f"triton commit_selection: {name} must be contiguous in its last dim")
     _commit_kernel[(heads, batch)](
-        slots, slot_valid.view(torch.uint8), reselect.view(torch.uint8), store.slot_valid.view(torch.uint8),
-        store.next_slot, store.retrieved_valid.view(torch.uint8), store.retrieved_slots, store.retrieved_fill,
-        store.retrieved_held.view(torch.uint8),
+        slots, slot_valid.view(torch.uint8), reselect.view(torch.uint8), pool.valid.view(torch.uint8),
+        store.next_slot, buffer.valid.view(torch.uint8), buffer.slots, buffer.fill,
+        buffer.held.view(torch.uint8),
         heads, rows,
-        *slots.stride()[:2], *slot_valid.stride()[:2], store.slot_valid.stride(0),
-        *store.retrieved_valid.stride()[:2], *store.retrieved_slots.stride()[:2], store.retrieved_fill.stride(0),
-        *store.retrieved_held.stride()[:2],
+        *slots.stride()[:2], *slot_valid.stride()[:2], pool.valid.stride(0),
+        *buffer.valid.stride()[:2], *buffer.slots.stride()[:2], buffer.fill.stride(0),
+        *buffer.held.stride()[:2],
         BLOCK=min(1024, triton.next_power_of_2(rows)),
     )

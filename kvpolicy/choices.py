@@ -1,0 +1,7 @@
+"""The accepted values of a policy's string fields, apart from the runtime that serves them, so
+that ``kvpolicy.policy`` (a pure spec) can check them without importing kernels or stores."""
+
+# kernel backends: "auto" takes the fastest that can serve each op (``kernels.dispatch``)
+BACKENDS = ("auto", "reference", "triton")
+# where a layer's full KV (its pool) lives; see ``Policy``
+PLACEMENTS = ("cpu", "gpu", "split")
