@@ -360,14 +360,16 @@ def _radix_order(better_ptr, tied_ptr, counter_ptr, tied_count_ptr, ranked_ptr,
     """``ranked``: the better units sorted by key (a ``SMALL_SORT`` block when they fit, the
     usual case, else ``CAND_BLOCK``), then the tied ones in index order; returns their count."""
     better = tl.load(counter_ptr)
+    # each branch keeps its own names: compiled Triton merges a name bound in both branches,
+    # which fails for blocks of two shapes (the interpreter does not check)
     if better <= SMALL_SORT:
-        slot = tl.arange(0, SMALL_SORT)
-        keys = tl.sort(tl.load(better_ptr + slot, mask=slot < better, other=0x7FFFFFFFFFFFFFFF))
-        tl.store(ranked_ptr + slot, keys.to(tl.int32), mask=slot < better)
+        small = tl.arange(0, SMALL_SORT)
+        small_keys = tl.sort(tl.load(better_ptr + small, mask=small < better, other=0x7FFFFFFFFFFFFFFF))
+        tl.store(ranked_ptr + small, small_keys.to(tl.int32), mask=small < better)
     else:
-        slot = tl.arange(0, CAND_BLOCK)
-        keys = tl.sort(tl.load(better_ptr + slot, mask=slot < better, other=0x7FFFFFFFFFFFFFFF))
-        tl.store(ranked_ptr + slot, keys.to(tl.int32), mask=slot < better)
+        whole = tl.arange(0, CAND_BLOCK)
+        whole_keys = tl.sort(tl.load(better_ptr + whole, mask=whole < better, other=0x7FFFFFFFFFFFFFFF))
+        tl.store(ranked_ptr + whole, whole_keys.to(tl.int32), mask=whole < better)
     tied = tl.minimum(tl.load(tied_count_ptr), CAND_BLOCK - better)
     for t0 in range(0, tied, BLOCK):
         t = t0 + tl.arange(0, BLOCK)
