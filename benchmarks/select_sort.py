@@ -1,5 +1,6 @@
-"""``select_budget``'s four rankings side by side: a full in-kernel ``tl.sort``, the threshold
-select, and ``torch.sort`` or ``torch.topk`` (of the best ``min(U, R)`` keys) before the launch.
+"""``select_budget``'s five rankings side by side: a full in-kernel ``tl.sort``, the threshold
+select, ``torch.sort`` or ``torch.topk`` (of the best ``min(U, R)`` keys) before the launch, and
+the radix select spread over (row, chunk) programs.
 
 Times the Triton op as a CUDA-graph replay at decode sizes, each way, for steps that re-select
 (``take`` all True) and steps that keep their selection (``take`` all False: the in-kernel paths
@@ -28,7 +29,7 @@ def main() -> None:
     device = torch.device("cuda")
     print(f"select_budget, R={args.budget}, {args.kv_heads} KV heads; us per replay (median of {args.repeats})")
     print(f"{'B':>2s} {'units':>6s} {'take':>5s} {'full tl.sort':>13s} {'threshold':>10s} {'torch.sort':>11s} "
-          f"{'topk':>7s}")
+          f"{'topk':>7s} {'radix':>7s}")
     for batch in (int(b) for b in args.batches.split(",")):
         for units in (int(u) for u in args.units.split(",")):
             torch.manual_seed(0)
@@ -40,7 +41,7 @@ def main() -> None:
             for take_all in (True, False):
                 take = torch.full((batch,), take_all, dtype=torch.bool, device=device)
                 times = []
-                for ranking in ("full", "threshold", "torch.sort", "topk"):
+                for ranking in ("full", "threshold", "torch.sort", "topk", "radix"):
                     if ranking == "full" and units > 8192:  # the full sort's block spills past 8,192
                         times.append(None)
                         continue
@@ -54,7 +55,7 @@ def main() -> None:
                     times.append(1e3 * ms)
                 full = f"{times[0]:13.1f}" if times[0] is not None else f"{'-':>13s}"
                 print(f"{batch:2d} {units:6d} {str(take_all):>5s} {full} {times[1]:10.1f} {times[2]:11.1f} "
-                      f"{times[3]:7.1f}", flush=True)
+                      f"{times[3]:7.1f} {times[4]:7.1f}", flush=True)
 
 
 if __name__ == "__main__":
