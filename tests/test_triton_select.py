@@ -368,6 +368,36 @@ def test_radix_select_sorts_many_winners_in_the_whole_block(monkeypatch):
         _check(*inputs, capacity, torch.tensor([False, True], device=DEVICE))
 
 
+@pytest.mark.parametrize("levels, capacity", [(None, 90), (None, 5000), (6, 90), (None, 0)])
+def test_radix_select_compacts_only_the_winners(levels, capacity, monkeypatch):
+    # the fill's outputs cannot tell a loose cut (more candidates than needed, more to sort)
+    # from the exact one: the winner counts can. Better than the cut: the taken units scoring
+    # above the unit that holds the R-th token (all taken units when the row holds fewer than R
+    # tokens); tied: every non-empty selectable unit scoring exactly as that unit
+    from kvpolicy.kernels.triton import select
+
+    monkeypatch.setattr(select, "_RADIX_CHUNK", 16)
+    scores, sizes, starts, order = _random_units(3, 2, 150, 2000, 9, seed=31, levels=levels)
+    flat_scores, flat_sizes = scores.reshape(6, 150).contiguous(), sizes.reshape(6, 150).contiguous()
+    cand_block = 1 << max(0, min(150, capacity) - 1).bit_length()
+    unit_ids = torch.empty(6, 150, dtype=torch.long, device=DEVICE)
+    _, _, line, state = select._radix_select(flat_scores, flat_sizes, None, capacity, 1, cand_block, unit_ids)
+    assert (unit_ids == -1).all()
+    want_ids, want_count = reference.select_budget(scores, sizes, starts, order, capacity)[:2]
+    live = (flat_scores > float("-inf")) & (flat_sizes > 0)
+    for row in range(6):
+        taken = want_ids.reshape(6, 150)[row, : int(want_count.reshape(6)[row])]
+        better, tied = int(line[row, select._RADIX_COUNTER.value]), int(state[row, 8])
+        if int(flat_sizes[row][live[row]].sum()) < capacity:
+            assert (better, tied) == (taken.numel(), 0)
+        elif capacity == 0:  # no unit holds a 0th token
+            assert (better, tied) == (0, 0)
+        else:
+            cut = flat_scores[row, taken[-1]]
+            assert better == int((flat_scores[row, taken] > cut).sum())
+            assert tied == int((live[row] & (flat_scores[row] == cut)).sum())
+
+
 @settings(max_examples=15, deadline=None)
 @given(
     batch=st.integers(1, 2),

@@ -554,31 +554,10 @@ def select_budget(
         cand = torch.empty(programs, cand_block, dtype=torch.long, device=device)
         ranked_scores = scores  # not read
         if ranking == "radix":
-            chunk = min(_RADIX_CHUNK, triton.next_power_of_2(units))
-            chunks = triton.cdiv(units, chunk)
-            last_shift, last_bins, last_hist = _RADIX_PASSES[-1]
-            radix_line_len = _RADIX_TIES.value + chunks * last_bins
-            # histograms and counters start at zero (one memset); the per-row state (3 passes x
-            # 4 int32) and the tied units are written before they are read
-            radix_line = torch.zeros(programs, radix_line_len, dtype=torch.int32, device=device)
-            radix_state = torch.empty(programs, 12, dtype=torch.int32, device=device)
-            tied = torch.empty(programs, cand_block, dtype=torch.int32, device=device)
             sizes = sizes.contiguous()
-            for level, (bit_shift, bins, hist) in enumerate(_RADIX_PASSES):
-                prev_shift, prev_bins, prev_hist = _RADIX_PASSES[level - 1] if level else (0, 1, 0)
-                _radix_hist_kernel[(programs, chunks)](
-                    scores, sizes, take, radix_line, radix_state,
-                    units, capacity, rows_per_sequence, radix_line_len, LEVEL=level,
-                    SHIFT=bit_shift, BINS=bins, HIST=hist, PREV_SHIFT=prev_shift, PREV_BINS=prev_bins,
-                    PREV_HIST=prev_hist, HAS_TAKE=take is not None, CHUNK=chunk, num_warps=_RADIX_NUM_WARPS,
-                )
-            _radix_compact_kernel[(programs, chunks)](
-                scores, sizes, take, radix_line, radix_state, cand, tied, unit_ids,
-                units, capacity, rows_per_sequence, chunks, radix_line_len,
-                LAST_SHIFT=last_shift, LAST_BINS=last_bins, LAST_HIST=last_hist, HAS_TAKE=take is not None,
-                CHUNK=chunk, CAND_BLOCK=cand_block, CHUNKS_BLOCK=triton.next_power_of_2(chunks),
-                num_warps=_RADIX_NUM_WARPS,
-            )
+            cand, tied, radix_line, radix_state = _radix_select(scores, sizes, take, capacity, rows_per_sequence,
+                                                                cand_block, unit_ids)
+            radix_line_len = radix_line.shape[-1]
     # scratch: per program, R flags and one shift per taken unit (at most min(U, R) of them)
     heads = torch.empty(programs, capacity, dtype=torch.int8, device=device)
     shift_len = max(1, min(units, capacity))
@@ -595,3 +574,38 @@ def select_budget(
         num_warps=_SORT_NUM_WARPS if max(sort_block, cand_block) > 4096 else _NUM_WARPS,
     )
     return unit_ids, num_units, slots, slot_valid
+
+
+def _radix_select(scores, sizes, take, capacity, rows_per_sequence, cand_block, unit_ids):
+    """The radix select's launches, before the fill (which reads their results): returns (the
+    keys of the units better than the cut, the units tied with it, the scratch lines, the
+    per-row state); per row, the line's ``_RADIX_COUNTER`` entry counts the better units and
+    ``state[:, 8]`` the tied ones. ``unit_ids`` of the rows in ``take`` become -1."""
+    programs, units = scores.numel() // scores.shape[-1], scores.shape[-1]
+    device = scores.device
+    chunk = min(_RADIX_CHUNK, triton.next_power_of_2(units))
+    chunks = triton.cdiv(units, chunk)
+    last_shift, last_bins, last_hist = _RADIX_PASSES[-1]
+    line_len = _RADIX_TIES.value + chunks * last_bins
+    # histograms and counters start at zero (one memset); the per-row state (3 passes x 4 int32),
+    # the better keys and the tied units are written before they are read
+    line = torch.zeros(programs, line_len, dtype=torch.int32, device=device)
+    state = torch.empty(programs, 12, dtype=torch.int32, device=device)
+    better = torch.empty(programs, cand_block, dtype=torch.long, device=device)
+    tied = torch.empty(programs, cand_block, dtype=torch.int32, device=device)
+    for level, (bit_shift, bins, hist) in enumerate(_RADIX_PASSES):
+        prev_shift, prev_bins, prev_hist = _RADIX_PASSES[level - 1] if level else (0, 1, 0)
+        _radix_hist_kernel[(programs, chunks)](
+            scores, sizes, take, line, state,
+            units, capacity, rows_per_sequence, line_len, LEVEL=level,
+            SHIFT=bit_shift, BINS=bins, HIST=hist, PREV_SHIFT=prev_shift, PREV_BINS=prev_bins,
+            PREV_HIST=prev_hist, HAS_TAKE=take is not None, CHUNK=chunk, num_warps=_RADIX_NUM_WARPS,
+        )
+    _radix_compact_kernel[(programs, chunks)](
+        scores, sizes, take, line, state, better, tied, unit_ids,
+        units, capacity, rows_per_sequence, chunks, line_len,
+        LAST_SHIFT=last_shift, LAST_BINS=last_bins, LAST_HIST=last_hist, HAS_TAKE=take is not None,
+        CHUNK=chunk, CAND_BLOCK=cand_block, CHUNKS_BLOCK=triton.next_power_of_2(chunks),
+        num_warps=_RADIX_NUM_WARPS,
+    )
+    return better, tied, line, state
