@@ -17,6 +17,7 @@ index): each grows only here, on the host, never inside a step.
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,7 +37,9 @@ class LayerPlan:
     """The host side of one layer's steps; the pool stays where the layer was told to put it."""
 
     def __init__(self, layer: "PolicyLayerState", pool_device: torch.device):
-        self.layer = layer
+        # weak: the layer owns its plan, and a cycle would leave a finished cache (its KV on the
+        # GPU) to the garbage collector instead of freeing it when the last reference goes
+        self.layer = weakref.proxy(layer)
         self.pool_device = pool_device
 
     # ---- placement ---------------------------------------------------------------------------
