@@ -255,8 +255,18 @@ def rerank_select(
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(width, device=device).expand_as(order))
     chosen = (rank < capacity - buffered) & (ranked > float("-inf"))
     picked = torch.where(chosen, by_position.values, n).sort(-1).values  # by position, n = none
-    if width < capacity:
-        picked = torch.nn.functional.pad(picked, (0, capacity - width), value=n)
+    return compose_selection(picked, token_valid, slots, indexed, next_position, capacity, n)
+
+
+def compose_selection(picked: torch.Tensor, token_valid: torch.Tensor, slots: torch.Tensor, indexed: torch.Tensor,
+                      next_position: torch.Tensor, capacity: int, n: int):
+    """``rerank_select``'s rows from ``picked (B, H, k)``, the chosen candidates' positions in
+    increasing order (``n`` = none): the update buffer's positions first, then ``picked``."""
+    batch, heads = picked.shape[:2]
+    device = picked.device
+    if picked.shape[-1] < capacity:
+        picked = torch.nn.functional.pad(picked, (0, capacity - picked.shape[-1]), value=n)
+    buffered = (next_position - indexed).clamp(min=0, max=capacity)
     room = torch.arange(capacity, device=device)
     from_buffer = room < buffered  # (R,)
     buffer_position = (indexed + room).clamp(max=n - 1)

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from ...analytic import nibble_values
 from ..dispatch import OPS, implement, triton_runs_on
+from .. import reference_analytic
 
 # candidates per program of the score and split passes (at most; SUB per step inside one):
 # about _CHUNKS_PER_ROW programs a row, so 32 rows (4 x 8 heads) fill the GPU at 128K (13K
@@ -729,7 +730,7 @@ def _torch_topk(query_rotated, codes, weight, norms, candidates, token_valid, sl
     if rows == 0 or capacity == 0 or width == 0:
         # nothing listed: the reference's composition of an empty ranking
         best = torch.full((batch, heads, 0), n, dtype=torch.long, device=device)
-        return _compose(best, token_valid, slots, indexed, next_position, capacity, n)
+        return reference_analytic.compose_selection(best, token_valid, slots, indexed, next_position, capacity, n)
     keys = torch.empty(rows, width, dtype=torch.int64, device=device)
     chunk = radix_chunk(rows, width)
     _score_launch(query_rotated, codes, weight, norms, candidates, keys, keys, chunk,
@@ -741,25 +742,7 @@ def _torch_topk(query_rotated, codes, weight, norms, candidates, token_valid, sl
     index = (width - 1 - (best & 0xFFFFFFFF)).clamp(min=0)
     position = candidates.reshape(rows, width).gather(1, index)
     picked = torch.where(chosen, position, n).sort(-1).values.view(batch, heads, -1)  # by position, n = none
-    return _compose(picked, token_valid, slots, indexed, next_position, capacity, n)
-
-
-def _compose(picked, token_valid, slots, indexed, next_position, capacity, n):
-    """``reference_analytic.rerank_select``'s rows from the chosen positions by position (n = none)."""
-    batch, heads = picked.shape[:2]
-    device = picked.device
-    if picked.shape[-1] < capacity:
-        picked = torch.nn.functional.pad(picked, (0, capacity - picked.shape[-1]), value=n)
-    buffered = (next_position - indexed).clamp(min=0, max=capacity)
-    room = torch.arange(capacity, device=device)
-    from_buffer = room < buffered
-    buffer_position = (indexed + room).clamp(max=n - 1)
-    retrieved = picked.gather(-1, (room - buffered).clamp(min=0).expand(batch, heads, capacity))
-    position = torch.where(from_buffer, buffer_position, retrieved)
-    buffer_valid = token_valid.gather(1, buffer_position.expand(batch, capacity))
-    valid = torch.where(from_buffer, buffer_valid.view(batch, 1, capacity), retrieved < n)
-    position = torch.where(position < n, position, 0)
-    return torch.where(valid, position, -1), valid.sum(-1), slots[position], valid
+    return reference_analytic.compose_selection(picked, token_valid, slots, indexed, next_position, capacity, n)
 
 
 def _split(
