@@ -58,7 +58,10 @@ class KMeans(UnitBuilder):
         num_clusters = max(1, -(-n // self.tokens_per_cluster))
         kmeans = dispatch.as_ops(ops, keys.device).kmeans
         # the defaults go unnamed, so a plugin backend's kmeans(keys, valid, clusters, iters) still serves them
-        options = {name: value for name, value in (("init", self.init), ("precision", self.precision))
-                   if value != ("spaced" if name == "init" else "split")}
+        options = {}
+        if self.init != "spaced":
+            options["init"] = self.init
+        if self.precision != "split":
+            options["precision"] = self.precision
         labels, _ = kmeans(keys, token_valid, num_clusters, self.iters, **options)
         return labels, num_clusters
