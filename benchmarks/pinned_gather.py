@@ -210,9 +210,9 @@ def main(argv=None) -> int:
     for context in contexts:
         for pool_kind in pools:
             results.extend(measure(args, device, pool_kind, context))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": name, "thp": _thp_mode(), "results": results}, f, indent=1)
+            if args.json:  # after each pool: a run cut short by a timeout keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump({"device": name, "thp": _thp_mode(), "results": results}, f, indent=1)
     return 0 if all(r["equal"] for r in results) else 1
 
 
