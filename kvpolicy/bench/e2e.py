@@ -29,6 +29,66 @@ from ..integrations.transformers import PolicyCache, cache_argument_name
 from ..policy import Policy
 
 
+class DoesNotFit(torch.cuda.OutOfMemoryError):
+    """A cell whose KV alone, counted from the config before anything is allocated, exceeds the
+    memory it would go to (full attention at 1M tokens on one H200; pinned pools past the host's
+    memory, where pinning could wake the kernel's OOM killer instead of raising). A subclass of
+    ``OutOfMemoryError``: callers that skip a cell out of memory skip this one the same way."""
+
+
+def _kv_shape(config, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """``(layers, kv_heads, head_dim, element_size)`` of ``config``'s KV (every layer counted)."""
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers, config.num_key_value_heads, dim, torch.empty((), dtype=dtype).element_size()
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def _check_fits(label: str, need: int, room: int, where: str) -> None:
+    if need > room:
+        message = f"{label} does not fit: {_gib(need)} of KV, {_gib(max(room, 0))} {where}"
+        print(message, flush=True)
+        raise DoesNotFit(message)
+
+
+def check_full_fits(model, kind: str, batch: int, context: int, steps: int) -> None:
+    """Raise ``DoesNotFit`` where ``full_throughput``'s cache cannot fit: every layer's StaticCache
+    (``context + steps + 4`` slots) and one layer of random KV being copied in, against the
+    device's available bytes less ``bench.capacity``'s margin (``capacity.plan_full``'s count)."""
+    from ..placement import device_available_bytes, device_total_bytes, pool_bytes
+    from .capacity import DEVICE_MARGIN, _margin, full_slots
+
+    device = next(model.parameters()).device
+    layers, heads, dim, size = _kv_shape(model.config, model.dtype)
+    need = layers * pool_bytes(batch, heads, full_slots(context, steps), dim, size) + pool_bytes(batch, heads, context, dim, size)
+    room = device_available_bytes(device) - _margin(DEVICE_MARGIN, device_total_bytes(device))
+    _check_fits(f"{kind} at {batch} x {context} tokens", need, room, f"available on {device} (less a margin)")
+
+
+def check_policy_fits(model, policy: Policy, batch: int, context: int, steps: int) -> None:
+    """Raise ``DoesNotFit`` where the policy's pools alone (every layer, ``context`` plus the
+    decode's reserve) cannot fit where its placement puts them: the GPU ("gpu"), pinned host
+    memory ("cpu" on a CUDA device), or both together ("split"). What else a policy holds (its
+    index, buffers) is not counted: a cell that passes may still run out of GPU memory."""
+    from ..placement import device_available_bytes, device_total_bytes, host_available_bytes, pool_bytes
+    from .capacity import DEVICE_MARGIN, HOST_MARGIN, _margin, split_slots
+
+    device = next(model.parameters()).device
+    layers, heads, dim, size = _kv_shape(model.config, model.dtype)
+    need = layers * pool_bytes(batch, heads, split_slots(context, steps), dim, size)
+    device_room = device_available_bytes(device) - _margin(DEVICE_MARGIN, device_total_bytes(device))
+    host_room = host_available_bytes() - _margin(HOST_MARGIN, device_total_bytes(torch.device("cpu")))
+    label = f"{policy.name}/{policy.placement} at {batch} x {context} tokens"
+    if policy.placement == "gpu" or device.type != "cuda":
+        _check_fits(label, need, device_room, f"available on {device} (less a margin)")
+    elif policy.placement == "cpu":
+        _check_fits(label, need, host_room, "of host memory available to pin (less a margin)")
+    else:
+        _check_fits(label, need, max(device_room, 0) + max(host_room, 0), "on the GPU and the host together (less margins)")
+
+
 @dataclass
 class Throughput:
     kind: str
@@ -92,6 +152,7 @@ def time_policy_decode(model, policy: Policy, batch: int, context: int, steps: i
     session's ``RunStats`` when ``with_stats`` (else None). ``branches``: ``DecodeGraph``'s (how a
     captured step holds the re-selection's work); ``one_layer_at_a_time``: ``lay_random_context``'s."""
     device = next(model.parameters()).device
+    check_policy_fits(model, policy, batch, context, steps)
     with policy.apply(model) as session:
         cache = session.new_cache()
         if not isinstance(cache, PolicyCache):
@@ -126,6 +187,7 @@ def full_throughput(model, kind: str, batch: int, context: int, steps: int, *, s
     config = model.config
     generator = torch.Generator(device=device).manual_seed(seed)
     if kind in ("full-graph", "full-sdpa-graph"):
+        check_full_fits(model, kind, batch, context, steps)
         cache = StaticCache(config=config, max_cache_len=context + steps + 4)
     elif kind == "full-eager":
         cache = DynamicCache(config=config)
