@@ -12,7 +12,9 @@ for a plain pinned copy, while it reaches 45-50 GB/s at 128K. This script times,
 for two pools of the same shape: ``mmap`` (``kvpolicy.pinned.pinned_empty``: the pools ParisKV's
 pinned tier uses, 4 KB pages unless the host's THP mode is "always") and ``thp`` (an anonymous
 mapping ``madvise(MADV_HUGEPAGE)``'d before ``cudaHostRegister``; the host's AnonHugePages
-growth says whether it took). Every variant's rows are checked equal to the reference's once.
+growth says whether it took), and ``hostalloc`` (``torch.empty(pin_memory=True)``: cudaHostAlloc,
+whose driver-side chunks may map differently on the GPU). Every variant's rows are checked equal
+to the reference's once.
 
     python3 benchmarks/pinned_gather.py --contexts 131072,1048576 --batch 4 --json out.json
 
@@ -136,6 +138,8 @@ def measure(args, device, pool_kind: str, context: int) -> list[dict]:
     if pool_kind == "thp":
         holder = HugePool(nbytes, register=cuda)
         pool = holder.tensor(shape, dtype)
+    elif pool_kind == "hostalloc":
+        pool = torch.empty(shape, dtype=dtype, pin_memory=cuda)
     else:
         pool = pinned_empty(shape, dtype) if cuda else torch.empty(shape, dtype=dtype)
     setup_s = time.perf_counter() - started
@@ -175,7 +179,7 @@ def measure(args, device, pool_kind: str, context: int) -> list[dict]:
             "anon_huge_mb": (huge_after - huge_before) / 1024 if huge_before >= 0 else None,
             "pool_mb": nbytes / 2**20,
         })
-        print(f"  {pool_kind:>4s} {context >> 10:>5d}K x{batch} {label:22s} {order:>9s}: {ms:7.3f} ms "
+        print(f"  {pool_kind:>9s} {context >> 10:>5d}K x{batch} {label:22s} {order:>9s}: {ms:7.3f} ms "
               f"{moved / ms / 1e6:6.1f} GB/s (copy {moved / copy_ms / 1e6:5.1f}) equal={equal}", flush=True)
     del pool, expected
     if holder is not None:
@@ -191,16 +195,17 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--update-buffer", type=int, default=64)
-    parser.add_argument("--pools", default="mmap,thp", help="comma list of mmap (pinned_empty) and thp")
+    parser.add_argument("--pools", default="mmap,thp,hostalloc",
+                        help="comma list of mmap (pinned_empty), thp (madvised huge pages) and hostalloc (cudaHostAlloc)")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
     pools = [p.strip() for p in args.pools.split(",") if p.strip()]
-    bad = [p for p in pools if p not in ("mmap", "thp")]
+    bad = [p for p in pools if p not in ("mmap", "thp", "hostalloc")]
     if bad:
-        parser.error(f"unknown pool kind(s) {bad}; expected mmap and/or thp")
+        parser.error(f"unknown pool kind(s) {bad}; expected mmap, thp and/or hostalloc")
     if args.budget - 4 - 64 < 1:
         parser.error("--budget must exceed 68 (sink 4 + recent 64)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
