@@ -218,7 +218,22 @@ def main(argv=None) -> int:
             if args.json:  # after each pool: a run cut short by a timeout keeps what it measured
                 with open(args.json, "w") as f:
                     json.dump({"device": name, "thp": _thp_mode(), "results": results}, f, indent=1)
+    print_summary(results)
     return 0 if all(r["equal"] for r in results) else 1
+
+
+def print_summary(results: list[dict]) -> None:
+    """Per (context, pool): gather.py in the selection's order against the fastest variant."""
+    print("summary (selection order; target >= 40 GB/s at 1M x 4):")
+    cells = sorted({(r["context"], r["pool"]) for r in results}, key=lambda c: (-c[0], c[1]))
+    for context, pool in cells:
+        rows = [r for r in results if r["context"] == context and r["pool"] == pool and r["order"] == "selection"]
+        shipped = next((r for r in rows if r["variant"] == "gather.py"), None)
+        best = max(rows, key=lambda r: r["gbps"])
+        base = f"gather.py {shipped['gbps']:.1f} GB/s" if shipped else "gather.py not run"
+        huge = rows[0]["anon_huge_mb"]
+        print(f"  {context >> 10:>5d}K {pool:>9s}: {base}; best {best['variant']} {best['gbps']:.1f} GB/s; "
+              f"copy {best['copy_gbps']:.1f}; huge pages gained {huge if huge is None else f'{huge:.0f} MB'}")
 
 
 if __name__ == "__main__":
