@@ -44,6 +44,9 @@ ParisKV's pipeline, file by file (the ``pariskv`` preset composes the first thre
   composed path the selector takes where the fused ops are not bound.
 - ``kvpolicy/kernels/triton/gather.py``: op ``gather_rows_into``, the selected rows from the pool
   (shared with every preset, like ``store.py`` and ``layer.py``).
+- ``kvpolicy/kernels/triton/gather_single.py``: ``gather_single_rows_into``, the same gather with
+  its schedule a choice (rows a program, warps, spread, sort), timed against gather.py on pinned
+  pools of 4 KB and huge pages by ``benchmarks/pinned_gather.py``; not on the fetch path yet.
 - ``kvpolicy/units/nearest_centroid.py``: the stale-centroid baseline ParisKV is compared with.
 
 Tests: ``tests/test_analytic.py`` (encoding, reference ops), ``tests/test_triton_analytic.py``
