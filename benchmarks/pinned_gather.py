@@ -7,7 +7,8 @@ for a plain pinned copy, while it reaches 45-50 GB/s at 128K. This script times,
 - ``gather.py``: the shipped ``gather_rows_into`` (triton);
 - ``single rXwY``: ``kernels/triton/gather_single.py`` at X rows a program and Y warps;
   ``spread``: programs (sequence, head)-fastest; ``sort``: slots sorted inside the op
-  (fed random-order slots);
+  (fed random-order slots); ``walk Nx``: a persistent grid of N programs per SM walking the
+  (sequence, head) regions in turn (fewer pages in flight at once);
 
 for two pools of the same shape: ``mmap`` (``kvpolicy.pinned.pinned_empty``: the pools ParisKV's
 pinned tier uses, 4 KB pages unless the host's THP mode is "always") and ``thp`` (an anonymous
@@ -40,7 +41,7 @@ from kvpolicy.kernels import dispatch, reference  # noqa: E402
 
 HUGE = 2 << 20
 
-# (label, rows a program, warps, spread, sort)
+# (label, rows a program, warps, spread, sort); then WALKS: (label, rows, warps, programs per SM)
 VARIANTS = (
     ("single r1w1", 1, 1, False, False),
     ("single r2w1", 2, 1, False, False),
@@ -53,6 +54,14 @@ VARIANTS = (
     ("single r4w1 spread", 4, 1, True, False),
     ("single r16w4 spread", 16, 4, True, False),
     ("single r64w4 spread", 64, 4, True, False),
+)
+WALKS = (
+    ("walk r16w4 2x", 16, 4, 2),
+    ("walk r16w4 4x", 16, 4, 4),
+    ("walk r16w4 8x", 16, 4, 8),
+    ("walk r4w1 8x", 4, 1, 8),
+    ("walk r4w1 16x", 4, 1, 16),
+    ("walk r64w4 2x", 64, 4, 2),
 )
 
 
@@ -163,6 +172,10 @@ def measure(args, device, pool_kind: str, context: int) -> list[dict]:
     for label, rows, warps, spread, _ in VARIANTS:
         runs.append((label, "selection", lambda s, r=rows, w=warps, sp=spread:
                      gather_single_rows_into(pool, s, take, out, rows=r, warps=w, spread=sp)))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 2
+    for label, rows, warps, per_sm in WALKS:
+        runs.append((label, "selection", lambda s, r=rows, w=warps, p=per_sm * sms:
+                     gather_single_rows_into(pool, s, take, out, rows=r, warps=w, programs=p)))
     runs.append(("single r16w4 sort", "random", lambda s: gather_single_rows_into(pool, s, take, out, rows=16, warps=4, sort=True)))
     runs.append(("single r64w4 sort", "random", lambda s: gather_single_rows_into(pool, s, take, out, rows=64, warps=4, sort=True)))
     results = []

@@ -32,18 +32,20 @@ def _case(seed, batch, heads, cap, dim, count, dtype=torch.float32, device=DEVIC
     return pool, slots
 
 
-@pytest.mark.parametrize("rows,warps,spread,sort", [
-    (1, 1, False, False), (4, 1, False, False), (16, 4, False, False), (64, 4, False, False),
-    (4, 2, True, False), (16, 4, True, True), (8, 1, False, True),
+@pytest.mark.parametrize("rows,warps,spread,sort,programs", [
+    (1, 1, False, False, None), (4, 1, False, False, None), (16, 4, False, False, None), (64, 4, False, False, None),
+    (4, 2, True, False, None), (16, 4, True, True, None), (8, 1, False, True, None),
+    # persistent walks: fewer programs than tiles (each loops), more (clipped), with sort
+    (4, 1, False, False, 3), (8, 2, False, True, 5), (16, 4, False, False, 1000),
 ])
 @pytest.mark.parametrize("dim", [16, 24])  # 24: a row narrower than its power-of-two block
-def test_matches_reference(rows, warps, spread, sort, dim):
+def test_matches_reference(rows, warps, spread, sort, programs, dim):
     seed = torch.seed() % (1 << 31)
     pool, slots = _case(seed, batch=3, heads=2, cap=97, dim=dim, count=37)
     take = torch.tensor([True, False, True], device=DEVICE)
     sentinel = torch.full((3, 2, 37, dim), -3.5, device=DEVICE)
     out = sentinel.clone()
-    _single()(pool, slots, take, out, rows=rows, warps=warps, spread=spread, sort=sort)
+    _single()(pool, slots, take, out, rows=rows, warps=warps, spread=spread, sort=sort, programs=programs)
     expected = reference.gather_rows(pool, slots, DEVICE)
     assert torch.equal(out[0], expected[0]), f"seed {seed}"
     assert torch.equal(out[2], expected[2]), f"seed {seed}"
@@ -74,13 +76,18 @@ def test_bad_input_is_refused():
         gather(pool, slots, None, out, warps=64)
     with pytest.raises(ValueError, match="slots must be integers"):
         gather(pool, slots.float(), None, out)
+    with pytest.raises(ValueError, match="programs must be None or a positive int"):
+        gather(pool, slots, None, out, programs=0)
+    with pytest.raises(ValueError, match="spread does not apply"):
+        gather(pool, slots, None, out, programs=4, spread=True)
     with pytest.raises(ValueError, match="take must have 1 entries"):
         gather(pool, slots, torch.ones(2, dtype=torch.bool, device=DEVICE), out)
 
 
 @needs_cuda
-@pytest.mark.parametrize("rows,warps,spread", [(4, 1, False), (16, 4, True), (64, 4, False)])
-def test_pinned_pool_at_decode_size(rows, warps, spread):
+@pytest.mark.parametrize("rows,warps,spread,programs", [(4, 1, False, None), (16, 4, True, None), (64, 4, False, None),
+                                                  (16, 4, False, 264)])
+def test_pinned_pool_at_decode_size(rows, warps, spread, programs):
     from kvpolicy.pinned import pinned_empty
 
     seed = torch.seed() % (1 << 31)
@@ -89,7 +96,8 @@ def test_pinned_pool_at_decode_size(rows, warps, spread):
     pool.copy_(host)
     slots = slots.sort(-1).values.cuda()
     out = torch.empty(2, 8, 1980, 128, dtype=torch.bfloat16, device="cuda")
-    _single()(pool, slots, torch.ones(2, dtype=torch.bool, device="cuda"), out, rows=rows, warps=warps, spread=spread)
+    _single()(pool, slots, torch.ones(2, dtype=torch.bool, device="cuda"), out, rows=rows, warps=warps, spread=spread,
+              programs=programs)
     torch.cuda.synchronize()
     assert torch.equal(out.cpu(), reference.gather_rows(host, slots.cpu(), torch.device("cpu"))), f"seed {seed}"
 

@@ -17,7 +17,14 @@ tell which of these moves the figure (``benchmarks/pinned_gather.py`` sweeps the
 - ``spread``: programs ordered (sequence, head)-fastest, so programs running together read
   from all B x H regions (different translation entries) instead of one region's neighbours;
 - ``sort``: the slots sorted ascending before the copy (the rows written in sorted order and
-  the permutation applied on the output side), for callers whose order is not the pool's.
+  the permutation applied on the output side), for callers whose order is not the pool's;
+- ``programs``: a persistent grid of that many programs walking the tiles in (sequence, head)
+  order, ``programs`` tiles apart, so the programs running at any moment read one or two heads'
+  regions. With one program per tile the whole gather is resident at once and touches every
+  (sequence, head) region together: at 1M x 4 x 8 heads that is 8 GiB of pool and ~63K distinct
+  4 KB pages (or ~4K 2 MB ones) in flight, past the GPU's translation reach; walking the heads in
+  turn keeps the pages in flight to one region's (256 MB). Fewer rows in flight per program,
+  so it needs enough programs to cover PCIe's latency.
 
 Whether huge pages (2 MB host pages behind the registration) change the translation cost is a
 property of the pool's memory, not of this kernel: the benchmark measures it with a pool
@@ -51,6 +58,40 @@ def _gather_single_kernel(
     SPREAD: tl.constexpr, HAS_ORDER: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
+    _copy_tile(pool_ptr, slots_ptr, take_ptr, order_ptr, out_ptr, pid, R, H, B, TILES,
+               pool_sb, pool_sh, pool_sr, pool_sd, slots_sb, slots_sh, slots_sr, order_sb, order_sh, order_sr,
+               out_sb, out_sh, out_sr, out_sd, D, BLOCK_D, ROWS, HAS_TAKE, SPREAD, HAS_ORDER)
+
+
+@triton.jit
+def _gather_walk_kernel(
+    pool_ptr, slots_ptr, take_ptr, order_ptr, out_ptr,
+    R, H, B, TILES, PROGRAMS,
+    pool_sb, pool_sh, pool_sr, pool_sd,
+    slots_sb, slots_sh, slots_sr,
+    order_sb, order_sh, order_sr,
+    out_sb, out_sh, out_sr, out_sd,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_TAKE: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
+):
+    # persistent: program p copies tiles p, p + PROGRAMS, ... of the (sequence, head)-major order
+    first = tl.program_id(0)
+    walks = (TILES * H * B - first + PROGRAMS - 1) // PROGRAMS
+    for walk in range(0, walks):
+        index = first.to(tl.int64) + walk * PROGRAMS
+        _copy_tile(pool_ptr, slots_ptr, take_ptr, order_ptr, out_ptr, index, R, H, B, TILES,
+                   pool_sb, pool_sh, pool_sr, pool_sd, slots_sb, slots_sh, slots_sr, order_sb, order_sh, order_sr,
+                   out_sb, out_sh, out_sr, out_sd, D, BLOCK_D, ROWS, HAS_TAKE, False, HAS_ORDER)
+
+
+@triton.jit
+def _copy_tile(
+    pool_ptr, slots_ptr, take_ptr, order_ptr, out_ptr, pid, R, H, B, TILES,
+    pool_sb, pool_sh, pool_sr, pool_sd, slots_sb, slots_sh, slots_sr, order_sb, order_sh, order_sr,
+    out_sb, out_sh, out_sr, out_sd,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_TAKE: tl.constexpr,
+    SPREAD: tl.constexpr, HAS_ORDER: tl.constexpr,
+):
     if SPREAD:
         # (sequence, head) fastest: neighbouring programs read different regions of the pool
         bh = pid % (B * H)
@@ -61,12 +102,13 @@ def _gather_single_kernel(
         bh = pid // TILES
     h = bh % H
     b = bh // H
-    # nested: take_ptr is None when HAS_TAKE is off, so it must not be loaded at all
-    if HAS_TAKE:  # noqa: SIM102
-        if tl.load(take_ptr + b) == 0:
-            return
     rows = tile * ROWS + tl.arange(0, ROWS).to(tl.int64)
-    row_ok = rows < R
+    # take_ptr is None when HAS_TAKE is off, so it must not be loaded at all; a sequence not taken
+    # has no rows (none read, as a return would do, which a helper cannot do for its caller)
+    limit = R
+    if HAS_TAKE:
+        limit = tl.where(tl.load(take_ptr + b) != 0, R, 0)
+    row_ok = rows < limit
     slot = tl.load(slots_ptr + b * slots_sb + h * slots_sh + rows * slots_sr, mask=row_ok, other=0).to(tl.int64)
     if HAS_ORDER:
         # row r of the sorted slots goes to output row order[r]
@@ -86,7 +128,7 @@ def _gather_single_kernel(
 
 def gather_single_rows_into(
     pool: torch.Tensor, slots: torch.Tensor, take: torch.Tensor | None, out: torch.Tensor, *,
-    rows: int = 16, warps: int = 4, spread: bool = False, sort: bool = False,
+    rows: int = 16, warps: int = 4, spread: bool = False, sort: bool = False, programs: int | None = None,
 ) -> None:
     """``out[b] = pool[b, :, slots[b]]`` where ``take (B,)`` (None: every sequence).
 
@@ -114,6 +156,10 @@ def gather_single_rows_into(
         raise ValueError(f"gather_single_rows_into: rows must be a power of two in [1, {MAX_ROWS}], got {rows}")
     if not (1 <= warps <= MAX_WARPS) or warps & (warps - 1):
         raise ValueError(f"gather_single_rows_into: warps must be a power of two in [1, {MAX_WARPS}], got {warps}")
+    if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
+        raise ValueError(f"gather_single_rows_into: programs must be None or a positive int, got {programs!r}")
+    if programs is not None and spread:
+        raise ValueError("gather_single_rows_into: programs walks the tiles in (sequence, head) order; spread does not apply")
     if take is not None and take.numel() != batch:
         raise ValueError(f"gather_single_rows_into: take must have {batch} entries, got {take.numel()}")
     if batch * heads * count * dim == 0:
@@ -130,6 +176,19 @@ def gather_single_rows_into(
     tile_rows = min(rows, triton.next_power_of_2(count))
     tiles = triton.cdiv(count, tile_rows)
     order_strides = order.stride() if order is not None else (0, 0, 0)
+    if programs is not None:
+        walkers = min(programs, tiles * heads * batch)
+        _gather_walk_kernel[(walkers,)](
+            pool_arg, slots, take, order, out,
+            count, heads, batch, tiles, walkers,
+            *pool.stride(),
+            *slots.stride(),
+            *order_strides,
+            *out.stride(),
+            D=dim, BLOCK_D=block_d, ROWS=tile_rows, HAS_TAKE=take is not None, HAS_ORDER=order is not None,
+            num_warps=warps,
+        )
+        return
     _gather_single_kernel[(tiles * heads * batch,)](
         pool_arg, slots, take, order, out,
         count, heads, batch, tiles,
