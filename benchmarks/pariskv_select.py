@@ -69,6 +69,20 @@ RERANK_VARIANTS = (
     ("radix programs 16384", {"METHOD": "radix", "_RADIX_PROGRAMS": 16384}),
 )
 
+# collision_candidates' tunables (kernels/triton/collision_candidates.py; the first row is the
+# shipped setting): positions a program, keys a step, warps of the votes and compaction passes
+COLLISION_VARIANTS = (
+    ("shipped", {}),
+    ("chunk 4096", {"_CHUNK": 4096}),
+    ("chunk 1024", {"_CHUNK": 1024}),
+    ("sub 512", {"_SUB": 512}),
+    ("sub 128", {"_SUB": 128}),
+    ("votes 8 warps", {"_VOTES_WARPS": 8}),
+    ("votes 2 warps", {"_VOTES_WARPS": 2}),
+    ("votes 8w sub 512", {"_VOTES_WARPS": 8, "_SUB": 512}),
+    ("compact 8 warps", {"_COMPACT_WARPS": 8}),
+)
+
 
 def _ints(text: str) -> list[int]:
     try:
@@ -268,6 +282,9 @@ def measure_selection(args: argparse.Namespace, batch: int, context: int, device
                                                   max_votes, *rule)
             parts["collision_candidates"] = timed(lambda: ops.collision_candidates(
                 table, index.centroids, index.token_valid, index.indexed, width, max_votes, *rule))
+            if args.backend == "triton":
+                collision = measure_collision_variants(
+                    args, (table, index.centroids, index.token_valid, index.indexed, width, max_votes, *rule), device)
         else:
             encoded = analytic.encode_query(group.float().mean(2), index.signs, index.subspaces, (1 << tiers) - 1)
             rotated = encoded.rotated
@@ -283,6 +300,8 @@ def measure_selection(args: argparse.Namespace, batch: int, context: int, device
                                      ops.candidate_topk(votes, width, max_votes), -1)
         methods: dict[str, dict] = {}
         profile = None
+        if not (fused and args.backend == "triton"):
+            collision = {}
         if fused:
             select_args = (rotated, index.codes, index.weight, index.norms, candidates, index.token_valid,
                            index.slots, index.indexed, index.next_position, retrieval)
@@ -320,8 +339,46 @@ def measure_selection(args: argparse.Namespace, batch: int, context: int, device
             "methods": methods,
             # the old rerank's kernels (its score kernel, then torch.topk's)
             "old_rerank_kernels_us": old_kernels,
+            # collision_candidates per tunable setting (COLLISION_VARIANTS)
+            "collision_variants": collision,
         })
     return rows
+
+
+def measure_collision_variants(args: argparse.Namespace, call_args: tuple, device: torch.device) -> dict[str, dict]:
+    """Per ``COLLISION_VARIANTS`` setting: ``collision_candidates``' ms, its kernels' device
+    times, and whether its candidates equal the shipped setting's (they must: integer votes)."""
+    import importlib
+
+    # the module, not the package's attribute of the same name (the op function)
+    module = importlib.import_module("kvpolicy.kernels.triton.collision_candidates")
+    timed = _timer(device, args.repeats)
+    names = {name for _, settings in COLLISION_VARIANTS for name in settings}
+    saved = {name: getattr(module, name) for name in names}
+    results = {}
+    first = None
+    try:
+        for label, settings in COLLISION_VARIANTS:
+            for name, value in settings.items():
+                setattr(module, name, value)
+            out = module.collision_candidates(*call_args)
+            same = None
+            if first is None:
+                first = out
+            else:
+                same = bool(torch.equal(out, first))
+            results[label] = {
+                "settings": settings,
+                "ms": timed(lambda: module.collision_candidates(*call_args)),
+                "kernels_us": kernel_times(lambda: module.collision_candidates(*call_args), device, args.repeats),
+                "equals_shipped": same,
+            }
+            for name, value in saved.items():
+                setattr(module, name, value)
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+    return results
 
 
 def measure_methods(args: argparse.Namespace, select_args: tuple, select: Callable[[], object],
@@ -452,6 +509,13 @@ def print_kernels(row: dict, cuda: bool) -> None:
             print(f"    ... {len(row['kernels_us']) - _LISTED} more")
         print(f"    {'sum of kernels':<40s} {sum(us for _, us in row['kernels_us']):9.1f}   "
               f"(replay of the whole: {1e3 * row['ms']:.1f})")
+    variants = row.get("collision_variants") or {}
+    if variants:
+        print("    collision_candidates by setting: replay us | its kernels (us) | equal to the shipped candidates")
+        for label, v in variants.items():
+            kernels = ", ".join(f"{_short(name)} {us:.1f}" for name, us in (v["kernels_us"] or [])[:_LISTED])
+            same = "-" if v["equals_shipped"] is None else str(v["equals_shipped"])
+            print(f"      {label:<22s} {1e3 * v['ms']:9.1f} | {kernels} | {same}")
     methods = {k: v for k, v in row.get("methods", {}).items() if k != "auto"}
     if not methods:
         return

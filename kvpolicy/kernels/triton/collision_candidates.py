@@ -49,6 +49,10 @@ _SUB = 256
 _CHUNK_BLOCK = 32
 # bands of the length rule the kernel takes (ParisKV's has 3)
 _MAX_BANDS = 4
+# warps a program of the votes and compaction passes (4: Triton's default, what every measurement
+# so far ran); benchmarks/pariskv_select.py's COLLISION_VARIANTS times the others
+_VOTES_WARPS = 4
+_COMPACT_WARPS = 4
 
 
 @triton.jit
@@ -235,7 +239,7 @@ def collision_candidates(
         heads, n, chunks,
         *ids.stride(), *valid.stride(),
         S=subspaces, IDS=reference_analytic.NUM_IDS, WORDS=words is not None,
-        CHUNK=_CHUNK, SUB=_SUB, BINS=bins,
+        CHUNK=_CHUNK, SUB=_SUB, BINS=bins, num_warps=_VOTES_WARPS,
     )
     start = torch.empty(rows, chunks, dtype=torch.int32, device=device)
     ties = torch.empty(rows, chunks, dtype=torch.int32, device=device)
@@ -247,7 +251,8 @@ def collision_candidates(
         BINS=bins, CHUNK_BLOCK=_CHUNK_BLOCK,
     )
     _compact_kernel[(rows, chunks)](
-        votes, start, ties, level, take, out, n, chunks, width, triton.cdiv(width, chunks), CHUNK=_CHUNK, SUB=_SUB
+        votes, start, ties, level, take, out, n, chunks, width, triton.cdiv(width, chunks), CHUNK=_CHUNK, SUB=_SUB,
+        num_warps=_COMPACT_WARPS,
     )
     return out
 
