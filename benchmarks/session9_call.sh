@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Session 9's GPU calls. Usage: bash benchmarks/session9_call.sh OUTDIR TAR MODE
+set -u
+OUT=${1:?}; TAR=${2:?}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+step() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?" >> "$OUT/$name.log"; tail -n 25 "$OUT/$name.log"; tar cf "$TAR" -C "$(dirname "$OUT")" "$(basename "$OUT")"; }
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+E2E="python3 -m kvpolicy bench e2e --full-kinds full-graph --budget 2048 --steps 18 --compiled-layers"
+case ${3:?} in
+baseline)
+step gpu_tests 100 python3 -m pytest -q -x -p no:cacheprovider tests/test_split_placement.py tests/test_refresh_rows.py tests/test_plan.py
+step gather 60 python3 -m kvpolicy bench gather --contexts 131072,1048576 --batches 4 --runs 16 --repeats 20
+step e2e_128k4 200 $E2E --contexts 131072 --batches 4 --presets louiskv@gpu,louiskv@cpu --json "$OUT/e2e_128k4.json"
+step e2e_512k1 120 $E2E --contexts 524288 --batches 1 --presets louiskv@cpu --json "$OUT/e2e_512k1.json"
+step capacity 150 python3 -m kvpolicy bench capacity --steps 18 --compiled-layers --json "$OUT/capacity.json"
+;;
+esac
