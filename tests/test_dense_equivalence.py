@@ -36,6 +36,8 @@ VARIANTS = {
     # query_cosine at the lowest tau selects once (the forced first step) and admits from then on
     "louiskv-keep": ("louiskv", {"trigger": {"name": "query_cosine", "tau": -1.0}}),
     "quest-interval": ("quest", {"trigger": {"name": "interval", "n": 8}}),
+    # a GPU unit cache (given a size, it applies on the CPU too): the fetch reads through it
+    "louiskv-unit-cache": ("louiskv", {"trigger": {"name": "interval", "n": 4}, "unit_cache_rows": 2 * (BUDGET - 68)}),
 }
 # variant -> re-selections after ``steps`` decode steps, per layer and sequence
 REUSING = {"louiskv-keep": lambda steps: 1, "quest-interval": lambda steps: -(-steps // 8)}

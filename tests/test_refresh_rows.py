@@ -218,10 +218,107 @@ def test_triton_refresh_refuses_a_scratch_that_is_the_buffer():
         _refresh("triton")(pool, slots, take, source, out, torch.empty_like(out, dtype=torch.float16))
 
 
+# ---- the GPU unit cache: refresh_rows reading it, cache_insert filling it --------------------
+
+
+def _cache_case(dtype, dim, seed, cache_rows=23):
+    """A refresh case with a cache: random cache rows, and a ``cache_source`` naming one for
+    about half the rows the buffer lacks (-1 for the rest)."""
+    pool, current, held, out, slots, take = _case("overlap", dtype=dtype, dim=dim, seed=seed)
+    g = torch.Generator(device=DEVICE).manual_seed(seed + 100)
+    batch, heads, rows = slots.shape
+    cache = _random_pool((batch, heads, cache_rows, dim), dtype, DEVICE, g)
+    source, _ = _locate("reference", slots, take, current, held)
+    named = torch.randint(0, cache_rows, slots.shape, generator=g, device=DEVICE, dtype=torch.int32)
+    use = (source < 0) & (torch.rand(slots.shape, generator=g, device=DEVICE) < 0.5)
+    cache_source = torch.where(use, named, -1)
+    return pool, out, slots, take, source, cache, cache_source
+
+
+def _refresh_by_hand(pool, out, slots, take, source, cache, cache_source):
+    """The buffer row, else the cache row, else the pool row, row by row (not the ops' code)."""
+    want = out.clone()
+    for b, h, r in ((b, h, r) for b in range(slots.shape[0]) for h in range(slots.shape[1]) for r in range(slots.shape[2])):
+        if not take[b]:
+            continue
+        if source[b, h, r] >= 0:
+            want[b, h, r] = out[b, h, source[b, h, r]]
+        elif cache_source[b, h, r] >= 0:
+            want[b, h, r] = cache[b, h, cache_source[b, h, r]]
+        else:
+            want[b, h, r] = pool[b, h, slots[b, h, r]]
+    return want
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 64), (torch.bfloat16, 48), (torch.float16, 64)])
+def test_refresh_reads_cached_rows_from_the_cache(backend, dtype, dim):
+    pool, out, slots, take, source, cache, cache_source = _cache_case(dtype, dim, seed=11)
+    want = _refresh_by_hand(pool, out, slots, take, source, cache, cache_source)
+    # poison the pool rows the cache supplies: a refresh must not read them
+    poisoned = pool.clone()
+    cached_slots = torch.where(cache_source >= 0, slots, -1)
+    for b, h in ((b, h) for b in range(pool.shape[0]) for h in range(pool.shape[1])):
+        gone = cached_slots[b, h][cached_slots[b, h] >= 0].unique()
+        keep = slots[b, h][(cache_source[b, h] < 0) & (source[b, h] < 0)]
+        gone = gone[~torch.isin(gone, keep)]  # a slot listed twice may also come from the pool
+        poisoned.view(_BITS[dtype])[b, h, gone] = 0x1234
+    _refresh(backend)(poisoned, slots, take, source, out, torch.empty_like(out), cache, cache_source)
+    assert _same_bits(out, want)
+
+
+def test_triton_refresh_refuses_a_cache_that_does_not_fit():
+    pool, out, slots, take, source, cache, cache_source = _cache_case(torch.float32, 64, seed=12)
+    with pytest.raises(ValueError, match="cache"):
+        _refresh("triton")(pool, slots, take, source, out, torch.empty_like(out), cache[..., :32], cache_source)
+    with pytest.raises(ValueError, match="cache"):
+        _refresh("triton")(pool, slots, take, source, out, torch.empty_like(out), cache, cache_source.long())
+
+
+def _insert_case(seed, dtype=torch.float32, dim=48, batch=3, heads=2, rows=19, cache_rows=31):
+    from kvpolicy.tiers import RowCache
+
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    keys = _random_pool((batch, heads, rows, dim), dtype, DEVICE, g)
+    values = _random_pool((batch, heads, rows, dim), dtype, DEVICE, g)
+    buffer = RetrievedBuffer(keys, values, torch.ones(batch, heads, rows, dtype=torch.bool, device=DEVICE),
+                             slots=torch.randint(0, 500, (batch, heads, rows), generator=g, device=DEVICE),
+                             held=torch.rand(batch, heads, rows, generator=g, device=DEVICE) < 0.8,
+                             fill=torch.zeros(batch, heads, dtype=torch.long, device=DEVICE))
+    cache = RowCache.empty(keys, cache_rows)
+    cache.keys.copy_(_random_pool(cache.keys.shape, dtype, DEVICE, g))
+    cache.values.copy_(_random_pool(cache.values.shape, dtype, DEVICE, g))
+    cache.slots.copy_(torch.randint(0, 500, cache.slots.shape, generator=g, device=DEVICE))
+    cache.held.copy_(torch.rand(cache.held.shape, generator=g, device=DEVICE) < 0.5)
+    # distinct destinations per (sequence, head), about a third of the rows filed
+    dest = torch.stack([torch.randperm(cache_rows, generator=g, device=DEVICE)[:rows] for _ in range(batch * heads)])
+    dest = dest.view(batch, heads, rows)
+    dest = torch.where(torch.rand(dest.shape, generator=g, device=DEVICE) < 0.35, dest, -1)
+    take = torch.tensor([True, False, True][:batch], device=DEVICE)
+    return cache, dest, take, buffer
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cache_insert_files_rows_where_told(backend, seed):
+    cache, dest, take, buffer = _insert_case(seed)
+    want = {name: getattr(cache, name).clone() for name in ("keys", "values", "slots", "held")}
+    for b, h, r in ((b, h, r) for b in range(dest.shape[0]) for h in range(dest.shape[1]) for r in range(dest.shape[2])):
+        at = int(dest[b, h, r])
+        if take[b] and at >= 0:
+            for name in want:
+                want[name][b, h, at] = getattr(buffer, name)[b, h, r]
+    assert int(((dest >= 0) & take.view(-1, 1, 1)).sum()) > 0  # the case files something
+    dispatch.get("cache_insert", backend, DEVICE)(cache, dest, take, buffer)
+    for name, expected in want.items():
+        got = getattr(cache, name)
+        assert (_same_bits(got, expected) if got.is_floating_point() else torch.equal(got, expected)), name
+
+
 def test_dispatch_reaches_the_triton_refresh():
     from kvpolicy.kernels.triton import refresh
 
-    for op in ("resident_rows", "refresh_rows"):
+    for op in ("resident_rows", "refresh_rows", "cache_insert"):
         assert dispatch.why_unavailable("triton", op, DEVICE) is None
         assert dispatch.get(op, "triton", DEVICE) is getattr(refresh, op)
 

@@ -183,6 +183,10 @@ class RunStats:
     pool_device_bytes: int = 0
     pool_host_bytes: int = 0
     pool_device_layers: list[int] | None = None
+    # of the buffer rows re-selections asked for, the share read from the pool: neither the
+    # retrieved buffer nor the GPU unit cache held them (None: no re-selection fetched a row)
+    miss_fraction: float | None = None
+    unit_cache_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -353,6 +357,10 @@ class PolicySession:
             context = states[0].store.length - steps
             served = len(states)
             pool = {"pool_device_bytes": 0, "pool_host_bytes": 0, "pool_device_layers": []}
+            fetched = sum(int(s.store.rows_fetched.sum()) for s in states)
+            read = sum(int(s.store.pool_rows_read.sum()) for s in states)
+            pool["miss_fraction"] = read / fetched if fetched else None
+            pool["unit_cache_bytes"] = sum(s.store.cache.nbytes() for s in states if s.store.cache is not None)
             for s in states:
                 on_device = s.plan.pool_on_device
                 nbytes = s.store.pool.nbytes()
