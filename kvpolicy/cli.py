@@ -130,6 +130,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--branches", default="auto",
                        help="e2e: comma-separated DecodeGraph branch kinds each policy row runs with (auto, node: "
                             "the re-selection as a CUDA graph conditional node; inline: kernels that exit at once)")
+    bench.add_argument("--unit-cache-rows", type=int, default=None,
+                       help="e2e: the policies' GPU unit cache, rows per sequence and KV head (0: none; default: "
+                            "sized where a pool is in host memory)")
     bench.add_argument("--rate", type=float, default=0.117,
                        help="LouisKV's re-selection share for the amortised column (default: 11.7%%, measured "
                             "on SmolLM2 at 4K, budget 512, EVAL.md)")
@@ -641,8 +644,10 @@ def _bench(args) -> int:
         if interval_steps != args.steps:
             print(f"louiskv's /interval rows time {interval_steps} steps ({interval_steps // every} whole intervals), "
                   f"the other rows {args.steps}")
+        print("miss: of the rows a policy's re-selections fetched, the share read from the pool (neither the "
+              "retrieved buffer nor the unit cache held them; random weights select afresh each time)")
         print(f"{'kind':28s} {'B':>2s} {'context':>8s} {'ms/step':>8s} {'tokens/s':>9s} {'vs full-graph':>13s} "
-              f"{'over floor':>10s}")
+              f"{'over floor':>10s} {'miss':>5s}")
         louiskv_triggers = [("interval", {"name": "interval", "n": every}), ("reuse", {"name": "interval", "n": 1 << 40}),
                             ("every_step", {"name": "every_step"})]
         for context in _ints(args.contexts or "32768,131072", "contexts"):
@@ -654,7 +659,8 @@ def _bench(args) -> int:
                     for placement in placements:
                         triggers = louiskv_triggers if name == "louiskv" else [(None, None)]
                         for tag, trigger in triggers:
-                            options = {"budget": args.budget, "placement": placement, "backend": args.backend}
+                            options = {"budget": args.budget, "placement": placement, "backend": args.backend,
+                                       "unit_cache_rows": args.unit_cache_rows}
                             if trigger:
                                 options["trigger"] = trigger
                             label = f"{name}/{placement}" + (f"/{tag}" if tag else "")
@@ -691,9 +697,10 @@ def _bench(args) -> int:
                                  "speedup_vs_full_graph": base / r.ms_per_step if base else None,
                                  "budget_floor_ms": floor, "over_floor_ms": over})
                     over_text = f"{over:10.2f}" if over is not None else ""
+                    miss_text = f" {r.miss_fraction:5.2f}" if r.miss_fraction is not None else ""
                     shown = args.budget if label == "budget-floor" else context
-                    print(f"{label:28s} {batch:2d} {shown:8d} {r.ms_per_step:8.2f} {r.tokens_per_s:9.1f} {ratio} {over_text}",
-                          flush=True)
+                    print(f"{label:28s} {batch:2d} {shown:8d} {r.ms_per_step:8.2f} {r.tokens_per_s:9.1f} {ratio} {over_text}"
+                          f"{miss_text}", flush=True)
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
     elif args.what == "capacity":
