@@ -280,7 +280,7 @@ class TieredStore:
             ),
             local=Tier(local_keys, local_values, local_valid_heads),
             length=prompt,
-            next_slot=torch.tensor(prompt, dtype=torch.long, device=device),
+            next_slot=torch.full((), prompt, dtype=torch.long, device=device),  # a fill: torch.tensor would sync
             zone_end=zone_end,
             retrieval_limit=retrieval,
             local_limit=local,
