@@ -86,6 +86,9 @@ class PolicyLayerState:
         self.reselect: torch.Tensor | None = None  # (B,) bool
         self.reselections: torch.Tensor | None = None  # (B,) long, summed over decode steps
         self.decode_steps = 0
+        # (pool_rows_read, rows_fetched) after the first decode step, whose selection finds an
+        # empty buffer: a re-selection's miss fraction counts from there (device copies)
+        self.first_fetch: tuple[torch.Tensor, torch.Tensor] | None = None
         self.units_ready: torch.cuda.Event | None = None  # set while the prompt's units build on a side stream
         #: called as ``observer(state, query)`` after selection, before attention (eval's recall)
         self.observers: list = []
@@ -189,6 +192,8 @@ class PolicyLayerState:
                 # in a captured step a conditional node: a step where no row re-selects skips it
                 graph_branch.run_if_any(reselect, lambda: self._reselect(query))
             store.admit(evicted, ~reselect, ops)
+            if self.decode_steps == 0:  # eager: a graph captures a later step
+                self.first_fetch = (store.pool_rows_read.clone(), store.rows_fetched.clone())
         self.decode_steps += 1
         for observer in self.observers:
             observer(self, query)
