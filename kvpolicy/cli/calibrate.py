@@ -14,16 +14,21 @@ import time
 from pathlib import Path
 
 from ..errors import KVPolicyError
-from .common import add_plugin_flag, check_writable, device_name
+from ..eval.defaults import (CALIBRATION_BUDGET, CALIBRATION_LENGTH, CALIBRATION_SAMPLES, CALIBRATION_STEPS,
+                              CALIBRATION_TAUS, CALIBRATION_TOLERANCE)
+from .common import add_plugin_flag, check_writable, csv, device_name
 
 
 def add_parser(sub) -> None:
     cal = sub.add_parser("calibrate", help="choose the louiskv preset's trigger setting for a model once; stored as "
                                            "its default")
     cal.add_argument("--model", default="smollm2", help="as for `run`")
-    cal.add_argument("--samples", type=int, default=200, help="local prompts to calibrate on (default 200)")
-    cal.add_argument("--length", type=int, default=1024, help="prompt length in tokens (default 1024)")
-    cal.add_argument("--steps", type=int, default=32, help="teacher-forced tokens per prompt (default 32)")
+    cal.add_argument("--samples", type=int, default=CALIBRATION_SAMPLES,
+                     help=f"local prompts to calibrate on (default {CALIBRATION_SAMPLES})")
+    cal.add_argument("--length", type=int, default=CALIBRATION_LENGTH,
+                     help=f"prompt length in tokens (default {CALIBRATION_LENGTH})")
+    cal.add_argument("--steps", type=int, default=CALIBRATION_STEPS,
+                     help=f"teacher-forced tokens per prompt (default {CALIBRATION_STEPS})")
     cal.add_argument("--trigger", choices=["score_gap", "query_cosine"], default="score_gap",
                      help="the trigger to calibrate: score_gap (the louiskv preset's; sweeps --margins) or "
                           "query_cosine (the paper's; sweeps --taus)")
@@ -34,11 +39,12 @@ def add_parser(sub) -> None:
     cal.add_argument("--leaving", choices=["unheld", "ignored"], default="ignored",
                      help="score_gap's tokens that left the window while the selection was kept: ignored (default, "
                           "the built-in louiskv setting) or counted as unheld")
-    cal.add_argument("--taus", default="0.5,0.6,0.7,0.8,0.85,0.9,0.95", help="query_cosine taus to try")
-    cal.add_argument("--budget", type=int, default=512)
-    cal.add_argument("--tolerance", type=float, default=0.02,
+    cal.add_argument("--taus", default=csv(CALIBRATION_TAUS), help="query_cosine taus to try")
+    cal.add_argument("--budget", type=int, default=CALIBRATION_BUDGET)
+    cal.add_argument("--tolerance", type=float, default=CALIBRATION_TOLERANCE,
                      help="keep the setting with the fewest re-selections whose top-1 agreement is within this of "
-                          "every-step selection's with the same units (default 0.02: 2 points)")
+                          f"every-step selection's with the same units (default {CALIBRATION_TOLERANCE}: "
+                          f"{100 * CALIBRATION_TOLERANCE:g} points)")
     cal.add_argument("--against", choices=["previous", "anchor"], default="previous",
                      help="the query_cosine trigger's reference query (default: the previous step's, as LouisKV)")
     cal.add_argument("--first-sample", type=int, default=0,

@@ -23,6 +23,11 @@ def device_name(args) -> str:
     return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def csv(values) -> str:
+    """A library default as a flag's comma-separated text."""
+    return ",".join(str(v) for v in values)
+
+
 def ints(text: str, what: str) -> list[int]:
     """A comma-separated ``--what`` as integers."""
     try:

@@ -9,10 +9,8 @@ from __future__ import annotations
 import sys
 
 from ..errors import KVPolicyError
-from .common import add_plugin_flag, check_writable, device_name
-
-# kvpolicy drift's default policies (kvpolicy.eval.drift.DEFAULT_POLICIES, not imported: torch)
-DRIFT_DEFAULTS = ("pariskv", "clusterkv-stale", "clusterkv")
+from ..eval.defaults import DRIFT_POLICIES
+from .common import add_plugin_flag, check_writable, csv, device_name
 
 
 def add_parser(sub) -> None:
@@ -22,9 +20,9 @@ def add_parser(sub) -> None:
     dr.add_argument("--new-tokens", type=int, default=4096, help="tokens full attention writes (default 4096)")
     dr.add_argument("--budget", type=int, default=512)
     dr.add_argument("--window", type=int, default=256, help="decode steps per reported window (default 256)")
-    dr.add_argument("--policies", default=",".join(DRIFT_DEFAULTS),
+    dr.add_argument("--policies", default=csv(DRIFT_POLICIES),
                     help="presets and/or clusterkv-stale (K-means on the prompt, generated tokens under the nearest "
-                         "prompt centroid, never updated); default: " + ",".join(DRIFT_DEFAULTS))
+                         "prompt centroid, never updated); default: " + csv(DRIFT_POLICIES))
     dr.add_argument("--temperature", type=float, default=0.8,
                     help="full attention samples its continuation at this temperature (0: greedy)")
     dr.add_argument("--seed", type=int, default=0, help="seed of the document and of the sampling")

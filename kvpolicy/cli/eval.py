@@ -10,17 +10,18 @@ import json
 import sys
 
 from ..errors import KVPolicyError
-from .common import add_plugin_flag, device_name, ints, warn_past_positions
+from ..eval.defaults import GRID_BUDGETS, GRID_LENGTHS, GRID_PRESETS, GRID_SEEDS
+from .common import add_plugin_flag, csv, device_name, ints, warn_past_positions
 
 
 def add_parser(sub) -> None:
     ev = sub.add_parser("eval", help="accuracy of presets side by side on local RULER-style tasks (resumable)")
     ev.add_argument("--model", default="smollm2", help="as for `run`")
     ev.add_argument("--tasks", default=None, help="comma-separated task names (default: all)")
-    ev.add_argument("--lengths", default="2048,4096,8192", help="comma-separated context lengths in tokens")
-    ev.add_argument("--budgets", default="256,512,1024", help="comma-separated token budgets")
-    ev.add_argument("--presets", default="full,streaming,quest,arkvale,clusterkv,louiskv,pariskv,oracle")
-    ev.add_argument("--seeds", default="0,1,2", help="comma-separated sample seeds")
+    ev.add_argument("--lengths", default=csv(GRID_LENGTHS), help="comma-separated context lengths in tokens")
+    ev.add_argument("--budgets", default=csv(GRID_BUDGETS), help="comma-separated token budgets")
+    ev.add_argument("--presets", default=csv(GRID_PRESETS))
+    ev.add_argument("--seeds", default=csv(GRID_SEEDS), help="comma-separated sample seeds")
     ev.add_argument("--variant", action="append", default=[], metavar="LABEL=PRESET:JSON",
                     help="an extra column: a preset with options, e.g. "
                          "'louis-anchor=louiskv:{\"trigger\": {\"name\": \"query_cosine\", \"tau\": 0.8, \"against\": \"anchor\"}}'; "

@@ -11,6 +11,7 @@ import json
 import time
 
 from ..errors import KVPolicyError
+from ..eval.defaults import FIDELITY_NEW_TOKENS
 from .common import add_plugin_flag, check_writable, device_name, write_text
 
 
@@ -18,7 +19,8 @@ def add_parser(sub) -> None:
     fid = sub.add_parser("fidelity", help="long-output fidelity of presets against full attention's own output")
     fid.add_argument("--model", default="smollm2", help="as for `run`")
     fid.add_argument("--length", type=int, default=2048, help="prompt length in tokens (default 2048)")
-    fid.add_argument("--new-tokens", type=int, default=1024, help="tokens full attention generates (default 1024)")
+    fid.add_argument("--new-tokens", type=int, default=FIDELITY_NEW_TOKENS,
+                     help=f"tokens full attention generates (default {FIDELITY_NEW_TOKENS})")
     fid.add_argument("--budget", type=int, default=512)
     fid.add_argument("--presets", default="streaming,quest,arkvale,clusterkv,louiskv,pariskv,oracle")
     fid.add_argument("--seed", type=int, default=0, help="seed of the synthetic document")
