@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..bench import BUDGET, LOUISKV_RATE
 from ..errors import KVPolicyError
 from .common import add_plugin_flag, check_writable, device_name, ints
 
@@ -26,7 +27,7 @@ def add_parser(sub) -> None:
                             "capacity: 131072)")
     bench.add_argument("--layers", type=int, default=36, help="ttft: layers of the random Qwen3-8B-shaped model")
     bench.add_argument("--batches", default="1,4,8")
-    bench.add_argument("--budget", type=int, default=2048)
+    bench.add_argument("--budget", type=int, default=BUDGET)
     bench.add_argument("--presets", default="louiskv,quest,arkvale",
                        help="comma-separated presets; NAME@PLACEMENT runs that preset at that placement only "
                             "(e.g. louiskv,arkvale@cpu)")
@@ -43,8 +44,8 @@ def add_parser(sub) -> None:
     bench.add_argument("--branches", default="auto",
                        help="e2e: comma-separated DecodeGraph branch kinds each policy row runs with (auto, node: "
                             "the re-selection as a CUDA graph conditional node; inline: kernels that exit at once)")
-    bench.add_argument("--rate", type=float, default=0.117,
-                       help="LouisKV's re-selection share for the amortised column (default: 11.7%%, measured "
+    bench.add_argument("--rate", type=float, default=LOUISKV_RATE,
+                       help=f"LouisKV's re-selection share for the amortised column (default: {100 * LOUISKV_RATE:.1f}%%, measured "
                             "on SmolLM2 at 4K, budget 512, EVAL.md)")
     bench.add_argument("--kmeans", action="store_true",
                        help="cluster with real K-means (default: random units of 16 tokens, same sizes and scatter)")
