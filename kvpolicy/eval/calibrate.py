@@ -1,4 +1,6 @@
-"""LouisKV's one-time, per-model choice of its trigger setting, and the frontier it is chosen from.
+"""The calibration run: LouisKV's one-time, per-model choice of its trigger setting, and the
+frontier it is chosen from (``kvpolicy calibrate``). The store it writes, and that presets read, is
+``kvpolicy.calibration``.
 
 On locally generated prompts, full attention's greedy output is the reference; LouisKV runs
 teacher-forced along it at each candidate setting of one trigger (``score_gap``'s margin, the
