@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvpolicy import cli
+from kvpolicy.cli import bench as bench_cli
 from kvpolicy.bench import capacity
 from kvpolicy.bench.capacity import (KVShape, Memory, full_slots, measure_capacity, plan_full, plan_split,
                                      split_slots)
@@ -186,8 +187,8 @@ def test_cli_capacity_prints_and_writes_both_rows(tmp_path, monkeypatch, capsys)
     out = tmp_path / "capacity.json"
     args = Namespace(contexts=str(context), layers=4, rate=0.25, budget=128, steps=steps, kmeans=False,
                      backend="reference", branches="auto", compiled_layers=False)
-    rows = cli._BenchRows(str(out), {"device": "cpu"})
-    cli._bench_capacity(args, torch.device("cpu"), rows)
+    rows = bench_cli.BenchRows(str(out), {"device": "cpu"})
+    bench_cli.capacity(args, torch.device("cpu"), rows)
     written = json.loads(out.read_text())["rows"]
     assert [r["kind"] for r in written] == ["full-graph", "louiskv/split"]
     assert written[1]["batch"] > written[0]["batch"] >= 1

@@ -81,12 +81,12 @@ def test_readme_test_command_is_what_ci_runs():
 def test_bench_rows_name_each_presets_placements_and_reach_the_json_as_they_come(tmp_path):
     from argparse import Namespace
 
-    from kvpolicy.cli import _BenchRows, _preset_placements
+    from kvpolicy.cli.bench import BenchRows, preset_placements
 
     args = Namespace(presets="louiskv,arkvale@cpu,quest@gpu", placements="cpu,gpu")
-    assert _preset_placements(args) == [("louiskv", ["cpu", "gpu"]), ("arkvale", ["cpu"]), ("quest", ["gpu"])]
+    assert preset_placements(args) == [("louiskv", ["cpu", "gpu"]), ("arkvale", ["cpu"]), ("quest", ["gpu"])]
     path = tmp_path / "rows.json"
-    rows = _BenchRows(str(path), {"device": "cpu"})
+    rows = BenchRows(str(path), {"device": "cpu"})
     rows.append({"kind": "a"})
     import json
 

@@ -16,6 +16,8 @@ import transformers
 
 import kvpolicy
 from kvpolicy import cli
+from kvpolicy.cli import eval as eval_cli
+from kvpolicy.cli.common import check_writable
 from kvpolicy.errors import ConfigError
 from kvpolicy.eval import runner
 from kvpolicy.eval.runner import RESULTS, load_results, run_grid
@@ -205,9 +207,9 @@ def test_an_unwritable_json_is_refused_before_the_run(tmp_path, no_model, capsys
 def test_an_existing_json_is_not_touched_by_the_check(tmp_path):
     target = tmp_path / "figures.json"
     target.write_text("[1]")
-    cli._check_writable(str(target), "--json")
+    check_writable(str(target), "--json")
     assert target.read_text() == "[1]"
-    cli._check_writable(str(tmp_path / "new.json"), "--json")
+    check_writable(str(tmp_path / "new.json"), "--json")
     assert not (tmp_path / "new.json").exists()
 
 
@@ -336,7 +338,7 @@ def test_the_plugin_readme_variant_command_builds(tmp_path):
     readme = (__import__("pathlib").Path(__file__).parents[1] / "plugins" / "kvpolicy-query-drift" / "README.md").read_text()
     assert "still being written" not in readme
     pytest.importorskip("kvpolicy_query_drift")
-    variants = cli._variants(['drift=louiskv:{"trigger": {"name": "query_drift", "tau": 0.8}}'])
+    variants = eval_cli.variants(['drift=louiskv:{"trigger": {"name": "query_drift", "tau": 0.8}}'])
     assert run_grid(None, None, out_dir=tmp_path, presets=["full", "louiskv", "drift"], variants=variants,
                     dry_run=True) == []
 

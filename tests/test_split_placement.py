@@ -11,6 +11,7 @@ import torch
 
 import kvpolicy
 from kvpolicy import cli
+from kvpolicy.cli.run import placement_options
 from kvpolicy.errors import ConfigError, KVPolicyError
 from kvpolicy.graph import DecodeGraph
 from kvpolicy.integrations.transformers import cache_argument_name
@@ -213,7 +214,7 @@ def test_describe_and_spec_show_the_split():
     ("gpu", {"placement": "gpu"}),
 ])
 def test_cli_placement_values(text, expected):
-    assert cli._placement_options(text) == expected
+    assert placement_options(text) == expected
 
 
 @pytest.mark.parametrize("text", ["nvme", "split:", "split:lots", "split:-1", "split:inf", "cpu:4"])
