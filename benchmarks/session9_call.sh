@@ -15,10 +15,8 @@ step e2e_512k1 120 $E2E --contexts 524288 --batches 1 --presets louiskv@cpu --js
 step capacity 150 python3 -m kvpolicy bench capacity --steps 18 --compiled-layers --json "$OUT/capacity.json"
 ;;
 second)
-step gpu_tests 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_refresh_rows.py tests/test_store_refresh.py tests/test_split_placement.py tests/test_decode_graph.py
-step e2e_128k4_cpu 230 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --json "$OUT/e2e_128k4_cpu.json"
-step e2e_128k4_cpu_nocache 150 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --unit-cache-rows 0 --full-kinds full-graph --json "$OUT/e2e_128k4_cpu_nocache.json"
+step gpu_tests 110 python3 -m pytest -q -x -p no:cacheprovider tests/test_refresh_rows.py tests/test_store_refresh.py tests/test_split_placement.py
+step e2e_128k4_cpu 170 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --json "$OUT/e2e_128k4_cpu.json"
 step ttft 150 python3 benchmarks/kmeans_ttft.py --parts syncs,ttft --contexts 8192,32768 --nosync off --json "$OUT/ttft.json"
-[ -f benchmarks/session9_paris.sh ] && step paris 260 bash benchmarks/session9_paris.sh "$OUT/paris"
 ;;
 esac
