@@ -193,7 +193,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/triton/select.py",
         original="            keep = (live & (high == cut)) != 0",
         replacement="            keep = (live & (high > cut) & (high < cut)) != 0",
-        tests=("tests/test_triton_select.py", "-k", "threshold"),
+        tests=("tests/kernels/triton/test_select.py", "-k", "threshold"),
         why="the threshold select leaves out the units tied with the cut (the cut unit among them), so the budget is not filled",
     ),
     Mutation(
