@@ -31,7 +31,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference.py",
         original="    return summed / (size.clamp(min=1) * query_group.shape[2])",
         replacement="    return -summed / (size.clamp(min=1) * query_group.shape[2])",
-        tests=("tests/test_selectors.py", "tests/test_policy_behaviour.py"),
+        tests=("tests/selectors/test_selectors.py", "tests/test_policy_behaviour.py"),
         why="top_budget ranks units worst first",
     ),
     Mutation(
@@ -39,7 +39,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference_step.py",
         original="similarity = torch.nn.functional.cosine_similarity(q, previous, dim=-1).mean(dim=-1)",
         replacement="similarity = torch.nn.functional.cosine_similarity(q, previous, dim=-1).amax(dim=-1)",
-        tests=("tests/test_policy_behaviour.py", "tests/test_triggers.py"),
+        tests=("tests/test_policy_behaviour.py", "tests/triggers/test_triggers.py"),
         why="query_cosine decides on the most similar head, not the mean over heads",
     ),
     Mutation(
@@ -72,7 +72,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference.py",
         original="    return bound.amax(dim=2)",
         replacement="    return bound.mean(dim=2)",
-        tests=("tests/test_selectors.py",),
+        tests=("tests/selectors/test_selectors.py",),
         why="Quest's bound averaged over the GQA group instead of its largest head",
     ),
     Mutation(
@@ -80,7 +80,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference.py",
         original='torch.einsum("bhgd,bhud->bhgu", positive, high) + torch.einsum("bhgd,bhud->bhgu", negative, low)',
         replacement='torch.einsum("bhgd,bhud->bhgu", positive, low) + torch.einsum("bhgd,bhud->bhgu", negative, high)',
-        tests=("tests/test_selectors.py", "tests/test_policy_behaviour.py"),
+        tests=("tests/selectors/test_selectors.py", "tests/test_policy_behaviour.py"),
         why="the bound takes the smallest q.k in the box, not the largest",
     ),
     Mutation(
@@ -88,7 +88,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/selectors/oracle.py",
         original="        return torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=2)",
         replacement="        return torch.softmax(logits, dim=-1).nan_to_num(0.0).amax(dim=2)",
-        tests=("tests/test_selectors.py",),
+        tests=("tests/selectors/test_selectors.py",),
         why="the oracle ranks by the largest head's mass, not the group's total",
     ),
     Mutation(
@@ -152,7 +152,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference_analytic.py",
         original="    return torch.ceil(valid_count.float() * share).long().clamp(min=floor)",
         replacement="    return torch.ceil(valid_count.float() * share).long()",
-        tests=("tests/test_selectors.py", "tests/test_pariskv.py"),
+        tests=("tests/selectors/test_selectors.py", "tests/units/test_analytic_index.py"),
         why="ParisKV's candidates are the length rule's share of the tokens even where that is less than twice the budget",
     ),
     Mutation(
@@ -160,7 +160,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/selectors/collision_rerank.py",
         original="        votes_per_rank = _votes_on(tiers, device)",
         replacement="        votes_per_rank = torch.ones_like(_votes_on(tiers, device))",
-        tests=("tests/test_selectors.py", "tests/test_pariskv.py"),
+        tests=("tests/selectors/test_selectors.py", "tests/units/test_analytic_index.py"),
         why="every ranked centroid gets one vote, whatever its tier",
     ),
     Mutation(
