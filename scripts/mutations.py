@@ -47,7 +47,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/layer.py",
         original="        store.fetch(selection.slots, selection.slot_valid, reselect, self.ops)",
         replacement="        store.fetch(selection.slots, selection.slot_valid, torch.ones_like(reselect), self.ops)",
-        tests=("tests/test_transformers_integration.py", "-k", "small_budget"),
+        tests=("tests/integration/test_transformers.py", "-k", "small_budget"),
         why="every re-selection fetches for every sequence, whatever the trigger said for each",
     ),
     Mutation(
@@ -128,7 +128,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/layer.py",
         original="            store.admit(evicted, ~reselect, ops)",
         replacement="            store.admit(evicted, reselect, ops)",
-        tests=("tests/test_dense_equivalence.py", "-k", "keep or interval"),
+        tests=("tests/integration/test_dense_equivalence.py", "-k", "keep or interval"),
         why="a leaving token is admitted only where the buffer was just re-selected, so reuse steps drop it",
     ),
     Mutation(
@@ -136,7 +136,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference_step.py",
         original="torch.where(take[..., 0], slot_valid.sum(-1), buffer.fill)",
         replacement="torch.where(take[..., 0], torch.full_like(buffer.fill, slot_valid.shape[-1]), buffer.fill)",
-        tests=("tests/test_dense_equivalence.py", "tests/test_store_refresh.py", "-k", "keep or interval or overlapping"),
+        tests=("tests/integration/test_dense_equivalence.py", "tests/test_store_refresh.py", "-k", "keep or interval or overlapping"),
         why="a selection marks the buffer full, so nothing is ever admitted",
     ),
     Mutation(
@@ -144,7 +144,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference_step.py",
         original="    fire = steps % n == 0",
         replacement="    fire = steps % n == 1",
-        tests=("tests/test_dense_equivalence.py", "-k", "interval"),
+        tests=("tests/integration/test_dense_equivalence.py", "-k", "interval"),
         why="interval(n) fires at steps 1, n + 1, ... (and the forced first)",
     ),
     Mutation(
@@ -201,7 +201,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/integrations/transformers.py",
         original="        if not isinstance(passed, PolicyCache):",
         replacement="        if False:",
-        tests=("tests/test_transformers_integration.py", "-k", "dense_cache"),
+        tests=("tests/integration/test_transformers.py", "-k", "dense_cache"),
         why="a DynamicCache passed to generate inside policy.apply() runs dense without a word",
     ),
     # --- session 7: the H200's replay diverged at budgets past the context -------------------
