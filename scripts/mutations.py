@@ -31,7 +31,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference.py",
         original="    return summed / (size.clamp(min=1) * query_group.shape[2])",
         replacement="    return -summed / (size.clamp(min=1) * query_group.shape[2])",
-        tests=("tests/selectors/test_selectors.py", "tests/test_policy_behaviour.py"),
+        tests=("tests/selectors/test_selectors.py", "tests/test_layer.py"),
         why="top_budget ranks units worst first",
     ),
     Mutation(
@@ -39,7 +39,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference_step.py",
         original="similarity = torch.nn.functional.cosine_similarity(q, previous, dim=-1).mean(dim=-1)",
         replacement="similarity = torch.nn.functional.cosine_similarity(q, previous, dim=-1).amax(dim=-1)",
-        tests=("tests/test_policy_behaviour.py", "tests/triggers/test_triggers.py"),
+        tests=("tests/test_layer.py", "tests/triggers/test_triggers.py"),
         why="query_cosine decides on the most similar head, not the mean over heads",
     ),
     Mutation(
@@ -55,7 +55,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/layer.py",
         original="self.units.append_leaving_token(evicted.slot, evicted.key, evicted.valid, self.boundary,",
         replacement="self.units.append_leaving_token(evicted.slot, key, evicted.valid, self.boundary,",
-        tests=("tests/test_policy_behaviour.py",),
+        tests=("tests/test_layer.py",),
         why="the unit table and the analytic index take this step's key for the slot that left the window",
     ),
     Mutation(
@@ -80,7 +80,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference.py",
         original='torch.einsum("bhgd,bhud->bhgu", positive, high) + torch.einsum("bhgd,bhud->bhgu", negative, low)',
         replacement='torch.einsum("bhgd,bhud->bhgu", positive, low) + torch.einsum("bhgd,bhud->bhgu", negative, high)',
-        tests=("tests/selectors/test_selectors.py", "tests/test_policy_behaviour.py"),
+        tests=("tests/selectors/test_selectors.py", "tests/test_layer.py"),
         why="the bound takes the smallest q.k in the box, not the largest",
     ),
     Mutation(
@@ -96,7 +96,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/units/segments.py",
         original="        return self.max_size, True",
         replacement="        return self.max_size, False",
-        tests=("tests/test_policy_behaviour.py",),
+        tests=("tests/test_layer.py",),
         why="LouisKV's segments are never cut at a semantic boundary",
     ),
     Mutation(
@@ -104,7 +104,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference_step.py",
         original="    fired = boundary.index_select(1, slot.view(1))[:, 0]",
         replacement="    fired = boundary.index_select(1, (slot + 1).view(1))[:, 0]",
-        tests=("tests/test_policy_behaviour.py",),
+        tests=("tests/test_layer.py",),
         why="a segment is cut after the token whose step fired, not at it",
     ),
     Mutation(
@@ -112,7 +112,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference_step.py",
         original="    cut = (open_size == 0) | (open_size >= max_size)",
         replacement="    cut = (open_size == 0) | (open_size > max_size)",
-        tests=("tests/test_policy_behaviour.py",),
+        tests=("tests/test_layer.py",),
         why="decode pages (and capped segments) hold one token more than their size",
     ),
     Mutation(
@@ -120,7 +120,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference.py",
         original="torch.where(keep, torch.minimum(old_min, k), old_min)",
         replacement="torch.where(keep, torch.maximum(old_min, k), old_min)",
-        tests=("tests/test_policy_behaviour.py",),
+        tests=("tests/test_layer.py",),
         why="a decode unit's key_min keeps the largest key",
     ),
     Mutation(
@@ -168,7 +168,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference.py",
         original="        labels = distance.argmin(dim=-1)",
         replacement="        labels = distance.argmax(dim=-1)",
-        tests=("tests/test_policy_behaviour.py", "-k", "clusterkv or louiskv"),
+        tests=("tests/test_layer.py", "-k", "clusterkv or louiskv"),
         why="K-means assigns each key to its farthest centroid",
     ),
     Mutation(
