@@ -8,14 +8,14 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 E2E="python3 -m kvpolicy bench e2e --full-kinds full-graph --budget 2048 --steps 18 --compiled-layers"
 case ${3:?} in
 baseline)
-step gpu_tests 100 python3 -m pytest -q -x -p no:cacheprovider tests/test_split_placement.py tests/test_refresh_rows.py tests/test_plan.py
+step gpu_tests 100 python3 -m pytest -q -x -p no:cacheprovider tests/test_placement.py tests/kernels/triton/test_refresh.py tests/test_plan.py
 step gather 60 python3 -m kvpolicy bench gather --contexts 131072,1048576 --batches 4 --runs 16 --repeats 20
 step e2e_128k4 200 $E2E --contexts 131072 --batches 4 --presets louiskv@gpu,louiskv@cpu --json "$OUT/e2e_128k4.json"
 step e2e_512k1 120 $E2E --contexts 524288 --batches 1 --presets louiskv@cpu --json "$OUT/e2e_512k1.json"
 step capacity 150 python3 -m kvpolicy bench capacity --steps 18 --compiled-layers --json "$OUT/capacity.json"
 ;;
 second)
-step gpu_tests 110 python3 -m pytest -q -x -p no:cacheprovider tests/test_refresh_rows.py tests/test_store_refresh.py tests/test_split_placement.py
+step gpu_tests 110 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_refresh.py tests/test_store_refresh.py tests/test_placement.py
 step e2e_128k4_cpu 170 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --json "$OUT/e2e_128k4_cpu.json"
 step ttft 150 python3 benchmarks/kmeans_ttft.py --parts syncs,ttft --contexts 8192,32768 --nosync off --json "$OUT/ttft.json"
 ;;

@@ -46,9 +46,9 @@ ParisKV's pipeline, file by file (the ``pariskv`` preset composes the first thre
   (shared with every preset, like ``store.py`` and ``layer.py``).
 - ``kvpolicy/units/nearest_centroid.py``: the stale-centroid baseline ParisKV is compared with.
 
-Tests: ``tests/test_analytic.py`` (encoding, reference ops), ``tests/test_triton_analytic.py``
-(each Triton op against its reference), ``tests/test_pariskv.py`` (index, selections, config),
-``tests/test_collision_rerank.py`` (length rule, fused path against the composed one). Speed:
+Tests: ``tests/test_analytic.py`` (encoding, reference ops), ``tests/kernels/triton/test_analytic_ops.py``
+(each Triton op against its reference), ``tests/units/test_analytic_index.py`` (index, selections, config),
+``tests/selectors/test_collision_rerank.py`` (length rule, fused path against the composed one). Speed:
 ``benchmarks/pariskv_select.py`` (selection per layer, the pinned gather), ``benchmarks/candidate_topk.py``.
 """
 

@@ -19,6 +19,7 @@ import torch
 import kvpolicy
 from kvpolicy.layer import PolicyLayerState
 
+from every_preset import CACHED_PRESETS, RETRIEVAL_PRESETS
 from host_reads import HostReadError, no_host_reads
 
 B, HQ, H, D, PROMPT, STEPS = 2, 4, 2, 16, 150, 40
@@ -79,8 +80,7 @@ def _layer(name: str, seed: int, past_context: bool = False) -> tuple[PolicyLaye
 
 
 @pytest.mark.parametrize("past_context", [False, True], ids=["budget-within", "budget-past-context"])
-@pytest.mark.parametrize("name", ["louiskv", "quest", "arkvale", "clusterkv", "streaming", "oracle", "pariskv",
-                                  "louiskv+cache", "pariskv+cache"])
+@pytest.mark.parametrize("name", RETRIEVAL_PRESETS + CACHED_PRESETS)
 def test_decode_step_replays_with_frozen_host_state(name, past_context):
     eager, inputs = _layer(name, seed=3, past_context=past_context)
     replayed, _ = _layer(name, seed=3, past_context=past_context)

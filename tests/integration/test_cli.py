@@ -70,7 +70,7 @@ def test_tau_out_of_range_from_python_config_is_a_clear_error():
 
 
 def test_readme_test_command_is_what_ci_runs():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
     ci = open(os.path.join(root, ".ci", "run"), encoding="utf-8").read()
     commands = [line for line in readme.splitlines() if line.startswith("python3 -m venv") and "pytest" in line]

@@ -11,7 +11,7 @@ import torch
 
 from kvpolicy.errors import ConfigError
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "pariskv_select.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "pariskv_select.py"
 
 
 @pytest.fixture(scope="module")

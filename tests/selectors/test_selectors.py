@@ -41,7 +41,7 @@ import kvpolicy  # noqa: E402
 from kvpolicy import analytic  # noqa: E402
 from kvpolicy.kernels import dispatch  # noqa: E402
 
-from test_policy_behaviour import B, D, H, HQ, _decoded  # noqa: E402
+from test_layer import B, D, H, HQ, _decoded  # noqa: E402
 
 
 def _units_keys(run, b: int, h: int, u: int) -> torch.Tensor | None:

@@ -9,6 +9,8 @@ from kvpolicy.selectors import Bound, TopBudget
 from kvpolicy.units import KMeans, Pages, Segments
 from kvpolicy.units.table import UnitTable
 
+from every_preset import PROPERTY_DECODE_UNITS, PROPERTY_PROMPT_UNITS, PROPERTY_SELECTORS
+
 
 @st.composite
 def unit_tables(draw):
@@ -18,8 +20,8 @@ def unit_tables(draw):
     dim = draw(st.sampled_from([4, 8]))
     n = draw(st.integers(0, 80))
     decode_tokens = draw(st.integers(0, 40))
-    builder = draw(st.sampled_from(["pages", "kmeans"]))
-    decode_builder = draw(st.sampled_from(["pages", "segments"]))
+    builder = draw(st.sampled_from(PROPERTY_PROMPT_UNITS))
+    decode_builder = draw(st.sampled_from(PROPERTY_DECODE_UNITS))
     seed = draw(st.integers(0, 2**16))
     capacity = draw(st.integers(1, 120))
     return batch, kv_heads, group, dim, n, decode_tokens, builder, decode_builder, seed, capacity
@@ -52,7 +54,7 @@ def _build(batch, kv_heads, dim, n, decode_tokens, builder, decode_builder, seed
 
 
 @settings(max_examples=60, deadline=None)
-@given(unit_tables(), st.sampled_from(["top_budget", "bound"]))
+@given(unit_tables(), st.sampled_from(PROPERTY_SELECTORS))
 def test_selection_respects_budget_groups_and_existing_tokens(case, selector_name):
     batch, kv_heads, group, dim, n, decode_tokens, builder, decode_builder, seed, capacity = case
     table, existing = _build(batch, kv_heads, dim, n, decode_tokens, builder, decode_builder, seed)

@@ -13,7 +13,7 @@ from kvpolicy.eval.calibrate import calibrate
 from kvpolicy.eval.fidelity import measure
 
 from conftest import build_model
-from test_eval_tasks import CHAT_TEMPLATE, _train_tokenizer
+from test_tasks import CHAT_TEMPLATE, _train_tokenizer
 
 
 def _model(vocab: int):

@@ -17,6 +17,7 @@ import kvpolicy
 from kvpolicy.integrations.transformers import PolicyCache, cache_argument_name
 
 from conftest import FAMILIES, build_model, left_padded_batch
+from every_preset import EVERY_PRESET, VARIANTS
 from reuse_check import checking_reuse
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -27,21 +28,9 @@ BUDGET = 512  # >= PROMPT + NEW_TOKENS: nothing is ever left out
 TOLERANCE = 1e-4
 
 
-# presets with options, where the default would leave a path of the decode step untaken
-_FLUSHING = {"name": "analytic", "update_buffer": 16}
-VARIANTS = {
-    # pariskv's default update buffer (64) is not flushed in 64 steps: flush it 3 times
-    "pariskv-flushing": ("pariskv", {"prefill_units": _FLUSHING, "decode_units": _FLUSHING}),
-    # triggers that keep their selection, so reuse and admission are on the compared path:
-    # query_cosine at the lowest tau selects once (the forced first step) and admits from then on
-    "louiskv-keep": ("louiskv", {"trigger": {"name": "query_cosine", "tau": -1.0}}),
-    "quest-interval": ("quest", {"trigger": {"name": "interval", "n": 8}}),
-    # a GPU unit cache (given a size, it applies on the CPU too): the fetch reads through it
-    "louiskv-unit-cache": ("louiskv", {"trigger": {"name": "interval", "n": 4}, "unit_cache_rows": 2 * (BUDGET - 68)}),
-}
 # variant -> re-selections after ``steps`` decode steps, per layer and sequence
 REUSING = {"louiskv-keep": lambda steps: 1, "quest-interval": lambda steps: -(-steps // 8)}
-POLICIES = list(kvpolicy.PRESETS) + list(VARIANTS)
+POLICIES = EVERY_PRESET
 
 
 def make_policy(name: str) -> kvpolicy.Policy:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-spec = importlib.util.spec_from_file_location("plot_layer", Path(__file__).parents[1] / "benchmarks" / "plot_layer.py")
+spec = importlib.util.spec_from_file_location("plot_layer", Path(__file__).parents[2] / "benchmarks" / "plot_layer.py")
 plot_layer = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(plot_layer)
 

@@ -335,7 +335,7 @@ def test_registering_the_same_definition_twice_is_no_error():
 
 
 def test_the_plugin_readme_variant_command_builds(tmp_path):
-    readme = (__import__("pathlib").Path(__file__).parents[1] / "plugins" / "kvpolicy-query-drift" / "README.md").read_text()
+    readme = (__import__("pathlib").Path(__file__).parents[2] / "plugins" / "kvpolicy-query-drift" / "README.md").read_text()
     assert "still being written" not in readme
     pytest.importorskip("kvpolicy_query_drift")
     variants = eval_cli.variants(['drift=louiskv:{"trigger": {"name": "query_drift", "tau": 0.8}}'])

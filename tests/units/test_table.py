@@ -101,7 +101,7 @@ def test_segments_read_the_device_count_rarely_and_reserve_the_worst_case_before
 def test_a_reserve_before_any_step_is_bounded_by_the_decode_builders_rule():
     # DecodeGraph reserves its steps before the first decode step: the table must already know
     # its decode builder (pages of 16: a unit per 16 tokens, not one per token)
-    from test_policy_behaviour import PROMPT, Run, _policy
+    from test_layer import PROMPT, Run, _policy
 
     gen = torch.Generator().manual_seed(0)
     keys, values = torch.randn(2, 2, PROMPT, 16, generator=gen), torch.randn(2, 2, PROMPT, 16, generator=gen)
