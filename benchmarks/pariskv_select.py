@@ -62,7 +62,7 @@ RERANK_VARIANTS = (
     ("torch", {"METHOD": "torch"}),
     ("radix score 64x8w", {"METHOD": "radix", "_RADIX_SCORE_SUB": 64, "_RADIX_SCORE_WARPS": 8}),
     ("radix score 128x8w", {"METHOD": "radix", "_RADIX_SCORE_SUB": 128, "_RADIX_SCORE_WARPS": 8}),
-    ("radix score 128x4w", {"METHOD": "radix", "_RADIX_SCORE_SUB": 128, "_RADIX_SCORE_WARPS": 4}),
+    ("radix score 32x4w (before session 9)", {"METHOD": "radix", "_RADIX_SCORE_SUB": 32, "_RADIX_SCORE_WARPS": 4}),
     ("radix words 64x8w", {"METHOD": "radix", "SCORE_WORDS": True, "_RADIX_SCORE_SUB": 64, "_RADIX_SCORE_WARPS": 8}),
     ("radix programs 2048", {"METHOD": "radix", "_RADIX_PROGRAMS": 2048}),
     ("radix programs 8192", {"METHOD": "radix", "_RADIX_PROGRAMS": 8192}),

@@ -330,8 +330,11 @@ _PLACE_BLOCK = 256
 # offline with the runtime's specialization: 64 at 32 x 4 warps, 168 at 128 x 4, where the old
 # rerank kernel took 255 and spilled 216 bytes; fewer registers, more programs resident, more
 # code bytes in flight), and whether it reads the codes as int32 words where the layout allows
-# (else bytes; words convert layouts through shared memory). Not measured on a GPU yet
-_RADIX_SCORE_SUB = 32
+# (else bytes; words convert layouts through shared memory). 128 x 4 warps from session 8's H200
+# variant rows (benchmarks/pariskv_select.py, docs/bench/session8/second/pariskv_select.log):
+# rerank_select 0.107 ms against 0.114 at 32 x 4 (128Kx4), 0.372 against 0.491 (1Mx4); 64 x 8,
+# 128 x 8 and the int32 words were slower at both
+_RADIX_SCORE_SUB = 128
 _RADIX_SCORE_WARPS = 4
 SCORE_WORDS = False
 
