@@ -19,4 +19,8 @@ step gpu_tests 110 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/tri
 step e2e_128k4_cpu 170 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --json "$OUT/e2e_128k4_cpu.json"
 step ttft 150 python3 benchmarks/kmeans_ttft.py --parts syncs,ttft --contexts 8192,32768 --nosync off --json "$OUT/ttft.json"
 ;;
+third)
+step ttft 170 python3 benchmarks/kmeans_ttft.py --parts ttft --contexts 8192,32768,65536 --ttft-variants spaced/8/split,spaced/3/bf16,pages/2/split --nosync off --json "$OUT/ttft.json"
+step paris 240 bash benchmarks/session9_paris.sh "$OUT/paris"
+;;
 esac

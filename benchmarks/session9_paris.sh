@@ -20,7 +20,7 @@ step() {
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
 cat /sys/kernel/mm/transparent_hugepage/enabled >> "$OUT/versions.txt" 2>&1
 # the new gather kernel and the radix tunables against their references at GPU sizes
-step gpu_tests 30 python3 -m pytest -q -x -p no:cacheprovider tests/test_gather_single.py tests/test_triton_analytic.py -k "gather or rerank_select"
+step gpu_tests 30 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_gather_single.py tests/kernels/triton/test_analytic_ops.py -k "gather or rerank_select"
 # single-row gather: gather.py against gather_single's schedules, 4 KB-page (mmap) and THP pools
 step pinned_gather 40 python3 benchmarks/pinned_gather.py --contexts 1048576,131072 --batch 4 --repeats 10 --json "$OUT/pinned_gather.json"
 # selection per layer; 'radix' is now 128 x 4 warps, 'radix score 32x4w' the setting before
