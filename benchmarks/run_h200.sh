@@ -23,11 +23,11 @@ step() {  # step NAME SECONDS command...
     tar cf "$TAR" -C "$(dirname "$OUT")" "$(basename "$OUT")"
 }
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
-step kernels 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_triton_gather.py \
-    tests/test_triton_select.py tests/test_triton_kmeans.py tests/test_triton_write.py tests/test_decode_graph.py tests/test_graph_ready.py \
-    tests/test_pinned_pool.py tests/test_static_full_attention.py tests/test_triton_analytic.py \
-    tests/test_triton_unit_append.py tests/test_triton_admit.py tests/test_triton_score.py tests/test_pariskv.py \
-    tests/test_pool_layout.py tests/test_pinned_recycling.py tests/test_bench_timing.py
+step kernels 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/test_attention.py tests/kernels/triton/test_gather.py \
+    tests/kernels/triton/test_select.py tests/kernels/triton/test_kmeans.py tests/kernels/triton/test_write.py tests/test_graph.py tests/test_graph_ready.py \
+    tests/gpu/test_pinned_pool.py tests/bench/test_static_attention.py tests/kernels/triton/test_analytic_ops.py \
+    tests/kernels/triton/test_unit_append.py tests/kernels/triton/test_admit.py tests/kernels/triton/test_score.py tests/units/test_analytic_index.py \
+    tests/test_store_pool_layout.py tests/test_pinned.py tests/gpu/test_bench_timing.py
 step profile 150 bash -c "python3 benchmarks/profile_step.py --preset full --context 131072 --batch 4 --out $OUT/profile_full.txt &&
     python3 benchmarks/profile_step.py --preset louiskv --context 131072 --batch 4 --trigger '{\"name\":\"interval\",\"n\":9}' \
         --out $OUT/profile_louiskv.txt"

@@ -19,14 +19,17 @@ step() {
 }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
 cat /sys/kernel/mm/transparent_hugepage/enabled >> "$OUT/versions.txt" 2>&1
-# the new gather kernel and the radix tunables against their references at GPU sizes
-step gpu_tests 30 python3 -m pytest -q -x -p no:cacheprovider tests/test_gather_single.py tests/test_triton_analytic.py -k "gather or rerank_select"
-# single-row gather: gather.py against gather_single's schedules; pools: mmap (4 KB pages), THP, cudaHostAlloc
-step pinned_gather_1m 55 python3 benchmarks/pinned_gather.py --contexts 1048576 --batch 4 --repeats 10 --json "$OUT/pinned_gather_1m.json"
-# selection per layer; 'radix' is now 128 x 4 warps, 'radix score 32x4w old' the setting before;
-# and collision_candidates per tunable (COLLISION_VARIANTS)
-step pariskv_select 45 python3 benchmarks/pariskv_select.py --no-gather --json "$OUT/pariskv_select.json"
+# the gather kernel and the collision/radix tunables against their references at GPU sizes
+step gpu_tests 45 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_gather_single.py tests/kernels/triton/test_analytic_ops.py -k "gather or rerank_select or collision_candidates"
+# single-row gather at 1Mx4: gather.py against gather_single's schedules (and persistent walks) on
+# mmap (4 KB pages), THP (touched before pinning, its huge pages counted from smaps), hugetlb
+# (only where pages are reserved) and cudaHostAlloc pools; then gather.py with the rows drawn
+# from the first 128K/256K/512K positions of the same 1M pool (the span's effect alone)
+step pinned_gather_1m 70 python3 benchmarks/pinned_gather.py --contexts 1048576 --batch 4 --repeats 10 --spans 131072,262144,524288 --json "$OUT/pinned_gather_1m.json"
+# selection per layer ('radix' is 128 x 4 warps, 'radix score 32x4w old' the setting before) and
+# collision_candidates per tunable (COLLISION_VARIANTS)
+step pariskv_select 50 python3 benchmarks/pariskv_select.py --no-gather --json "$OUT/pariskv_select.json"
+# 1M tokens, batch 1: on this host the rows say "does not fit" (pools ~144 GiB) and it exits 0
+step e2e_1m 75 python3 -m kvpolicy bench e2e --contexts 1048576 --batches 1 --presets pariskv@cpu,pariskv@gpu --full-kinds full-graph --budget 2048 --steps 10 --compiled-layers --json "$OUT/e2e_1m.json"
 step e2e_pariskv_128k4 200 python3 -m kvpolicy bench e2e --contexts 131072 --batches 4 --presets pariskv@gpu,pariskv@cpu --full-kinds full-graph --budget 2048 --steps 18 --compiled-layers --json "$OUT/e2e_pariskv_128k4.json"
-# last: the 128K figure is known (45-50 GB/s, gather.py's note); run it if time is left
-step pinned_gather_128k 20 python3 benchmarks/pinned_gather.py --contexts 131072 --batch 4 --pools mmap --repeats 10 --json "$OUT/pinned_gather_128k.json"
 echo "total seconds $(( $(date +%s) - START ))" | tee -a "$OUT/versions.txt"

@@ -49,9 +49,9 @@ ParisKV's pipeline, file by file (the ``pariskv`` preset composes the first thre
   pools of 4 KB and huge pages by ``benchmarks/pinned_gather.py``; not on the fetch path yet.
 - ``kvpolicy/units/nearest_centroid.py``: the stale-centroid baseline ParisKV is compared with.
 
-Tests: ``tests/test_analytic.py`` (encoding, reference ops), ``tests/test_triton_analytic.py``
-(each Triton op against its reference), ``tests/test_pariskv.py`` (index, selections, config),
-``tests/test_collision_rerank.py`` (length rule, fused path against the composed one). Speed:
+Tests: ``tests/test_analytic.py`` (encoding, reference ops), ``tests/kernels/triton/test_analytic_ops.py``
+(each Triton op against its reference), ``tests/units/test_analytic_index.py`` (index, selections, config),
+``tests/selectors/test_collision_rerank.py`` (length rule, fused path against the composed one). Speed:
 ``benchmarks/pariskv_select.py`` (selection per layer, the pinned gather), ``benchmarks/candidate_topk.py``.
 """
 
@@ -157,9 +157,16 @@ def tier_weights(tiers: int = DEFAULT_TIERS) -> tuple[int, ...]:
 def srht_signs(head_dim: int, seed: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
     """The rotation's fixed ±1 signs, ``(head_dim,)`` float32; the same for a seed everywhere.
 
-    Drawn on a CPU generator so every device (and every run) gets the same rotation.
+    Drawn on a CPU generator so every device (and every run) gets the same rotation. Cached per
+    (head_dim, seed, device) and never written: the copy to a GPU waits for the stream, once per
+    layer of every prefill without the cache (36 of a prefill's 40 host syncs, session 9).
     """
     check_head_dim(head_dim)
+    return _signs_on(head_dim, seed, torch.device(device))
+
+
+@functools.cache
+def _signs_on(head_dim: int, seed: int, device: torch.device) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     bits = torch.randint(0, 2, (head_dim,), generator=generator)
     return (bits * 2 - 1).to(torch.float32).to(device)

@@ -1,4 +1,6 @@
-"""Per-model calibrated LouisKV tau: one value per model, chosen once and reused as its default.
+"""The calibration store: per-model calibrated LouisKV tau, one value per model, chosen once and
+reused as its default (what ``preset("louiskv", model=...)`` reads). The calibration run that
+measures and writes it is ``kvpolicy.eval.calibrate`` (``kvpolicy calibrate``).
 
 Lookup order: the user's calibration file (``$KVPOLICY_CACHE/calibration.json``, written by
 ``kvpolicy calibrate``), then the values measured for models kvpolicy ships with, then the

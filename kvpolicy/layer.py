@@ -42,6 +42,26 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
+# each layer's unit cache may take this share of the device memory free when its prompt arrives,
+# so 36 layers take at most about 30% of it (1 - 0.99 ** 36)
+CACHE_SHARE_OF_FREE = 0.01
+
+
+def auto_cache_rows(retrieval: int, zone: int, like: torch.Tensor) -> int:
+    """``unit_cache_rows=None``'s size for a layer whose pool is in host memory: twice the
+    ``retrieval`` rows (the last two selections' worth of misses), at most the prompt's ``zone``
+    rows, shrunk to ``CACHE_SHARE_OF_FREE`` of the free device memory; 0 (no cache) when that
+    leaves fewer than ``retrieval`` rows. ``like``: a ``(B, H, N, D)`` tensor of the attention
+    device's KV dtype."""
+    batch, heads, _, dim = like.shape
+    rows = min(2 * retrieval, max(zone, retrieval))
+    if like.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(like.device)
+        row_bytes = 2 * batch * heads * dim * like.element_size()
+        rows = min(rows, int(free * CACHE_SHARE_OF_FREE) // row_bytes)
+    return rows if rows >= retrieval and retrieval > 0 else 0
+
+
 class PolicyLayerState:
     """Typed per-layer state: the tiered store, the retrieval index and the trigger's state.
 
@@ -66,6 +86,9 @@ class PolicyLayerState:
         self.reselect: torch.Tensor | None = None  # (B,) bool
         self.reselections: torch.Tensor | None = None  # (B,) long, summed over decode steps
         self.decode_steps = 0
+        # (pool_rows_read, rows_fetched) after the first decode step, whose selection finds an
+        # empty buffer: a re-selection's miss fraction counts from there (device copies)
+        self.first_fetch: tuple[torch.Tensor, torch.Tensor] | None = None
         self.units_ready: torch.cuda.Event | None = None  # set while the prompt's units build on a side stream
         #: called as ``observer(state, query)`` after selection, before attention (eval's recall)
         self.observers: list = []
@@ -103,12 +126,25 @@ class PolicyLayerState:
                 self.units_ready.record(side)
             else:
                 self._build_index_and_pool(keys, values, retrievable)
+        if selects:
+            rows = self._cache_rows()
+            if rows:
+                self.store.set_cache(rows)
         self.boundary = torch.zeros(batch, self.store.pool.valid.shape[1], dtype=torch.bool, device=device)
         self.trigger_state = policy.trigger.init_state(batch, num_q_heads, dim, device)
         policy.trigger.attach(self.trigger_state, self)
         self.has_selection = torch.zeros(batch, dtype=torch.bool, device=device)
         self.reselect = torch.zeros(batch, dtype=torch.bool, device=device)  # this step's decision
         self.reselections = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def _cache_rows(self) -> int:
+        """The GPU unit cache's rows for this layer (``Policy.unit_cache_rows``)."""
+        rows, store = self.policy.unit_cache_rows, self.store
+        if rows is not None:
+            return rows
+        if self.plan.pool_on_device:
+            return 0  # the pool is on the attention device already
+        return auto_cache_rows(store.retrieval_limit, store.zone_end, store.retrieved.keys)
 
     def index_bytes(self) -> int:
         """Bytes of the retrieval index's tensors (allocated, reserve included; 0 without one)."""
@@ -156,6 +192,8 @@ class PolicyLayerState:
                 # in a captured step a conditional node: a step where no row re-selects skips it
                 graph_branch.run_if_any(reselect, lambda: self._reselect(query))
             store.admit(evicted, ~reselect, ops)
+            if self.decode_steps == 0:  # eager: a graph captures a later step
+                self.first_fetch = (store.pool_rows_read.clone(), store.rows_fetched.clone())
         self.decode_steps += 1
         for observer in self.observers:
             observer(self, query)

@@ -67,6 +67,12 @@ class Policy:
     ``gpu_pool_bytes``: with "split", the most bytes of KV pool kept on the model's device, over
     all layers of one cache; ``None`` sizes it from the device's free memory as each layer's
     prompt arrives, leaving headroom (``kvpolicy.placement.auto_headroom``).
+    ``unit_cache_rows``: the GPU unit cache, rows per sequence and KV head that re-selections
+    read from a host pool most recently, kept on the attention device so that a unit coming back
+    into the selection is not read across PCIe again. ``None`` sizes it where a layer's pool is
+    in host memory (twice the retrieved rows, less where free device memory is short:
+    ``kvpolicy.layer.auto_cache_rows``); 0 turns it off; a number keeps that many rows for every
+    layer, wherever its pool is, and must be at least ``budget - sink - local``.
     ``backend``: kernel backend, "auto", "reference" or "triton".
     """
 
@@ -79,6 +85,7 @@ class Policy:
     local: int = 64
     placement: str = "cpu"
     gpu_pool_bytes: int | None = None
+    unit_cache_rows: int | None = None
     backend: str = "auto"
     name: str = field(default="custom", compare=False)
 
@@ -114,6 +121,10 @@ class Policy:
             if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
                 raise ConfigError(f"gpu_pool_bytes must be an integer >= 0 (bytes), or None to size it from free "
                                   f"memory; got {limit!r}")
+        rows = self.unit_cache_rows
+        if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 0):
+            raise ConfigError(f"unit_cache_rows must be an integer >= 0 (rows per sequence and KV head; 0: no cache), "
+                              f"or None to size it where a pool is in host memory; got {rows!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"unknown kernel backend {self.backend!r}; accepted: {', '.join(BACKENDS)}")
         if self.budget is None:
@@ -130,6 +141,11 @@ class Policy:
             raise ConfigError(
                 f"budget {self.budget} leaves nothing to retrieve: it must exceed sink + local = "
                 f"{self.sink} + {self.local} = {self.sink + self.local}"
+            )
+        if self.unit_cache_rows and self.unit_cache_rows < self.retrieval_budget:
+            raise ConfigError(
+                f"unit_cache_rows={self.unit_cache_rows} is smaller than the retrieved rows it caches, budget - sink - "
+                f"local = {self.retrieval_budget}: give at least {self.retrieval_budget}, 0 for no cache, or None"
             )
         if self.selector is not None:
             if self.prefill_units is None or self.decode_units is None:
@@ -225,6 +241,8 @@ class Policy:
         if self.placement == "split":
             # only here: a spec's key set (the eval's cell keys hash it) stays as it was elsewhere
             spec["gpu_pool_bytes"] = self.gpu_pool_bytes
+        if self.unit_cache_rows is not None:
+            spec["unit_cache_rows"] = self.unit_cache_rows
         return spec
 
     def apply(self, model: Any):
@@ -253,6 +271,8 @@ class Policy:
             return f"{self.name}: dense attention over the whole cache"
         parts = [f"budget={self.budget}", f"sink={self.sink}", f"local={self.local}",
                  f"placement={self.placement_text()}", f"backend={self.backend}"]
+        if self.unit_cache_rows is not None:
+            parts.append(f"unit_cache_rows={self.unit_cache_rows}")
         if self.selector is not None:
             parts = [
                 f"trigger={_short(self.trigger)}",

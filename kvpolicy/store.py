@@ -18,8 +18,12 @@
                trigger fires again; tokens leaving the local window join it while it has room.
                A re-selection reads from the pool only the rows the buffer does not hold yet.
 
-Each tier is typed (``kvpolicy/tiers.py``: ``Pool``, ``Tier``, ``SinkTier``, ``RetrievedBuffer``),
-and the step's ops take the tier they work on.
+    cache      optional, on the attention device, not attended: the rows re-selections read
+               from a host pool most recently (``RowCache``, first in first out), so a unit
+               that leaves the selection and comes back is not read across PCIe again.
+
+Each tier is typed (``kvpolicy/tiers.py``: ``Pool``, ``Tier``, ``SinkTier``, ``RetrievedBuffer``,
+``RowCache``), and the step's ops take the tier they work on.
 
 Sequences of a batch decode in lockstep, so slot numbers (and the ring position of a slot)
 are the same for every sequence. The host counts them (``length``) to size buffers, but a
@@ -37,7 +41,7 @@ import torch
 
 from .kernels import dispatch
 from .pinned import pinned_empty
-from .tiers import Evicted, Pool, RetrievedBuffer, SinkTier, Tier
+from .tiers import Evicted, Pool, RetrievedBuffer, RowCache, SinkTier, Tier
 
 
 def _allocate_pool(like: torch.Tensor, capacity: int, device: torch.device, attention_device: torch.device) -> torch.Tensor:
@@ -56,9 +60,11 @@ def _allocate_pool(like: torch.Tensor, capacity: int, device: torch.device, atte
 _SHARED: weakref.WeakValueDictionary[tuple, torch.Tensor] = weakref.WeakValueDictionary()
 
 
-def _shared(shape: tuple, dtype: torch.dtype, like: torch.Tensor, fill: float | None = None) -> torch.Tensor:
-    # an inference tensor may not be written outside inference mode: keep the two apart
-    key = (tuple(shape), dtype, like.device, like.is_inference())
+def _shared(shape: tuple, dtype: torch.dtype, like: torch.Tensor, fill: float | None = None,
+            purpose: str = "") -> torch.Tensor:
+    # an inference tensor may not be written outside inference mode: keep the two apart; two
+    # buffers of one shape that a fetch uses at once differ by ``purpose``
+    key = (tuple(shape), dtype, like.device, like.is_inference(), purpose)
     found = _SHARED.get(key)
     if found is None:
         found = torch.empty(shape, dtype=dtype, device=like.device)
@@ -119,10 +125,20 @@ class TieredStore:
     # (B,) long, cumulative: buffer rows fetch read from the pool, over all heads (a row is one
     # token's key and value of one head); a fetch of R fresh rows adds H * R
     pool_rows_read: torch.Tensor | None = None
+    # (B,) long, cumulative: buffer rows the re-selections asked for, over all heads; with
+    # ``pool_rows_read`` the miss fraction (rows neither the buffer nor the cache held)
+    rows_fetched: torch.Tensor | None = None
+    # the GPU unit cache (None: none; ``set_cache``)
+    cache: RowCache | None = None
     # fetch's work buffers, shared by the stores of one shape (see _shared): (B, H, R, D) where
     # the new rows are assembled, and (B, H, R) int32, the buffer row holding each wanted slot
     scratch: torch.Tensor | None = field(default=None, repr=False)
     source: torch.Tensor | None = field(default=None, repr=False)
+    # with a unit cache, shared like the two above: (B, H, R) int32, the cache row holding each
+    # wanted slot; (B, H, R) long, the cache row each miss goes to; (B,) long, a count not kept
+    cache_source: torch.Tensor | None = field(default=None, repr=False)
+    cache_dest: torch.Tensor | None = field(default=None, repr=False)
+    unread: torch.Tensor | None = field(default=None, repr=False)
     # what ``append`` writes each step, in fixed buffers (a replay refills them): the token the
     # ring pushed out, and () long, the slot the step's token took
     evicted: Evicted | None = field(default=None, repr=False)
@@ -143,6 +159,8 @@ class TieredStore:
         keys = self.retrieved.keys
         if self.pool_rows_read is None:
             self.pool_rows_read = torch.zeros(keys.shape[0], dtype=torch.long, device=keys.device)
+        if self.rows_fetched is None:
+            self.rows_fetched = torch.zeros(keys.shape[0], dtype=torch.long, device=keys.device)
         if self.scratch is None:
             if self.retrieved.values.shape != keys.shape or self.retrieved.values.dtype != keys.dtype:
                 raise ValueError("TieredStore: retrieved keys and values must have one shape and dtype")
@@ -262,7 +280,7 @@ class TieredStore:
             ),
             local=Tier(local_keys, local_values, local_valid_heads),
             length=prompt,
-            next_slot=torch.tensor(prompt, dtype=torch.long, device=device),
+            next_slot=torch.full((), prompt, dtype=torch.long, device=device),  # a fill: torch.tensor would sync
             zone_end=zone_end,
             retrieval_limit=retrieval,
             local_limit=local,
@@ -409,6 +427,8 @@ class TieredStore:
         if rows != old:
             self.scratch = _shared(self.retrieved.keys.shape, grown.keys.dtype, grown.keys)
             self.source = _shared(self.retrieved.keys.shape[:3], torch.int32, grown.keys, fill=-1)
+            if self.cache is not None:
+                self._cache_scratch()
 
     def append(self, key: torch.Tensor, value: torch.Tensor, ops) -> Evicted:
         """Write one decode token (``(B, H, D)``) to the pool and the local ring.
@@ -422,24 +442,64 @@ class TieredStore:
         self.length += 1
         return self.evicted
 
+    def set_cache(self, rows: int) -> None:
+        """Keep the last ``rows`` rows per (sequence, head) that re-selections read from the pool
+        on the attention device (the GPU unit cache); at least the policy's retrieved rows, so
+        the misses of one fetch never share a cache row. Before the first step."""
+        if rows < self.retrieval_limit:
+            raise ValueError(f"a unit cache needs at least the {self.retrieval_limit} retrieved rows, got {rows}")
+        self.cache = RowCache.empty(self.retrieved.keys, rows)
+        self._cache_scratch()
+
+    def _cache_scratch(self) -> None:
+        shape, like = self.retrieved.keys.shape[:3], self.retrieved.keys
+        self.cache_source = _shared(shape, torch.int32, like, fill=-1, purpose="cache source")
+        self.cache_dest = _shared(shape, torch.long, like, fill=-1, purpose="cache dest")
+        self.unread = _shared(shape[:1], torch.long, like, fill=0, purpose="uncounted")
+
     def fetch(self, slots: torch.Tensor, slot_valid: torch.Tensor, reselect: torch.Tensor, ops) -> None:
         """Replace the retrieved buffer with ``slots`` for the sequences where ``reselect``.
 
         In place (fixed buffers, so a captured step replays); rows are read from the pool only
-        for sequences that re-select, and only those whose slot the buffer does not already hold
-        (counted in ``pool_rows_read``).
+        for sequences that re-select, and only those whose slot neither the buffer nor the unit
+        cache already holds (counted in ``pool_rows_read``; ``rows_fetched`` counts them all).
         """
-        buffer = self.retrieved
+        buffer, cache = self.retrieved, self.cache
         ops = dispatch.as_ops(ops, buffer.keys.device)
+        batch, heads, rows = slots.shape
+        self.rows_fetched.add_(reselect.long() * (heads * rows))
         # rows the buffer already holds are copied on the device; only the others are read
         # from the pool (over PCIe for a host pool). Same contents as gathering every row.
-        ops.resident_rows(slots, reselect, buffer, self.source, self.pool_rows_read)
-        rows = self.pool_rows(slots)
-        ops.refresh_rows(self.pool.keys, rows, reselect, self.source, buffer.keys, self.scratch)
-        ops.refresh_rows(self.pool.values, rows, reselect, self.source, buffer.values, self.scratch)
+        if cache is None:
+            ops.resident_rows(slots, reselect, buffer, self.source, self.pool_rows_read)
+            cache_keys = cache_values = cache_source = None
+        else:
+            ops.resident_rows(slots, reselect, buffer, self.source, self.unread)
+            ops.resident_rows(torch.where(self.source < 0, slots, -1), reselect, cache, self.cache_source, self.unread)
+            self._number_misses(reselect)
+            cache_keys, cache_values, cache_source = cache.keys, cache.values, self.cache_source
+        pool_rows = self.pool_rows(slots)
+        ops.refresh_rows(self.pool.keys, pool_rows, reselect, self.source, buffer.keys, self.scratch,
+                         cache_keys, cache_source)
+        ops.refresh_rows(self.pool.values, pool_rows, reselect, self.source, buffer.values, self.scratch,
+                         cache_values, cache_source)
         # the buffer's slots, validity (padding inside a unit is fetched, never attended), fill
         # and held flags (a slot not written yet was read as whatever the pool held: never reused)
         ops.commit_selection(self, slots, slot_valid, reselect)
+        if cache is not None:
+            ops.cache_insert(cache, self.cache_dest, reselect, buffer)
+
+    def _number_misses(self, reselect: torch.Tensor) -> None:
+        """The rows neither the buffer nor the cache holds: counted in ``pool_rows_read``, and
+        each given the cache row it will replace (``cache_dest``, first in first out from the
+        cache's cursor; -1 elsewhere). Device ops only."""
+        cache = self.cache
+        miss = (self.source < 0) & (self.cache_source < 0) & reselect.view(-1, 1, 1)
+        count = miss.sum(-1)
+        self.pool_rows_read.add_(count.sum(-1))
+        rank = miss.cumsum(-1) - miss.long()
+        self.cache_dest.copy_(torch.where(miss, (cache.cursor.unsqueeze(-1) + rank) % cache.rows, -1))
+        cache.cursor.copy_((cache.cursor + count) % cache.rows)
 
     def admit(self, evicted: Evicted, mask: torch.Tensor, ops) -> None:
         """Keep a token that left the local window attended while the retrieved buffer has room.
@@ -458,6 +518,8 @@ class TieredStore:
         """Treat no retrieved row as reusable, so the next fetch reads every row from the pool
         (a cold transfer, for benchmarks; in place, so it may run between graph replays)."""
         self.retrieved.held.zero_()
+        if self.cache is not None:
+            self.cache.held.zero_()
 
     def local_slots(self) -> torch.Tensor:
         """``(L,)`` the slot each ring position holds (meaningful where ``local.valid``)."""
@@ -478,8 +540,9 @@ class TieredStore:
         return slots, valid
 
     def device_bytes(self) -> int:
-        """KV bytes held on the attention device (sink + local + retrieved)."""
-        return sum(tier.nbytes() for tier in (self.sink, self.retrieved, self.local))
+        """KV bytes held on the attention device (sink + local + retrieved, and the unit cache)."""
+        cache = 0 if self.cache is None else self.cache.nbytes()
+        return sum(tier.nbytes() for tier in (self.sink, self.retrieved, self.local)) + cache
 
     def full_bytes(self) -> int:
         """Bytes the full KV of the tokens so far takes (what a dense cache would hold)."""

@@ -6,6 +6,8 @@
     SinkTier         a Tier holding the first tokens of each sequence (and their slots)
     RetrievedBuffer  a Tier of rows fetched from the pool: the slot each row holds, whether it
                      holds exactly that slot's pool row, and how many rows are in use
+    RowCache         rows recently fetched from a host pool, kept on the attention device beside
+                     the retrieved buffer (not attended), so a re-selection reads them there
     Evicted          the token the local ring pushed out this step
 
 A kernel op takes the tier it works on, not its tensors one by one, so its signature says what it
@@ -56,6 +58,46 @@ class RetrievedBuffer(Tier):
     slots: torch.Tensor
     held: torch.Tensor
     fill: torch.Tensor
+
+
+@dataclass
+class RowCache:
+    """The last rows a re-selection read from the pool, kept on the attention device (the GPU
+    unit cache): a fetched unit is a run of rows, so a unit that leaves the selection and comes
+    back is read here instead of across PCIe.
+
+    ``keys``/``values``: ``(B, H, C, D)``; ``slots (B, H, C)`` long and ``held (B, H, C)`` bool as in
+    ``RetrievedBuffer`` (a row is found only where ``held``); ``cursor (B, H)`` long: the row the
+    next miss is written to. Rows are replaced first in, first out; ``C`` is at least the retrieved
+    buffer's rows, so the misses of one fetch never share a row.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    slots: torch.Tensor
+    held: torch.Tensor
+    cursor: torch.Tensor
+
+    @classmethod
+    def empty(cls, like: torch.Tensor, rows: int) -> "RowCache":
+        """A cache of ``rows`` rows per (sequence, head) shaped like ``like (B, H, N, D)``, holding nothing."""
+        batch, heads, _, dim = like.shape
+        device = like.device
+        return cls(
+            keys=like.new_zeros(batch, heads, rows, dim),
+            values=like.new_zeros(batch, heads, rows, dim),
+            slots=torch.full((batch, heads, rows), -1, dtype=torch.long, device=device),
+            held=torch.zeros(batch, heads, rows, dtype=torch.bool, device=device),
+            cursor=torch.zeros(batch, heads, dtype=torch.long, device=device),
+        )
+
+    @property
+    def rows(self) -> int:
+        return self.keys.shape[2]
+
+    def nbytes(self) -> int:
+        """Bytes of its keys and values."""
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
 
 
 @dataclass

@@ -31,7 +31,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference.py",
         original="    return summed / (size.clamp(min=1) * query_group.shape[2])",
         replacement="    return -summed / (size.clamp(min=1) * query_group.shape[2])",
-        tests=("tests/test_selectors.py", "tests/test_policy_behaviour.py"),
+        tests=("tests/selectors/test_selectors.py", "tests/test_layer.py"),
         why="top_budget ranks units worst first",
     ),
     Mutation(
@@ -39,7 +39,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference_step.py",
         original="similarity = torch.nn.functional.cosine_similarity(q, previous, dim=-1).mean(dim=-1)",
         replacement="similarity = torch.nn.functional.cosine_similarity(q, previous, dim=-1).amax(dim=-1)",
-        tests=("tests/test_policy_behaviour.py", "tests/test_triggers.py"),
+        tests=("tests/test_layer.py", "tests/triggers/test_triggers.py"),
         why="query_cosine decides on the most similar head, not the mean over heads",
     ),
     Mutation(
@@ -47,7 +47,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/layer.py",
         original="        store.fetch(selection.slots, selection.slot_valid, reselect, self.ops)",
         replacement="        store.fetch(selection.slots, selection.slot_valid, torch.ones_like(reselect), self.ops)",
-        tests=("tests/test_transformers_integration.py", "-k", "small_budget"),
+        tests=("tests/integration/test_transformers.py", "-k", "small_budget"),
         why="every re-selection fetches for every sequence, whatever the trigger said for each",
     ),
     Mutation(
@@ -55,7 +55,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/layer.py",
         original="self.units.append_leaving_token(evicted.slot, evicted.key, evicted.valid, self.boundary,",
         replacement="self.units.append_leaving_token(evicted.slot, key, evicted.valid, self.boundary,",
-        tests=("tests/test_policy_behaviour.py",),
+        tests=("tests/test_layer.py",),
         why="the unit table and the analytic index take this step's key for the slot that left the window",
     ),
     Mutation(
@@ -72,7 +72,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference.py",
         original="    return bound.amax(dim=2)",
         replacement="    return bound.mean(dim=2)",
-        tests=("tests/test_selectors.py",),
+        tests=("tests/selectors/test_selectors.py",),
         why="Quest's bound averaged over the GQA group instead of its largest head",
     ),
     Mutation(
@@ -80,7 +80,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference.py",
         original='torch.einsum("bhgd,bhud->bhgu", positive, high) + torch.einsum("bhgd,bhud->bhgu", negative, low)',
         replacement='torch.einsum("bhgd,bhud->bhgu", positive, low) + torch.einsum("bhgd,bhud->bhgu", negative, high)',
-        tests=("tests/test_selectors.py", "tests/test_policy_behaviour.py"),
+        tests=("tests/selectors/test_selectors.py", "tests/test_layer.py"),
         why="the bound takes the smallest q.k in the box, not the largest",
     ),
     Mutation(
@@ -88,7 +88,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/selectors/oracle.py",
         original="        return torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=2)",
         replacement="        return torch.softmax(logits, dim=-1).nan_to_num(0.0).amax(dim=2)",
-        tests=("tests/test_selectors.py",),
+        tests=("tests/selectors/test_selectors.py",),
         why="the oracle ranks by the largest head's mass, not the group's total",
     ),
     Mutation(
@@ -96,7 +96,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/units/segments.py",
         original="        return self.max_size, True",
         replacement="        return self.max_size, False",
-        tests=("tests/test_policy_behaviour.py",),
+        tests=("tests/test_layer.py",),
         why="LouisKV's segments are never cut at a semantic boundary",
     ),
     Mutation(
@@ -104,7 +104,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference_step.py",
         original="    fired = boundary.index_select(1, slot.view(1))[:, 0]",
         replacement="    fired = boundary.index_select(1, (slot + 1).view(1))[:, 0]",
-        tests=("tests/test_policy_behaviour.py",),
+        tests=("tests/test_layer.py",),
         why="a segment is cut after the token whose step fired, not at it",
     ),
     Mutation(
@@ -112,7 +112,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference_step.py",
         original="    cut = (open_size == 0) | (open_size >= max_size)",
         replacement="    cut = (open_size == 0) | (open_size > max_size)",
-        tests=("tests/test_policy_behaviour.py",),
+        tests=("tests/test_layer.py",),
         why="decode pages (and capped segments) hold one token more than their size",
     ),
     Mutation(
@@ -120,7 +120,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference.py",
         original="torch.where(keep, torch.minimum(old_min, k), old_min)",
         replacement="torch.where(keep, torch.maximum(old_min, k), old_min)",
-        tests=("tests/test_policy_behaviour.py",),
+        tests=("tests/test_layer.py",),
         why="a decode unit's key_min keeps the largest key",
     ),
     Mutation(
@@ -128,7 +128,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/layer.py",
         original="            store.admit(evicted, ~reselect, ops)",
         replacement="            store.admit(evicted, reselect, ops)",
-        tests=("tests/test_dense_equivalence.py", "-k", "keep or interval"),
+        tests=("tests/integration/test_dense_equivalence.py", "-k", "keep or interval"),
         why="a leaving token is admitted only where the buffer was just re-selected, so reuse steps drop it",
     ),
     Mutation(
@@ -136,7 +136,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference_step.py",
         original="torch.where(take[..., 0], slot_valid.sum(-1), buffer.fill)",
         replacement="torch.where(take[..., 0], torch.full_like(buffer.fill, slot_valid.shape[-1]), buffer.fill)",
-        tests=("tests/test_dense_equivalence.py", "tests/test_store_refresh.py", "-k", "keep or interval or overlapping"),
+        tests=("tests/integration/test_dense_equivalence.py", "tests/test_store_refresh.py", "-k", "keep or interval or overlapping"),
         why="a selection marks the buffer full, so nothing is ever admitted",
     ),
     Mutation(
@@ -144,7 +144,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference_step.py",
         original="    fire = steps % n == 0",
         replacement="    fire = steps % n == 1",
-        tests=("tests/test_dense_equivalence.py", "-k", "interval"),
+        tests=("tests/integration/test_dense_equivalence.py", "-k", "interval"),
         why="interval(n) fires at steps 1, n + 1, ... (and the forced first)",
     ),
     Mutation(
@@ -152,7 +152,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference_analytic.py",
         original="    return torch.ceil(valid_count.float() * share).long().clamp(min=floor)",
         replacement="    return torch.ceil(valid_count.float() * share).long()",
-        tests=("tests/test_selectors.py", "tests/test_pariskv.py"),
+        tests=("tests/selectors/test_selectors.py", "tests/units/test_analytic_index.py"),
         why="ParisKV's candidates are the length rule's share of the tokens even where that is less than twice the budget",
     ),
     Mutation(
@@ -160,7 +160,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/selectors/collision_rerank.py",
         original="        votes_per_rank = _votes_on(tiers, device)",
         replacement="        votes_per_rank = torch.ones_like(_votes_on(tiers, device))",
-        tests=("tests/test_selectors.py", "tests/test_pariskv.py"),
+        tests=("tests/selectors/test_selectors.py", "tests/units/test_analytic_index.py"),
         why="every ranked centroid gets one vote, whatever its tier",
     ),
     Mutation(
@@ -168,7 +168,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/reference.py",
         original="        labels = distance.argmin(dim=-1)",
         replacement="        labels = distance.argmax(dim=-1)",
-        tests=("tests/test_policy_behaviour.py", "-k", "clusterkv or louiskv"),
+        tests=("tests/test_layer.py", "-k", "clusterkv or louiskv"),
         why="K-means assigns each key to its farthest centroid",
     ),
     Mutation(
@@ -193,7 +193,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/kernels/triton/select.py",
         original="            keep = (live & (high == cut)) != 0",
         replacement="            keep = (live & (high > cut) & (high < cut)) != 0",
-        tests=("tests/test_triton_select.py", "-k", "threshold"),
+        tests=("tests/kernels/triton/test_select.py", "-k", "threshold"),
         why="the threshold select leaves out the units tied with the cut (the cut unit among them), so the budget is not filled",
     ),
     Mutation(
@@ -201,7 +201,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="kvpolicy/integrations/transformers.py",
         original="        if not isinstance(passed, PolicyCache):",
         replacement="        if False:",
-        tests=("tests/test_transformers_integration.py", "-k", "dense_cache"),
+        tests=("tests/integration/test_transformers.py", "-k", "dense_cache"),
         why="a DynamicCache passed to generate inside policy.apply() runs dense without a word",
     ),
     # --- session 7: the H200's replay diverged at budgets past the context -------------------

@@ -19,6 +19,7 @@ import torch
 import kvpolicy
 from kvpolicy.layer import PolicyLayerState
 
+from every_preset import CACHED_PRESETS, RETRIEVAL_PRESETS
 from host_reads import HostReadError, no_host_reads
 
 B, HQ, H, D, PROMPT, STEPS = 2, 4, 2, 16, 150, 40
@@ -55,6 +56,7 @@ def _restore(state: PolicyLayerState, host: dict) -> None:
 
 def _layer(name: str, seed: int, past_context: bool = False) -> tuple[PolicyLayerState, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
+    name, cached = name.removesuffix("+cache"), name.endswith("+cache")
     options = {"budget": 20, "sink": 4} if name == "streaming" else {"budget": 100, "sink": 4, "local": 16}
     if past_context:
         # every tier is still growing toward the budget when the room is reserved
@@ -63,6 +65,9 @@ def _layer(name: str, seed: int, past_context: bool = False) -> tuple[PolicyLaye
         # a small update buffer, so the 40 steps flush it (on a device counter) several times
         units = {"name": "analytic", "update_buffer": 8}
         options.update(prefill_units=units, decode_units=units)
+    if cached:
+        # a GPU unit cache of twice the retrieved rows (on the CPU too: a given size always applies)
+        options["unit_cache_rows"] = 2 * (options["budget"] - options["sink"] - options.get("local", 64))
     policy = kvpolicy.preset(name, **options)
     keys = torch.randn(B, H, PROMPT, D, generator=gen)
     values = torch.randn(B, H, PROMPT, D, generator=gen)
@@ -75,7 +80,7 @@ def _layer(name: str, seed: int, past_context: bool = False) -> tuple[PolicyLaye
 
 
 @pytest.mark.parametrize("past_context", [False, True], ids=["budget-within", "budget-past-context"])
-@pytest.mark.parametrize("name", ["louiskv", "quest", "arkvale", "clusterkv", "streaming", "oracle", "pariskv"])
+@pytest.mark.parametrize("name", RETRIEVAL_PRESETS + CACHED_PRESETS)
 def test_decode_step_replays_with_frozen_host_state(name, past_context):
     eager, inputs = _layer(name, seed=3, past_context=past_context)
     replayed, _ = _layer(name, seed=3, past_context=past_context)
@@ -97,6 +102,9 @@ def test_decode_step_replays_with_frozen_host_state(name, past_context):
     # and the eager run really moved on (the check above is not vacuous)
     assert int(eager.store.next_slot) == PROMPT + STEPS
     assert int(replayed.store.next_slot) == PROMPT + STEPS
+    if name.endswith("+cache"):
+        for state in (eager, replayed):
+            assert state.store.cache is not None and int(state.store.rows_fetched.sum()) > 0
     if name == "pariskv" and not past_context:
         # one token left the (prompt-filled) ring per step: buffers of 8 flushed as the 9th, 17th,
         # 25th and 33rd arrived, 8 still buffered; the replay flushed on the device counter too

@@ -1,10 +1,11 @@
-"""``TieredStore.fetch`` reuses the rows its buffer already holds, without changing any result.
+"""``TieredStore.fetch`` reuses the rows its buffer (and its GPU unit cache) already holds,
+without changing any result.
 
 Over random decode sequences (appends, re-selections of some sequences, admissions) the store
 is run next to a shadow that fetches the way it always did, gathering every row from the pool:
 the retrieved buffers must stay bit-identical, and ``pool_rows_read`` must equal the rows a
-per-row model of the buffer says were missing (fewer than a full gather when selections
-overlap, all of them when they are disjoint).
+per-row model of the buffer and the cache says were missing (fewer than a full gather when
+selections overlap, all of them when they are disjoint and there is no cache).
 """
 
 import pytest
@@ -53,11 +54,17 @@ def _assert_same(store, shadow, step):
         assert torch.equal(got.cpu(), want.cpu()), f"step {step}: {name} differs from a full gather"
 
 
-def _run(kind, backend, device, pool_device, steps=24, seed=0):
-    """Decode ``steps`` tokens; returns (store, expected rows read (B,), re-selections (B,))."""
+def _run(kind, backend, device, pool_device, steps=24, seed=0, cache_rows=0):
+    """Decode ``steps`` tokens; returns (store, expected rows read (B,), re-selections (B,)).
+    ``cache_rows``: the store keeps a GPU unit cache of that many rows (0: none)."""
     store, shadow = _stores(seed, device, pool_device)
+    if cache_rows:
+        store.set_cache(cache_rows)
     gen = torch.Generator().manual_seed(seed + 1)
     rows = [[[None] * R for _ in range(H)] for _ in range(B)]  # the slot each buffer row holds
+    # the cache, first in first out: every row read from the pool is filed at the cursor
+    cached = [[[None] * cache_rows for _ in range(H)] for _ in range(B)]
+    cursor = [[0] * H for _ in range(B)]
     expected = [0] * B
     reselections = torch.zeros(B, dtype=torch.long)
     for step in range(steps):
@@ -84,8 +91,12 @@ def _run(kind, backend, device, pool_device, steps=24, seed=0):
             if reselect[b]:
                 reselections[b] += 1
                 for h in range(H):
-                    held = {s for s in rows[b][h] if s is not None}
-                    expected[b] += sum(int(s) not in held for s in slots[b, h].tolist())
+                    held = {s for s in rows[b][h] if s is not None} | {s for s in cached[b][h] if s is not None}
+                    missing = [s for s in slots[b, h].tolist() if s not in held]
+                    expected[b] += len(missing)
+                    for s in missing if cache_rows else ():
+                        cached[b][h][cursor[b][h]] = s
+                        cursor[b][h] = (cursor[b][h] + 1) % cache_rows
                     rows[b][h] = slots[b, h].tolist()
 
         slots, slot_valid, reselect_d = slots.to(device), slot_valid.to(device), reselect.to(device)
@@ -108,19 +119,64 @@ if CUDA:
     _CASES += [("triton", "cuda", "cpu"), ("triton", "cuda", "cuda"), ("reference", "cuda", "cpu")]
 
 
+@pytest.mark.parametrize("cache_rows", [0, 2 * R], ids=["no-cache", "cache"])
 @pytest.mark.parametrize("backend,device,pool_device", _CASES)
-def test_overlapping_selections_read_only_the_missing_rows(backend, device, pool_device):
-    store, expected, reselections = _run("overlap", backend, torch.device(device), torch.device(pool_device))
+def test_overlapping_selections_read_only_the_missing_rows(backend, device, pool_device, cache_rows):
+    store, expected, reselections = _run("overlap", backend, torch.device(device), torch.device(pool_device),
+                                         cache_rows=cache_rows)
     read = store.pool_rows_read.cpu()
     assert torch.equal(read, expected)
     assert (read < H * R * reselections).all()
     assert (reselections > 1).all()  # reuse was possible at all
+    assert torch.equal(store.rows_fetched.cpu(), H * R * reselections)
+
+
+@pytest.mark.parametrize("cache_rows", [0, R], ids=["no-cache", "cache"])
+@pytest.mark.parametrize("backend,device,pool_device", _CASES)
+def test_disjoint_selections_read_every_row(backend, device, pool_device, cache_rows):
+    # a fresh block each time: a cache cannot hold what was never read
+    store, expected, reselections = _run("disjoint", backend, torch.device(device), torch.device(pool_device),
+                                         steps=12, cache_rows=cache_rows)
+    assert torch.equal(store.pool_rows_read.cpu(), H * R * reselections)
+    assert torch.equal(expected, H * R * reselections)
 
 
 @pytest.mark.parametrize("backend,device,pool_device", _CASES)
-def test_disjoint_selections_read_every_row(backend, device, pool_device):
-    store, _, reselections = _run("disjoint", backend, torch.device(device), torch.device(pool_device), steps=12)
-    assert torch.equal(store.pool_rows_read.cpu(), H * R * reselections)
+def test_a_selection_that_comes_back_is_read_from_the_unit_cache(backend, device, pool_device):
+    """Two blocks of slots selected in turn: with a cache of both, after the first two fetches
+    nothing is read from the pool, and what is fetched really comes from the cache (the store's
+    pool rows of both blocks are overwritten after they were cached; the shadow's are not)."""
+    device, pool_device = torch.device(device), torch.device(pool_device)
+    store, shadow = _stores(7, device, pool_device)
+    store.set_cache(2 * R)
+    gen = torch.Generator().manual_seed(8)
+    blocks = [torch.stack([torch.randperm(R, generator=gen) for _ in range(B * H)]).view(B, H, R) + offset
+              for offset in (20, 20 + R)]
+    every = torch.ones(B, dtype=torch.bool, device=device)
+    valid = torch.ones(B, H, R, dtype=torch.bool, device=device)
+    for step in range(6):
+        key, value = torch.randn(2, B, H, D, generator=gen).to(device)
+        store.append(key, value, backend)
+        shadow.append(key, value, "reference")
+        slots = blocks[step % 2].to(device)
+        store.fetch(slots, valid, every, backend)
+        _old_fetch(shadow, slots, valid, every)
+        _assert_same(store, shadow, step)
+        if step == 1:
+            read_after_both = store.pool_rows_read.clone()
+            for block in blocks:  # poison: a read from the pool from now on would show
+                rows = store.pool_rows(block.to(device)).to(pool_device)
+                for pool in (store.pool.keys, store.pool.values):
+                    pool.scatter_(2, rows.unsqueeze(-1).expand(-1, -1, -1, D), -77.0)
+    assert torch.equal(read_after_both.cpu(), torch.full((B,), 2 * H * R))
+    assert torch.equal(store.pool_rows_read, read_after_both)  # steps 2-5: all from the buffer or the cache
+    assert torch.equal(store.rows_fetched.cpu(), torch.full((B,), 6 * H * R))
+
+
+def test_a_unit_cache_smaller_than_the_retrieved_rows_is_refused():
+    store, _ = _stores(0, torch.device("cpu"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="at least the 12 retrieved rows"):
+        store.set_cache(R - 1)
 
 
 def test_forget_resident_makes_the_next_fetch_read_everything():
@@ -135,6 +191,20 @@ def test_forget_resident_makes_the_next_fetch_read_everything():
     store.fetch(slots, torch.ones_like(slots, dtype=torch.bool), every, "reference")
     assert torch.equal(store.pool_rows_read, 2 * after_first)
     assert (after_first == H * R).all()
+
+
+def test_forget_resident_forgets_the_unit_cache_too():
+    store, _ = _stores(0, torch.device("cpu"), torch.device("cpu"))
+    store.set_cache(2 * R)
+    gen = torch.Generator().manual_seed(3)
+    first, second = (torch.randint(0, 20, (B, H, R), generator=gen) + offset for offset in (0, 40))
+    every, valid = torch.ones(B, dtype=torch.bool), torch.ones(B, H, R, dtype=torch.bool)
+    store.fetch(first, valid, every, "reference")
+    store.fetch(second, valid, every, "reference")
+    read = store.pool_rows_read.clone()
+    store.forget_resident()
+    store.fetch(first, valid, every, "reference")  # cached before: read afresh now
+    assert torch.equal(store.pool_rows_read - read, (first != -1).flatten(1).sum(-1))
 
 
 def test_unwritten_slots_are_never_reused():

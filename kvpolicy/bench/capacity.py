@@ -37,6 +37,7 @@ from ..integrations.transformers import PolicyCache
 from ..plan import PREFILL_RESERVE
 from ..placement import device_available_bytes, device_total_bytes, host_available_bytes, pool_bytes
 from ..policy import Policy, bytes_text
+from . import BUDGET, LOUISKV_RATE
 from .e2e import Throughput, full_throughput, lay_random_context, time_policy_decode
 
 # kept free on the GPU beyond every planned byte (graph pools, kernel workspaces, allocator
@@ -248,8 +249,8 @@ class CapacityRow:
         return asdict(self)
 
 
-def measure_capacity(model, context: int, steps: int, *, budget: int = 2048, backend: str = "triton",
-                     rate: float = 0.117, kmeans: bool = False, memory: Memory | None = None,
+def measure_capacity(model, context: int, steps: int, *, budget: int = BUDGET, backend: str = "triton",
+                     rate: float = LOUISKV_RATE, kmeans: bool = False, memory: Memory | None = None,
                      device_per_sequence: int | None = None, emulate: bool | None = None, branches: str = "auto",
                      say=print, on_row=None) -> list[CapacityRow]:
     """The two rows at ``context``. ``memory`` and ``device_per_sequence`` are measured on the

@@ -96,6 +96,8 @@ class Throughput:
     context: int
     steps: int
     ms_per_step: float
+    # a policy row's share of re-selected rows read from the pool (RunStats.miss_fraction)
+    miss_fraction: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -170,9 +172,9 @@ def time_policy_decode(model, policy: Policy, batch: int, context: int, steps: i
 
 
 def policy_throughput(model, policy: Policy, batch: int, context: int, steps: int, **options) -> Throughput:
-    """``time_policy_decode`` as a row (``options``: its keywords)."""
-    ms, _ = time_policy_decode(model, policy, batch, context, steps, **options)
-    return Throughput(policy.name, batch, context, steps, ms)
+    """``time_policy_decode`` as a row, with its miss fraction (``options``: its keywords)."""
+    ms, stats = time_policy_decode(model, policy, batch, context, steps, with_stats=True, **options)
+    return Throughput(policy.name, batch, context, steps, ms, stats.miss_fraction)
 
 
 @torch.inference_mode()

@@ -1,4 +1,6 @@
-"""LouisKV's one-time, per-model choice of its trigger setting, and the frontier it is chosen from.
+"""The calibration run: LouisKV's one-time, per-model choice of its trigger setting, and the
+frontier it is chosen from (``kvpolicy calibrate``). The store it writes, and that presets read, is
+``kvpolicy.calibration``.
 
 On locally generated prompts, full attention's greedy output is the reference; LouisKV runs
 teacher-forced along it at each candidate setting of one trigger (``score_gap``'s margin, the
@@ -26,6 +28,8 @@ from ..calibration import calibration_file, model_id
 from ..errors import ConfigError
 from ..presets import preset
 from . import decode as decoding
+from .defaults import (CALIBRATION_BUDGET, CALIBRATION_LENGTH, CALIBRATION_SAMPLES, CALIBRATION_STEPS,
+                       CALIBRATION_TAUS, CALIBRATION_TOLERANCE)
 from .fidelity import _kl
 from .tasks import TASKS, build_chat, make_sample
 
@@ -117,7 +121,8 @@ class FrontierRow:
         return "every step" if self.tau is None else f"{self.tau:.2f}"
 
 
-def frontier(measured: TauMeasurements, tolerance: float = 0.02, chosen: float | None = None) -> list[FrontierRow]:
+def frontier(measured: TauMeasurements, tolerance: float = CALIBRATION_TOLERANCE,
+             chosen: float | None = None) -> list[FrontierRow]:
     """Every candidate tau, then the every-step reference (if measured), with the rule's verdicts.
 
     ``chosen`` defaults to ``choose_for(measured, tolerance)``; pass NaN for none (a shard's figures).
@@ -145,7 +150,8 @@ def describe_rule(measured: TauMeasurements, tolerance: float) -> str:
                        eager="higher" if HIGHER_IS_EAGER[measured.trigger] else "lower", parameter=measured.parameter)
 
 
-def frontier_table(measured: TauMeasurements, tolerance: float = 0.02, chosen: float | None = None) -> str:
+def frontier_table(measured: TauMeasurements, tolerance: float = CALIBRATION_TOLERANCE,
+                   chosen: float | None = None) -> str:
     """The frontier as the text ``kvpolicy calibrate`` prints."""
     rows = frontier(measured, tolerance, chosen)
     reference = measured.every_step()
@@ -175,11 +181,11 @@ def measure_taus(
     model,
     tokenizer,
     *,
-    taus=(0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95),
-    sample_ids=range(200),
-    length: int = 1024,
-    steps: int = 32,
-    budget: int = 512,
+    taus=CALIBRATION_TAUS,
+    sample_ids=range(CALIBRATION_SAMPLES),
+    length: int = CALIBRATION_LENGTH,
+    steps: int = CALIBRATION_STEPS,
+    budget: int = CALIBRATION_BUDGET,
     against: str = "previous",
     every_step: bool = True,
     progress: Callable[[int, int], None] | None = None,
@@ -262,7 +268,7 @@ def merge(shards: list[TauMeasurements]) -> TauMeasurements:
                            every_top1, every_kl, first.trigger, first.options)
 
 
-def choose(points: list[TauPoint], tolerance: float = 0.02, reference: float | None = None,
+def choose(points: list[TauPoint], tolerance: float = CALIBRATION_TOLERANCE, reference: float | None = None,
            higher_is_eager: bool = True) -> float:
     """``RULE``: the setting with the fewest re-selections among those whose top-1 agreement is within
     ``tolerance`` of ``reference`` (every-step selection's agreement; None: the best candidate's); of
@@ -277,7 +283,7 @@ def choose(points: list[TauPoint], tolerance: float = 0.02, reference: float | N
     return min(good, key=lambda p: (p.reselect_share, sign * p.tau)).tau
 
 
-def choose_for(measured: TauMeasurements, tolerance: float = 0.02) -> float:
+def choose_for(measured: TauMeasurements, tolerance: float = CALIBRATION_TOLERANCE) -> float:
     """``choose`` with the rule's reference (``reference_agreement``) and ``measured``'s trigger's direction."""
     return choose(measured.points(), tolerance, reference_agreement(measured), HIGHER_IS_EAGER[measured.trigger])
 
@@ -322,12 +328,12 @@ def calibrate(
     model,
     tokenizer,
     *,
-    taus=(0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95),
-    samples: int = 200,
-    length: int = 1024,
-    steps: int = 32,
-    budget: int = 512,
-    tolerance: float = 0.02,
+    taus=CALIBRATION_TAUS,
+    samples: int = CALIBRATION_SAMPLES,
+    length: int = CALIBRATION_LENGTH,
+    steps: int = CALIBRATION_STEPS,
+    budget: int = CALIBRATION_BUDGET,
+    tolerance: float = CALIBRATION_TOLERANCE,
     save: bool = True,
     every_step: bool = True,
     progress: Callable[[int, int], None] | None = None,

@@ -36,12 +36,13 @@ from ..errors import ConfigError
 from ..integrations.transformers import PolicyCache, cache_argument_name
 from ..presets import PRESETS, preset
 from . import decode as decoding
+from .defaults import DRIFT_POLICIES
 
 #: Policies of the drift comparison that are not presets: (preset, options).
 VARIANTS: dict[str, tuple[str, dict]] = {
     "clusterkv-stale": ("clusterkv", {"decode_units": {"name": "nearest_centroid"}}),
 }
-DEFAULT_POLICIES = ("pariskv", "clusterkv-stale", "clusterkv")
+DEFAULT_POLICIES = DRIFT_POLICIES
 METRICS = ("topk_recall", "generated_recall", "prompt_recall", "mass_recall")
 
 

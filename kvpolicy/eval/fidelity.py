@@ -17,6 +17,7 @@ import torch
 
 from ..policy import Policy
 from . import decode as decoding
+from .defaults import FIDELITY_NEW_TOKENS
 from .tasks import build_chat, make_sample
 
 LONG_OUTPUT_INSTRUCTION = "Retell the document above in your own words, in detail, paragraph by paragraph."
@@ -51,7 +52,7 @@ def _kl(full_logits: list[torch.Tensor], policy_logits: list[torch.Tensor]) -> t
     return kl.mean().item(), top1.mean().item()
 
 
-def measure(model, prefilled: decoding.Prefilled, policies: list[Policy], new_tokens: int = 1024) -> list[Fidelity]:
+def measure(model, prefilled: decoding.Prefilled, policies: list[Policy], new_tokens: int = FIDELITY_NEW_TOKENS) -> list[Fidelity]:
     """Fidelity of each policy against full attention's greedy ``new_tokens``-token output."""
     from ..presets import preset
 

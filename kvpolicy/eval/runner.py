@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable
 from ..errors import ConfigError
 from ..presets import PRESETS, preset
 from . import decode as decoding
+from .defaults import GRID_BUDGETS, GRID_LENGTHS, GRID_PRESETS, GRID_SEEDS
 from .tasks import TASKS, build_chat, get_task, make_sample, score
 
 RESULTS = "results.jsonl"
@@ -204,10 +205,10 @@ def run_grid(
     *,
     out_dir: str | Path,
     tasks: Iterable[str] = tuple(TASKS),
-    lengths: Iterable[int] = (2048, 4096, 8192),
-    budgets: Iterable[int] = (256, 512, 1024),
-    presets: Iterable[str] = ("full", "streaming", "quest", "arkvale", "clusterkv", "louiskv", "pariskv", "oracle"),
-    seeds: Iterable[int] = (0, 1, 2),
+    lengths: Iterable[int] = GRID_LENGTHS,
+    budgets: Iterable[int] = GRID_BUDGETS,
+    presets: Iterable[str] = GRID_PRESETS,
+    seeds: Iterable[int] = GRID_SEEDS,
     variants: dict[str, tuple[str, dict]] | None = None,
     progress: bool = True,
     dry_run: bool = False,

@@ -183,6 +183,11 @@ class RunStats:
     pool_device_bytes: int = 0
     pool_host_bytes: int = 0
     pool_device_layers: list[int] | None = None
+    # of the buffer rows re-selections asked for, the share read from the pool: neither the
+    # retrieved buffer nor the GPU unit cache held them; the first selection (an empty buffer)
+    # is left out (None: no re-selection after it)
+    miss_fraction: float | None = None
+    unit_cache_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -353,6 +358,12 @@ class PolicySession:
             context = states[0].store.length - steps
             served = len(states)
             pool = {"pool_device_bytes": 0, "pool_host_bytes": 0, "pool_device_layers": []}
+            # from the second selection on: the first finds an empty buffer and reads every row
+            started = [s for s in states if s.first_fetch is not None]
+            fetched = sum(int((s.store.rows_fetched - s.first_fetch[1]).sum()) for s in started)
+            read = sum(int((s.store.pool_rows_read - s.first_fetch[0]).sum()) for s in started)
+            pool["miss_fraction"] = read / fetched if fetched else None
+            pool["unit_cache_bytes"] = sum(s.store.cache.nbytes() for s in states if s.store.cache is not None)
             for s in states:
                 on_device = s.plan.pool_on_device
                 nbytes = s.store.pool.nbytes()

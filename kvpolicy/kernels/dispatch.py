@@ -23,7 +23,8 @@ from . import reference, reference_analytic, reference_step
 log = logging.getLogger("kvpolicy")
 
 OPS = (
-    "kmeans", "unit_scores", "select_budget", "gather_rows", "gather_rows_into", "resident_rows", "refresh_rows", "write_row",
+    "kmeans", "unit_scores", "select_budget", "gather_rows", "gather_rows_into", "resident_rows", "refresh_rows",
+    "cache_insert", "write_row",
     "sparse_decode_attention", "collision_count", "candidate_topk", "rerank", "append_to_unit", "admit_row",
     "append_token", "note_decision", "query_cosine_fire", "interval_fire", "commit_selection", "append_leaving_by_rule",
     "query_votes", "collision_candidates", "rerank_select", "analytic_append",

@@ -241,6 +241,8 @@ def refresh_rows(
     source: torch.Tensor,
     out: torch.Tensor,
     scratch: torch.Tensor,
+    cache: torch.Tensor | None = None,
+    cache_source: torch.Tensor | None = None,
 ) -> None:
     """``gather_rows_into`` that reuses rows already on the device.
 
@@ -250,14 +252,46 @@ def refresh_rows(
     row holds its slot's pool row. Rows move between positions, so the new rows are assembled
     in ``scratch`` (same shape as ``out``, left with unspecified contents) and copied back; a
     fast backend reads only the non-resident rows from the pool.
+
+    ``cache`` ``(B, H, C, D)`` (a ``RowCache``'s keys or values, on ``out``'s device) with
+    ``cache_source (B, H, R)`` int32: where ``source < 0`` and ``cache_source >= 0`` the row is
+    ``cache[b, h, cache_source]`` instead of the pool's (the GPU unit cache holds that slot).
     """
     resident = (source >= 0).unsqueeze(-1)
     # clamped: entries of sequences that do not take may be stale
     index = source.long().clamp(0, max(out.shape[2] - 1, 0)).unsqueeze(-1).expand(*source.shape, out.shape[-1])
     kept = out.gather(2, index)
     fetched = gather_rows(pool, slots, out.device)
+    if cache is not None and cache.shape[2] > 0:
+        at = cache_source.long().clamp(0, cache.shape[2] - 1).unsqueeze(-1).expand(*source.shape, out.shape[-1])
+        fetched = torch.where((cache_source >= 0).unsqueeze(-1), cache.gather(2, at), fetched)
     scratch.copy_(torch.where(resident, kept, fetched))
     out.copy_(torch.where(take.view(-1, 1, 1, 1), scratch, out))
+
+
+def cache_insert(cache, dest: torch.Tensor, take: torch.Tensor, buffer) -> None:
+    """File buffer rows in the GPU unit cache: for the sequences where ``take (B,)``, every row
+    ``r`` of ``buffer`` (a ``RetrievedBuffer``) with ``dest[b, h, r] >= 0`` goes to row ``dest`` of
+    ``cache`` (a ``RowCache``): its key, value, slot and held flag. ``dest (B, H, R)`` long; the
+    rows it names are distinct per (sequence, head) (the store numbers its misses first in, first
+    out). No host reads: each cache row learns which buffer row, if any, writes it (a max-scatter),
+    so an emulated graph replay runs it too.
+    """
+    batch, heads, rows = dest.shape
+    if rows == 0 or cache.rows == 0:
+        return
+    writes = (dest >= 0) & take.view(-1, 1, 1)
+    row = torch.arange(rows, device=dest.device).expand(batch, heads, rows)
+    writer = torch.full(cache.slots.shape, -1, dtype=torch.long, device=dest.device)
+    writer.scatter_reduce_(2, dest.clamp(min=0), torch.where(writes, row, -1), reduce="amax")
+    written = writer >= 0
+    at = writer.clamp(min=0)
+    for name in ("keys", "values"):
+        into, rows_of = getattr(cache, name), getattr(buffer, name)
+        moved = rows_of.gather(2, at.unsqueeze(-1).expand(*at.shape, rows_of.shape[-1]))
+        into.copy_(torch.where(written.unsqueeze(-1), moved, into))
+    cache.slots.copy_(torch.where(written, buffer.slots.gather(2, at), cache.slots))
+    cache.held.copy_(torch.where(written, buffer.held.gather(2, at), cache.held))
 
 
 def sparse_decode_attention(

@@ -90,8 +90,8 @@ class AnalyticIndex:
             norms=torch.zeros(batch, heads, capacity, device=device),
             token_valid=torch.zeros(batch, capacity, dtype=torch.bool, device=device),
             slots=torch.zeros(capacity, dtype=torch.long, device=device),
-            next_position=torch.tensor(n, dtype=torch.long, device=device),
-            indexed=torch.tensor(n, dtype=torch.long, device=device),
+            next_position=torch.full((), n, dtype=torch.long, device=device),  # fills: no host sync
+            indexed=torch.full((), n, dtype=torch.long, device=device),
             signs=signs,
             subspaces=subspaces,
             update_buffer=update_buffer,

@@ -131,7 +131,7 @@ class UnitTable:
             decode_units=torch.zeros(batch, dtype=torch.long, device=device),
             num_prompt_units=units,
             order_len=n,
-            order_next=torch.tensor(n, dtype=torch.long, device=device),
+            order_next=torch.full((), n, dtype=torch.long, device=device),  # a fill: torch.tensor would sync
             decode_tokens=0,
         )
 

@@ -16,6 +16,11 @@ on the GPU. A fetch runs three launches per tensor pair:
 3. ``refresh_rows`` copy back: ``out = scratch``. Separate, because rows move between
    positions: a program of step 2 may read a buffer row another one would already have replaced.
 
+With a GPU unit cache (``RowCache``, a host pool's recent reads), ``resident_rows`` also runs
+against the cache for the rows the buffer lacks, step 2 reads the rows found there from the
+cache, and ``cache_insert`` files the rows that came from the pool into the cache afterwards
+(after the copy back, so no read of this fetch sees a row it replaces).
+
 Sequences whose ``take`` is False return before reading anything. No host syncs and a grid
 from shapes alone, so every launch can be graph-captured.
 """
@@ -114,14 +119,16 @@ def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch
 
 @triton.jit
 def _refresh_kernel(
-    pool_ptr, slots_ptr, source_ptr, take_ptr, out_ptr, scratch_ptr,
+    pool_ptr, slots_ptr, source_ptr, take_ptr, out_ptr, scratch_ptr, cache_ptr, cache_source_ptr,
     R,
     pool_sb, pool_sh, pool_sr, pool_sd,
     slots_sb, slots_sh, slots_sr,
     source_sb, source_sh, source_sr,
     out_sb, out_sh, out_sr, out_sd,
     scratch_sb, scratch_sh, scratch_sr, scratch_sd,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, COPY_BACK: tl.constexpr,
+    cache_sb, cache_sh, cache_sr, cache_sd,
+    csrc_sb, csrc_sh, csrc_sr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, COPY_BACK: tl.constexpr, HAS_CACHE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     # int64: pools reach past 2**31 elements
@@ -148,6 +155,19 @@ def _refresh_kernel(
         source = source.to(tl.int64)
         from_pool = row_ok & (source < 0)
         resident = row_ok & (source >= 0)
+        if HAS_CACHE:
+            # a row the GPU unit cache holds is read there: only the rest cross from the pool
+            cached_at = tl.load(cache_source_ptr + b * csrc_sb + h * csrc_sh + rows * csrc_sr, mask=from_pool, other=-1)
+            cached_at = cached_at.to(tl.int64)
+            from_cache = from_pool & (cached_at >= 0)
+            from_pool = from_pool & (cached_at < 0)
+            if BLOCK_D == D:
+                cache_mask = from_cache[:, None]
+            else:
+                cache_mask = from_cache[:, None] & col_ok[None, :]
+            at_cache = tl.maximum(cached_at, 0)
+            cache_src = cache_ptr + b * cache_sb + h * cache_sh + at_cache[:, None] * cache_sr + cols[None, :] * cache_sd
+            tl.store(here, tl.load(cache_src, mask=cache_mask), mask=cache_mask)
         if BLOCK_D == D:
             pool_mask = from_pool[:, None]
             kept_mask = resident[:, None]
@@ -173,12 +193,16 @@ def refresh_rows(
     source: torch.Tensor,
     out: torch.Tensor,
     scratch: torch.Tensor,
+    cache: torch.Tensor | None = None,
+    cache_source: torch.Tensor | None = None,
 ) -> None:
-    """``out[b, h, r] = out[b, h, source]`` if ``source >= 0`` else ``pool[b, h, slots]``, where ``take``.
+    """``out[b, h, r] = out[b, h, source]`` if ``source >= 0``, else ``cache[b, h, cache_source]``
+    if a ``cache`` is given and ``cache_source >= 0``, else ``pool[b, h, slots]``, where ``take``.
 
     ``pool`` is on ``out``'s device, or in pinned CPU memory for a CUDA ``out``; ``source`` holds
     rows of ``out`` (``-1 <= source < R``); ``scratch`` has ``out``'s shape and dtype, does not
-    overlap it, and is left with unspecified contents.
+    overlap it, and is left with unspecified contents; ``cache (B, H, C, D)`` is on ``out``'s
+    device and ``cache_source`` is int32 shaped like ``source`` (``-1 <= cache_source < C``).
     """
     batch, heads, _, dim = pool.shape
     rows = slots.shape[-1]
@@ -195,6 +219,14 @@ def refresh_rows(
         )
     if out.dtype != pool.dtype:
         raise ValueError(f"triton refresh_rows: out is {out.dtype} but the pool is {pool.dtype}")
+    has_cache = cache is not None and cache.shape[2] > 0
+    if has_cache and (tuple(cache.shape[:2]) != (batch, heads) or cache.shape[3] != dim or cache.dtype != out.dtype
+                      or cache.device != out.device or cache_source is None
+                      or tuple(cache_source.shape) != want or cache_source.dtype != torch.int32):
+        raise ValueError(
+            f"triton refresh_rows: the cache {tuple(cache.shape)} {cache.dtype} on {cache.device} must be "
+            f"({batch}, {heads}, C, {dim}) {out.dtype} on {out.device}, with an int32 cache_source of {want}"
+        )
     if batch * heads * rows * dim == 0:
         return
     if scratch.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
@@ -208,11 +240,84 @@ def refresh_rows(
     tile_rows = max(1, min(_TILE_BYTES // (block_d * pool.element_size()), 128))
     tile_rows = min(tile_rows, triton.next_power_of_2(rows))
     grid = (triton.cdiv(rows, tile_rows), heads, batch)
-    strides = (*pool.stride(), *slots.stride(), *source.stride(), *out.stride(), *scratch.stride())
+    if not has_cache:  # unused pointers: any tensor of the device, strides unread
+        cache, cache_source = out, source
+    strides = (*pool.stride(), *slots.stride(), *source.stride(), *out.stride(), *scratch.stride(),
+               *cache.stride(), *cache_source.stride())
     for copy_back in (False, True):
         _refresh_kernel[grid](
-            pool_arg, slots, source, take, out, scratch,
+            pool_arg, slots, source, take, out, scratch, cache, cache_source,
             rows,
             *strides,
-            D=dim, BLOCK_D=block_d, ROWS=tile_rows, COPY_BACK=copy_back,
+            D=dim, BLOCK_D=block_d, ROWS=tile_rows, COPY_BACK=copy_back, HAS_CACHE=has_cache,
         )
+
+
+@triton.jit
+def _cache_insert_kernel(
+    dest_ptr, take_ptr, buf_keys_ptr, buf_values_ptr, buf_slots_ptr, buf_held_ptr,
+    c_keys_ptr, c_values_ptr, c_slots_ptr, c_held_ptr,
+    R,
+    dest_sb, dest_sh, dest_sr,
+    bk_sb, bk_sh, bk_sr, bk_sd,
+    bv_sb, bv_sh, bv_sr, bv_sd,
+    bs_sb, bs_sh, bs_sr,
+    bh_sb, bh_sh, bh_sr,
+    ck_sb, ck_sh, ck_sr, ck_sd,
+    cv_sb, cv_sh, cv_sr, cv_sd,
+    cs_sb, cs_sh, cs_sr,
+    ch_sb, ch_sh, ch_sr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    if tl.load(take_ptr + b) == 0:
+        return
+    rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    row_ok = rows < R
+    dest = tl.load(dest_ptr + b * dest_sb + h * dest_sh + rows * dest_sr, mask=row_ok, other=-1).to(tl.int64)
+    writes = row_ok & (dest >= 0)
+    at = tl.maximum(dest, 0)
+    cols = tl.arange(0, BLOCK_D)
+    if BLOCK_D == D:
+        mask = writes[:, None]
+    else:
+        mask = writes[:, None] & (cols < D)[None, :]
+    keys = tl.load(buf_keys_ptr + b * bk_sb + h * bk_sh + rows[:, None] * bk_sr + cols[None, :] * bk_sd, mask=mask)
+    tl.store(c_keys_ptr + b * ck_sb + h * ck_sh + at[:, None] * ck_sr + cols[None, :] * ck_sd, keys, mask=mask)
+    values = tl.load(buf_values_ptr + b * bv_sb + h * bv_sh + rows[:, None] * bv_sr + cols[None, :] * bv_sd, mask=mask)
+    tl.store(c_values_ptr + b * cv_sb + h * cv_sh + at[:, None] * cv_sr + cols[None, :] * cv_sd, values, mask=mask)
+    slot = tl.load(buf_slots_ptr + b * bs_sb + h * bs_sh + rows * bs_sr, mask=writes)
+    tl.store(c_slots_ptr + b * cs_sb + h * cs_sh + at * cs_sr, slot, mask=writes)
+    held = tl.load(buf_held_ptr + b * bh_sb + h * bh_sh + rows * bh_sr, mask=writes)
+    tl.store(c_held_ptr + b * ch_sb + h * ch_sh + at * ch_sr, held, mask=writes)
+
+
+@implement("triton", "cache_insert", supports=triton_runs_on)
+def cache_insert(cache, dest: torch.Tensor, take: torch.Tensor, buffer) -> None:
+    """Buffer rows with ``dest >= 0`` into those rows of the GPU unit cache (key, value, slot,
+    held), for the sequences where ``take``; see the reference. One program per tile of rows of
+    one (sequence, head): the destinations are distinct, so no two programs write one row."""
+    batch, heads, rows = dest.shape
+    dim = buffer.keys.shape[-1]
+    if tuple(buffer.slots.shape) != (batch, heads, rows) or tuple(cache.keys.shape[:2]) != (batch, heads) \
+            or cache.keys.shape[-1] != dim or cache.keys.dtype != buffer.keys.dtype:
+        raise ValueError(f"triton cache_insert: dest {tuple(dest.shape)}, buffer {tuple(buffer.keys.shape)} "
+                         f"{buffer.keys.dtype} and cache {tuple(cache.keys.shape)} {cache.keys.dtype} do not fit")
+    if batch * heads * rows == 0 or cache.rows == 0:
+        return
+    take = take.reshape(batch).contiguous().view(torch.uint8)
+    buffer_held, cache_held = buffer.held.view(torch.uint8), cache.held.view(torch.uint8)
+    block_d = triton.next_power_of_2(dim)
+    tile_rows = max(1, min(_TILE_BYTES // (block_d * buffer.keys.element_size()), 128))
+    tile_rows = min(tile_rows, triton.next_power_of_2(rows))
+    grid = (triton.cdiv(rows, tile_rows), heads, batch)
+    _cache_insert_kernel[grid](
+        dest, take, buffer.keys, buffer.values, buffer.slots, buffer_held,
+        cache.keys, cache.values, cache.slots, cache_held,
+        rows,
+        *dest.stride(), *buffer.keys.stride(), *buffer.values.stride(), *buffer.slots.stride(), *buffer_held.stride(),
+        *cache.keys.stride(), *cache.values.stride(), *cache.slots.stride(), *cache_held.stride(),
+        D=dim, BLOCK_D=block_d, ROWS=tile_rows,
+    )

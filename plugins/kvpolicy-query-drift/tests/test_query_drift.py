@@ -125,6 +125,41 @@ def test_half_precision_queries_keep_float32_state():
     assert state.anchor.dtype == torch.float32
 
 
+def test_without_max_age_it_decides_as_the_builtin_anchor_trigger():
+    """The anchor comparison is the built-in ``query_cosine(against="anchor")``'s, decision for
+    decision: the plugin adds ``max_age``, not a second implementation."""
+    g = torch.Generator().manual_seed(3)
+    queries = [torch.randn(3, HEADS, DIM, generator=g) for _ in range(16)]
+    for tau in (-0.2, 0.0, 0.3):
+        assert _run(QueryDrift(tau=tau), queries) == _run(QueryCosine(tau=tau, against="anchor"), queries)
+
+
+def test_max_age_bounds_how_long_a_selection_is_kept():
+    """A query that holds still never moves the anchor: only the age re-selects, every max_age steps."""
+    u, v = _planes(1)
+    fired = _run(QueryDrift(tau=0.7, max_age=4), [_turned(u, v, 0.0)] * 12)
+    assert [f[0] for f in fired] == [step % 4 == 0 for step in range(12)]
+
+
+def test_an_old_selection_moves_the_anchor_to_the_query_it_is_made_for():
+    """10 degrees a step with max_age 3: the age fires at steps 3, 6 and 9 and the anchor follows,
+    so the drift never adds up to the 50 degrees that would fire on its own."""
+    u, v = _planes(2)
+    trigger = QueryDrift(tau=0.7, max_age=3)
+    state = trigger.init_state(2, HEADS, DIM, torch.device("cpu"))
+    decisions = [trigger.decide(_turned(u, v, [10.0 * step, 0.0]), state).tolist() for step in range(11)]
+    assert [d[0] for d in decisions] == [step % 3 == 0 for step in range(11)]
+    assert [d[1] for d in decisions] == [step % 3 == 0 for step in range(11)]
+    torch.testing.assert_close(state.anchor[0], _turned(u, v, [90.0, 0.0])[0])
+    assert state.age.tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("max_age", [0, -3, 2.5, True, "4"])
+def test_bad_max_age_raises_config_error(max_age):
+    with pytest.raises(kvpolicy.ConfigError, match=r"max_age must be an integer >= 1"):
+        QueryDrift(max_age=max_age).validate()
+
+
 # ---------------------------------------------------------------- (b) validate
 
 

@@ -1,0 +1,165 @@
+"""The grids of ``kvpolicy bench``: each benchmark run over its cells (contexts x batches x presets
+x placements), one row per cell, yielded as it is measured.
+
+A row is a JSON-ready dict: what ``kvpolicy bench ... --json`` writes. The CLI only prints them;
+the Python API gets the same rows::
+
+    from kvpolicy.bench import sweeps
+    rows = list(sweeps.layer(cells=[("louiskv", ["cpu", "gpu"])], contexts=[131072], batches=[1],
+                             budget=2048, backend="triton", device=device, rate=0.117, ...))
+
+A cell that could not be measured yields a row with an ``"error"`` (and, for a failure other than
+running out of GPU memory, ``"failed": True`` and its ``"traceback"``), so one broken cell never
+hides the others' figures; the CLI prints such rows and leaves them out of its JSON.
+
+``PresetCells`` is ``--presets`` read with each preset's placements: ``[("louiskv", ["cpu",
+"gpu"]), ("arkvale", ["cpu"])]``.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Iterable, Iterator
+
+import torch
+
+PresetCells = list[tuple[str, list[str]]]
+FULL_KINDS = ("full-graph", "full-sdpa-graph", "full-eager")
+
+
+def louiskv_interval(rate: float) -> int:
+    """The ``interval(n)`` that stands in for LouisKV's trigger at re-selection share ``rate``
+    (random weights have no query dynamics)."""
+    return max(1, round(1 / rate))
+
+
+def whole_intervals(steps: int, every: int) -> int:
+    """``steps`` rounded up to whole intervals: interval(n) re-selects once in any n consecutive
+    steps, so a row timed over whole intervals holds exactly the rate it names (10 steps of
+    interval(9) hold one re-selection: 10%, not 11.1%)."""
+    return every * -(-steps // every)
+
+
+def _release(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def e2e(model, *, contexts: Iterable[int], batches: Iterable[int], cells: PresetCells, budget: int, steps: int,
+        backend: str, full_kinds: Iterable[str], branch_kinds: list[str], rate: float,
+        unit_cache_rows: int | None = None) -> Iterator[dict]:
+    """Decode ms per step of whole-model steps: full-graph (the baseline every ratio is against),
+    ``budget-floor`` (full-graph at the budget's context: the best any policy can do on the
+    stack), the other ``full_kinds``, then each preset at each placement and DecodeGraph branch
+    kind; louiskv at ``interval(n)`` (``rate``), never re-selecting after its first step
+    (``/reuse``) and at every step (``/every_step``); ``unit_cache_rows``: the policies' GPU unit
+    cache (``Policy.unit_cache_rows``). A policy row carries its ``miss_fraction``."""
+    from ..presets import preset
+    from .e2e import full_throughput, policy_throughput
+
+    device = next(model.parameters()).device
+    emulate = device.type != "cuda"
+    every = louiskv_interval(rate)
+    interval_steps = whole_intervals(steps, every)
+    louiskv_triggers = [("interval", {"name": "interval", "n": every}), ("reuse", {"name": "interval", "n": 1 << 40}),
+                        ("every_step", {"name": "every_step"})]
+    full_kinds = list(full_kinds)
+    for context in contexts:
+        for batch in batches:
+            base = floor = None
+            grid = [("full-graph", None, None, steps), ("budget-floor", None, None, steps)]
+            grid += [(kind, None, None, steps) for kind in full_kinds if kind != "full-graph"]
+            for name, placements in cells:
+                for placement in placements:
+                    triggers = louiskv_triggers if name == "louiskv" else [(None, None)]
+                    for tag, trigger in triggers:
+                        options = {"budget": budget, "placement": placement, "backend": backend,
+                                   "unit_cache_rows": unit_cache_rows}
+                        if trigger:
+                            options["trigger"] = trigger
+                        label = f"{name}/{placement}" + (f"/{tag}" if tag else "")
+                        for kind in branch_kinds:
+                            shown = label + (f"[{kind}]" if len(branch_kinds) > 1 else "")
+                            cell_steps = interval_steps if tag == "interval" else steps
+                            grid.append((shown, preset(name, **options), kind, cell_steps))
+            for label, policy, branches, cell_steps in grid:
+                try:
+                    if label == "budget-floor":
+                        r = full_throughput(model, "full-graph", batch, budget, steps, backend=backend)
+                        r.kind = label
+                    elif policy is None:
+                        r = full_throughput(model, label, batch, context, steps, backend=backend)
+                    else:
+                        r = policy_throughput(model, policy, batch, context, cell_steps, emulate=emulate,
+                                              branches=branches)
+                except torch.cuda.OutOfMemoryError:
+                    torch.cuda.empty_cache()
+                    yield {"kind": label, "batch": batch, "context": context, "error": "out of GPU memory"}
+                    continue
+                except Exception as error:  # one broken cell must not hide the others' figures
+                    yield {"kind": label, "batch": batch, "context": context, "failed": True,
+                           "error": f"FAILED: {type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+                    continue
+                base = r.ms_per_step if label == "full-graph" else base
+                floor = r.ms_per_step if label == "budget-floor" else floor
+                over = r.ms_per_step - floor if floor and policy is not None else None
+                yield {**r.__dict__, "kind": label, "branches": branches, "tokens_per_s": r.tokens_per_s,
+                       "speedup_vs_full_graph": base / r.ms_per_step if base else None,
+                       "budget_floor_ms": floor, "over_floor_ms": over}
+                _release(device)
+
+
+def ttft(model, *, lengths: Iterable[int], batches: Iterable[int], cells: PresetCells, budget: int, backend: str,
+         repeats: int) -> Iterator[dict]:
+    """Time to first token of full attention, then of each preset at each placement, per batch
+    and prompt length; ``vs_full`` is the ratio to full attention's."""
+    from ..presets import preset
+    from .ttft import time_first_token
+
+    lengths = list(lengths)
+    for batch in batches:
+        for length in lengths:
+            full = None
+            for name, placements in [("full", [None])] + [c for c in cells if c[0] != "full"]:
+                for placement in placements:
+                    options = {} if name == "full" else {"budget": budget, "placement": placement, "backend": backend}
+                    r = time_first_token(model, preset(name, **options), batch, length, repeats=max(1, repeats))
+                    full = r.ttft_ms if name == "full" else full
+                    yield {**r.__dict__, "vs_full": r.ttft_ms / full}
+
+
+def gather(device: torch.device, *, batches: Iterable[int], runs: Iterable[int], rows: int, backend: str,
+           repeats: int) -> Iterator[dict]:
+    """On a GPU first the pinned allocation's cost (a row ``{"pinned_allocation": ...}``), then the
+    pool gather's bandwidth against a pinned copy, per batch and run length."""
+    from .gather import measure_gather, measure_pinned_allocation
+
+    if device.type == "cuda":
+        yield {"pinned_allocation": measure_pinned_allocation(device).__dict__}
+    runs = list(runs)
+    for batch in batches:
+        for run in runs:
+            r = measure_gather(device, backend=backend, batch=batch, rows=rows, repeats=repeats, run=run)
+            yield {**r.__dict__, "ratio": r.ratio}
+
+
+def layer(device: torch.device, *, contexts: Iterable[int], batches: Iterable[int], cells: PresetCells, budget: int,
+          backend: str, rate: float, random_units: bool, repeats: int, replay: bool,
+          decode_steps: int) -> Iterator[dict]:
+    """One decode layer's time split per preset and placement (full attention's beside the first
+    of each batch); louiskv's amortised column at ``rate``, the others' at 1."""
+    from .layer import LayerShape, layer_policy, time_layer
+
+    batches = list(batches)
+    for context in contexts:
+        for batch in batches:
+            first = True
+            for name, placements in cells:
+                share = rate if name == "louiskv" else 1.0
+                for placement in placements:
+                    policy = layer_policy(name, budget, placement, backend, random_units)
+                    t = time_layer(policy, LayerShape(batch=batch, context=context), device, repeats=repeats,
+                                   with_full=first, replay=replay, decode_steps=decode_steps)
+                    first = False
+                    yield t.as_dict(share)
+                    _release(device)

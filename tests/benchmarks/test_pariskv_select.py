@@ -1,0 +1,79 @@
+"""benchmarks/pariskv_select.py runs end to end at a toy size on the CPU, and names bad arguments."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvpolicy.errors import ConfigError
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "pariskv_select.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("pariskv_select", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_toy_run_writes_both_paths_and_the_gather(bench, tmp_path):
+    out = tmp_path / "select.json"
+    bench.main(["--device", "cpu", "--contexts", "900", "--batches", "1", "--kv-heads", "2", "--q-heads", "4",
+                "--head-dim", "32", "--budget", "160", "--update-buffer", "8", "--repeats", "1", "--json", str(out)])
+    results = json.loads(out.read_text())
+    fused, composed = results["selection"]
+    assert (fused["path"], composed["path"]) == ("fused", "composed")
+    assert fused["parts_ms"].keys() == {"query_votes", "collision_candidates", "rerank_select", "rest", "old_rerank"}
+    assert composed["parts_ms"].keys() == {"encode_query", "collision_count", "candidate_topk", "rerank", "rest"}
+    assert fused["append_ms"] > 0 and composed["append_ms"] > 0
+    # the per-kernel profile (CPU ops on a toy run) and, with the reference backend, no methods
+    assert fused["kernels_us"] and all(isinstance(name, str) and us >= 0 for name, us in fused["kernels_us"])
+    assert fused["methods"] == {} and composed["kernels_us"] is None
+    # the length rule below 5K tokens: half the zone, over both paths
+    assert fused["candidates_per_row"] == composed["candidates_per_row"] == 450
+    assert [row["order"] for row in results["gather"]] == ["random", "sorted", "selection"]
+    assert all(row["bytes"] == 1 * 2 * (160 - 68) * 32 * 4 and row["copy_gbps"] > 0 for row in results["gather"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--contexts", "0"], "positive integers"),
+        (["--contexts", "12k"], "comma-separated integers"),
+        (["--q-heads", "30"], "must be a multiple of --kv-heads 8"),
+        (["--budget", "100"], "leaves no room to retrieve"),
+        (["--head-dim", "96"], "power of two"),
+    ],
+)
+def test_bad_arguments_are_named(bench, argv, message, capsys):
+    with pytest.raises((SystemExit, ConfigError)) as caught:
+        bench.parse_args(["--device", "cpu", *argv])
+    text = capsys.readouterr().err + str(caught.value)
+    assert message in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_the_default_device_needs_cuda(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args([])
+    assert "no CUDA device here (use --device cpu" in capsys.readouterr().err
+
+
+def test_kernel_times_groups_the_kth_kernel_of_every_call(bench):
+    calls = []
+
+    def fn():
+        calls.append(1)
+        torch.ones(3).add_(1).sum()
+
+    times = bench.kernel_times(fn, torch.device("cpu"), 3)
+    assert len(calls) == 4  # a warm-up call, then the repeats
+    assert [name for name, _ in times] == ["aten::ones", "aten::add_", "aten::sum"]
+    assert bench._short("void at::native::(anonymous namespace)::sort<float>(int, float*)") == "sort"
+    assert bench._short("_radix_level_kernel") == "_radix_level_kernel"
