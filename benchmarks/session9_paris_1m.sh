@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13's 1M-token cell (batch 1, Qwen3-8B shape, pinned pool). Usage: bash benchmarks/session9_paris_1m.sh OUTDIR
-# The pools alone are ~141 GiB: on nvidia-h200 (128 GiB host) the pariskv/cpu row and full-graph's
-# row both print "... does not fit: ..." and "out of GPU memory" (kvpolicy.bench.e2e.DoesNotFit) and
+# The pools alone are ~144 GiB: on nvidia-h200 (128 GiB host) the pariskv/cpu row and full-graph's
+# row both say "does not fit: ... needs N GiB of KV, M GiB ..." (kvpolicy.bench.e2e.DoesNotFit) and
 # the run exits 0; on nvidia-h200-x2 (256 GiB host, one GPU used) pariskv/cpu runs, full-graph does not fit.
 set -u
 OUT=${1:?usage: session9_paris_1m.sh OUTDIR}; mkdir -p "$OUT"

@@ -48,9 +48,7 @@ def _gib(nbytes: int) -> str:
 
 def _check_fits(label: str, need: int, room: int, where: str) -> None:
     if need > room:
-        message = f"{label} does not fit: {_gib(need)} of KV, {_gib(max(room, 0))} {where}"
-        print(message, flush=True)
-        raise DoesNotFit(message)
+        raise DoesNotFit(f"does not fit: {label} needs {_gib(need)} of KV, {_gib(max(room, 0))} {where}")
 
 
 def check_full_fits(model, kind: str, batch: int, context: int, steps: int) -> None:

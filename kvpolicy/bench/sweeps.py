@@ -55,7 +55,7 @@ def e2e(model, *, contexts: Iterable[int], batches: Iterable[int], cells: Preset
     (``/reuse``) and at every step (``/every_step``); ``unit_cache_rows``: the policies' GPU unit
     cache (``Policy.unit_cache_rows``). A policy row carries its ``miss_fraction``."""
     from ..presets import preset
-    from .e2e import full_throughput, policy_throughput
+    from .e2e import DoesNotFit, full_throughput, policy_throughput
 
     device = next(model.parameters()).device
     emulate = device.type != "cuda"
@@ -92,6 +92,9 @@ def e2e(model, *, contexts: Iterable[int], batches: Iterable[int], cells: Preset
                     else:
                         r = policy_throughput(model, policy, batch, context, cell_steps, emulate=emulate,
                                               branches=branches)
+                except DoesNotFit as error:  # counted before allocating: the row says what does not fit
+                    yield {"kind": label, "batch": batch, "context": context, "error": str(error)}
+                    continue
                 except torch.cuda.OutOfMemoryError:
                     torch.cuda.empty_cache()
                     yield {"kind": label, "batch": batch, "context": context, "error": "out of GPU memory"}
