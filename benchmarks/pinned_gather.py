@@ -76,6 +76,17 @@ def _anon_huge_kb() -> int:
     return -1
 
 
+def _meminfo(field: str) -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
 def _thp_mode() -> str:
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
@@ -84,17 +95,51 @@ def _thp_mode() -> str:
         return "unknown"
 
 
-class HugePool:
-    """An anonymous mapping advised to transparent huge pages, 2 MB-aligned, then registered."""
+MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)  # Linux x86-64's value
 
-    def __init__(self, nbytes: int, register: bool) -> None:
-        self.buffer = mmap.mmap(-1, nbytes + HUGE)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            self.buffer.madvise(mmap.MADV_HUGEPAGE)
-        base = np.frombuffer(self.buffer, dtype=np.uint8)
-        offset = (-base.ctypes.data) % HUGE
+
+def _smaps_huge_kb(pointer: int) -> int | None:
+    """AnonHugePages (THP) of the mapping holding ``pointer``, from /proc/self/smaps; None if unreadable."""
+    try:
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split()
+                if head and "-" in head[0] and len(head) >= 5:
+                    try:
+                        low, high = (int(x, 16) for x in head[0].split("-"))
+                    except ValueError:
+                        continue
+                    inside = low <= pointer < high
+                elif inside and line.startswith("AnonHugePages:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+class HugePool:
+    """A 2 MB-aligned anonymous mapping in huge pages, then registered: ``thp`` (advised to
+    transparent huge pages and touched before pinning, so the first fault of each 2 MB takes a huge
+    page where the kernel has one) or ``hugetlb`` (MAP_HUGETLB: only with pages reserved in
+    vm.nr_hugepages; raises OSError otherwise)."""
+
+    def __init__(self, nbytes: int, register: bool, kind: str = "thp") -> None:
+        size = -(-nbytes // HUGE) * HUGE
+        if kind == "hugetlb":
+            self.buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_HUGETLB)
+            base = np.frombuffer(self.buffer, dtype=np.uint8)
+            offset = 0
+        else:
+            self.buffer = mmap.mmap(-1, size + HUGE)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                self.buffer.madvise(mmap.MADV_HUGEPAGE)
+            base = np.frombuffer(self.buffer, dtype=np.uint8)
+            offset = (-base.ctypes.data) % HUGE
         self.array = base[offset:offset + nbytes]
+        self.array[::4096] = 0  # first touch, page by page, before pinning
         self.pointer = self.array.ctypes.data
+        self.huge_kb = _smaps_huge_kb(self.pointer) if kind == "thp" else size // 1024
         self.registered = False
         if register:
             status = int(torch.cuda.cudart().cudaHostRegister(self.pointer, nbytes, 0))
@@ -144,8 +189,13 @@ def measure(args, device, pool_kind: str, context: int) -> list[dict]:
     huge_before = _anon_huge_kb()
     started = time.perf_counter()
     holder = None
-    if pool_kind == "thp":
-        holder = HugePool(nbytes, register=cuda)
+    if pool_kind in ("thp", "hugetlb"):
+        try:
+            holder = HugePool(nbytes, register=cuda, kind=pool_kind)
+        except OSError as error:
+            print(f"  {pool_kind:>9s} {context >> 10:>5d}K x{batch}: no pool ({error}; hugetlb needs pages reserved "
+                  f"in vm.nr_hugepages: {_meminfo('HugePages_Free')} free)", flush=True)
+            return []
         pool = holder.tensor(shape, dtype)
     elif pool_kind == "hostalloc":
         pool = torch.empty(shape, dtype=dtype, pin_memory=cuda)
@@ -176,11 +226,18 @@ def measure(args, device, pool_kind: str, context: int) -> list[dict]:
     for label, rows, warps, per_sm in WALKS:
         runs.append((label, "selection", lambda s, r=rows, w=warps, p=per_sm * sms:
                      gather_single_rows_into(pool, s, take, out, rows=r, warps=w, programs=p)))
+    for span in sorted(s for s in args.spans if s < context):
+        # the same number of rows drawn from the first `span` positions of this pool
+        _, narrow = _slots(batch, heads, span, count, args.update_buffer - 1, device)
+        expected[f"span {span}"] = reference.gather_rows(pool, narrow.to(pool.device), device)
+        runs.append((f"gather.py span {span >> 10}K", f"span {span}", lambda s, n=narrow: shipped(pool, n, take, out)))
+        runs.append((f"single r32w4 span {span >> 10}K", f"span {span}",
+                     lambda s, n=narrow: gather_single_rows_into(pool, n, take, out, rows=32, warps=4)))
     runs.append(("single r16w4 sort", "random", lambda s: gather_single_rows_into(pool, s, take, out, rows=16, warps=4, sort=True)))
     runs.append(("single r64w4 sort", "random", lambda s: gather_single_rows_into(pool, s, take, out, rows=64, warps=4, sort=True)))
     results = []
     for label, order, fn in runs:
-        slots = selection if order == "selection" else random
+        slots = selection if order == "selection" else random  # span runs bring their own slots
         out.zero_()
         fn(slots)
         equal = bool(torch.equal(out, expected[order]))
@@ -190,6 +247,8 @@ def measure(args, device, pool_kind: str, context: int) -> list[dict]:
             "variant": label, "order": order, "ms": ms, "gbps": moved / ms / 1e6, "copy_gbps": moved / copy_ms / 1e6,
             "equal": equal, "bytes": moved, "pool_setup_s": setup_s,
             "anon_huge_mb": (huge_after - huge_before) / 1024 if huge_before >= 0 else None,
+            # the pool's own huge pages (smaps for thp, the mapping for hugetlb); None for the others
+            "pool_huge_mb": holder.huge_kb / 1024 if holder is not None and holder.huge_kb is not None else None,
             "pool_mb": nbytes / 2**20,
         })
         print(f"  {pool_kind:>9s} {context >> 10:>5d}K x{batch} {label:22s} {order:>9s}: {ms:7.3f} ms "
@@ -208,17 +267,26 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--update-buffer", type=int, default=64)
-    parser.add_argument("--pools", default="mmap,thp,hostalloc",
-                        help="comma list of mmap (pinned_empty), thp (madvised huge pages) and hostalloc (cudaHostAlloc)")
+    parser.add_argument("--pools", default="mmap,thp,hugetlb,hostalloc",
+                        help="comma list of mmap (pinned_empty), thp (madvised, touched huge pages), hugetlb "
+                             "(MAP_HUGETLB; needs vm.nr_hugepages) and hostalloc (cudaHostAlloc)")
+    parser.add_argument("--spans", default="", help="comma list of spans (positions): gather.py and r32w4 again with "
+                        "the rows drawn from the first SPAN positions of the pool")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
     pools = [p.strip() for p in args.pools.split(",") if p.strip()]
-    bad = [p for p in pools if p not in ("mmap", "thp", "hostalloc")]
+    bad = [p for p in pools if p not in ("mmap", "thp", "hugetlb", "hostalloc")]
     if bad:
-        parser.error(f"unknown pool kind(s) {bad}; expected mmap, thp and/or hostalloc")
+        parser.error(f"unknown pool kind(s) {bad}; expected mmap, thp, hugetlb and/or hostalloc")
+    try:
+        args.spans = [int(x) for x in args.spans.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--spans takes comma-separated integers, got {args.spans!r}")
+    if any(x < args.budget for x in args.spans):
+        parser.error("--spans must each be at least --budget (the rows are distinct positions)")
     if args.budget - 4 - 64 < 1:
         parser.error("--budget must exceed 68 (sink 4 + recent 64)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -244,9 +312,12 @@ def print_summary(results: list[dict]) -> None:
         shipped = next((r for r in rows if r["variant"] == "gather.py"), None)
         best = max(rows, key=lambda r: r["gbps"])
         base = f"gather.py {shipped['gbps']:.1f} GB/s" if shipped else "gather.py not run"
-        huge = rows[0]["anon_huge_mb"]
+        huge = rows[0]["pool_huge_mb"]
         print(f"  {context >> 10:>5d}K {pool:>9s}: {base}; best {best['variant']} {best['gbps']:.1f} GB/s; "
-              f"copy {best['copy_gbps']:.1f}; huge pages gained {huge if huge is None else f'{huge:.0f} MB'}")
+              f"copy {best['copy_gbps']:.1f}; the pool's huge pages {'-' if huge is None else f'{huge:.0f} MB'}")
+        for r in results:
+            if r["context"] == context and r["pool"] == pool and r["order"].startswith("span"):
+                print(f"      {r['variant']:<24s} {r['gbps']:.1f} GB/s")
 
 
 if __name__ == "__main__":
