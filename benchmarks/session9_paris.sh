@@ -19,8 +19,8 @@ step() {
 }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
 cat /sys/kernel/mm/transparent_hugepage/enabled >> "$OUT/versions.txt" 2>&1
-# the gather kernel and the collision/radix tunables against their references at GPU sizes
-step gpu_tests 45 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_gather_single.py tests/kernels/triton/test_analytic_ops.py -k "gather or rerank_select or collision_candidates"
+# the gather kernel (pinned pools included) and the analytic ops at decode sizes against their references
+step gpu_tests 45 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_gather_single.py tests/kernels/triton/test_analytic_ops.py -k "gather or decode_sizes"
 # single-row gather at 1Mx4: gather.py against gather_single's schedules (and persistent walks) on
 # mmap (4 KB pages), THP (touched before pinning, its huge pages counted from smaps), hugetlb
 # (only where pages are reserved) and cudaHostAlloc pools; then gather.py with the rows drawn
