@@ -64,6 +64,7 @@ RERANK_VARIANTS = (
     ("radix score 128x8w", {"METHOD": "radix", "_RADIX_SCORE_SUB": 128, "_RADIX_SCORE_WARPS": 8}),
     ("radix score 32x4w old", {"METHOD": "radix", "_RADIX_SCORE_SUB": 32, "_RADIX_SCORE_WARPS": 4}),
     ("radix words 64x8w", {"METHOD": "radix", "SCORE_WORDS": True, "_RADIX_SCORE_SUB": 64, "_RADIX_SCORE_WARPS": 8}),
+    ("radix min chunk 128", {"METHOD": "radix", "_RADIX_MIN_CHUNK": 128}),
     ("radix programs 2048", {"METHOD": "radix", "_RADIX_PROGRAMS": 2048}),
     ("radix programs 8192", {"METHOD": "radix", "_RADIX_PROGRAMS": 8192}),
     ("radix programs 16384", {"METHOD": "radix", "_RADIX_PROGRAMS": 16384}),

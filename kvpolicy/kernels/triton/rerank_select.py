@@ -336,6 +336,12 @@ _PLACE_BLOCK = 256
 # 128 x 8 and the int32 words were slower at both
 _RADIX_SCORE_SUB = 128
 _RADIX_SCORE_WARPS = 4
+# the fewest candidates a program of the radix passes takes: 256 where about _RADIX_PROGRAMS
+# programs would leave fewer. Session 9's third H200 call (docs/bench/session9/third/paris/
+# pariskv_select.log), "radix programs 2048", which is chunk 256 at 128Kx4: rerank_select 93.3 us
+# against 107.2 (the whole selection 0.211 ms against 0.221); session 8's call alike (107.2
+# against 114.0). At 1Mx4 the chunk is 1024 either way (there, 2048 programs took 380.5 against 370.4)
+_RADIX_MIN_CHUNK = 256
 SCORE_WORDS = False
 
 
@@ -681,9 +687,10 @@ def _score_launch(query_rotated, codes, weight, norms, candidates, keys, row_his
 
 def radix_chunk(rows: int, width: int) -> int:
     """Candidates per program of the radix method's passes: about ``_RADIX_PROGRAMS`` programs a
-    call, at most ``_MAX_CHUNKS`` chunks a row, at least ``_RADIX_SCORE_SUB``."""
+    call, at most ``_MAX_CHUNKS`` chunks a row, at least ``_RADIX_MIN_CHUNK`` (and
+    ``_RADIX_SCORE_SUB``) where the row has that many."""
     chunk = triton.next_power_of_2(triton.cdiv(max(1, rows * width), _RADIX_PROGRAMS))
-    chunk = max(chunk, triton.next_power_of_2(triton.cdiv(max(1, width), _MAX_CHUNKS)))
+    chunk = max(chunk, _RADIX_MIN_CHUNK, triton.next_power_of_2(triton.cdiv(max(1, width), _MAX_CHUNKS)))
     return max(_RADIX_SCORE_SUB, min(chunk, triton.next_power_of_2(max(1, width))))
 
 

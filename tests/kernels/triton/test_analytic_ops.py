@@ -316,6 +316,7 @@ def small_select(request, monkeypatch):
     monkeypatch.setattr(rerank_select, "_RADIX_PROGRAMS", 64)
     monkeypatch.setattr(rerank_select, "_RADIX_SUB", 16)
     monkeypatch.setattr(rerank_select, "_RADIX_SCORE_SUB", 8)
+    monkeypatch.setattr(rerank_select, "_RADIX_MIN_CHUNK", 8)
     monkeypatch.setattr(rerank_select, "_PLACE_BLOCK", 4)
     monkeypatch.setattr(rerank_select, "METHOD", request.param)
     return rerank_select.rerank_select
