@@ -26,10 +26,12 @@ step gpu_tests 45 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/trit
 # (only where pages are reserved) and cudaHostAlloc pools; then gather.py with the rows drawn
 # from the first 128K/256K/512K positions of the same 1M pool (the span's effect alone)
 step pinned_gather_1m 70 python3 benchmarks/pinned_gather.py --contexts 1048576 --batch 4 --repeats 10 --spans 131072,262144,524288 --json "$OUT/pinned_gather_1m.json"
-# selection per layer ('radix' is 128 x 4 warps, 'radix score 32x4w old' the setting before) and
-# collision_candidates per tunable (COLLISION_VARIANTS)
-step pariskv_select 50 python3 benchmarks/pariskv_select.py --no-gather --json "$OUT/pariskv_select.json"
 # 1M tokens, batch 1: on this host the rows say "does not fit" (pools ~144 GiB) and it exits 0
 step e2e_1m 75 python3 -m kvpolicy bench e2e --contexts 1048576 --batches 1 --presets pariskv@cpu,pariskv@gpu --full-kinds full-graph --budget 2048 --steps 10 --compiled-layers --json "$OUT/e2e_1m.json"
+# selection per layer ('radix': 128 x 4 warps, chunks of at least 256; 'radix min chunk 128' the third
+# call's setting, 'radix score 32x4w old' session 8's) and
+# collision_candidates per tunable (COLLISION_VARIANTS)
+step pariskv_select 55 python3 benchmarks/pariskv_select.py --no-gather --repeats 10 --json "$OUT/pariskv_select.json"
+# measured in the third call (1.24x GPU pool, 0.45x pinned): runs only if time is left
 step e2e_pariskv_128k4 200 python3 -m kvpolicy bench e2e --contexts 131072 --batches 4 --presets pariskv@gpu,pariskv@cpu --full-kinds full-graph --budget 2048 --steps 18 --compiled-layers --json "$OUT/e2e_pariskv_128k4.json"
 echo "total seconds $(( $(date +%s) - START ))" | tee -a "$OUT/versions.txt"
