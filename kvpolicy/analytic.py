@@ -167,9 +167,12 @@ def srht_signs(head_dim: int, seed: int = 0, device: torch.device | str = "cpu")
 
 @functools.cache
 def _signs_on(head_dim: int, seed: int, device: torch.device) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    bits = torch.randint(0, 2, (head_dim,), generator=generator)
-    return (bits * 2 - 1).to(torch.float32).to(device)
+    # made outside inference mode whoever asks first (as collision_rerank's vote weights): a
+    # cached inference tensor cannot serve a caller outside it
+    with torch.inference_mode(False):
+        generator = torch.Generator().manual_seed(seed)
+        bits = torch.randint(0, 2, (head_dim,), generator=generator)
+        return (bits * 2 - 1).to(torch.float32).to(device)
 
 
 def _fwht(x: torch.Tensor) -> torch.Tensor:
