@@ -16,8 +16,11 @@ from .base import Selection, Selector
 
 @functools.cache
 def _votes_on(tiers: int, device: torch.device) -> torch.Tensor:
-    # cached on the device: a captured step must not copy from the host
-    return torch.tensor(analytic.tier_weights(tiers), dtype=torch.int32, device=device)
+    # cached on the device: a captured step must not copy from the host. Made outside inference
+    # mode whoever asks first: a cached inference tensor would send later steps' as_tensor
+    # through the dispatcher (an aten.to on every selection)
+    with torch.inference_mode(False):
+        return torch.tensor(analytic.tier_weights(tiers), dtype=torch.int32, device=device)
 
 
 @register("selector", "collision_rerank")
