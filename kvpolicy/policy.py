@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
-from .choices import BACKENDS, PLACEMENTS
+from .choices import ADMITS, BACKENDS, PLACEMENTS
 from .errors import ConfigError
 from .registry import base_class, lookup
 
@@ -68,6 +68,10 @@ class Policy:
     all layers of one cache; ``None`` sizes it from the device's free memory as each layer's
     prompt arrives, leaving headroom (``kvpolicy.placement.auto_headroom``).
     ``backend``: kernel backend, "auto", "reference" or "triton".
+    ``admit``: a token leaving the local window while the selection is kept joins the retrieved
+    buffer while it has room; at a full buffer, "room" drops it, "evict" keeps it in place of the
+    lowest-ranked selected row (so the prompt's last tokens, the question, stay attended without
+    a re-selection; at most the selection's own rows are given up).
     """
 
     trigger: Trigger | str | dict = "every_step"
@@ -80,6 +84,7 @@ class Policy:
     placement: str = "cpu"
     gpu_pool_bytes: int | None = None
     backend: str = "auto"
+    admit: str = "room"
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -116,6 +121,8 @@ class Policy:
                                   f"memory; got {limit!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"unknown kernel backend {self.backend!r}; accepted: {', '.join(BACKENDS)}")
+        if self.admit not in ADMITS:
+            raise ConfigError(f"unknown admit {self.admit!r}; accepted: {', '.join(ADMITS)}")
         if self.budget is None:
             return
         if not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget <= 0:
@@ -225,6 +232,9 @@ class Policy:
         if self.placement == "split":
             # only here: a spec's key set (the eval's cell keys hash it) stays as it was elsewhere
             spec["gpu_pool_bytes"] = self.gpu_pool_bytes
+        if self.admit != "room":
+            # likewise: the specs (and eval cells) of policies at the old behaviour stay as they were
+            spec["admit"] = self.admit
         return spec
 
     def apply(self, model: Any):
