@@ -164,6 +164,23 @@ def cache_argument_name(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def _miss_fractions(states) -> dict[str, float | None]:
+    """``miss_fraction`` and ``miss_fraction_warm`` of ``RunStats`` over the served layers (host
+    reads, after the generation). The retrieved buffer's rows are fixed once the context passes the
+    budget; while it grows (a short prompt) its current rows over-count the earlier selections."""
+    read = filled = first = 0
+    for s in states:
+        heads, rows = s.store.retrieved.keys.shape[1], s.store.retrieval_capacity
+        selections = s.reselections.long()
+        read += int(s.store.pool_rows_read.sum())
+        filled += int(selections.sum()) * heads * rows
+        # the first selection reads every row it fills (nothing is resident yet)
+        first += int((selections > 0).sum()) * heads * rows
+    warm = filled - first
+    return {"miss_fraction": read / filled if filled else None,
+            "miss_fraction_warm": max(read - first, 0) / warm if warm > 0 else None}
+
+
 @dataclass
 class RunStats:
     """What one generation did, summed over the served layers."""
@@ -183,6 +200,11 @@ class RunStats:
     pool_device_bytes: int = 0
     pool_host_bytes: int = 0
     pool_device_layers: list[int] | None = None
+    # of the buffer rows the re-selections filled (KV heads x retrieved rows each), the share the
+    # retrieved buffer did not already hold, so read from the pool (``TieredStore.pool_rows_read``);
+    # ``warm``: the same without each sequence's first selection, which finds the buffer empty
+    miss_fraction: float | None = None
+    miss_fraction_warm: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -343,6 +365,7 @@ class PolicySession:
             total = sum(int(s.reselections.sum()) for s in states)
             has_selector = self.policy.selector is not None
             share = total / (len(states) * steps * batch) if steps and has_selector else None
+            misses = _miss_fractions(states) if steps and has_selector else {}
             # layers the policy does not serve (sliding windows) hold their own KV on the device:
             # counted on both sides, so the figures compare like with like
             own = sum(2 * l.keys.numel() * l.keys.element_size() for l in cache.layers
@@ -368,6 +391,7 @@ class PolicySession:
             steps = length - context  # the last generated token is never fed back
             share, served, index = None, len(layers), 0
             pool = {"pool_device_bytes": full_bytes}
+            misses = {}
         return RunStats(
             context_tokens=context,
             decode_steps=steps,
@@ -378,4 +402,5 @@ class PolicySession:
             served_layers=served,
             index_bytes=index,
             **pool,
+            **misses,
         )
