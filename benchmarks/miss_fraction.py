@@ -52,9 +52,9 @@ def main() -> None:
                 answer = tokenizer.decode(out[0, demo.input_ids.shape[1]:], skip_special_tokens=True)
                 ok = answer_is_correct(answer, demo)
                 rows.append({"preset": name, "cache_multiple": multiple, "seed": seed,
-                             "reselect_share": stats.reselect_share, "miss_fraction": stats.miss_fraction,
+                             "reselect_share": stats.reselect_share, "miss_fraction": stats.miss_fraction_warm,
                              "correct": ok})
-                print(f"{name:10s} {multiple:5d}R {seed:4d} {stats.reselect_share:9.3f} {stats.miss_fraction:6.3f} "
+                print(f"{name:10s} {multiple:5d}R {seed:4d} {stats.reselect_share:9.3f} {stats.miss_fraction_warm:6.3f} "
                       f"{'right' if ok else 'wrong':>7s}", flush=True)
     for name in args.presets.split(","):
         for multiple in (int(m) for m in args.cache_multiples.split(",")):

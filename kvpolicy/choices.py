@@ -5,3 +5,6 @@ that ``kvpolicy.policy`` (a pure spec) can check them without importing kernels 
 BACKENDS = ("auto", "reference", "triton")
 # where a layer's full KV (its pool) lives; see ``Policy``
 PLACEMENTS = ("cpu", "gpu", "split")
+# what a full retrieved buffer does with a token leaving the local window while the selection is
+# kept: "room" drops it; "evict" keeps it in place of the lowest-ranked selected row
+ADMITS = ("room", "evict")

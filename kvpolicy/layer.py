@@ -11,7 +11,8 @@ prefill (``dispatch.bind``), with no host reads of tensor values anywhere:
        are cut where the trigger fired), or whatever index the prefill builder made (``analytic``)
     4. selector + budgeted fill -> selection; the store fetches it where ``reselect`` (captured
        as a conditional node: a replayed step where no row re-selects skips it, ``graph_branch``)
-    5. where not ``reselect``, the pushed-out token stays attended while the buffer has room
+    5. where not ``reselect``, the pushed-out token stays attended while the buffer has room (with
+       ``admit="evict"``, in place of the lowest-ranked selected row of a full buffer)
     6. sparse attention over sink + retrieved + local: one buffer, one part
 """
 
@@ -191,7 +192,7 @@ class PolicyLayerState:
             else:
                 # in a captured step a conditional node: a step where no row re-selects skips it
                 graph_branch.run_if_any(reselect, lambda: self._reselect(query))
-            store.admit(evicted, ~reselect, ops)
+            store.admit(evicted, ~reselect, ops, evict=policy.admit == "evict")
             if self.decode_steps == 0:  # eager: a graph captures a later step
                 self.first_fetch = (store.pool_rows_read.clone(), store.rows_fetched.clone())
         self.decode_steps += 1

@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
-from .choices import BACKENDS, PLACEMENTS
+from .choices import ADMITS, BACKENDS, PLACEMENTS
 from .errors import ConfigError
 from .registry import base_class, lookup
 
@@ -74,6 +74,10 @@ class Policy:
     ``kvpolicy.layer.auto_cache_rows``); 0 turns it off; a number keeps that many rows for every
     layer, wherever its pool is, and must be at least ``budget - sink - local``.
     ``backend``: kernel backend, "auto", "reference" or "triton".
+    ``admit``: a token leaving the local window while the selection is kept joins the retrieved
+    buffer while it has room; at a full buffer, "room" drops it, "evict" keeps it in place of the
+    lowest-ranked selected row (so the prompt's last tokens, the question, stay attended without
+    a re-selection; at most the selection's own rows are given up).
     """
 
     trigger: Trigger | str | dict = "every_step"
@@ -87,6 +91,7 @@ class Policy:
     gpu_pool_bytes: int | None = None
     unit_cache_rows: int | None = None
     backend: str = "auto"
+    admit: str = "room"
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -127,6 +132,8 @@ class Policy:
                               f"or None to size it where a pool is in host memory; got {rows!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"unknown kernel backend {self.backend!r}; accepted: {', '.join(BACKENDS)}")
+        if self.admit not in ADMITS:
+            raise ConfigError(f"unknown admit {self.admit!r}; accepted: {', '.join(ADMITS)}")
         if self.budget is None:
             return
         if not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget <= 0:
@@ -243,6 +250,9 @@ class Policy:
             spec["gpu_pool_bytes"] = self.gpu_pool_bytes
         if self.unit_cache_rows is not None:
             spec["unit_cache_rows"] = self.unit_cache_rows
+        if self.admit != "room":
+            # likewise: the specs (and eval cells) of policies at the old behaviour stay as they were
+            spec["admit"] = self.admit
         return spec
 
     def apply(self, model: Any):

@@ -154,6 +154,10 @@ class TieredStore:
     # units hold retrievable tokens only; see ``retrievable`` for what other indexes may ask
     unit_table: bool = False
     prompt_length: int | None = None
+    # (B, H) long, for ``admit``: rows [0, kept) still hold the last selection's rows (in score
+    # order), and how many leaving tokens the buffer admitted so far (a trigger reads it)
+    kept: torch.Tensor | None = None
+    admitted: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         keys = self.retrieved.keys
@@ -187,6 +191,9 @@ class TieredStore:
             self.sink_slots_all = self.sink.slots
         if self.prompt_length is None:
             self.prompt_length = self.length
+        for name in ("kept", "admitted"):
+            if getattr(self, name) is None:
+                setattr(self, name, torch.zeros(keys.shape[:2], dtype=torch.long, device=keys.device))
 
     @property
     def local_capacity(self) -> int:
@@ -501,14 +508,19 @@ class TieredStore:
         self.cache_dest.copy_(torch.where(miss, (cache.cursor.unsqueeze(-1) + rank) % cache.rows, -1))
         cache.cursor.copy_((cache.cursor + count) % cache.rows)
 
-    def admit(self, evicted: Evicted, mask: torch.Tensor, ops) -> None:
-        """Keep a token that left the local window attended while the retrieved buffer has room.
+    def admit(self, evicted: Evicted, mask: torch.Tensor, ops, evict: bool = False) -> None:
+        """Keep a token that left the local window attended while the retrieved buffer has room;
+        with ``evict`` (the policy's ``admit="evict"``), a full buffer keeps it too, in place of
+        its lowest-ranked selected row (``kept``).
 
-        ``mask (B,)``: the sequences that may admit; in place, by the ``admit_row`` kernel op.
+        ``mask (B,)``: the sequences that may admit; False where the sequence re-selected at this
+        step (after its fetch), which restarts ``kept`` from the new selection. In place, by the
+        ``admit_row`` kernel op; ``admitted`` counts every token kept, either way.
         """
         if self.retrieval_capacity == 0:
             return
-        dispatch.as_ops(ops, self.retrieved.keys.device).admit_row(self.retrieved, evicted, mask)
+        dispatch.as_ops(ops, self.retrieved.keys.device).admit_row(
+            self.retrieved, evicted, mask, self.kept if evict else None, self.admitted)
 
     def attention_parts(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """The ``(keys, values, valid)`` parts a step attends to: the one attended buffer."""

@@ -68,6 +68,16 @@ def test_placement_and_backend_values():
         preset("quest", placement="nvme")
     with pytest.raises(ConfigError, match="accepted: auto, reference, triton"):
         preset("quest", backend="cuda")
+    with pytest.raises(ConfigError, match="unknown admit 'drop'; accepted: room, evict"):
+        preset("quest", admit="drop")
+
+
+def test_admit_is_in_the_spec_only_when_it_evicts():
+    # a spec at admit="room" keeps the key set it had before the option existed (eval cells resume)
+    assert "admit" not in preset("clusterkv", admit="room").to_dict()
+    evicting = preset("clusterkv", admit="evict")
+    assert evicting.to_dict()["admit"] == "evict"
+    assert Policy.from_dict(evicting.to_dict()) == evicting
 
 
 def test_from_dict_round_trip_and_unknown_fields():

@@ -205,7 +205,7 @@ def split_throughput(model, policy: Policy, batch: int, context: int, steps: int
     ms, stats = time_policy_decode(model, policy, batch, context, steps, emulate=emulate, seed=seed,
                                    branches=branches, one_layer_at_a_time=True, with_stats=True)
     return SplitThroughput(policy.name + "/" + policy.placement, batch, context, steps, ms,
-                           miss_fraction=stats.miss_fraction, pool_device_bytes=stats.pool_device_bytes,
+                           miss_fraction=stats.miss_fraction_warm, pool_device_bytes=stats.pool_device_bytes,
                            pool_host_bytes=stats.pool_host_bytes,
                            pool_device_layers=len(stats.pool_device_layers or []))
 

@@ -94,7 +94,7 @@ class Throughput:
     context: int
     steps: int
     ms_per_step: float
-    # a policy row's share of re-selected rows read from the pool (RunStats.miss_fraction)
+    # a policy row's share of re-selected rows read from the pool (RunStats.miss_fraction_warm)
     miss_fraction: float | None = None
 
     @property
@@ -172,7 +172,7 @@ def time_policy_decode(model, policy: Policy, batch: int, context: int, steps: i
 def policy_throughput(model, policy: Policy, batch: int, context: int, steps: int, **options) -> Throughput:
     """``time_policy_decode`` as a row, with its miss fraction (``options``: its keywords)."""
     ms, stats = time_policy_decode(model, policy, batch, context, steps, with_stats=True, **options)
-    return Throughput(policy.name, batch, context, steps, ms, stats.miss_fraction)
+    return Throughput(policy.name, batch, context, steps, ms, stats.miss_fraction_warm)
 
 
 @torch.inference_mode()

@@ -153,6 +153,8 @@ def _generate(model, tokenizer, prompt, policy, max_new_tokens: int, ignore_eos:
         "new_tokens": int(new.numel()),
         "budget": policy.budget if policy.budget is not None else "all",
         "reselect_share": stats.reselect_share,
+        "miss_fraction": stats.miss_fraction,
+        "miss_fraction_warm": stats.miss_fraction_warm,
         "device_kv_bytes": stats.device_kv_bytes,
         "full_kv_bytes": stats.full_kv_bytes,
         "index_bytes": stats.index_bytes,
@@ -193,6 +195,8 @@ def _report(results: list[RunResult]) -> None:
         ("new tokens", lambda f: _fmt(f["new_tokens"])),
         ("budget (tokens/step)", lambda f: _fmt(f["budget"])),
         ("re-selecting (layer, step) pairs", lambda f: "-" if f["reselect_share"] is None else f"{100 * f['reselect_share']:.1f}%"),
+        ("re-selected rows read from the pool (after 1st)",
+         lambda f: "-" if f.get("miss_fraction_warm") is None else f"{100 * f['miss_fraction_warm']:.1f}%"),
         ("KV on attention device", lambda f: f"{_mib(f['device_kv_bytes'])} of {_mib(f['full_kv_bytes'])} "
                                             f"({100 * f['device_kv_bytes'] / max(f['full_kv_bytes'], 1):.0f}%)"),
         ("retrieval index on attention device", lambda f: _mib(f.get("index_bytes", 0))),

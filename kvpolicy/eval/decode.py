@@ -33,11 +33,18 @@ class Decoded:
     tokens: list[int]
     logits: list[torch.Tensor] = field(default_factory=list)  # per step (vocab,) float32, if kept
     reselect_share: float | None = None
+    miss_fraction: float | None = None  # RunStats.miss_fraction (and its warm form)
+    miss_fraction_warm: float | None = None
     recall_per_layer: dict[int, float] = field(default_factory=dict)
 
     @property
     def recall(self) -> float | None:
         return sum(self.recall_per_layer.values()) / len(self.recall_per_layer) if self.recall_per_layer else None
+
+
+def _take_stats(result: Decoded, stats) -> None:
+    result.reselect_share = stats.reselect_share
+    result.miss_fraction, result.miss_fraction_warm = stats.miss_fraction, stats.miss_fraction_warm
 
 
 @torch.inference_mode()
@@ -169,7 +176,7 @@ def _graph_decode(model, prefilled, policy, max_new_tokens, forced, keep_logits,
                     result.logits = result.logits[: i + 1]
                     break
         if max_new_tokens > 1:
-            result.reselect_share = session.stats().reselect_share
+            _take_stats(result, session.stats())
     if meter is not None:
         result.recall_per_layer = meter.per_layer()
     return result
@@ -231,7 +238,7 @@ def decode(
                         **{cache_argument_name(model): cache})
             logits = out.logits[0, -1].float()
         if isinstance(cache, PolicyCache) and cache.policy_layers()[0].decode_steps:
-            result.reselect_share = session.stats().reselect_share
+            _take_stats(result, session.stats())
     if meter is not None:
         result.recall_per_layer = meter.per_layer()
     return result

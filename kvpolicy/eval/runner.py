@@ -47,6 +47,9 @@ class CellResult:
     # absent from rows written before they were recorded: such rows are never reused
     model: str | None = None
     policy: dict | None = None  # Policy.to_dict() without its name
+    # RunStats.miss_fraction and its warm form (absent from rows written before they were recorded)
+    miss_fraction: float | None = None
+    miss_fraction_warm: float | None = None
 
     @property
     def key(self) -> str:
@@ -312,6 +315,7 @@ def run_grid(
                     recall_per_layer={str(k): v for k, v in decoded.recall_per_layer.items()},
                     seconds=time.perf_counter() - started,
                     model=model_name, policy=json.loads(_canonical(policy_spec(policy))),
+                    miss_fraction=decoded.miss_fraction, miss_fraction_warm=decoded.miss_fraction_warm,
                 )
                 assert cell.key == key
                 sink.write(json.dumps(asdict(cell)) + "\n")

@@ -164,6 +164,21 @@ def cache_argument_name(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def _miss_fractions(states) -> dict[str, float | None]:
+    """``miss_fraction`` and ``miss_fraction_warm`` of ``RunStats`` over the served layers (host
+    reads, after the generation), from the store's exact counters and each layer's counters after
+    its first decode step (``PolicyLayerState.first_fetch``)."""
+    fetched = read = fetched_warm = read_warm = 0
+    for s in states:
+        fetched += int(s.store.rows_fetched.sum())
+        read += int(s.store.pool_rows_read.sum())
+        if s.first_fetch is not None:
+            fetched_warm += int((s.store.rows_fetched - s.first_fetch[1]).sum())
+            read_warm += int((s.store.pool_rows_read - s.first_fetch[0]).sum())
+    return {"miss_fraction": read / fetched if fetched else None,
+            "miss_fraction_warm": read_warm / fetched_warm if fetched_warm else None}
+
+
 @dataclass
 class RunStats:
     """What one generation did, summed over the served layers."""
@@ -183,10 +198,12 @@ class RunStats:
     pool_device_bytes: int = 0
     pool_host_bytes: int = 0
     pool_device_layers: list[int] | None = None
-    # of the buffer rows re-selections asked for, the share read from the pool: neither the
-    # retrieved buffer nor the GPU unit cache held them; the first selection (an empty buffer)
-    # is left out (None: no re-selection after it)
+    # of the buffer rows the re-selections fetched (``TieredStore.rows_fetched``), the share read
+    # from the pool: neither the retrieved buffer nor the GPU unit cache held them
+    # (``pool_rows_read``); ``warm``: the same without each layer's first selection, which finds
+    # the buffer empty and reads every row (None: no such selection)
     miss_fraction: float | None = None
+    miss_fraction_warm: float | None = None
     unit_cache_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -348,6 +365,7 @@ class PolicySession:
             total = sum(int(s.reselections.sum()) for s in states)
             has_selector = self.policy.selector is not None
             share = total / (len(states) * steps * batch) if steps and has_selector else None
+            misses = _miss_fractions(states) if steps and has_selector else {}
             # layers the policy does not serve (sliding windows) hold their own KV on the device:
             # counted on both sides, so the figures compare like with like
             own = sum(2 * l.keys.numel() * l.keys.element_size() for l in cache.layers
@@ -358,11 +376,6 @@ class PolicySession:
             context = states[0].store.length - steps
             served = len(states)
             pool = {"pool_device_bytes": 0, "pool_host_bytes": 0, "pool_device_layers": []}
-            # from the second selection on: the first finds an empty buffer and reads every row
-            started = [s for s in states if s.first_fetch is not None]
-            fetched = sum(int((s.store.rows_fetched - s.first_fetch[1]).sum()) for s in started)
-            read = sum(int((s.store.pool_rows_read - s.first_fetch[0]).sum()) for s in started)
-            pool["miss_fraction"] = read / fetched if fetched else None
             pool["unit_cache_bytes"] = sum(s.store.cache.nbytes() for s in states if s.store.cache is not None)
             for s in states:
                 on_device = s.plan.pool_on_device
@@ -379,6 +392,7 @@ class PolicySession:
             steps = length - context  # the last generated token is never fed back
             share, served, index = None, len(layers), 0
             pool = {"pool_device_bytes": full_bytes}
+            misses = {}
         return RunStats(
             context_tokens=context,
             decode_steps=steps,
@@ -389,4 +403,5 @@ class PolicySession:
             served_layers=served,
             index_bytes=index,
             **pool,
+            **misses,
         )

@@ -374,22 +374,37 @@ def append_to_unit(
     selectable.scatter_(2, index, selectable.gather(2, index) | (valid_h & (open_unit >= 0).view(batch, 1, 1)))
 
 
-def admit_row(buffer, evicted, mask: torch.Tensor) -> None:
+def admit_row(buffer, evicted, mask: torch.Tensor, kept: torch.Tensor | None = None,
+              admitted: torch.Tensor | None = None) -> None:
     """Append the token the ring pushed out to the retrieved buffer of each (sequence, head) that
-    has room, in place.
+    has room, in place; with ``kept``, a full buffer admits it too, over its lowest-ranked row.
 
     ``buffer``: a ``RetrievedBuffer`` (keys/values ``(B, H, R, D)``, slots ``(B, H, R)`` long,
     valid/held ``(B, H, R)`` bool, fill ``(B, H)`` long); ``evicted``: an ``Evicted`` (key/value
     ``(B, H, D)``, slot 0-dim device long, valid ``(B,)``). Where ``fill < R`` and ``mask (B,)`` and
     ``evicted.valid``: row ``fill`` takes the token's key, value and slot, is marked valid and
-    held, and ``fill`` grows by one. Nothing changes elsewhere.
+    held, and ``fill`` grows by one.
+
+    ``kept (B, H)`` long, optional: rows ``[0, kept)`` still hold the last selection's rows. A
+    selection lays its rows out in score order (``select_budget``), so row ``kept - 1`` is the
+    lowest-ranked one left: where the buffer is full, ``kept > 0``, ``mask`` and ``evicted.valid``,
+    the token replaces that row and ``kept`` drops by one. Where ``mask`` is False (the sequence
+    re-selected this step, after its fetch) ``kept`` is reset to ``fill``. Once every selected row
+    is replaced (``kept == 0``) a full buffer admits nothing, so the eviction is bounded by the
+    selection's own rows and the re-selection trigger sees which units left.
+    ``admitted (B, H)`` long, optional: grows by one wherever the token was admitted (either way).
+    Nothing changes elsewhere.
     """
     batch, heads, capacity, dim = buffer.keys.shape
     if capacity == 0:
         return
+    allowed = (mask & evicted.valid).view(batch, 1)
     room = buffer.fill < capacity  # (B, H)
-    admit = room & (mask & evicted.valid).view(batch, 1)
-    index = buffer.fill.clamp(max=capacity - 1).unsqueeze(-1)  # (B, H, 1)
+    append = room & allowed
+    replace = torch.zeros_like(append) if kept is None else ~room & (kept > 0) & allowed
+    admit = append | replace
+    row = torch.where(room, buffer.fill, capacity if kept is None else kept - 1)
+    index = row.clamp(0, capacity - 1).unsqueeze(-1)  # (B, H, 1)
     vec = index.unsqueeze(-1).expand(batch, heads, 1, dim)
     a = admit.view(batch, heads, 1, 1)
     old_k = buffer.keys.gather(2, vec)
@@ -403,4 +418,9 @@ def admit_row(buffer, evicted, mask: torch.Tensor) -> None:
     # the ring's copy of a token has the same bits as its pool row
     old_held = buffer.held.gather(2, index)
     buffer.held.scatter_(2, index, old_held | admit.unsqueeze(-1))
-    buffer.fill.add_(admit.long())
+    buffer.fill.add_(append.long())
+    if kept is not None:
+        reset = ~mask.view(batch, 1)
+        kept.copy_(torch.where(reset, buffer.fill, kept - replace.long()))
+    if admitted is not None:
+        admitted.add_(admit.long())

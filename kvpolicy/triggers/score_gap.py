@@ -11,8 +11,11 @@ it, not after (EVAL.md: the query-cosine boundary came after the tokens that nee
 Which units are held is kept in the trigger's state, as unit ids (at most one a retrieved row, so
 a fixed ``(B, H, R)`` list that never grows with the table): the selector's ``Selection`` of each
 re-selection (``Trigger.selected``), then, each step, the decode unit that took the token which
-left the local window: added where the retrieved buffer admitted that token (it had room), dropped
-where it did not (a unit some of whose tokens are not attended is not held). A step scores the
+left the local window: added where the retrieved buffer admitted that token (it had room, or the
+policy's ``admit="evict"`` gave it a selected row), dropped where it did not (a unit some of whose
+tokens are not attended is not held). A selected unit whose rows ``admit="evict"`` gave up to
+leaving tokens is dropped too (the buffer's rows follow the selection's order, so the row where
+each listed unit ends says when it loses one). A step scores the
 table once, at its own query; the held mask is a scatter of that list.
 
 The trigger reads its layer's unit table, selector and retrieval capacity: the layer's prefill
@@ -46,7 +49,10 @@ class ScoreGapState:
     # last step's leaving token did: the open decode unit (B,), its size and the buffer's fill (B, H)
     seen_open: torch.Tensor | None = None
     seen_size: torch.Tensor | None = None
-    seen_fill: torch.Tensor | None = None
+    seen_admitted: torch.Tensor | None = None
+    # (B, H, R) long: the buffer row where each listed unit of the selection ends (its rows are the
+    # selection's, in order); 0 for units listed since (never given up by ``admit="evict"``)
+    held_end: torch.Tensor | None = None
     units_at_selection: torch.Tensor | None = None  # (B,) long: decode units opened by the last selection
     above: Any = None  # the PolicyLayerState of the preceding served layer, for ``follow``
 
@@ -160,7 +166,8 @@ class ScoreGap(Trigger):
         state.held_count = torch.zeros(batch, heads, dtype=torch.long, device=device)
         state.seen_open = units.open_unit.clone()
         state.seen_size = _open_unit_size(units)
-        state.seen_fill = layer.store.retrieved.fill.clone()
+        state.seen_admitted = layer.store.admitted.clone()
+        state.held_end = torch.zeros(batch, heads, room, dtype=torch.long, device=device)
         state.units_at_selection = units.decode_units.clone()
 
     def selected(self, state: ScoreGapState, selection: Any, reselect: torch.Tensor) -> None:
@@ -178,7 +185,11 @@ class ScoreGap(Trigger):
         units, store = state.layer.units, state.layer.store
         state.seen_open.copy_(torch.where(reselect, units.open_unit, state.seen_open))
         state.seen_size.copy_(torch.where(rows, _open_unit_size(units), state.seen_size))
-        state.seen_fill.copy_(torch.where(rows, store.retrieved.fill, state.seen_fill))
+        state.seen_admitted.copy_(torch.where(rows, store.admitted, state.seen_admitted))
+        # sizes as the selector filled them (the leaving token was filed before it ran)
+        sizes = units.size.gather(2, ids.clamp(min=0)).masked_fill(ids < 0, 0)
+        ends = torch.cumsum(sizes, dim=-1).clamp(max=store.retrieval_capacity)
+        state.held_end.copy_(torch.where(rows.unsqueeze(-1), ends.masked_fill(ids < 0, 0), state.held_end))
         state.units_at_selection.copy_(torch.where(reselect, units.decode_units, state.units_at_selection))
         state.has_selection.logical_or_(reselect)
 
@@ -189,16 +200,22 @@ class ScoreGap(Trigger):
         units, store = state.layer.units, state.layer.store
         unit = units.open_unit  # (B,)
         size = _open_unit_size(units)
-        fill = store.retrieved.fill
+        admitted_now = store.admitted
         moved = (unit != state.seen_open).view(-1, 1)
         appended = (unit >= 0).view(-1, 1) & (moved | (size != state.seen_size))  # (B, H)
-        admitted = fill > state.seen_fill
+        admitted = admitted_now > state.seen_admitted
         listed = state.held == unit.view(-1, 1, 1)  # (B, H, R)
         add = appended & admitted & ~listed.any(-1)
         room = state.held.shape[-1]
         position = state.held_count.clamp(max=room - 1).unsqueeze(-1)
         current = state.held.gather(2, position)
         state.held.scatter_(2, position, torch.where(add.unsqueeze(-1), unit.view(-1, 1, 1).expand_as(current), current))
+        end_now = state.held_end.gather(2, position)
+        state.held_end.scatter_(2, position, torch.where(add.unsqueeze(-1), 0, end_now))
+        if state.layer.policy.admit == "evict":
+            # selected units whose last rows a leaving token took: rows [kept, ...) are no longer
+            # the selection's (a branch on the policy's spec, not on a tensor)
+            state.held.masked_fill_(state.held_end > store.kept.unsqueeze(-1), -1)
         state.held_count.add_(add.long())
         if self.leaving == "unheld":
             # a token of a held unit that was not admitted: the unit is no longer all attended
@@ -206,7 +223,7 @@ class ScoreGap(Trigger):
             state.held.masked_fill_(drop, -1)
         state.seen_open.copy_(unit)
         state.seen_size.copy_(size)
-        state.seen_fill.copy_(fill)
+        state.seen_admitted.copy_(admitted_now)
 
     def scores(self, query: torch.Tensor, layer: Any) -> torch.Tensor:
         """``(B, H, U)`` the layer's selector scores for ``query (B, Hq, D)``, in attention logits."""

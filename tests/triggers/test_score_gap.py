@@ -26,11 +26,11 @@ PROMPT = PAGE * PAGES + LOCAL
 RUNNER_UP, FILLER = 9, 12
 
 
-def _layer(trigger: dict, batch: int = 1, seed: int = 0) -> PolicyLayerState:
+def _layer(trigger: dict, batch: int = 1, seed: int = 0, admit: str = "room") -> PolicyLayerState:
     gen = torch.Generator().manual_seed(seed)
     policy = kvpolicy.Policy(trigger=trigger, prefill_units={"name": "pages", "size": PAGE},
                              decode_units={"name": "pages", "size": PAGE}, selector="top_budget",
-                             budget=4 + LOCAL + 2 * PAGE, sink=4, local=LOCAL)
+                             budget=4 + LOCAL + 2 * PAGE, sink=4, local=LOCAL, admit=admit)
     keys = 0.01 * torch.randn(batch, H, PROMPT, D, generator=gen)
     for page in range(PAGES):
         keys[:, :, page * PAGE:(page + 1) * PAGE, page] += 3.0
@@ -179,9 +179,10 @@ def test_the_decision_is_per_sequence():
     assert (state.reselections - before).tolist() == [0, 1]
 
 
-def test_the_step_replays_with_frozen_host_state():
+@pytest.mark.parametrize("admit", ["room", "evict"])
+def test_the_step_replays_with_frozen_host_state(admit):
     steps = 30
-    eager, replayed = (_layer({"name": "score_gap", "margin": 0.5}, batch=2, seed=1) for _ in range(2))
+    eager, replayed = (_layer({"name": "score_gap", "margin": 0.5}, batch=2, seed=1, admit=admit) for _ in range(2))
     eager.plan.reserve(steps)
     replayed.plan.reserve(steps)
     captured = _tensors(replayed)
@@ -275,3 +276,28 @@ def test_leaving_ignored_keeps_the_selection_whatever_left_the_window():
     assert not set(range(PROMPT, PROMPT + PAGE)) & retrieved
     with pytest.raises(ConfigError, match="leaving must be one of unheld, ignored"):
         ScoreGap(leaving="dropped").validate()
+
+
+@pytest.mark.parametrize("admit", ["room", "evict"])
+def test_admit_evict_keeps_the_prompts_last_tokens_in_place_of_the_lowest_ranked_page(admit):
+    # the selection (pages 2, then RUNNER_UP: score order) fills the buffer; the prompt's last LOCAL
+    # tokens then leave the local window while the query stays on page 2, so nothing fires. With
+    # admit="evict" they replace RUNNER_UP's rows (the lowest-ranked), page 2 stays, and the trigger
+    # holds what is attended: the leaving tokens' decode page, not RUNNER_UP; with "room" they are lost
+    state = _layer({"name": "score_gap", "margin": -1.0, "measure": "mass"}, admit=admit)
+    fired = []
+    for _ in range(LOCAL + 1):
+        fired.append(_step(state, _toward(2)))
+        _check_held_is_what_is_attended(state)
+    assert fired[0] and not any(fired[1:])
+    retrieved = {int(s) for s in state.store.retrieved.slots[0, 0][state.store.retrieved.valid[0, 0]]}
+    # the token that left at the first step was a candidate of that step's selection, not admitted
+    leaving = set(range(PROMPT - LOCAL + 1, PROMPT + 1))
+    assert _unit_slots(state, 2) <= retrieved
+    held = set(state.policy.trigger.held_mask(state.trigger_state)[0, 0].nonzero().flatten().tolist())
+    if admit == "evict":
+        assert leaving <= retrieved and not _unit_slots(state, RUNNER_UP) & retrieved
+        assert RUNNER_UP not in held and 2 in held and int(state.store.kept[0, 0]) == PAGE
+    else:
+        assert not leaving & retrieved and _unit_slots(state, RUNNER_UP) <= retrieved
+        assert held == {2, RUNNER_UP}

@@ -34,6 +34,7 @@ families = {
     "score_gap, mass, held list": lambda p: p.startswith("held-"),
     "score_gap, mass, held list, leaving ignored": lambda p: p.startswith("ign-") and not p.endswith("-f1"),
     "the same, follow 1": lambda p: p.startswith("ign-") and p.endswith("-f1"),
+    "the same, admit=\"evict\"": lambda p: p.startswith("evict-"),
     "score_gap, weakest": lambda p: p.startswith("gap-"),
     "query_cosine (LouisKV's)": lambda p: p.startswith("louis-") or p == "louiskv-paper",
     "interval(n)": lambda p: p.startswith("interval-"),

@@ -124,3 +124,60 @@ def test_admit_row_refuses_mismatched_buffers():
     row = torch.zeros(2, 3, 16, device=DEVICE)
     with pytest.raises(ValueError, match="buffer.fill must be"):
         admit(RetrievedBuffer(**bufs), Evicted(torch.tensor(0, device=DEVICE), row, row, flag), flag)
+
+
+# -- admit="evict": a full buffer gives up its lowest-ranked selected row ----------------------
+
+
+def _admit_both_evicting(ref, tri, counters, key, value, slot, mask, token_valid):
+    kept, admitted = counters["ref"]
+    reference.admit_row(RetrievedBuffer(**ref), Evicted(slot, key, value, token_valid), mask, kept, admitted)
+    admit = dispatch.get("admit_row", "triton", DEVICE)
+    evicted = Evicted(slot.to(DEVICE), key.to(DEVICE), value.to(DEVICE), token_valid.to(DEVICE))
+    admit(RetrievedBuffer(**tri), evicted, mask.to(DEVICE), *counters["tri"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("batch,heads,rows,dim", [(3, 8, 6, 128), (2, 3, 5, 64), (1, 2, 1, 48)])
+def test_admit_row_evicting_matches_reference(dtype, batch, heads, rows, dim):
+    # fresh random inputs each run: full and part-full buffers, kept from 0 to full, re-selections
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    ref = _random_buffers(batch, heads, rows, dim, dtype, gen)
+    ref["fill"][0] = rows  # at least one sequence starts full
+    kept = torch.minimum(torch.randint(0, rows + 1, (batch, heads), generator=gen), ref["fill"])
+    admitted = torch.randint(0, 50, (batch, heads), generator=gen)
+    tri = {f: t.clone().to(DEVICE) for f, t in ref.items()}
+    counters = {"ref": (kept, admitted), "tri": (kept.clone().to(DEVICE), admitted.clone().to(DEVICE))}
+    for step in range(2 * rows + 3):
+        key = random_pool((batch, heads, dim), dtype, torch.device("cpu"), gen)
+        value = random_pool((batch, heads, dim), dtype, torch.device("cpu"), gen)
+        mask = torch.rand(batch, generator=gen) > 0.2
+        token_valid = torch.rand(batch, generator=gen) > 0.2
+        slot = torch.randint(0, 5000, (), generator=gen)
+        _admit_both_evicting(ref, tri, counters, key, value, slot, mask, token_valid)
+        for name in FIELDS:
+            assert _same(tri[name], ref[name]), f"step {step}: {name} differs"
+        for got, want, name in zip(counters["tri"], counters["ref"], ("kept", "admitted")):
+            assert _same(got, want), f"step {step}: {name} differs"
+
+
+def test_admit_row_evicts_lowest_ranked_rows_then_stops():
+    # one (sequence, head), a full buffer of 3 selected rows (slots 10, 11, 12 in score order)
+    buffer = RetrievedBuffer(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2), torch.ones(1, 1, 3, dtype=torch.bool),
+                             slots=torch.tensor([[[10, 11, 12]]]), held=torch.ones(1, 1, 3, dtype=torch.bool),
+                             fill=torch.tensor([[3]]))
+    kept, admitted = torch.tensor([[3]]), torch.tensor([[0]])
+    yes = torch.ones(1, dtype=torch.bool)
+    for slot in (20, 21, 22, 23):
+        token = torch.full((1, 1, 2), float(slot))
+        reference.admit_row(buffer, Evicted(torch.tensor(slot), token, token, yes), yes, kept, admitted)
+    # the lowest-ranked row goes first; once every selected row is replaced, nothing more is kept
+    assert buffer.slots.tolist() == [[[22, 21, 20]]]
+    assert buffer.keys[0, 0, :, 0].tolist() == [22.0, 21.0, 20.0]
+    assert kept.tolist() == [[0]] and admitted.tolist() == [[3]] and buffer.fill.tolist() == [[3]]
+    # a re-selection (mask False) restarts kept from the buffer's fill, and admits nothing
+    reference.admit_row(buffer, Evicted(torch.tensor(30), token, token, yes), ~yes, kept, admitted)
+    assert kept.tolist() == [[3]] and admitted.tolist() == [[3]] and buffer.slots.tolist() == [[[22, 21, 20]]]
+    # without kept (admit="room") a full buffer drops the token
+    reference.admit_row(buffer, Evicted(torch.tensor(31), token, token, yes), yes, None, admitted)
+    assert buffer.slots.tolist() == [[[22, 21, 20]]] and admitted.tolist() == [[3]]
