@@ -22,12 +22,11 @@ import torch
 
 
 @dataclass
-class Tier:
-    """Rows attended on the device. ``keys``/``values``: ``(B, H, N, D)``; ``valid (B, H, N)``."""
+class KeyValueRows:
+    """Rows of keys and values on the device, ``(B, H, N, D)`` each: what every tier below holds."""
 
     keys: torch.Tensor
     values: torch.Tensor
-    valid: torch.Tensor
 
     @property
     def rows(self) -> int:
@@ -36,6 +35,13 @@ class Tier:
     def nbytes(self) -> int:
         """Bytes of its keys and values."""
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+
+
+@dataclass
+class Tier(KeyValueRows):
+    """Rows attended on the device, with their validity ``valid (B, H, N)``."""
+
+    valid: torch.Tensor
 
 
 @dataclass
@@ -61,7 +67,7 @@ class RetrievedBuffer(Tier):
 
 
 @dataclass
-class RowCache:
+class RowCache(KeyValueRows):
     """The last rows a re-selection read from the pool, kept on the attention device (the GPU
     unit cache): a fetched unit is a run of rows, so a unit that leaves the selection and comes
     back is read here instead of across PCIe.
@@ -72,8 +78,6 @@ class RowCache:
     buffer's rows, so the misses of one fetch never share a row.
     """
 
-    keys: torch.Tensor
-    values: torch.Tensor
     slots: torch.Tensor
     held: torch.Tensor
     cursor: torch.Tensor
@@ -90,14 +94,6 @@ class RowCache:
             held=torch.zeros(batch, heads, rows, dtype=torch.bool, device=device),
             cursor=torch.zeros(batch, heads, dtype=torch.long, device=device),
         )
-
-    @property
-    def rows(self) -> int:
-        return self.keys.shape[2]
-
-    def nbytes(self) -> int:
-        """Bytes of its keys and values."""
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
 
 
 @dataclass
