@@ -230,7 +230,7 @@ def test_eval_into_another_models_folder_is_refused_unless_add_model(tmp_path, n
 
 
 def test_from_dict_of_a_list_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"a policy config is a mapping.*got list \[1, 2\]; fields: backend"):
+    with pytest.raises(ConfigError, match=r"a policy config is a mapping.*got list \[1, 2\]; fields: admit, backend"):
         kvpolicy.Policy.from_dict([1, 2])
 
 
