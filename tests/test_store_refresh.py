@@ -19,13 +19,15 @@ CUDA = torch.cuda.is_available()
 B, H, D, PROMPT, SINK, LOCAL, R = 2, 3, 16, 200, 2, 8, 12
 
 
-def _stores(seed, device, pool_device):
+def _stores(seed, device, pool_device, read_whole=False):
     gen = torch.Generator().manual_seed(seed)
     keys = torch.randn(B, H, PROMPT, D, generator=gen).to(device)
     values = torch.randn(B, H, PROMPT, D, generator=gen).to(device)
     valid = torch.ones(B, PROMPT, dtype=torch.bool, device=device)
     valid[1, :5] = False  # left padding
-    return tuple(TieredStore.from_prefill(keys, values, valid, SINK, LOCAL, R, pool_device) for _ in range(2))
+    stores = tuple(TieredStore.from_prefill(keys, values, valid, SINK, LOCAL, R, pool_device) for _ in range(2))
+    stores[0].read_whole = read_whole  # the lookup path everywhere unless a test asks otherwise
+    return stores
 
 
 def _old_fetch(store, slots, slot_valid, reselect):
@@ -54,10 +56,11 @@ def _assert_same(store, shadow, step):
         assert torch.equal(got.cpu(), want.cpu()), f"step {step}: {name} differs from a full gather"
 
 
-def _run(kind, backend, device, pool_device, steps=24, seed=0, cache_rows=0):
+def _run(kind, backend, device, pool_device, steps=24, seed=0, cache_rows=0, read_whole=False):
     """Decode ``steps`` tokens; returns (store, expected rows read (B,), re-selections (B,)).
-    ``cache_rows``: the store keeps a GPU unit cache of that many rows (0: none)."""
-    store, shadow = _stores(seed, device, pool_device)
+    ``cache_rows``: the store keeps a GPU unit cache of that many rows (0: none); ``read_whole``:
+    the store reads every selected row from the pool (expected rows read stay the lookup's)."""
+    store, shadow = _stores(seed, device, pool_device, read_whole)
     if cache_rows:
         store.set_cache(cache_rows)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -129,6 +132,26 @@ def test_overlapping_selections_read_only_the_missing_rows(backend, device, pool
     assert (read < H * R * reselections).all()
     assert (reselections > 1).all()  # reuse was possible at all
     assert torch.equal(store.rows_fetched.cpu(), H * R * reselections)
+
+
+@pytest.mark.parametrize("backend,device,pool_device", _CASES)
+def test_a_store_that_reads_whole_leaves_what_a_full_gather_leaves(backend, device, pool_device):
+    """``read_whole`` (a GPU pool's fetch): the same buffers as the shadow (``_run`` compares
+    them every step), every selected row counted as read from the pool."""
+    store, expected, reselections = _run("overlap", backend, torch.device(device), torch.device(pool_device),
+                                         read_whole=True)
+    assert (expected < H * R * reselections).all()  # the lookup would have read fewer
+    assert torch.equal(store.pool_rows_read.cpu(), H * R * reselections)
+    assert torch.equal(store.rows_fetched.cpu(), H * R * reselections)
+
+
+def test_only_a_pool_in_gpu_memory_is_read_whole():
+    """The lookup pays off where the pool is across PCIe, or on a CPU (where the eval measures
+    the miss fraction); a pool on the GPU itself is read whole."""
+    assert not _stores(0, torch.device("cpu"), torch.device("cpu"))[1].read_whole
+    if CUDA:
+        assert _stores(0, torch.device("cuda"), torch.device("cuda"))[1].read_whole
+        assert not _stores(0, torch.device("cuda"), torch.device("cpu"))[1].read_whole
 
 
 @pytest.mark.parametrize("cache_rows", [0, R], ids=["no-cache", "cache"])

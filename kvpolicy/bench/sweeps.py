@@ -6,7 +6,7 @@ the Python API gets the same rows::
 
     from kvpolicy.bench import sweeps
     rows = list(sweeps.layer(cells=[("louiskv", ["cpu", "gpu"])], contexts=[131072], batches=[1],
-                             budget=2048, backend="triton", device=device, rate=0.117, ...))
+                             budget=2048, backend="triton", device=device, rate=0.176, ...))
 
 A cell that could not be measured yields a row with an ``"error"`` (and, for a failure other than
 running out of GPU memory, ``"failed": True`` and its ``"traceback"``), so one broken cell never
@@ -29,8 +29,9 @@ FULL_KINDS = ("full-graph", "full-sdpa-graph", "full-eager")
 
 def louiskv_interval(rate: float) -> int:
     """The ``interval(n)`` that stands in for LouisKV's trigger at re-selection share ``rate``
-    (random weights have no query dynamics)."""
-    return max(1, round(1 / rate))
+    (random weights have no query dynamics): the longest whose share ``1 / n`` is at least
+    ``rate``, so a row never re-selects less often than the measured rate (17.6%: interval(5))."""
+    return max(1, int(1 / rate))
 
 
 def whole_intervals(steps: int, every: int) -> int:
@@ -47,22 +48,30 @@ def _release(device: torch.device) -> None:
 
 def e2e(model, *, contexts: Iterable[int], batches: Iterable[int], cells: PresetCells, budget: int, steps: int,
         backend: str, full_kinds: Iterable[str], branch_kinds: list[str], rate: float,
-        unit_cache_rows: int | None = None) -> Iterator[dict]:
+        unit_cache_rows: int | None = None, stickiness: Iterable[float] = (0.0,)) -> Iterator[dict]:
     """Decode ms per step of whole-model steps: full-graph (the baseline every ratio is against),
     ``budget-floor`` (full-graph at the budget's context: the best any policy can do on the
     stack), the other ``full_kinds``, then each preset at each placement and DecodeGraph branch
     kind; louiskv at ``interval(n)`` (``rate``), never re-selecting after its first step
     (``/reuse``) and at every step (``/every_step``); ``unit_cache_rows``: the policies' GPU unit
-    cache (``Policy.unit_cache_rows``). A policy row carries its ``miss_fraction``."""
+    cache (``Policy.unit_cache_rows``). A policy row carries its ``miss_fraction``. ``stickiness``:
+    louiskv's re-selecting rows run once per value, with unit scores biased by up to that much
+    per unit (``overlap.StickyTopBudget``: selections overlap as a real model's do), labelled
+    ``~sN`` unless the only value is 0."""
     from ..presets import preset
     from .e2e import DoesNotFit, full_throughput, policy_throughput
+    from .overlap import StickyTopBudget
 
     device = next(model.parameters()).device
     emulate = device.type != "cuda"
     every = louiskv_interval(rate)
     interval_steps = whole_intervals(steps, every)
-    louiskv_triggers = [("interval", {"name": "interval", "n": every}), ("reuse", {"name": "interval", "n": 1 << 40}),
-                        ("every_step", {"name": "every_step"})]
+    stickiness = list(stickiness)
+    labelled = stickiness != [0.0]
+    tags = [(f"~s{bias:g}" if labelled else "", bias) for bias in stickiness]
+    louiskv_triggers = ([("interval" + tag, {"name": "interval", "n": every}, bias) for tag, bias in tags]
+                        + [("reuse", {"name": "interval", "n": 1 << 40}, 0.0)]  # never re-selects: no bias to try
+                        + [("every_step" + tag, {"name": "every_step"}, bias) for tag, bias in tags])
     full_kinds = list(full_kinds)
     for context in contexts:
         for batch in batches:
@@ -71,16 +80,18 @@ def e2e(model, *, contexts: Iterable[int], batches: Iterable[int], cells: Preset
             grid += [(kind, None, None, steps) for kind in full_kinds if kind != "full-graph"]
             for name, placements in cells:
                 for placement in placements:
-                    triggers = louiskv_triggers if name == "louiskv" else [(None, None)]
-                    for tag, trigger in triggers:
+                    triggers = louiskv_triggers if name == "louiskv" else [(None, None, 0.0)]
+                    for tag, trigger, bias in triggers:
                         options = {"budget": budget, "placement": placement, "backend": backend,
                                    "unit_cache_rows": unit_cache_rows}
                         if trigger:
                             options["trigger"] = trigger
+                        if bias:
+                            options["selector"] = StickyTopBudget(stickiness=bias)
                         label = f"{name}/{placement}" + (f"/{tag}" if tag else "")
                         for kind in branch_kinds:
                             shown = label + (f"[{kind}]" if len(branch_kinds) > 1 else "")
-                            cell_steps = interval_steps if tag == "interval" else steps
+                            cell_steps = interval_steps if tag and tag.startswith("interval") else steps
                             grid.append((shown, preset(name, **options), kind, cell_steps))
             for label, policy, branches, cell_steps in grid:
                 try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..bench import BUDGET, LOUISKV_RATE
 from ..errors import KVPolicyError
-from .common import add_plugin_flag, check_writable, device_name, ints
+from .common import add_plugin_flag, check_writable, device_name, floats, ints
 
 
 def add_parser(sub) -> None:
@@ -49,7 +49,11 @@ def add_parser(sub) -> None:
                             "sized where a pool is in host memory)")
     bench.add_argument("--rate", type=float, default=LOUISKV_RATE,
                        help=f"LouisKV's re-selection share for the amortised column (default: {100 * LOUISKV_RATE:.1f}%%, measured "
-                            "on SmolLM2 at 4K, budget 512, EVAL.md)")
+                            "on SmolLM2's 4K needles, budget 512, with the preset's trigger; EVAL.md)")
+    bench.add_argument("--stickiness", default="0",
+                       help="e2e: comma-separated per-unit score biases for louiskv's re-selecting rows (bench/overlap.py: "
+                            "random weights select afresh, a bias makes successive selections overlap as a real model's do; "
+                            "each row's miss column says how much); default 0")
     bench.add_argument("--kmeans", action="store_true",
                        help="cluster with real K-means (default: random units of 16 tokens, same sizes and scatter)")
     bench.add_argument("--repeats", type=int, default=30)
@@ -167,14 +171,17 @@ def e2e(args, device, rows: BenchRows) -> bool:
         print(f"louiskv's /interval rows time {interval_steps} steps ({interval_steps // every} whole intervals), "
               f"the other rows {args.steps}")
     print("miss: of the rows a policy's re-selections fetched after its first, the share read from the pool "
-          "(neither the retrieved buffer nor the unit cache held them; random weights select afresh each time)")
+          "(neither the retrieved buffer nor the unit cache held them; random weights select afresh each time; "
+          "a pool in GPU memory is read whole, 1.00); ~sN: louiskv's unit scores biased by up to N per unit "
+          "(--stickiness), so selections overlap more")
     print(f"{'kind':28s} {'B':>2s} {'context':>8s} {'ms/step':>8s} {'tokens/s':>9s} {'vs full-graph':>13s} "
           f"{'over floor':>10s} {'miss':>5s}")
     failed = False
     for row in sweeps.e2e(model, contexts=ints(args.contexts or "32768,131072", "contexts"),
                           batches=ints(args.batches, "batches"), cells=preset_placements(args), budget=args.budget,
                           steps=args.steps, backend=args.backend, full_kinds=full_kinds, branch_kinds=branch_kinds,
-                          rate=args.rate, unit_cache_rows=args.unit_cache_rows):
+                          rate=args.rate, unit_cache_rows=args.unit_cache_rows,
+                          stickiness=floats(args.stickiness, "stickiness")):
         if "error" in row:
             if row.get("traceback"):
                 print(row["traceback"], end="", file=sys.stderr)

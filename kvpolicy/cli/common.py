@@ -36,6 +36,17 @@ def ints(text: str, what: str) -> list[int]:
         raise KVPolicyError(f"--{what} takes comma-separated integers, got {text!r}") from None
 
 
+def floats(text: str, what: str) -> list[float]:
+    """A comma-separated ``--what`` as numbers."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KVPolicyError(f"--{what} takes comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise KVPolicyError(f"--{what} needs at least one number, got {text!r}")
+    return values
+
+
 def check_writable(path: str | None, flag: str) -> None:
     """Fail now, not after the run, if ``path`` cannot be written (a file that is missing stays missing)."""
     if path is None:

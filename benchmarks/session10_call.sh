@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Session 10's GPU calls. Usage: bash benchmarks/session10_call.sh OUTDIR TAR MODE
+# Each step's log lands in OUTDIR; the folder is re-packed into TAR after every step, so a call cut
+# short still returns what finished. A file wheels/chunk_* carried with the call is moved to
+# /tmp/gemma_chunks (kept while the machine stays warm) for the Gemma 3 call.
+set -u
+OUT=${1:?}; TAR=${2:?}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+mkdir -p /tmp/gemma_chunks; for c in wheels/chunk_*; do [ -f "$c" ] && mv "$c" /tmp/gemma_chunks/; done; ls -la /tmp/gemma_chunks > "$OUT/chunks.txt"
+step() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?" >> "$OUT/$name.log"; tail -n 25 "$OUT/$name.log"; tar cf "$TAR" -C "$(dirname "$OUT")" "$(basename "$OUT")"; }
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+E2E="python3 -m kvpolicy bench e2e --full-kinds full-graph --budget 2048 --steps 18 --compiled-layers"
+PROF="python3 benchmarks/profile_step.py --context 131072 --batch 4 --rows 45"
+case ${3:?} in
+first)
+step gpu_tests 120 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_admit.py tests/test_graph_ready.py tests/kernels/triton/test_refresh.py tests/test_store_refresh.py
+step e2e_short 230 $E2E --contexts 32768,131072 --batches 1,4 --presets louiskv@gpu --json "$OUT/e2e_short.json"
+step prof_every_gpu 45 $PROF --preset louiskv --placement gpu --trigger '{"name":"every_step"}' --out "$OUT/prof_every_gpu.txt"
+step prof_every_cpu 45 $PROF --preset louiskv --placement cpu --trigger '{"name":"every_step"}' --out "$OUT/prof_every_cpu.txt"
+step prof_pariskv_gpu 45 $PROF --preset pariskv --placement gpu --out "$OUT/prof_pariskv_gpu.txt"
+step prof_pariskv_cpu 45 $PROF --preset pariskv --placement cpu --out "$OUT/prof_pariskv_cpu.txt"
+;;
+esac

@@ -1,0 +1,39 @@
+"""Successive selections that overlap as a real model's do, for benchmarks of random weights.
+
+A random-weight model's queries are unrelated from step to step, so each re-selection picks
+units afresh: 80-90% of its rows are misses (not in the retrieved buffer or the unit cache),
+where a real model misses 36-43% (SmolLM2, EVAL.md). The pinned pool's cost per re-selection
+follows the misses, so a benchmark at random weights' overlap overstates it.
+
+``StickyTopBudget`` is ``top_budget`` whose unit scores carry a fixed bias per unit, ``stickiness
+* h(u)`` with ``h`` a hash of the unit's index into [0, 1): the query still ranks the units, but
+the same ones keep winning, more of them the larger the bias. The scoring, ranking and fetch run
+as they do for ``top_budget`` (plus one elementwise add); the row's measured miss fraction says
+what overlap the bias produced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..selectors.top_budget import TopBudget
+
+
+def unit_hash(units: int, device: torch.device) -> torch.Tensor:
+    """``(units,)`` float32 in [0, 1), fixed per unit index: Knuth's multiplicative hash, a
+    permutation of 32-bit integers, so distinct units get distinct values."""
+    index = torch.arange(units, device=device, dtype=torch.long)
+    return ((index * 2654435761) % (1 << 32)).float() / float(1 << 32)
+
+
+@dataclass
+class StickyTopBudget(TopBudget):
+    """``top_budget`` with a fixed per-unit score bias of up to ``stickiness`` (benchmarks only)."""
+
+    stickiness: float = 0.0
+
+    def unit_scores(self, query, units, ops, take=None) -> torch.Tensor:
+        scores = super().unit_scores(query, units, ops, take)
+        return scores + self.stickiness * unit_hash(scores.shape[-1], scores.device)
