@@ -480,15 +480,10 @@ class TieredStore:
         buffer, cache = self.retrieved, self.cache
         ops = dispatch.as_ops(ops, buffer.keys.device)
         batch, heads, rows = slots.shape
-        fetched = reselect.long() * (heads * rows)
-        self.rows_fetched.add_(fetched)
         if self.read_whole and cache is None:
-            pool_rows = self.pool_rows(slots)
-            ops.gather_rows_into(self.pool.keys, pool_rows, reselect, buffer.keys)
-            ops.gather_rows_into(self.pool.values, pool_rows, reselect, buffer.values)
-            self.pool_rows_read.add_(fetched)
-            ops.commit_selection(self, slots, slot_valid, reselect)
+            ops.fetch_whole(self, slots, slot_valid, reselect)  # the rows, the commit and both counters
             return
+        self.rows_fetched.add_(reselect.long() * (heads * rows))
         # rows the buffer already holds are copied on the device; only the others are read
         # from the pool (over PCIe for a host pool). Same contents as gathering every row.
         if cache is None:

@@ -5,9 +5,11 @@ units afresh: 80-90% of its rows are misses (not in the retrieved buffer or the 
 where a real model misses 36-43% (SmolLM2, EVAL.md). The pinned pool's cost per re-selection
 follows the misses, so a benchmark at random weights' overlap overstates it.
 
-``StickyTopBudget`` is ``top_budget`` whose unit scores carry a fixed bias per unit, ``stickiness
-* h(u)`` with ``h`` a hash of the unit's index into [0, 1): the query still ranks the units, but
-the same ones keep winning, more of them the larger the bias. The scoring, ranking and fetch run
+``StickyTopBudget`` is ``top_budget`` whose unit scores carry a fixed bias per unit,
+``stickiness * sigma * h(u)``, with ``h`` a hash of the unit's index into [0, 1) and ``sigma``
+the spread (standard deviation) of the row's scores: the query still ranks the units, but the
+same ones keep winning, more of them the larger the bias; in units of the scores' own spread,
+so one setting means about the same overlap at any context or batch. The scoring, ranking and fetch run
 as they do for ``top_budget`` (plus one elementwise add); the row's measured miss fraction says
 what overlap the bias produced.
 """
@@ -30,10 +32,16 @@ def unit_hash(units: int, device: torch.device) -> torch.Tensor:
 
 @dataclass
 class StickyTopBudget(TopBudget):
-    """``top_budget`` with a fixed per-unit score bias of up to ``stickiness`` (benchmarks only)."""
+    """``top_budget`` with a fixed per-unit score bias of up to ``stickiness`` times the scores'
+    spread (benchmarks only)."""
 
     stickiness: float = 0.0
 
     def unit_scores(self, query, units, ops, take=None) -> torch.Tensor:
         scores = super().unit_scores(query, units, ops, take)
-        return scores + self.stickiness * unit_hash(scores.shape[-1], scores.device)
+        finite = torch.isfinite(scores)
+        count = finite.sum(-1, keepdim=True).clamp(min=1)
+        kept = torch.where(finite, scores, 0.0)
+        mean = kept.sum(-1, keepdim=True) / count
+        spread = (torch.where(finite, scores - mean, 0.0).square().sum(-1, keepdim=True) / count).sqrt()
+        return scores + self.stickiness * spread * unit_hash(scores.shape[-1], scores.device)

@@ -100,6 +100,24 @@ def commit_selection(store, slots: torch.Tensor, slot_valid: torch.Tensor, resel
     buffer.held.copy_(torch.where(take, held, buffer.held))
 
 
+def fetch_whole(store, slots: torch.Tensor, slot_valid: torch.Tensor, reselect: torch.Tensor) -> None:
+    """A fetch that reads every selected row from the pool (``TieredStore.read_whole``): for the
+    sequences where ``reselect (B,)``, the retrieved buffer's keys and values become the pool
+    rows of ``slots (B, H, R)``, then ``commit_selection``; ``rows_fetched`` and
+    ``pool_rows_read`` both grow by ``H * R``. The other sequences are untouched."""
+    from .reference import gather_rows_into
+
+    buffer = store.retrieved
+    heads, rows = slots.shape[1:]
+    pool_rows = store.pool_rows(slots)
+    gather_rows_into(store.pool.keys, pool_rows, reselect, buffer.keys)
+    gather_rows_into(store.pool.values, pool_rows, reselect, buffer.values)
+    commit_selection(store, slots, slot_valid, reselect)
+    fetched = reselect.long() * (heads * rows)
+    store.rows_fetched.add_(fetched)
+    store.pool_rows_read.add_(fetched)
+
+
 def append_leaving_by_rule(table, slot, key, valid, boundary, max_size: int, at_boundary: bool) -> None:
     """File the token leaving the local window (``slot``: 0-dim; ``key (B, H, D)``; ``valid (B,)``)
     in ``table``, cutting a new unit by the rule of ``UnitBuilder.cut_rule``: when none is open,
