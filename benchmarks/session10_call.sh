@@ -12,12 +12,15 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 E2E="python3 -m kvpolicy bench e2e --full-kinds full-graph --budget 2048 --steps 18 --compiled-layers"
 PROF="python3 benchmarks/profile_step.py --context 131072 --batch 4 --rows 45"
 case ${3:?} in
-first)
+first)  # call 1 (the e2e_short and gpu_tests rows of docs/bench/session10/first; the profiles timed out at 45 s)
 step gpu_tests 120 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_admit.py tests/test_graph_ready.py tests/kernels/triton/test_refresh.py tests/test_store_refresh.py
 step e2e_short 230 $E2E --contexts 32768,131072 --batches 1,4 --presets louiskv@gpu --json "$OUT/e2e_short.json"
-step prof_every_gpu 45 $PROF --preset louiskv --placement gpu --trigger '{"name":"every_step"}' --out "$OUT/prof_every_gpu.txt"
-step prof_every_cpu 45 $PROF --preset louiskv --placement cpu --trigger '{"name":"every_step"}' --out "$OUT/prof_every_cpu.txt"
 step prof_pariskv_gpu 45 $PROF --preset pariskv --placement gpu --out "$OUT/prof_pariskv_gpu.txt"
-step prof_pariskv_cpu 45 $PROF --preset pariskv --placement cpu --out "$OUT/prof_pariskv_cpu.txt"
+;;
+whole)  # call 2: the GPU pool read whole in one launch, the pinned pool at real-model overlap
+step gpu_tests 60 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_fetch.py tests/test_store_refresh.py tests/bench/test_overlap.py tests/test_graph_ready.py -k "louiskv or fetch or store or overlap or read_whole"
+step prof_every_gpu 80 $PROF --preset louiskv --placement gpu --trigger '{"name":"every_step"}' --out "$OUT/prof_every_gpu.txt"
+step e2e_gpu 110 $E2E --contexts 131072 --batches 4 --presets louiskv@gpu --json "$OUT/e2e_gpu.json"
+step e2e_pinned 170 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --stickiness 16,32 --json "$OUT/e2e_pinned.json"
 ;;
 esac
