@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from ..errors import KVPolicyError
+from ..errors import ConfigError, KVPolicyError
 from ..eval.defaults import (CALIBRATION_BUDGET, CALIBRATION_LENGTH, CALIBRATION_SAMPLES, CALIBRATION_STEPS,
                               CALIBRATION_TAUS, CALIBRATION_TOLERANCE)
 from .common import add_plugin_flag, check_writable, csv, device_name
@@ -41,6 +41,9 @@ def add_parser(sub) -> None:
                           "the built-in louiskv setting) or counted as unheld")
     cal.add_argument("--taus", default=csv(CALIBRATION_TAUS), help="query_cosine taus to try")
     cal.add_argument("--budget", type=int, default=CALIBRATION_BUDGET)
+    cal.add_argument("--min-tokens", type=int, default=None,
+                     help="teacher-forced tokens (prompts x steps) a choice needs before it is stored (default: "
+                          "enough that one token is at most a quarter of --tolerance, 200 at 2 points)")
     cal.add_argument("--tolerance", type=float, default=CALIBRATION_TOLERANCE,
                      help="keep the setting with the fewest re-selections whose top-1 agreement is within this of "
                           f"every-step selection's with the same units (default {CALIBRATION_TOLERANCE}: "
@@ -63,12 +66,16 @@ def _print_points(measured, chosen: float, tolerance: float) -> None:
     print(frontier_table(measured, tolerance, chosen))
 
 
-def _choose_and_store(measured, tolerance: float) -> float:
-    from ..eval.calibrate import choose_for, store
+def _choose_and_store(measured, tolerance: float, min_tokens: int | None) -> float:
+    from ..eval.calibrate import check_evidence, choose_for, store
 
     chosen = choose_for(measured, tolerance)
+    _print_points(measured, chosen, tolerance)  # printed either way: the figures are not lost
+    try:
+        check_evidence(measured, tolerance, min_tokens)
+    except ConfigError as error:
+        raise KVPolicyError(f"not stored: {error}") from None
     store(measured, chosen, tolerance)
-    _print_points(measured, chosen, tolerance)
     return chosen
 
 
@@ -87,7 +94,7 @@ def main(args) -> int:
             except (OSError, ValueError, TypeError) as exc:
                 raise KVPolicyError(f"--merge: cannot read calibration shard {name!r}: {exc}") from None
         measured = merge(shards)
-        chosen = _choose_and_store(measured, tolerance)
+        chosen = _choose_and_store(measured, tolerance, args.min_tokens)
         print(f"{len(measured.sample_ids)} samples; stored {measured.trigger} {measured.parameter}={chosen} for "
               f"{measured.model} in {calibration_file()}")
         return 0
@@ -113,6 +120,14 @@ def main(args) -> int:
         raise KVPolicyError("--against anchor is an experiment: use it with --shard-out (the louiskv preset's tau "
                             "is calibrated with the previous-query trigger)")
     check_writable(args.shard_out, "--shard-out")
+    if not args.shard_out:  # what would be refused after the run is refused before it
+        from ..eval.calibrate import tokens_needed
+
+        needed = tokens_needed(tolerance) if args.min_tokens is None else args.min_tokens
+        if args.samples * args.steps < needed:
+            raise KVPolicyError(f"--samples {args.samples} x --steps {args.steps} = {args.samples * args.steps} tokens; "
+                                f"a stored choice needs at least {needed} (one token at most a quarter of --tolerance): "
+                                "give more --samples, or --min-tokens to accept fewer")
     device = device_name(args)
     from ..models import load_model
 
@@ -138,6 +153,6 @@ def main(args) -> int:
         _print_points(measured, float("nan"), tolerance)
         print(f"wrote the figures of {len(sample_ids)} samples to {args.shard_out}; merge shards with --merge")
         return 0
-    chosen = _choose_and_store(measured, tolerance)
+    chosen = _choose_and_store(measured, tolerance, args.min_tokens)
     print(f"stored {measured.trigger} {measured.parameter}={chosen} for this model in {calibration_file()}")
     return 0

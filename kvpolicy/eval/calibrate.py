@@ -20,6 +20,7 @@ choice is stored in the calibration file and becomes the model's default (``pres
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from statistics import mean
 from typing import Callable
@@ -283,6 +284,27 @@ def choose(points: list[TauPoint], tolerance: float = CALIBRATION_TOLERANCE, ref
     return min(good, key=lambda p: (p.reselect_share, sign * p.tau)).tau
 
 
+def tokens_needed(tolerance: float) -> int:
+    """The teacher-forced tokens a calibration must measure before its choice is stored: enough
+    that one token weighs at most a quarter of ``tolerance`` (200 at 2 points). With fewer, one
+    token decides the rule: Gemma 3 at 4 prompts x 16 steps (1.6 points a token) put every margin
+    "within 2 points" and took one that never re-selected, which lost every needle (EVAL.md)."""
+    return math.ceil(4 / tolerance) if tolerance > 0 else 0
+
+
+def check_evidence(measured: "TauMeasurements", tolerance: float, min_tokens: int | None = None) -> None:
+    """Refuse to store a choice from fewer than ``min_tokens`` (default ``tokens_needed``) tokens."""
+    needed = tokens_needed(tolerance) if min_tokens is None else min_tokens
+    tokens = len(measured.sample_ids) * measured.steps
+    if tokens < needed:
+        raise ConfigError(
+            f"calibrate measured {tokens} tokens ({len(measured.sample_ids)} prompts x {measured.steps} steps), so one "
+            f"token moves agreement by {100 / tokens:.1f} points against a tolerance of {100 * tolerance:g}; the rule "
+            f"needs at least {needed} tokens before it may store a choice: give more --samples (or --steps), merge "
+            "more shards, or pass --min-tokens to accept fewer"
+        )
+
+
 def choose_for(measured: TauMeasurements, tolerance: float = CALIBRATION_TOLERANCE) -> float:
     """``choose`` with the rule's reference (``reference_agreement``) and ``measured``'s trigger's direction."""
     return choose(measured.points(), tolerance, reference_agreement(measured), HIGHER_IS_EAGER[measured.trigger])
@@ -339,16 +361,23 @@ def calibrate(
     progress: Callable[[int, int], None] | None = None,
     trigger: str = "query_cosine",
     options: dict | None = None,
+    min_tokens: int | None = None,
 ) -> tuple[float, list[TauPoint]]:
     """Returns ``(chosen, points)`` (``taus``: the values of ``trigger``'s swept option) and, with
-    ``save``, stores the choice and the whole frontier (see ``frontier``) for this model."""
+    ``save``, stores the choice and the whole frontier (see ``frontier``) for this model; a choice
+    from fewer than ``min_tokens`` tokens (default ``tokens_needed``) is refused (``check_evidence``)."""
     if samples < 1:
         raise ConfigError(f"samples must be >= 1, got {samples}")
+    needed = tokens_needed(tolerance) if min_tokens is None else min_tokens
+    if save and samples * steps < needed:  # refused before measuring anything
+        raise ConfigError(f"calibrate: {samples} samples x {steps} steps = {samples * steps} tokens, but a stored choice "
+                          f"needs at least {needed} (check_evidence); give more samples or steps, or min_tokens")
     measured = measure_taus(model, tokenizer, taus=taus, sample_ids=range(samples), length=length, steps=steps,
                             budget=budget, every_step=every_step, progress=progress, trigger=trigger,
                             options=options)
     points = measured.points()
     chosen = choose_for(measured, tolerance)
     if save:
+        check_evidence(measured, tolerance, min_tokens)
         store(measured, chosen, tolerance)
     return chosen, points

@@ -78,10 +78,28 @@ def test_cli_merge_prints_the_frontier(tmp_path, monkeypatch, capsys) -> None:
         path = tmp_path / f"s{i}.json"
         path.write_text(json.dumps(asdict(_measured([i]))))
         shards.append(str(path))
-    assert cli.main(["calibrate", "--merge", *shards]) == 0
+    # two prompts of 16 steps are too few for the rule (below): accepted here by --min-tokens
+    assert cli.main(["calibrate", "--merge", *shards, "--min-tokens", "32"]) == 0
     out = capsys.readouterr().out
     assert "every step" in out and "<- chosen" in out and out.count("frontier") >= 3 and "rule:" in out
     assert "stored query_cosine tau=0.9" in out
+
+
+def test_too_few_tokens_print_the_frontier_but_store_nothing(tmp_path, monkeypatch, capsys) -> None:
+    from dataclasses import asdict
+
+    monkeypatch.setenv("KVPOLICY_CACHE", str(tmp_path))
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(asdict(_measured([0, 1]))))  # 2 prompts x 16 steps: 3.1 points a token
+    assert cli.main(["calibrate", "--merge", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert "<- chosen" in out  # the figures are shown all the same
+    assert "not stored: calibrate measured 32 tokens (2 prompts x 16 steps)" in err and "at least 200 tokens" in err
+    assert not (tmp_path / "calibration.json").exists()
+    assert cli.main(["calibrate", "--merge", str(path), "--min-tokens", "33"]) == 2
+    assert "at least 33 tokens" in capsys.readouterr().err
+    assert cli.main(["calibrate", "--merge", str(path), "--min-tokens", "32"]) == 0
+    assert (tmp_path / "calibration.json").exists()
 
 
 def _margins(shares, top1, every=0.97) -> TauMeasurements:

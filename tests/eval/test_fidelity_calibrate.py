@@ -49,7 +49,7 @@ def test_calibrate_stores_a_tau_that_becomes_the_default(tmp_path, monkeypatch):
     model = _model(len(tokenizer))
     model.config._name_or_path = "tiny-calibration-model"
     taus = (0.5, 0.9)
-    chosen, points = calibrate(model, tokenizer, taus=taus, samples=2, length=400, steps=6, budget=128)
+    chosen, points = calibrate(model, tokenizer, taus=taus, samples=2, length=400, steps=6, budget=128, min_tokens=12)
     assert chosen in taus
     assert [p.tau for p in points] == list(taus)
     # on these prompts the more eager tau re-selects at least as often

@@ -50,6 +50,7 @@ def test_presets_lists_presets_and_components():
         (["calibrate", "--tolerance", "2"], "--tolerance must be in [0, 1]"),
         (["calibrate", "--against", "anchor"], "--against anchor is an experiment"),
         (["calibrate", "--merge", "/no/such/shard.json"], "cannot read calibration shard '/no/such/shard.json'"),
+        (["calibrate", "--samples", "4", "--steps", "16"], "= 64 tokens; a stored choice needs at least 200"),
         (["bench", "layer", "--backend", "reference", "--presets", "louiskv@disk"],
          "the placement after '@' must be cpu or gpu"),
         (["bench", "e2e", "--backend", "reference", "--placements", "cpu,nvme"], "--placements takes cpu and/or gpu"),
