@@ -4,21 +4,24 @@ in one launch.
 Replaces the selector's PyTorch front end (the group mean, ``F.normalize``, the seven butterfly
 stages of the Walsh–Hadamard transform, the centroid scores' matmul, a sort of every
 subspace's 256 centroids, then ``vote_table``'s zero fill and scatter: about thirty small
-launches). One program per (sequence, KV head, subspace, block of 32 centroids):
+launches). One program per (sequence, KV head, subspace) (``RANKS = "sort"``):
 
 - loads the group's query heads (``G x D``), averages and l2-normalises them and applies the
   SRHT signs;
 - rotates only its subspace's ``dims`` coordinates: ``H[i, j] = (-1)^popcount(i & j) / sqrt(D)``
   (Sylvester order, as ``analytic._fwht``), a ``dims x D`` product, and writes them;
-- scores the subspace's ``2**dims`` sign-pattern centroids, ranks each of its block's 32 by
-  counting those ahead of it (a higher score, or the same with a lower id: the reference's
-  stable sort; counted rather than ``tl.sort``, which the interpreter runs a hundred times
-  slower), and writes them to the table row (int8): the rank-``r`` centroid gets
-  ``tier_weights[r]`` votes, ranks past ``rho`` 0. One block a program, so a program's
-  critical path is one count and one reduction (a program ranking all 256 in eight rounds of
-  counts and reductions took 52 us at batch 4 on an H200 in session 6, for a few us of work:
-  latency, most likely; not profiled); the query's prologue
-  (``G x D`` loads, the ``dims x D`` rotation) repeats per block, a few KB.
+- scores the subspace's ``2**dims`` sign-pattern centroids and ranks them by one ``tl.sort`` of
+  (score, then the lower id) packed in an int64 (the reference's stable descending sort), and
+  writes the table row (int8): the rank-``r`` centroid gets ``tier_weights[r]`` votes, ranks
+  past ``rho`` 0.
+
+Before session 10 (``RANKS = "count"``, kept for the benchmark's before/after rows): one program
+per block of 32 centroids, each ranking its block by counting the centroids ahead of it
+(``32 x 256`` comparisons) and repeating the prologue and all 256 scores, 8 programs per
+subspace: about 29M warp instructions at 4 x 8 rows (sm_90 PTX, offline), against about 3M for
+the sort; measured 35 us at batch 4 on an H200 (session 9), for a few us of work. The sort was
+avoided then because the interpreter runs ``tl.sort`` slowly; at the tests' sizes it costs
+seconds.
 
 Floats reorder against the reference (a direct sum for the butterflies, a sum for the
 matmul): the rotated query agrees to about 1e-6, and the table is identical unless two
@@ -99,6 +102,71 @@ def _query_votes_kernel(
             tl.store(table_row + rest, tl.zeros([IDS], dtype=tl.int8), mask=rest >= CENTROIDS)
 
 
+@triton.jit
+def _query_votes_sort_kernel(
+    query_ptr, signs_ptr, weights_ptr, rotated_ptr, table_ptr,
+    H, G, RHO,
+    q_sb, q_sh, q_sg, q_sd,
+    inv_sqrt_d, inv_sqrt_dims,
+    D: tl.constexpr, LOG_D: tl.constexpr, BLOCK_G: tl.constexpr,
+    S: tl.constexpr, DIMS: tl.constexpr, BLOCK_DIMS: tl.constexpr, CENTROIDS: tl.constexpr, IDS: tl.constexpr,
+):
+    # one program per (row, subspace): the prologue and the scores once, then the ranks by one
+    # sort of the subspace's centroids (CENTROIDS x log^2 compare-swaps, where counting took
+    # CENTROIDS^2 comparisons and repeated the prologue per block of 32)
+    row = tl.program_id(0).to(tl.int64)
+    sub = tl.program_id(1)
+    b = row // H
+    h = row % H
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    heads = tl.load(
+        query_ptr + b * q_sb + h * q_sh + g[:, None] * q_sg + d[None, :] * q_sd, mask=(g < G)[:, None], other=0.0
+    ).to(tl.float32)
+    mean = tl.sum(heads, axis=0) / G
+    norm = tl.sqrt(tl.sum(mean * mean, axis=0))
+    unit = mean / tl.maximum(norm, 1e-12) * tl.load(signs_ptr + d)
+    j = tl.arange(0, BLOCK_DIMS)
+    in_j = j < DIMS
+    i = sub * DIMS + j
+    both = i[:, None] & d[None, :]
+    parity = tl.zeros([BLOCK_DIMS, D], dtype=tl.int32)
+    for bit in tl.static_range(LOG_D):
+        parity ^= (both >> bit) & 1
+    part = tl.sum(tl.where(parity == 0, unit[None, :], -unit[None, :]), axis=1) * inv_sqrt_d
+    part = tl.where(in_j, part, 0.0)
+    tl.store(rotated_ptr + row * D + i, part, mask=in_j)
+    # the scores by the counting kernel's elementwise steps (the same floats)
+    c = tl.arange(0, CENTROIDS)
+    score = tl.zeros([CENTROIDS], dtype=tl.float32)
+    for k in tl.static_range(DIMS):
+        coordinate = tl.sum(tl.where(j == k, part, 0.0), axis=0) * inv_sqrt_dims
+        score += tl.where(((c >> k) & 1) != 0, coordinate, -coordinate)
+    score = score + 0.0  # -0.0 ties +0.0, as in the reference's sort
+    # (score, then the lower id) as one int64 that orders as the reference's stable descending
+    # sort: the float's bits made to order as the float (negatives flip their magnitude bits),
+    # then 255 - id below them; sorted descending, entry r is the rank-r centroid
+    bits = score.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    key = (ordered.to(tl.int64) << 8) | (255 - c).to(tl.int64)
+    ranked = tl.sort(key, 0, True)
+    centroid = 255 - (ranked & 255)
+    rank = tl.arange(0, CENTROIDS)
+    votes = tl.load(weights_ptr + rank, mask=rank < RHO, other=0)
+    table_row = table_ptr + (row * S + sub) * IDS
+    tl.store(table_row + centroid, votes.to(tl.int8))
+    if CENTROIDS < IDS:  # ids past the subspace's centroids get no votes
+        rest = tl.arange(0, IDS)
+        tl.store(table_row + rest, tl.zeros([IDS], dtype=tl.int8), mask=rest >= CENTROIDS)
+
+
+# how the ranks are found: "sort" (one program per (row, subspace), one tl.sort) or "count"
+# (one program per block of 32 centroids, each counting those ahead of it: the kernel before
+# session 10, kept for benchmarks/pariskv_select.py's before/after rows)
+RANKS = "sort"
+_SORT_WARPS = 2
+
+
 def query_votes(
     query_group: torch.Tensor,
     signs: torch.Tensor,
@@ -120,15 +188,17 @@ def query_votes(
     table = torch.empty(batch, heads, subspaces, reference_analytic.NUM_IDS, dtype=torch.int8, device=device)
     if batch * heads == 0:
         return rotated, table
-    block_c = min(32, 1 << dims)
-    _query_votes_kernel[(batch * heads, subspaces, (1 << dims) // block_c)](
-        query_group, signs.float().contiguous(), weights.contiguous(), rotated, table,
-        heads, group, weights.shape[0],
-        *query_group.stride(),
-        1.0 / math.sqrt(dim), 1.0 / math.sqrt(dims),
-        D=dim, LOG_D=dim.bit_length() - 1, BLOCK_G=triton.next_power_of_2(group),
-        S=subspaces, DIMS=dims, BLOCK_DIMS=max(2, dims), CENTROIDS=1 << dims, BLOCK_C=block_c, IDS=reference_analytic.NUM_IDS,
-    )
+    common = (query_group, signs.float().contiguous(), weights.contiguous(), rotated, table,
+              heads, group, weights.shape[0], *query_group.stride(), 1.0 / math.sqrt(dim), 1.0 / math.sqrt(dims))
+    shape = dict(D=dim, LOG_D=dim.bit_length() - 1, BLOCK_G=triton.next_power_of_2(group),
+                 S=subspaces, DIMS=dims, BLOCK_DIMS=max(2, dims), CENTROIDS=1 << dims, IDS=reference_analytic.NUM_IDS)
+    if RANKS == "sort":
+        _query_votes_sort_kernel[(batch * heads, subspaces)](*common, **shape, num_warps=_SORT_WARPS)
+    elif RANKS == "count":
+        block_c = min(32, 1 << dims)
+        _query_votes_kernel[(batch * heads, subspaces, (1 << dims) // block_c)](*common, **shape, BLOCK_C=block_c)
+    else:
+        raise ValueError(f"triton query_votes: RANKS {RANKS!r}; accepted: sort, count")
     return rotated, table
 
 

@@ -172,9 +172,12 @@ def test_candidate_topk_at_decode_sizes(n):
 # -- the fused selection pipeline: query_votes, collision_candidates ------------------------
 
 
+@pytest.mark.parametrize("ranks", ["sort", "count"])
 @pytest.mark.parametrize("batch,heads,group,dim,subspaces,tiers", [(1, 2, 4, 128, 16, 6), (2, 2, 3, 64, 16, 4), (1, 2, 1, 16, 16, 1)])
-def test_query_votes_matches_reference(batch, heads, group, dim, subspaces, tiers):
+def test_query_votes_matches_reference(monkeypatch, ranks, batch, heads, group, dim, subspaces, tiers):
     from kvpolicy.kernels.triton import query_votes
+
+    monkeypatch.setattr(query_votes, "RANKS", ranks)
 
     gen = _gen(dim + group)
     signs = analytic.srht_signs(dim, 3)
@@ -186,6 +189,41 @@ def test_query_votes_matches_reference(batch, heads, group, dim, subspaces, tier
     assert table.dtype == torch.int8 and torch.equal(table.cpu(), want_table)
     torch.testing.assert_close(rotated.cpu(), want_rotated, rtol=0, atol=1e-6)  # measured 6e-8
     assert (want_table > 0).sum(-1).eq((1 << tiers) - 1).all()  # every ranked centroid voted
+
+
+def test_query_votes_breaks_score_ties_by_centroid_id(monkeypatch):
+    # exact ties: a zero query (every centroid scores 0: the reference ranks by id too), and
+    # queries whose rotated coordinates are equal in magnitude, so many sign patterns score the
+    # same float in the kernel (the reference's matmul rounds them apart: there the sort and the
+    # count are held to each other, both ranking the lower id first)
+    from kvpolicy.kernels.triton import query_votes
+
+    dim, subspaces, tiers = 32, 4, 6
+    signs = torch.ones(dim)
+    weights = torch.tensor(analytic.tier_weights(tiers), dtype=torch.int32)
+    zero = torch.zeros(1, 1, 1, dim)
+    spike = torch.zeros(1, 1, 1, dim)
+    spike[..., 0] = 1.0  # rotated: 1/sqrt(D) everywhere
+    pair = torch.zeros(1, 1, 1, dim)
+    pair[..., :2] = torch.tensor([1.0, -1.0])  # rotated: half the coordinates 0
+    query = torch.cat([zero, spike, pair], dim=1).repeat(1, 1, 2, 1)
+    tables = {}
+    for ranks in ("sort", "count"):
+        monkeypatch.setattr(query_votes, "RANKS", ranks)
+        tables[ranks] = query_votes.query_votes(query.to(DEVICE), signs.to(DEVICE), subspaces, weights.to(DEVICE))[1].cpu()
+    assert torch.equal(tables["sort"], tables["count"])
+    want = reference_analytic.query_votes(query, signs, subspaces, weights)[1]
+    assert torch.equal(tables["sort"][:, 0], want[:, 0])
+    assert torch.equal(want[0, 0, 0, : (1 << tiers) - 1], weights.to(torch.int8))  # by id
+    assert (tables["sort"] > 0).sum(-1).eq((1 << tiers) - 1).all()
+
+
+def test_query_votes_names_a_bad_ranks_setting(monkeypatch):
+    from kvpolicy.kernels.triton import query_votes
+
+    monkeypatch.setattr(query_votes, "RANKS", "heap")
+    with pytest.raises(ValueError, match="RANKS 'heap'"):
+        query_votes.query_votes(torch.zeros(1, 1, 2, 16, device=DEVICE), torch.ones(16, device=DEVICE), 4, [2, 1])
 
 
 def test_query_votes_refuses_misshaped_inputs():
