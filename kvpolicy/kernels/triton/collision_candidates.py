@@ -1,5 +1,10 @@
 """Triton collision candidates (op ``collision_candidates``): votes, candidate count and the
-candidate set in three launches, each centroid id read once.
+candidate set, each centroid id read once.
+
+Session 10 (``PIPELINE = "fused"``, the default): two launches and a memset, the threshold
+folded into the compaction; see the comment above ``_votes_fused_kernel``. What follows is the
+three-launch pipeline before it (``PIPELINE = "pass"``), kept for the benchmark's before/after
+rows; the fused one keeps its arithmetic and its output exactly.
 
 Replaces ``collision_count`` + ``candidate_topk`` + the device-side cut of the selector (a
 histogram launch, a place launch, about fifteen torch ops for the mask, the prefix sums, the
@@ -53,6 +58,15 @@ _MAX_BANDS = 4
 # so far ran); benchmarks/pariskv_select.py's COLLISION_VARIANTS times the others
 _VOTES_WARPS = 4
 _COMPACT_WARPS = 4
+# session 10's pipeline ("fused": two launches and a memset) or the one before it ("pass": votes,
+# threshold, compact; kept for benchmarks/pariskv_select.py's before/after rows)
+PIPELINE = "fused"
+# the fused pipeline: about _VOTES_PROGRAMS programs a pass (the chunk grows from _CHUNK past
+# that, so a row has fewer chunks: 64 at 128Kx4, 128 at 1Mx4), at most _MAX_CHUNKS chunks a row
+# (the compaction reads two counts of each), keys per step of its compaction
+_VOTES_PROGRAMS = 4096
+_MAX_CHUNKS = 1024
+_COMPACT_SUB = 1024
 
 
 @triton.jit
@@ -189,6 +203,134 @@ def _compact_kernel(
                  mask=(place >= taken) & (place < WIDTH) & (f0 + tl.arange(0, SUB) < FILL))
 
 
+# -- session 10: two launches, the threshold folded into the compaction (PIPELINE = "fused") -----
+#
+# 1. ``_votes_fused_kernel``, one program per (row, chunk): as ``_votes_kernel``, but it reads a
+#    key's ids as one 16-byte vector (a (keys, S / 4) tile of int32 words; the row stride a
+#    constexpr, so the compiler can prove the alignment), streams them past L1 (``.cg``: the
+#    row's 4 KB vote table stays there for the lookups), writes the votes as int8 where
+#    ``max_votes`` allows (one byte a key), and writes its histogram as suffix counts (bin b:
+#    the chunk's keys with vote bin >= b), adding the histogram to the row's (atomics: about
+#    100 non-zero bins a program);
+# 2. ``_compact_fused_kernel``, one program per (row, chunk): the row's count and threshold from
+#    the row histogram (128 bins: the threshold pass's arithmetic), where its candidates start
+#    from two suffix counts of each earlier chunk (the radix place pass's scheme), then the
+#    compaction with one scan per step (the keys above the threshold and the tied keys packed
+#    in one int32, 16 bits each), and its share of the -1 tail.
+#
+# The one-program-per-row threshold pass is gone: 7 us at 128Kx4, 50 us at 1Mx4 on the H200
+# (session 9), where it walked the row's 64 or 512 chunk histograms twice, one block of 32 at a time.
+
+
+@triton.jit
+def _votes_fused_kernel(
+    table_ptr, keys_ptr, valid_ptr, indexed_ptr, votes_ptr, suffix_ptr, row_hist_ptr,
+    H, N, CHUNKS,
+    key_sb, key_sh, key_sn, key_ss,
+    valid_sb, valid_sn,
+    KEY_SN: tl.constexpr, S: tl.constexpr, IDS: tl.constexpr, WORDS: tl.constexpr,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    b = row // H
+    h = row % H
+    indexed = tl.load(indexed_ptr)
+    table_row = table_ptr + row * S * IDS
+    bins = tl.arange(0, BINS)
+    hist = tl.zeros([BINS], dtype=tl.int32)
+    for s0 in range(0, CHUNK, SUB):
+        n = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
+        in_n = n < N
+        total = tl.zeros([SUB], dtype=tl.int32)
+        if WORDS:  # keys_ptr is the int32 view: S / 4 words a key, contiguous (one vector load)
+            key_row = keys_ptr + b * key_sb + h * key_sh + n * KEY_SN
+            w = tl.arange(0, S // 4)
+            tile = tl.load(key_row[:, None] + w[None, :], mask=in_n[:, None], other=0, cache_modifier=".cg")
+            for k in tl.static_range(S // 4):
+                word = tl.sum(tl.where(w[None, :] == k, tile, 0), axis=1)  # a key's words sit in one thread
+                for j in tl.static_range(4):
+                    ids = (word >> (8 * j)) & 255
+                    total += tl.load(table_row + (4 * k + j) * IDS + ids, mask=in_n, other=0,
+                                     eviction_policy="evict_last").to(tl.int32)
+        else:  # the uint8 ids, a byte at a time (a layout the words cannot read)
+            key_row = keys_ptr + b * key_sb + h * key_sh + n * key_sn
+            for sub in tl.static_range(S):
+                ids = tl.load(key_row + sub * key_ss, mask=in_n, other=0).to(tl.int32)
+                total += tl.load(table_row + sub * IDS + ids, mask=in_n, other=0).to(tl.int32)
+        valid = tl.load(valid_ptr + b * valid_sb + n * valid_sn, mask=in_n, other=0)
+        voted = in_n & (valid != 0) & (n < indexed)
+        tl.store(votes_ptr + row * N + n, tl.where(voted, total, -1).to(votes_ptr.dtype.element_ty), mask=in_n)
+        hist += tl.histogram(tl.where(voted, total + 1, 0), BINS)
+    suffix = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+    tl.store(suffix_ptr + (row * CHUNKS + chunk) * BINS + bins, suffix)
+    tl.atomic_add(row_hist_ptr + row * BINS + bins, hist, mask=(hist != 0) & (bins > 0), sem="relaxed")
+
+
+@triton.jit
+def _compact_fused_kernel(
+    votes_ptr, suffix_ptr, row_hist_ptr, out_ptr,
+    N, CHUNKS, WIDTH, FILL, FLOOR, fraction,
+    bound0, share0, bound1, share1, bound2, share2, bound3, share3,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr, CHUNKS_BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    bins = tl.arange(0, BINS)
+    # the row's count and threshold: _threshold_kernel's arithmetic on the row histogram
+    total = tl.load(row_hist_ptr + row * BINS + bins)
+    total = tl.where(bins > 0, total, 0)
+    n = tl.sum(total, axis=0)
+    share = fraction
+    share = tl.where(n < bound3, tl.maximum(share3, fraction), share)
+    share = tl.where(n < bound2, tl.maximum(share2, fraction), share)
+    share = tl.where(n < bound1, tl.maximum(share1, fraction), share)
+    share = tl.where(n < bound0, tl.maximum(share0, fraction), share)
+    wanted = n.to(tl.float32) * share
+    whole = wanted.to(tl.int32)
+    keep = tl.maximum(whole + (whole.to(tl.float32) < wanted).to(tl.int32), FLOOR)
+    take = tl.minimum(tl.minimum(keep, n), WIDTH)
+    at_least = n - tl.cumsum(total, axis=0) + total
+    level = tl.max(tl.where((at_least >= take) & (bins > 0), bins, 0), axis=0)
+    level = tl.where(take > 0, level, BINS)
+    above = tl.sum(tl.where(bins > level, total, 0), axis=0)
+    ties = take - above  # tied keys to take, the first by position over the row
+    # every chunk's keys above the threshold and at it, from its suffix counts
+    others = tl.arange(0, CHUNKS_BLOCK)
+    in_others = others < CHUNKS
+    base = suffix_ptr + (row * CHUNKS + others) * BINS
+    # (level BINS: nothing taken; level BINS - 1: nothing above it)
+    over = tl.load(base + tl.minimum(level + 1, BINS - 1), mask=in_others, other=0)
+    over = tl.where(level + 1 < BINS, over, 0)
+    at = tl.load(base + tl.minimum(level, BINS - 1), mask=in_others, other=0)
+    at = tl.where(level < BINS, at, 0) - over
+    taken = tl.minimum(tl.maximum(ties - (tl.cumsum(at, axis=0) - at), 0), at)
+    placed = tl.sum(tl.where(others < chunk, over + taken, 0), axis=0)
+    my_ties = tl.sum(tl.where(others == chunk, taken, 0), axis=0)
+    ties_seen = 0
+    for s0 in range(0, CHUNK, SUB):
+        pos = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
+        in_n = pos < N
+        vote_bin = tl.load(votes_ptr + row * N + pos, mask=in_n, other=-1).to(tl.int32) + 1
+        tied = (vote_bin == level).to(tl.int32)
+        high = (vote_bin > level).to(tl.int32)
+        # one scan for both counts: keys above the threshold in the high 16 bits, tied ones in the low
+        packed = (high << 16) | tied
+        before = tl.cumsum(packed, axis=0) - packed
+        tied_before = ties_seen + (before & 0xFFFF)
+        chosen = (high != 0) | ((tied != 0) & (tied_before < my_ties))
+        place = placed + (before >> 16) + tl.minimum(tied_before, my_ties)
+        tl.store(out_ptr + row * WIDTH + place, pos, mask=chosen & (place < WIDTH))
+        step = tl.sum(packed, axis=0)
+        ties_seen += step & 0xFFFF
+        placed += step >> 16  # the tied ones are counted by ties_seen
+    # the -1 tail past the row's candidates: FILL places of it per chunk
+    for f0 in range(0, FILL, SUB):
+        place = chunk * FILL + f0 + tl.arange(0, SUB).to(tl.int64)
+        tl.store(out_ptr + row * WIDTH + place, tl.full([SUB], -1, tl.int64),
+                 mask=(place >= take) & (place < WIDTH) & (f0 + tl.arange(0, SUB) < FILL))
+
+
 def _bands(bands: Sequence[tuple[int, float]]) -> list:
     bands = list(bands)
     if len(bands) > _MAX_BANDS:
@@ -224,12 +366,16 @@ def collision_candidates(
     rows = batch * heads
     if rows == 0 or n == 0 or width == 0:
         return torch.full((batch, heads, width), -1, dtype=torch.long, device=key_centroids.device)
+    table = table.contiguous()
+    valid = token_valid.view(torch.uint8) if token_valid.dtype == torch.bool else token_valid
+    if PIPELINE == "fused":
+        return _fused(table, key_centroids, valid, indexed, width, max_votes, floor, fraction, bands)
+    if PIPELINE != "pass":
+        raise ValueError(f"triton collision_candidates: PIPELINE {PIPELINE!r}; accepted: fused, pass")
     out = torch.empty(batch, heads, width, dtype=torch.long, device=key_centroids.device)
     device = key_centroids.device
     bins = triton.next_power_of_2(max_votes + 2)
     chunks = triton.cdiv(n, _CHUNK)
-    table = table.contiguous()
-    valid = token_valid.view(torch.uint8) if token_valid.dtype == torch.bool else token_valid
     votes = torch.empty(batch, heads, n, dtype=torch.int16, device=device)
     hist = torch.empty(rows, chunks, bins, dtype=torch.int32, device=device)
     words = _as_words(key_centroids)
@@ -252,6 +398,44 @@ def collision_candidates(
     )
     _compact_kernel[(rows, chunks)](
         votes, start, ties, level, take, out, n, chunks, width, triton.cdiv(width, chunks), CHUNK=_CHUNK, SUB=_SUB,
+        num_warps=_COMPACT_WARPS,
+    )
+    return out
+
+
+def fused_chunk(rows: int, n: int) -> int:
+    """Positions per program of the fused pipeline: ``_CHUNK``, or more where about
+    ``_VOTES_PROGRAMS`` programs (or ``_MAX_CHUNKS`` chunks a row) would leave fewer."""
+    chunk = triton.next_power_of_2(triton.cdiv(max(1, rows * n), _VOTES_PROGRAMS))
+    return max(_CHUNK, chunk, triton.next_power_of_2(triton.cdiv(max(1, n), _MAX_CHUNKS)))
+
+
+def _fused(table, key_centroids, valid, indexed, width, max_votes, floor, fraction, bands):
+    batch, heads, n, subspaces = key_centroids.shape
+    rows = batch * heads
+    device = key_centroids.device
+    out = torch.empty(batch, heads, width, dtype=torch.long, device=device)
+    bins = triton.next_power_of_2(max_votes + 2)
+    chunk = fused_chunk(rows, n)
+    chunks = triton.cdiv(n, chunk)
+    # votes -1..max_votes: one byte where they fit
+    votes = torch.empty(batch, heads, n, dtype=torch.int8 if max_votes <= 126 else torch.int16, device=device)
+    suffix = torch.empty(rows, chunks, bins, dtype=torch.int32, device=device)
+    row_hist = torch.zeros(rows, bins, dtype=torch.int32, device=device)
+    words = _as_words(key_centroids)
+    # the words path needs the row stride as a constexpr (the vector loads' alignment)
+    ids = key_centroids if words is None else words
+    _votes_fused_kernel[(rows, chunks)](
+        table, ids, valid, indexed, votes, suffix, row_hist,
+        heads, n, chunks,
+        *ids.stride(), *valid.stride(),
+        KEY_SN=ids.stride(2) if words is not None else 0, S=subspaces, IDS=reference_analytic.NUM_IDS,
+        WORDS=words is not None, CHUNK=chunk, SUB=min(chunk, _SUB), BINS=bins, num_warps=_VOTES_WARPS,
+    )
+    _compact_fused_kernel[(rows, chunks)](
+        votes, suffix, row_hist, out,
+        n, chunks, width, triton.cdiv(width, chunks), int(floor), float(fraction), *_bands(bands),
+        CHUNK=chunk, SUB=min(chunk, _COMPACT_SUB), BINS=bins, CHUNKS_BLOCK=max(2, triton.next_power_of_2(chunks)),
         num_warps=_COMPACT_WARPS,
     )
     return out

@@ -235,13 +235,16 @@ def test_query_votes_refuses_misshaped_inputs():
         query_votes.query_votes(torch.zeros(1, 1, 2, 16, device=DEVICE), torch.ones(16, device=DEVICE), 4, [1] * 20)
 
 
-@pytest.fixture
-def small_chunks(monkeypatch):
-    """Several chunks and chunk blocks at interpreter sizes."""
+@pytest.fixture(params=["fused", "pass"])
+def small_chunks(monkeypatch, request):
+    """Several chunks, steps and chunk blocks at interpreter sizes; each pipeline (session 10's
+    two launches, and the three before it)."""
     from kvpolicy.kernels.triton import collision_candidates
 
+    monkeypatch.setattr(collision_candidates, "PIPELINE", request.param)
     monkeypatch.setattr(collision_candidates, "_CHUNK", 256)
     monkeypatch.setattr(collision_candidates, "_SUB", 64)
+    monkeypatch.setattr(collision_candidates, "_COMPACT_SUB", 64)
     monkeypatch.setattr(collision_candidates, "_CHUNK_BLOCK", 2)
     return collision_candidates.collision_candidates
 
@@ -278,6 +281,27 @@ def test_collision_candidates_matches_reference_exactly(small_chunks, n, tiers, 
             best = reference_analytic.candidate_topk(votes[b : b + 1, h : h + 1], width)[0, 0, : int(keep[b, h])]
             listed = sorted(p for p in best.tolist() if p >= 0)
             assert got[b, h].tolist() == listed + [-1] * (width - len(listed))
+
+
+def test_collision_candidates_int16_votes(small_chunks):
+    # max_votes past int8 (a 512-bin histogram, int16 votes in the fused pipeline): the same set
+    batch, heads, n, dim, subspaces, tiers = 1, 2, 900, 64, 16, 4
+    keys, query = _encoded(5, batch, heads, n, dim, subspaces, (1 << tiers) - 1)
+    table = reference_analytic.vote_table(query.centroids, analytic.tier_weights(tiers))
+    token_valid = torch.rand(batch, n, generator=_gen(5)) > 0.1
+    args = (torch.tensor(800), 400, 300, 30, 0.1, ((500, 0.3),))
+    want = reference_analytic.collision_candidates(table, keys.centroids, token_valid, *args)
+    got = small_chunks(table.to(DEVICE), keys.centroids.to(DEVICE), token_valid.to(DEVICE), args[0].to(DEVICE), *args[1:])
+    assert torch.equal(got.cpu(), want)
+
+
+def test_collision_candidates_fused_chunk_grows_with_the_call():
+    from kvpolicy.kernels.triton import collision_candidates as cc
+
+    assert cc.fused_chunk(32, 131072) == 2048  # 64 chunks a row, 2048 programs
+    assert cc.fused_chunk(32, 1 << 20) == 8192  # 128 chunks a row, 4096 programs
+    assert cc.fused_chunk(1, 1 << 24) == 16384  # at most _MAX_CHUNKS chunks a row
+    assert cc.fused_chunk(1, 100) == cc._CHUNK
 
 
 @pytest.mark.parametrize("subspaces, view", [(16, "strided"), (6, "contiguous")])
