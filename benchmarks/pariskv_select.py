@@ -84,6 +84,22 @@ COLLISION_VARIANTS = (
     ("compact 8 warps", {"_COMPACT_WARPS": 8}),
 )
 
+# --quick (session 10's before/after): collision_candidates' pipelines and two fused tunables,
+# rerank_select's radix method alone, no composed path
+QUICK_COLLISION_VARIANTS = (
+    ("shipped", {}),
+    ("before: pass", {"PIPELINE": "pass"}),
+    ("fused votes 8 warps", {"_VOTES_WARPS": 8}),
+    ("fused compact sub 2048", {"_COMPACT_SUB": 2048}),
+    ("fused programs 2048", {"_VOTES_PROGRAMS": 2048}),
+)
+QUICK_RERANK_VARIANTS = (("radix", {"METHOD": "radix"}),)
+# the whole selection as it ran before session 10 (module, constant, value)
+BEFORE = (
+    ("kvpolicy.kernels.triton.query_votes", "RANKS", "count"),
+    ("kvpolicy.kernels.triton.collision_candidates", "PIPELINE", "pass"),
+)
+
 
 def _ints(text: str) -> list[int]:
     try:
@@ -108,6 +124,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--backend", default=None, help="kernel backend (default: triton on cuda, reference on cpu)")
     parser.add_argument("--no-gather", action="store_true", help="skip the pinned gather")
+    parser.add_argument("--quick", action="store_true",
+                        help="the fused path only, with session 10's before/after rows and few variants (~1 min at 128K+1M)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny CPU run of the Triton kernels under TRITON_INTERPRET=1 (checks that it runs)")
@@ -271,9 +289,13 @@ def measure_selection(args: argparse.Namespace, batch: int, context: int, device
     timed = _timer(device, args.repeats)
     id_bytes = index.centroids.numel()
     rows = []
-    for fused in (True, False):
+    for fused in ((True,) if args.quick else (True, False)):
         ops = bound_ops(args.backend, device, fused)
         total = timed(lambda: selector.select(query, index, retrieval, ops))
+        before = {}
+        if fused and args.backend == "triton":
+            before = measure_before(lambda: selector.select(query, index, retrieval, ops), device, args.repeats,
+                                    group, index, votes_per_rank)
         kernels = count_kernels(lambda: selector.select(query, index, retrieval, ops), device)
         parts: dict[str, float] = {}
         if fused:
@@ -316,7 +338,7 @@ def measure_selection(args: argparse.Namespace, batch: int, context: int, device
                                                        retrieval))
         parts["rest"] = total - sum(parts.values())
         old_kernels = None
-        if fused:  # the old rerank (scores + torch.topk, best first) on the same candidates, beside it
+        if fused and not args.quick:  # the old rerank (scores + torch.topk, best first) on the same candidates, beside it
             parts["old_rerank"] = timed(lambda: ops.rerank(rotated, index.codes, index.weight, index.norms, candidates,
                                                            retrieval))
             old_kernels = kernel_times(lambda: ops.rerank(rotated, index.codes, index.weight, index.norms, candidates,
@@ -342,8 +364,37 @@ def measure_selection(args: argparse.Namespace, batch: int, context: int, device
             "old_rerank_kernels_us": old_kernels,
             # collision_candidates per tunable setting (COLLISION_VARIANTS)
             "collision_variants": collision,
+            # the whole selection and query_votes with the kernels before session 10 (BEFORE)
+            "before": before,
         })
     return rows
+
+
+def measure_before(select: Callable[[], object], device: torch.device, repeats: int, group, index,
+                   votes_per_rank) -> dict:
+    """The whole selection (and query_votes alone) with ``BEFORE``'s settings, beside the
+    shipped ones: ms, kernels, and whether the selection's rows are the same."""
+    import importlib
+
+    timed = _timer(device, repeats)
+    qv = importlib.import_module("kvpolicy.kernels.triton.query_votes")
+    query_votes = lambda: qv.query_votes(group, index.signs, index.subspaces, votes_per_rank)  # noqa: E731
+    after = select()
+    result = {"query_votes_after_ms": timed(query_votes)}
+    saved = [(importlib.import_module(module), name) for module, name, _ in BEFORE]
+    saved = [(module, name, getattr(module, name)) for module, name in saved]
+    try:
+        for module, name, value in BEFORE:
+            setattr(importlib.import_module(module), name, value)
+        old = select()
+        result["same_rows"] = all(torch.equal(getattr(after, f), getattr(old, f)) for f in ("unit_ids", "slots", "slot_valid"))
+        result["ms"] = timed(select)
+        result["kernels_us"] = kernel_times(select, device, repeats)
+        result["query_votes_ms"] = timed(query_votes)
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+    return result
 
 
 def measure_collision_variants(args: argparse.Namespace, call_args: tuple, device: torch.device) -> dict[str, dict]:
@@ -354,12 +405,13 @@ def measure_collision_variants(args: argparse.Namespace, call_args: tuple, devic
     # the module, not the package's attribute of the same name (the op function)
     module = importlib.import_module("kvpolicy.kernels.triton.collision_candidates")
     timed = _timer(device, args.repeats)
-    names = {name for _, settings in COLLISION_VARIANTS for name in settings}
+    variants = QUICK_COLLISION_VARIANTS if args.quick else COLLISION_VARIANTS
+    names = {name for _, settings in variants for name in settings}
     saved = {name: getattr(module, name) for name in names}
     results = {}
     first = None
     try:
-        for label, settings in COLLISION_VARIANTS:
+        for label, settings in variants:
             for name, value in settings.items():
                 setattr(module, name, value)
             out = module.collision_candidates(*call_args)
@@ -391,12 +443,13 @@ def measure_methods(args: argparse.Namespace, select_args: tuple, select: Callab
     from kvpolicy.kernels.triton import rerank_select as module
 
     timed = _timer(device, args.repeats)
-    names = {name for _, settings in RERANK_VARIANTS for name in settings}
+    variants = QUICK_RERANK_VARIANTS if args.quick else RERANK_VARIANTS
+    names = {name for _, settings in variants for name in settings}
     saved = {name: getattr(module, name) for name in names}
     results = {}
     first = None
     try:
-        for label, settings in RERANK_VARIANTS:
+        for label, settings in variants:
             for name, value in settings.items():
                 setattr(module, name, value)
             out = module.rerank_select(*select_args)
@@ -510,6 +563,14 @@ def print_kernels(row: dict, cuda: bool) -> None:
             print(f"    ... {len(row['kernels_us']) - _LISTED} more")
         print(f"    {'sum of kernels':<40s} {sum(us for _, us in row['kernels_us']):9.1f}   "
               f"(replay of the whole: {1e3 * row['ms']:.1f})")
+    before = row.get("before") or {}
+    if before:
+        print(f"    before session 10 (query_votes count, collision pass): whole selection {1e3 * before['ms']:.1f} us "
+              f"(now {1e3 * row['ms']:.1f}), query_votes {1e3 * before['query_votes_ms']:.1f} us "
+              f"(now {1e3 * before['query_votes_after_ms']:.1f}); same rows: {before['same_rows']}")
+        if before.get("kernels_us"):
+            text = ", ".join(f"{_short(name)} {us:.1f}" for name, us in before["kernels_us"][:_LISTED])
+            print(f"      before kernels: {text}")
     variants = row.get("collision_variants") or {}
     if variants:
         print("    collision_candidates by setting: replay us | its kernels (us) | equal to the shipped candidates")

@@ -77,3 +77,13 @@ def test_kernel_times_groups_the_kth_kernel_of_every_call(bench):
     assert [name for name, _ in times] == ["aten::ones", "aten::add_", "aten::sum"]
     assert bench._short("void at::native::(anonymous namespace)::sort<float>(int, float*)") == "sort"
     assert bench._short("_radix_level_kernel") == "_radix_level_kernel"
+
+
+def test_quick_runs_the_fused_path_only(bench, tmp_path):
+    out = tmp_path / "quick.json"
+    bench.main(["--device", "cpu", "--contexts", "900", "--batches", "1", "--kv-heads", "2", "--q-heads", "4",
+                "--head-dim", "32", "--budget", "160", "--update-buffer", "8", "--repeats", "1", "--quick",
+                "--no-gather", "--json", str(out)])
+    (fused,) = json.loads(out.read_text())["selection"]
+    assert fused["path"] == "fused" and "old_rerank" not in fused["parts_ms"]
+    assert fused["before"] == {}  # the before rows are the Triton kernels' (TRITON_INTERPRET=1 --smoke --quick)
