@@ -342,6 +342,10 @@ _RADIX_SCORE_WARPS = 4
 # against 107.2 (the whole selection 0.211 ms against 0.221); session 8's call alike (107.2
 # against 114.0). At 1Mx4 the chunk is 1024 either way (there, 2048 programs took 380.5 against 370.4)
 _RADIX_MIN_CHUNK = 256
+# the fewest candidates a program of the level and place passes takes (0: the score pass's
+# chunk). Their programs are latency-bound (a row histogram's pick, one step of keys, 256
+# atomics), so fewer may be faster; unmeasured, so 0 (pariskv_select.py --quick times 1024, 2048)
+_RADIX_LEVEL_MIN_CHUNK = 0
 SCORE_WORDS = False
 
 
@@ -444,7 +448,7 @@ def _radix_score_kernel(
             # the unlisted and the padding went to bin 0: take them out
             hist -= tl.where(bins == 0, SUB - tl.sum(ok.to(tl.int32), axis=0), 0)
     if not WIDE:
-        tl.atomic_add(row_hist_ptr + row * LEVELS * BINS + bins, hist, mask=hist != 0)
+        tl.atomic_add(row_hist_ptr + row * LEVELS * BINS + bins, hist, mask=hist != 0, sem="relaxed")
 
 
 @triton.jit
@@ -491,7 +495,7 @@ def _radix_level_kernel(
             match = in_c & (key != unlisted) & ((key & high) == prefix)
             hist += tl.histogram(tl.where(match, _key_digit(key, LEVEL), 0), BINS)
             hist -= tl.where(bins == 0, SUB - tl.sum(match.to(tl.int32), axis=0), 0)
-        tl.atomic_add(row_hist_ptr + (row * LEVELS + LEVEL) * BINS + bins, hist, mask=hist != 0)
+        tl.atomic_add(row_hist_ptr + (row * LEVELS + LEVEL) * BINS + bins, hist, mask=hist != 0, sem="relaxed")
     else:
         # prefix is the threshold key: count this chunk's keys above it and equal to it
         unlisted = tl.full([SUB], -2147483648, tl.int32)
@@ -703,12 +707,16 @@ def _radix(query_rotated, codes, weight, norms, candidates, token_valid, slots, 
     if rows == 0 or capacity == 0:
         return ids, count.zero_(), out_slots, valid
     chunk = radix_chunk(rows, width)
-    chunks = max(1, triton.cdiv(width, chunk))
     keys = torch.empty(rows, max(1, width), dtype=torch.int32, device=device)
     row_hist = torch.zeros(rows, _RADIX_LEVELS, _RADIX_BINS, dtype=torch.int32, device=device)
     state = torch.empty(rows, _RADIX_LEVELS + 1, 4, dtype=torch.int32, device=device)
+    _score_launch(query_rotated, codes, weight, norms, candidates, keys, row_hist, chunk,
+                  max(1, triton.cdiv(width, chunk)), False)
+    # the level and place passes' chunk: the score pass's, or larger (_RADIX_LEVEL_MIN_CHUNK; the
+    # score pass's histogram goes to the row's whatever its chunks)
+    chunk = max(chunk, min(_RADIX_LEVEL_MIN_CHUNK, triton.next_power_of_2(max(1, width))))
+    chunks = max(1, triton.cdiv(width, chunk))
     counts = torch.empty(rows, chunks, 2, dtype=torch.int32, device=device)
-    _score_launch(query_rotated, codes, weight, norms, candidates, keys, row_hist, chunk, chunks, False)
     sub = min(chunk, _RADIX_SUB)
     for level in range(1, _RADIX_LEVELS + 1):
         _radix_level_kernel[(rows, chunks)](
