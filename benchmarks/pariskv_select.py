@@ -159,13 +159,16 @@ def random_index(batch: int, heads: int, context: int, head_dim: int, buffered: 
     dims = head_dim // subspaces
     capacity = context + buffered
     gen = torch.Generator(device=device).manual_seed(context + batch)
+    # weight and norms interleaved in one buffer, as AnalyticIndex.from_prompt lays them out
+    pair = torch.stack([1 + 0.1 * torch.rand(batch, heads, capacity, generator=gen, device=device),
+                        1 + torch.rand(batch, heads, capacity, generator=gen, device=device)], dim=-1)
     return AnalyticIndex(
         centroids=torch.randint(0, 1 << dims, (batch, heads, capacity, subspaces), generator=gen, device=device,
                                 dtype=torch.uint8),
         codes=torch.randint(0, 256, (batch, heads, capacity, head_dim // 2), generator=gen, device=device,
                             dtype=torch.uint8),
-        weight=1 + 0.1 * torch.rand(batch, heads, capacity, generator=gen, device=device),
-        norms=1 + torch.rand(batch, heads, capacity, generator=gen, device=device),
+        weight=pair[..., 0],
+        norms=pair[..., 1],
         token_valid=torch.ones(batch, capacity, dtype=torch.bool, device=device),
         slots=torch.arange(capacity, device=device),
         next_position=torch.tensor(capacity, device=device),
@@ -298,9 +301,6 @@ def measure_selection(args: argparse.Namespace, batch: int, context: int, device
         ops = bound_ops(args.backend, device, fused)
         total = timed(lambda: selector.select(query, index, retrieval, ops))
         before = {}
-        if fused and args.backend == "triton":
-            before = measure_before(lambda: selector.select(query, index, retrieval, ops), device, args.repeats,
-                                    group, index, votes_per_rank)
         kernels = count_kernels(lambda: selector.select(query, index, retrieval, ops), device)
         parts: dict[str, float] = {}
         if fused:
@@ -335,6 +335,9 @@ def measure_selection(args: argparse.Namespace, batch: int, context: int, device
                            index.slots, index.indexed, index.next_position, retrieval)
             parts["rerank_select"] = timed(lambda: ops.rerank_select(*select_args))
             profile = kernel_times(lambda: selector.select(query, index, retrieval, ops), device, args.repeats)
+            if args.backend == "triton":
+                before = measure_before(lambda: selector.select(query, index, retrieval, ops), device, args.repeats,
+                                        group, index, votes_per_rank, ops.rerank_select, select_args)
             if args.backend == "triton":
                 methods = measure_methods(args, select_args, lambda: selector.select(query, index, retrieval, ops),
                                           device)
@@ -376,7 +379,7 @@ def measure_selection(args: argparse.Namespace, batch: int, context: int, device
 
 
 def measure_before(select: Callable[[], object], device: torch.device, repeats: int, group, index,
-                   votes_per_rank) -> dict:
+                   votes_per_rank, select_op: Callable, select_args: tuple) -> dict:
     """The whole selection (and query_votes alone) with ``BEFORE``'s settings, beside the
     shipped ones: ms, kernels, and whether the selection's rows are the same."""
     import importlib
@@ -399,6 +402,13 @@ def measure_before(select: Callable[[], object], device: torch.device, repeats: 
     finally:
         for module, name, value in saved:
             setattr(module, name, value)
+    # rerank_select alone on this index, then with weight and norms in two buffers (before session 10)
+    call = lambda weight, norms: (lambda: select_op(*select_args[:2], weight, norms, *select_args[4:]))  # noqa: E731
+    result["rerank_select_ms"] = timed(call(*select_args[2:4]))
+    apart = [t.contiguous() for t in select_args[2:4]]
+    result["rerank_select_apart_ms"] = timed(call(*apart))
+    result["rerank_select_apart_same"] = all(
+        torch.equal(a, b) for a, b in zip(call(*apart)(), call(*select_args[2:4])()))
     return result
 
 
@@ -573,6 +583,9 @@ def print_kernels(row: dict, cuda: bool) -> None:
         print(f"    before session 10 (query_votes count, collision pass): whole selection {1e3 * before['ms']:.1f} us "
               f"(now {1e3 * row['ms']:.1f}), query_votes {1e3 * before['query_votes_ms']:.1f} us "
               f"(now {1e3 * before['query_votes_after_ms']:.1f}); same rows: {before['same_rows']}")
+        print(f"      rerank_select with weight and norms interleaved {1e3 * before['rerank_select_ms']:.1f} us, "
+              f"in two buffers (before) {1e3 * before['rerank_select_apart_ms']:.1f} us; "
+              f"same rows: {before['rerank_select_apart_same']}")
         if before.get("kernels_us"):
             text = ", ".join(f"{_short(name)} {us:.1f}" for name, us in before["kernels_us"][:_LISTED])
             print(f"      before kernels: {text}")

@@ -40,6 +40,21 @@ def _spare(capacity: int) -> int:
     return max(256, capacity // 4)
 
 
+def weight_and_norms(batch: int, heads: int, capacity: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed ``weight`` and ``norms`` ``(B, H, capacity)`` float32, interleaved in one buffer
+    (views ``[..., 0]`` and ``[..., 1]`` of a ``(B, H, capacity, 2)`` tensor): the rerank reads
+    both for each of its scattered candidates, and interleaved they share a 32-byte sector, so
+    a candidate costs one sector for them, not two (about a quarter of the rerank's reads at
+    64-byte codes)."""
+    pair = torch.zeros(batch, heads, capacity, 2, device=device)
+    return pair[..., 0], pair[..., 1]
+
+
+def _interleaved(weight: torch.Tensor, norms: torch.Tensor) -> bool:
+    return (weight.dim() == 3 and weight.stride(-1) == 2 and norms.stride() == weight.stride()
+            and norms.data_ptr() == weight.data_ptr() + weight.element_size())
+
+
 @dataclass
 class AnalyticIndex:
     centroids: torch.Tensor  # (B, H, capacity, S) uint8: sign-pattern centroid id per subspace
@@ -86,8 +101,7 @@ class AnalyticIndex:
         index = cls(
             centroids=torch.zeros(batch, heads, capacity, subspaces, dtype=torch.uint8, device=device),
             codes=torch.zeros(batch, heads, capacity, dim // 2, dtype=torch.uint8, device=device),
-            weight=torch.zeros(batch, heads, capacity, device=device),
-            norms=torch.zeros(batch, heads, capacity, device=device),
+            **dict(zip(("weight", "norms"), weight_and_norms(batch, heads, capacity, device))),
             token_valid=torch.zeros(batch, capacity, dtype=torch.bool, device=device),
             slots=torch.zeros(capacity, dtype=torch.long, device=device),
             next_position=torch.full((), n, dtype=torch.long, device=device),  # fills: no host sync
@@ -136,8 +150,12 @@ class AnalyticIndex:
     def _grow_positions(self, new: int) -> None:
         self.centroids = grow_along(self.centroids, 2, new, 0)
         self.codes = grow_along(self.codes, 2, new, 0)
-        self.weight = grow_along(self.weight, 2, new, 0.0)
-        self.norms = grow_along(self.norms, 2, new, 0.0)
+        if _interleaved(self.weight, self.norms):  # keep them in one buffer
+            pair = grow_along(torch.stack([self.weight, self.norms], dim=-1), 2, new, 0.0)
+            self.weight, self.norms = pair[..., 0], pair[..., 1]
+        else:
+            self.weight = grow_along(self.weight, 2, new, 0.0)
+            self.norms = grow_along(self.norms, 2, new, 0.0)
         self.token_valid = grow_along(self.token_valid, 1, new, False)
         self.slots = grow_along(self.slots, 0, new, 0)
 

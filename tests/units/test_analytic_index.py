@@ -96,6 +96,23 @@ def test_capacity_grows_on_the_host_and_reserve_prevents_growth():
     assert all(a is b for a, b in zip(tensors, [index.weight, index.codes, index.slots]))
 
 
+def test_weight_and_norms_share_one_buffer_through_growth():
+    # interleaved, so the rerank's scattered reads of a candidate's weight and norm hit one sector
+    index, _, gen = _index(1, 2, 4, 16, buffer=2, seed=1)
+
+    def shared():
+        return (index.weight.stride(-1) == 2 and index.norms.data_ptr() == index.weight.data_ptr() + 4
+                and index.weight.untyped_storage().data_ptr() == index.norms.untyped_storage().data_ptr())
+
+    assert shared()
+    before = (index.weight.clone(), index.norms.clone())
+    capacity = index.capacity
+    _append(index, gen, capacity - 4 + 1, first_slot=4)  # grows
+    assert index.capacity > capacity and shared()
+    assert torch.equal(index.weight[..., :4], before[0][..., :4]) and torch.equal(index.norms[..., :4], before[1][..., :4])
+    assert (index.norms[..., :capacity + 1] > 0).all() and (index.weight[..., capacity + 1:] == 0).all()
+
+
 # -- selections ------------------------------------------------------------------------------
 
 
