@@ -91,13 +91,11 @@ QUICK_COLLISION_VARIANTS = (
     ("before: pass", {"PIPELINE": "pass"}),
     ("fused votes 8 warps", {"_VOTES_WARPS": 8}),
     ("fused compact sub 2048", {"_COMPACT_SUB": 2048}),
-    ("fused programs 2048", {"_VOTES_PROGRAMS": 2048}),
 )
 QUICK_RERANK_VARIANTS = (
     ("radix", {"METHOD": "radix"}),
     ("radix level chunk 1024", {"METHOD": "radix", "_RADIX_LEVEL_MIN_CHUNK": 1024}),
     ("radix level chunk 2048", {"METHOD": "radix", "_RADIX_LEVEL_MIN_CHUNK": 2048}),
-    ("radix programs 2048", {"METHOD": "radix", "_RADIX_PROGRAMS": 2048}),
 )
 # the whole selection as it ran before session 10 (module, constant, value)
 BEFORE = (
