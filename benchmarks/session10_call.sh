@@ -23,11 +23,10 @@ step prof_every_gpu 80 $PROF --preset louiskv --placement gpu --trigger '{"name"
 step e2e_gpu 110 $E2E --contexts 131072 --batches 4 --presets louiskv@gpu --json "$OUT/e2e_gpu.json"
 step e2e_pinned 170 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --stickiness 16,32 --json "$OUT/e2e_pinned.json"
 ;;
-final)  # call 3: the short cells at the new rate, ParisKV (helper-4's script), 1x512K pinned at a real overlap
-step gpu_tests 50 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_fetch.py tests/test_store_refresh.py tests/kernels/triton/test_analytic_ops.py
-step e2e_32k 100 $E2E --contexts 32768 --batches 1,4 --presets louiskv@gpu --json "$OUT/e2e_32k.json"
-step e2e_128k1 55 $E2E --contexts 131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_128k1.json"
-TOTAL_S=90 step paris 92 bash benchmarks/session10_paris.sh "$OUT/paris"
-step e2e_512k1 90 $E2E --contexts 524288 --batches 1 --presets louiskv@cpu --stickiness 24 --json "$OUT/e2e_512k1.json"
+final)  # call 3 (cut to the device time left after a refused start): the short cells at the new rate, then ParisKV (helper-4's script)
+step gpu_tests 35 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_fetch.py tests/test_store_refresh.py tests/kernels/triton/test_analytic_ops.py
+step e2e_32k 95 $E2E --contexts 32768 --batches 1,4 --presets louiskv@gpu --json "$OUT/e2e_32k.json"
+step e2e_128k1 50 $E2E --contexts 131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_128k1.json"
+step paris 90 bash benchmarks/session10_paris.sh "$OUT/paris"
 ;;
 esac
