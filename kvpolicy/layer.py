@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
+def _builds_on_side_stream(device: torch.device) -> bool:
+    """Whether a prefill on ``device`` builds the prompt's units on the side stream (on CUDA)."""
+    return device.type == "cuda"
+
+
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream per device for building prompt units (shared by all layers)."""
     if device not in _SIDE_STREAMS:
@@ -114,7 +119,7 @@ class PolicyLayerState:
         if selects:
             zone = self.store.zone_end
             retrievable = token_valid[:, :zone] & ~self.store.sink_slot_mask()
-            if device.type == "cuda":
+            if _builds_on_side_stream(device):
                 # cluster and lay out the pool on a side stream so the next layers' prefill runs
                 # meanwhile; the first decode step waits for it
                 side = _side_stream(device)
