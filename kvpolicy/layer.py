@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
+def _builds_on_side_stream(device: torch.device) -> bool:
+    """Whether a prefill on ``device`` builds the prompt's units on the side stream (on CUDA)."""
+    return device.type == "cuda"
+
+
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream per device for building prompt units (shared by all layers)."""
     if device not in _SIDE_STREAMS:
@@ -114,7 +119,7 @@ class PolicyLayerState:
         if selects:
             zone = self.store.zone_end
             retrievable = token_valid[:, :zone] & ~self.store.sink_slot_mask()
-            if device.type == "cuda":
+            if _builds_on_side_stream(device):
                 # cluster and lay out the pool on a side stream so the next layers' prefill runs
                 # meanwhile; the first decode step waits for it
                 side = _side_stream(device)
@@ -133,7 +138,17 @@ class PolicyLayerState:
                 self.store.set_cache(rows)
         self.boundary = torch.zeros(batch, self.store.pool.valid.shape[1], dtype=torch.bool, device=device)
         self.trigger_state = policy.trigger.init_state(batch, num_q_heads, dim, device)
-        policy.trigger.attach(self.trigger_state, self)
+        if self.units_ready is not None:
+            # the trigger reads the prompt's units (score_gap gathers the table's sizes at its open
+            # unit): attach on the side stream, after the units are written, not on this stream
+            # while they are still being built (a read of unwritten memory: an index out of bounds)
+            side = _side_stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                policy.trigger.attach(self.trigger_state, self)
+            self.units_ready.record(side)
+        else:
+            policy.trigger.attach(self.trigger_state, self)
         self.has_selection = torch.zeros(batch, dtype=torch.bool, device=device)
         self.reselect = torch.zeros(batch, dtype=torch.bool, device=device)  # this step's decision
         self.reselections = torch.zeros(batch, dtype=torch.long, device=device)
