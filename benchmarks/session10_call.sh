@@ -24,7 +24,7 @@ step e2e_gpu 110 $E2E --contexts 131072 --batches 4 --presets louiskv@gpu --json
 step e2e_pinned 170 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --stickiness 16,32 --json "$OUT/e2e_pinned.json"
 ;;
 final)  # call 3 (cut twice to the device time left after two refused starts): ParisKV's new kernels on the GPU, then 1x32K
-step gpu_tests 30 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_analytic_ops.py
+step gpu_tests 35 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_analytic_ops.py tests/triggers/test_score_gap.py
 step paris 90 bash benchmarks/session10_paris.sh "$OUT/paris"
 step e2e_32k1 50 $E2E --contexts 32768 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_32k1.json"
 ;;
