@@ -139,9 +139,9 @@ def test_the_fused_ops_select_what_the_composed_ops_select(monkeypatch):
 
 
 @needs_interpreter
-def test_the_fused_selection_is_nine_triton_launches_and_two_memsets(monkeypatch):
-    # query_votes 1, collision_candidates 2 and a memset, rerank_select 6 and a memset; nothing else computes
-    # on the device (allocations and views launch nothing), so a captured step replays exactly these
+def test_the_fused_selection_is_ten_triton_launches_and_one_memset(monkeypatch):
+    # query_votes 1, collision_candidates 3, rerank_select 6 and a memset; nothing else computes on
+    # the device (allocations and views launch nothing), so a captured step replays exactly these
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import triton.runtime.interpreter as interpreter
@@ -184,12 +184,11 @@ def test_the_fused_selection_is_nine_triton_launches_and_two_memsets(monkeypatch
     launches.clear()
     with Record() as record:
         selection = selector.select(query, index, 40, ops)
-    # the query (1), the votes and candidates (2: the threshold folded into the compaction), then
+    # the query (1), the votes and candidates (3: collision_candidates' default "pass" pipeline), then
     # rerank_select's radix method (auto's choice): the score pass with the top digit, three digit
     # passes, the count and the place pass
-    assert launches == ["_query_votes_sort_kernel", "_votes_fused_kernel", "_compact_fused_kernel",
+    assert launches == ["_query_votes_sort_kernel", "_votes_kernel", "_threshold_kernel", "_compact_kernel",
                         "_radix_score_kernel", "_radix_level_kernel", "_radix_level_kernel", "_radix_level_kernel",
                         "_radix_level_kernel", "_radix_place_kernel"]
-    # the votes' row histogram, then the radix passes' histogram scratch
-    assert record.ops == ["aten.zeros.default", "aten.zeros.default"]
+    assert record.ops == ["aten.zeros.default"]  # the radix passes' histogram scratch
     assert int(selection.num_units.sum()) == 2 * 40

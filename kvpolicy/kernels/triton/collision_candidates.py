@@ -1,10 +1,11 @@
 """Triton collision candidates (op ``collision_candidates``): votes, candidate count and the
 candidate set, each centroid id read once.
 
-Session 10 (``PIPELINE = "fused"``, the default): two launches and a memset, the threshold
-folded into the compaction; see the comment above ``_votes_fused_kernel``. What follows is the
-three-launch pipeline before it (``PIPELINE = "pass"``), kept for the benchmark's before/after
-rows; the fused one keeps its arithmetic and its output exactly.
+Two pipelines, with the same output exactly. ``PIPELINE = "pass"`` (the default): the
+three launches below (votes, threshold, compact). ``PIPELINE = "fused"`` (session 10): two launches
+and a memset, the threshold folded into the compaction (see the comment above
+``_votes_fused_kernel``); on an H200 its votes pass took 150 us at 128Kx4 against the pass's 46,
+and 1,178 against 314 at 1Mx4 (docs/bench/session10/final/paris/), so it is not the default.
 
 Replaces ``collision_count`` + ``candidate_topk`` + the device-side cut of the selector (a
 histogram launch, a place launch, about fifteen torch ops for the mask, the prefix sums, the
@@ -58,9 +59,9 @@ _MAX_BANDS = 4
 # so far ran); benchmarks/pariskv_select.py's COLLISION_VARIANTS times the others
 _VOTES_WARPS = 4
 _COMPACT_WARPS = 4
-# session 10's pipeline ("fused": two launches and a memset) or the one before it ("pass": votes,
-# threshold, compact; kept for benchmarks/pariskv_select.py's before/after rows)
-PIPELINE = "fused"
+# "pass" (votes, threshold, compact) or session 10's "fused" (two launches and a memset; 3.3x and
+# 3.7x slower votes at 128Kx4 and 1Mx4 on an H200, so kept for benchmarks/pariskv_select.py only)
+PIPELINE = "pass"
 # the fused pipeline: about _VOTES_PROGRAMS programs a pass (the chunk grows from _CHUNK past
 # that, so a row has fewer chunks: 64 at 128Kx4, 128 at 1Mx4), at most _MAX_CHUNKS chunks a row
 # (the compaction reads two counts of each), keys per step of its compaction

