@@ -475,12 +475,13 @@ class TieredStore:
         In place (fixed buffers, so a captured step replays); rows are read from the pool only
         for sequences that re-select, and only those whose slot neither the buffer nor the unit
         cache already holds (counted in ``pool_rows_read``; ``rows_fetched`` counts them all),
-        except where ``read_whole`` (a pool in GPU memory, no cache): every row is read.
+        except where ``read_whole`` and the pool is still in GPU memory (no cache): every row is read.
         """
         buffer, cache = self.retrieved, self.cache
         ops = dispatch.as_ops(ops, buffer.keys.device)
         batch, heads, rows = slots.shape
-        if self.read_whole and cache is None:
+        # a split placement may have moved the pool to the host since the prefill: then it is looked up
+        if self.read_whole and cache is None and self.pool.keys.device == buffer.keys.device:
             ops.fetch_whole(self, slots, slot_valid, reselect)  # the rows, the commit and both counters
             return
         self.rows_fetched.add_(reselect.long() * (heads * rows))

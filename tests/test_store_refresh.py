@@ -146,6 +146,23 @@ def test_a_store_that_reads_whole_leaves_what_a_full_gather_leaves(backend, devi
     assert torch.equal(store.rows_fetched.cpu(), H * R * reselections)
 
 
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device: a pool moved off the attention device")
+def test_a_pool_moved_to_the_host_is_looked_up_again():
+    """A split placement moves a GPU pool to pinned host memory when it cannot grow in place
+    (``plan.before_pool_growth``); the store made at prefill still says ``read_whole``, and its
+    fetch must then take the lookup path (``fetch_whole`` refuses a host pool)."""
+    store, shadow = _stores(3, torch.device("cuda"), torch.device("cuda"))
+    store.read_whole = True
+    for name in ("keys", "values"):
+        setattr(store.pool, name, getattr(store.pool, name).cpu().pin_memory())
+    slots = torch.randint(0, store.length, store.retrieved.slots.shape, device="cuda")
+    valid = torch.ones_like(slots, dtype=torch.bool)
+    every = torch.ones(B, dtype=torch.bool, device="cuda")
+    store.fetch(slots, valid, every, "triton")
+    _old_fetch(shadow, slots, valid, every)
+    _assert_same(store, shadow, 0)
+
+
 def test_only_a_pool_in_gpu_memory_is_read_whole():
     """The lookup pays off where the pool is across PCIe, or on a CPU (where the eval measures
     the miss fraction); a pool on the GPU itself is read whole."""
