@@ -92,7 +92,8 @@ def louiskv_trigger(model: Any = None) -> dict:
 
 
 def _louiskv(model: Any = None, **options: Any) -> Policy:
-    """LouisKV: K-means clusters of ~16 prompt tokens, generated tokens in segments cut where the
+    """LouisKV: K-means clusters of ~16 prompt tokens (3 iterations, bf16 distances: LOUISKV_PROMPT_UNITS),
+    generated tokens in segments cut where the
     trigger fired, group-consistent top_budget selection, reused until the trigger fires. The
     trigger is the model's calibrated one when a model is given: for the embedded SmolLM2
     score_gap (re-select when an unselected unit would carry e^-2.5 of the held units' estimated
@@ -110,9 +111,18 @@ def _louiskv(model: Any = None, **options: Any) -> Policy:
         tau = calibrated_tau(model) if model is not None else DEFAULT_TAU
         trigger = {**(trigger if isinstance(trigger, dict) else {"name": "query_cosine"}), "tau": tau}
     return _retrieval(
-        "louiskv", trigger, {"name": "kmeans", "tokens_per_cluster": 16},
+        "louiskv", trigger, dict(LOUISKV_PROMPT_UNITS),
         {"name": "segments", "max_size": 64}, "top_budget", options,
     )
+
+
+# The louiskv preset's prompt units: K-means of ~16 tokens a cluster, 3 Lloyd iterations from evenly
+# spaced tokens with bf16 distances (KMeans' own default is 8 iterations in "split" precision). On the
+# H200 this meets issue 12's TTFT target (+10% over full prefill from 8K to 64K) where 8/split misses
+# (BENCHMARKS.md, session 9); on SmolLM2's 4K needles (16 samples a column) it scored 40.6 against
+# 39.1, and every-step clusterkv with the same units 64.1 against 48.4 (EVAL.md, "Fewer K-means
+# iterations for the prompt's units").
+LOUISKV_PROMPT_UNITS = {"name": "kmeans", "tokens_per_cluster": 16, "iters": 3, "init": "spaced", "precision": "bf16"}
 
 
 def _pariskv(**options: Any) -> Policy:
