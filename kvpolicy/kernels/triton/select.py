@@ -102,6 +102,14 @@ _SORT_NUM_WARPS = 16
 _RADIX_CHUNK = 1024
 _RADIX_NUM_WARPS = 4
 _RADIX_SMALL_SORT = 256
+# Step 4 of the fill (the R output positions) in the fill's own program, one per (sequence,
+# head), or split into a second launch over (row, block of _POSITIONS_BLOCK positions) programs
+# that find their covering unit by comparing with the taken units' begins, _POSITIONS_UNITS at a
+# time. Not measured on a GPU yet: the fill took 44 us a layer at 4 x 128K (32 programs),
+# the largest kernel of a re-selection (docs/bench/session10/whole/prof_every_gpu.txt).
+SPLIT_POSITIONS = False
+_POSITIONS_BLOCK = 256
+_POSITIONS_UNITS = 64
 
 
 def auto_ranking(units: int, take_inline: bool) -> str:
@@ -381,10 +389,10 @@ def _radix_order(better_ptr, tied_ptr, counter_ptr, tied_count_ptr, ranked_ptr,
 def _fill_kernel(
     scores_ptr, ranked_ptr, ranked_scores_ptr, sizes_ptr, starts_ptr, order_ptr, take_ptr,
     unit_ids_ptr, num_units_ptr, slots_ptr, slot_valid_ptr,
-    heads_ptr, shift_ptr, cand_ptr, tied_ptr, radix_line_ptr, radix_state_ptr,
+    heads_ptr, shift_ptr, cand_ptr, tied_ptr, radix_line_ptr, radix_state_ptr, begins_ptr, totals_ptr,
     U, N, R, SHIFT_LEN, ROWS_PER_SEQUENCE, RANKED_KEYS, RADIX_LINE,
     BLOCK_U: tl.constexpr, BLOCK_R: tl.constexpr, SORT_BLOCK: tl.constexpr, HAS_TAKE: tl.constexpr,
-    CAND_BLOCK: tl.constexpr, RADIX: tl.constexpr, SMALL_SORT: tl.constexpr,
+    CAND_BLOCK: tl.constexpr, RADIX: tl.constexpr, SMALL_SORT: tl.constexpr, SPLIT: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     u_base = bh * U
@@ -395,10 +403,12 @@ def _fill_kernel(
     # (nested: take_ptr is None when HAS_TAKE is off, so it must not be loaded at all)
     if HAS_TAKE:  # noqa: SIM102
         if tl.load(take_ptr + bh // ROWS_PER_SEQUENCE) == 0:
-            for r0 in range(0, R, BLOCK_R):
-                p = r0 + tl.arange(0, BLOCK_R)
-                tl.store(slots_ptr + r_base + p, tl.zeros([BLOCK_R], dtype=slots_ptr.dtype.element_ty), mask=p < R)
-                tl.store(slot_valid_ptr + r_base + p, tl.zeros([BLOCK_R], dtype=tl.int1), mask=p < R)
+            if not SPLIT:  # (SPLIT: the positions launch writes the empty slots)
+                for r0 in range(0, R, BLOCK_R):
+                    p = r0 + tl.arange(0, BLOCK_R)
+                    tl.store(slots_ptr + r_base + p, tl.zeros([BLOCK_R], dtype=slots_ptr.dtype.element_ty),
+                             mask=p < R)
+                    tl.store(slot_valid_ptr + r_base + p, tl.zeros([BLOCK_R], dtype=tl.int1), mask=p < R)
             for u0 in range(0, U, BLOCK_U):
                 i = u0 + tl.arange(0, BLOCK_U)
                 tl.store(unit_ids_ptr + u_base + i, tl.full([BLOCK_U], -1, dtype=tl.int64), mask=i < U)
@@ -424,10 +434,11 @@ def _fill_kernel(
         ranked_base = bh * RANKED_KEYS
         ranked_len = RANKED_KEYS
 
-    # 2. no unit starts anywhere yet
-    for r0 in range(0, R, BLOCK_R):
-        p = r0 + tl.arange(0, BLOCK_R)
-        tl.store(heads_ptr + r_base + p, tl.zeros([BLOCK_R], dtype=tl.int8), mask=p < R)
+    # 2. no unit starts anywhere yet (SPLIT: the positions launch reads begins, not flags)
+    if not SPLIT:
+        for r0 in range(0, R, BLOCK_R):
+            p = r0 + tl.arange(0, BLOCK_R)
+            tl.store(heads_ptr + r_base + p, tl.zeros([BLOCK_R], dtype=tl.int8), mask=p < R)
     tl.debug_barrier()
 
     # 3. units in score order
@@ -457,7 +468,10 @@ def _fill_kernel(
         position = tl.cumsum(taken_i, 0) + count - 1
         tl.store(unit_ids_ptr + u_base + position, unit, mask=taken)
         tl.store(shift_ptr + bh * SHIFT_LEN + position, start - begin, mask=taken)
-        tl.store(heads_ptr + r_base + begin, tl.full([BLOCK_U], 1, dtype=tl.int8), mask=taken)
+        if SPLIT:
+            tl.store(begins_ptr + bh * SHIFT_LEN + position, begin.to(tl.int32), mask=taken)
+        else:
+            tl.store(heads_ptr + r_base + begin, tl.full([BLOCK_U], 1, dtype=tl.int8), mask=taken)
         total += tl.sum(size, 0)
         count += tl.sum(taken_i, 0)
     # the rest of unit_ids is -1 (disjoint from the compacted writes, so no barrier; the radix
@@ -467,6 +481,9 @@ def _fill_kernel(
             i = u0 + tl.arange(0, BLOCK_U)
             tl.store(unit_ids_ptr + u_base + i, tl.full([BLOCK_U], -1, dtype=tl.int64), mask=(i >= count) & (i < U))
     tl.store(num_units_ptr + bh, count)
+    if SPLIT:
+        tl.store(totals_ptr + bh, total)
+        return
     tl.debug_barrier()
 
     # 4. output positions: the k-th flag at or before p is the taken unit covering p
@@ -483,6 +500,37 @@ def _fill_kernel(
         tl.store(slots_ptr + r_base + p, slot, mask=in_range)
         tl.store(slot_valid_ptr + r_base + p, valid, mask=in_range)
         seen += tl.sum(head, 0)
+
+
+@triton.jit
+def _positions_kernel(order_ptr, take_ptr, num_units_ptr, totals_ptr, begins_ptr, shift_ptr, slots_ptr,
+                      slot_valid_ptr, N, R, SHIFT_LEN, ROWS_PER_SEQUENCE, HAS_TAKE: tl.constexpr,
+                      BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Step 4 of the fill as its own launch over (row, block of output positions) programs
+    (``SPLIT``): the taken unit covering position ``p`` is the number of taken units beginning at
+    or before ``p``, less one (their begins ascend in rank order), so no program waits on another."""
+    bh = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    in_range = p < R
+    slots = slots_ptr + bh * R + p
+    if HAS_TAKE:  # noqa: SIM102
+        if tl.load(take_ptr + bh // ROWS_PER_SEQUENCE) == 0:
+            tl.store(slots, tl.zeros([BLOCK_P], dtype=slots_ptr.dtype.element_ty), mask=in_range)
+            tl.store(slot_valid_ptr + bh * R + p, tl.zeros([BLOCK_P], dtype=tl.int1), mask=in_range)
+            return
+    count = tl.load(num_units_ptr + bh)
+    total = tl.load(totals_ptr + bh)
+    which = tl.zeros([BLOCK_P], dtype=tl.int32)
+    for k0 in range(0, count, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        begin = tl.load(begins_ptr + bh * SHIFT_LEN + k, mask=k < count, other=2147483647)
+        which += tl.sum((begin[None, :] <= p[:, None]).to(tl.int32), axis=1)
+    valid = in_range & (p < total)
+    shift = tl.load(shift_ptr + bh * SHIFT_LEN + which - 1, mask=valid, other=0)
+    index = tl.minimum(tl.maximum(p + shift, 0), N - 1)
+    slot = tl.load(order_ptr + bh * N + index, mask=valid, other=0)
+    tl.store(slots, slot, mask=in_range)
+    tl.store(slot_valid_ptr + bh * R + p, valid, mask=in_range)
 
 
 @implement("triton", "select_budget", supports=triton_runs_on)
@@ -559,20 +607,32 @@ def select_budget(
                                                                 cand_block, unit_ids)
             radix_line_len = radix_line.shape[-1]
     # scratch: per program, R flags and one shift per taken unit (at most min(U, R) of them)
-    heads = torch.empty(programs, capacity, dtype=torch.int8, device=device)
+    # (SPLIT: per taken unit its first position, and per row the tokens of all selectable units)
+    split = SPLIT_POSITIONS and capacity > 0
+    heads = torch.empty(programs, 1 if split else capacity, dtype=torch.int8, device=device)
     shift_len = max(1, min(units, capacity))
     shift = torch.empty(programs, shift_len, dtype=torch.long, device=device)
+    begins = torch.empty(programs, shift_len if split else 1, dtype=torch.int32, device=device)
+    totals = torch.empty(programs, dtype=torch.long, device=device)
+    order = order.contiguous()
     _fill_kernel[(programs,)](
-        scores, ranked, ranked_scores, sizes.contiguous(), starts.contiguous(), order.contiguous(), take,
+        scores, ranked, ranked_scores, sizes.contiguous(), starts.contiguous(), order, take,
         unit_ids, num_units, slots, slot_valid,
-        heads, shift, cand, tied, radix_line, radix_state,
+        heads, shift, cand, tied, radix_line, radix_state, begins, totals,
         units, order.shape[-1], capacity, shift_len, rows_per_sequence, ranked_keys, radix_line_len,
         BLOCK_U=min(_THRESHOLD_BLOCK if ranking == "threshold" else _BLOCK, triton.next_power_of_2(units)),
         BLOCK_R=min(_BLOCK, triton.next_power_of_2(max(capacity, 1))),
         SORT_BLOCK=sort_block, HAS_TAKE=take is not None, CAND_BLOCK=cand_block,
         RADIX=ranking == "radix", SMALL_SORT=min(_RADIX_SMALL_SORT, cand_block) if cand_block else 1,
-        num_warps=_SORT_NUM_WARPS if max(sort_block, cand_block) > 4096 else _NUM_WARPS,
+        SPLIT=split, num_warps=_SORT_NUM_WARPS if max(sort_block, cand_block) > 4096 else _NUM_WARPS,
     )
+    if split:
+        block_p = min(_POSITIONS_BLOCK, triton.next_power_of_2(capacity))
+        _positions_kernel[(programs, triton.cdiv(capacity, block_p))](
+            order, take, num_units, totals, begins, shift, slots, slot_valid,
+            order.shape[-1], capacity, shift_len, rows_per_sequence,
+            HAS_TAKE=take is not None, BLOCK_P=block_p, BLOCK_K=_POSITIONS_UNITS, num_warps=4,
+        )
     return unit_ids, num_units, slots, slot_valid
 
 

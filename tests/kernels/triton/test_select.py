@@ -504,3 +504,32 @@ def test_select_budget_replays_in_a_cuda_graph(ranking, monkeypatch):
     want = reference.select_budget(scores, sizes, starts, order, 2048)
     for a, b in zip(outs, want):
         assert torch.equal(a, b)
+
+
+# ---- the output positions as their own launch (SPLIT_POSITIONS) ------------------------------
+
+# (the positions launch reads only the fill's outputs, the same for every ranking: two suffice)
+@pytest.mark.parametrize("ranking", ["full", "radix"])
+@pytest.mark.parametrize(
+    "batch, heads, units, tokens, max_size, capacity, levels, block_k",
+    [
+        (2, 3, 40, 300, 12, 64, None, 64),  # budget cut inside a unit
+        (1, 2, 30, 200, 9, 1000, None, 64),  # budget larger than all tokens: positions past the total
+        (2, 2, 50, 400, 8, 37, 3, 4),  # many ties; taken units compared 4 at a time
+        (1, 1, 12, 500, 400, 100, None, 64),  # one unit larger than the budget covers it all
+        (2, 1, 200, 600, 2, 300, 20, 16),  # over a hundred taken units, several position blocks
+    ],
+)
+def test_split_positions_match_the_reference(batch, heads, units, tokens, max_size, capacity, levels, block_k,
+                                             ranking, monkeypatch):
+    from kvpolicy.kernels.triton import select
+
+    _use_ranking(ranking, monkeypatch)
+    monkeypatch.setattr(select, "SPLIT_POSITIONS", True)
+    monkeypatch.setattr(select, "_POSITIONS_BLOCK", 64)
+    monkeypatch.setattr(select, "_POSITIONS_UNITS", block_k)
+    inputs = _random_units(batch, heads, units, tokens, max_size, seed=units + capacity, levels=levels)
+    _check(*inputs, capacity)
+    take = torch.tensor([b % 2 == 0 for b in range(batch)], device=DEVICE)
+    _check(*inputs, capacity, take)  # the other rows: empty slots written by the positions launch
+    _check(*inputs, 0, take)
