@@ -1,17 +1,21 @@
-"""``select_budget``'s fill launch variants side by side, at a re-selection's decode sizes.
+"""``select_budget``'s ways of ordering the radix select's winners side by side, at a
+re-selection's decode sizes.
 
-Times the Triton op (ranking "auto") as a CUDA-graph replay with every row re-selecting, for
-each combination of the fill's knobs: the output positions in the fill's own program or in a
-second launch (``SPLIT_POSITIONS``), its warps, and its block of units/positions. The radix
-launches alone are timed too, so the fill's share is the difference. Sizes are K-means-like
-(8-24 tokens a unit). Usage (GPU):
-    python3 benchmarks/fill_variants.py [--cells 4x8200,1x2050] [--budget 2048]
+Times the Triton op (ranking "auto") as a CUDA-graph replay with every row re-selecting, with the
+units better than the cut ordered by a ``tl.sort`` in the fill's program ("sort") or by the rank
+launch ("rank", ``WINNER_ORDER``), for two kinds of units: 8-24 tokens each, and K-means-like ones
+of random keys (1-87 tokens, scores spread as 1/sqrt(size), so the winners are mostly 1-3-token
+units, ~850 of them at R = 2,048). The radix launches alone are timed too. Usage (GPU):
+    python3 benchmarks/fill_variants.py [--cells 4x8200,1x32800] [--budget 2048]
+
+Session 11's first call measured another variant, the output positions as their own launch over
+(row, position block) programs: 140-152 us against 45-51 (4 x 8,200 units of 8-24 tokens), so it
+was dropped (docs/bench/session11/fill/fill_variants.log).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 
 import torch
 
@@ -19,9 +23,19 @@ from kvpolicy.bench.timing import time_replay_ms
 from kvpolicy.kernels.triton import select
 
 
+def _units(kind: str, shape: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores, sizes) of ``kind`` "uniform" (8-24 tokens) or "kmeans" (skewed sizes, small units score wider)."""
+    if kind == "uniform":
+        return torch.randn(shape, device=device), torch.randint(8, 25, shape, device=device)
+    # sizes of K-means clusters of 8,192 random 128-dim keys at 16 tokens a cluster (8 iterations):
+    # quantiles 10/25/50/75/90/99% = 1/2/6/25/46/87 tokens; a log-uniform draw over 1-96 is close
+    sizes = torch.exp(torch.rand(shape, device=device) * torch.log(torch.tensor(96.0))).floor().long()
+    return torch.randn(shape, device=device) / sizes.float().sqrt(), sizes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cells", default="4x8200,1x8200,1x2050", help="BATCHxUNITS, comma-separated")
+    parser.add_argument("--cells", default="4x8200,1x32800", help="BATCHxUNITS, comma-separated")
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=50)
@@ -29,34 +43,35 @@ def main() -> None:
     device = torch.device("cuda")
     print(f"select_budget (auto ranking), R={args.budget}, {args.kv_heads} KV heads, every row re-selecting; "
           f"us per replay (median of {args.repeats})", flush=True)
-    defaults = (select.SPLIT_POSITIONS, select._NUM_WARPS, select._BLOCK)
+    print(f"{'cell':>8s} {'units':>8s} {'winners':>8s} {'radix alone':>12s} {'sort':>7s} {'rank':>7s}", flush=True)
+    default = select.WINNER_ORDER
     for cell in args.cells.split(","):
         batch, units = (int(x) for x in cell.split("x"))
-        torch.manual_seed(0)
-        shape = (batch, args.kv_heads, units)
-        scores = torch.randn(shape, device=device)
-        sizes = torch.randint(8, 25, shape, device=device)
-        starts = torch.cumsum(sizes, -1) - sizes
-        order = torch.argsort(torch.rand(batch, args.kv_heads, int(sizes.sum(-1).max()), device=device), -1)
-        take = torch.ones(batch, dtype=torch.bool, device=device)
-        ranking = select.auto_ranking(units, take_inline=True)
-        line = f"{batch}x{units} units ({ranking})"
-        if ranking == "radix":
+        for kind in ("uniform", "kmeans"):
+            torch.manual_seed(0)
+            shape = (batch, args.kv_heads, units)
+            scores, sizes = _units(kind, shape, device)
+            starts = torch.cumsum(sizes, -1) - sizes
+            order = torch.argsort(torch.rand(batch, args.kv_heads, int(sizes.sum(-1).max()), device=device), -1)
+            take = torch.ones(batch, dtype=torch.bool, device=device)
             flat, flat_sizes = scores.reshape(-1, units), sizes.reshape(-1, units)
             cand = 1 << (min(units, args.budget) - 1).bit_length()
             ids = torch.empty_like(flat, dtype=torch.long)
             radix = time_replay_ms(lambda: select._radix_select(flat, flat_sizes, take, args.budget, args.kv_heads,
                                                                 cand, ids), device, args.repeats)
-            line += f": radix launches alone {1e3 * radix:.1f}"
-        print(line, flush=True)
-        for split, warps, block in itertools.product((False, True), (4, 8), (512, 2048)):
-            select.SPLIT_POSITIONS, select._NUM_WARPS, select._BLOCK = split, warps, block
-            try:
-                ms = time_replay_ms(lambda: select.select_budget(scores, sizes, starts, order, args.budget, take),
-                                    device, args.repeats)
-            finally:
-                select.SPLIT_POSITIONS, select._NUM_WARPS, select._BLOCK = defaults
-            print(f"  split={split!s:5s} warps={warps} block={block:4d}: {1e3 * ms:7.1f} us", flush=True)
+            line = select._radix_select(flat, flat_sizes, take, args.budget, args.kv_heads, cand, ids)[2]
+            winners = float(line[:, select._RADIX_COUNTER.value].float().mean())
+            times = []
+            for winner_order in ("sort", "rank"):
+                select.WINNER_ORDER = winner_order
+                try:
+                    times.append(time_replay_ms(
+                        lambda: select.select_budget(scores, sizes, starts, order, args.budget, take),
+                        device, args.repeats))
+                finally:
+                    select.WINNER_ORDER = default
+            print(f"{cell:>8s} {kind:>8s} {winners:8.0f} {1e3 * radix:12.1f} {1e3 * times[0]:7.1f} "
+                  f"{1e3 * times[1]:7.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -102,14 +102,16 @@ _SORT_NUM_WARPS = 16
 _RADIX_CHUNK = 1024
 _RADIX_NUM_WARPS = 4
 _RADIX_SMALL_SORT = 256
-# Step 4 of the fill (the R output positions) in the fill's own program, one per (sequence,
-# head), or split into a second launch over (row, block of _POSITIONS_BLOCK positions) programs
-# that find their covering unit by comparing with the taken units' begins, _POSITIONS_UNITS at a
-# time. Not measured on a GPU yet: the fill took 44 us a layer at 4 x 128K (32 programs),
-# the largest kernel of a re-selection (docs/bench/session10/whole/prof_every_gpu.txt).
-SPLIT_POSITIONS = False
-_POSITIONS_BLOCK = 256
-_POSITIONS_UNITS = 64
+# How the radix select orders the units better than the cut: "rank", a launch over (row, block of
+# _RANK_BLOCK winners) programs, each winner's rank counted by comparing it with every winner; or
+# "sort", a tl.sort in the fill's own program (one per row). With K-means units of random keys the
+# winners are mostly 1-3-token clusters (a few-token mean scores further from 0), ~850 of them at
+# R = 2,048, past the small sort block: the fill then took 44 us a layer at 4 x 128K
+# (docs/bench/session10/whole/prof_every_gpu.txt) against ~10 us with 8-24-token units
+# (docs/bench/session11/fill/fill_variants.log)
+WINNER_ORDER = "rank"
+WINNER_ORDERS = ("rank", "sort")
+_RANK_BLOCK = 128
 
 
 def auto_ranking(units: int, take_inline: bool) -> str:
@@ -363,14 +365,41 @@ def _radix_compact_kernel(scores_ptr, sizes_ptr, take_ptr, scratch_ptr, state_pt
 
 
 @triton.jit
+def _radix_rank_kernel(better_ptr, take_ptr, scratch_ptr, ranked_ptr, ROWS_PER_SEQUENCE, SCRATCH_LEN,
+                       HAS_TAKE: tl.constexpr, CAND_BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
+    """The units better than the cut in key order (``WINNER_ORDER == "rank"``), spread over
+    (row, block of ``BLOCK_W`` winners) programs: a winner's rank is the number of winners with
+    a smaller key (keys are unique: the unit index is the low word), so each program places its
+    block by comparing it with every winner, ``BLOCK_W`` at a time; no program waits on another."""
+    row = tl.program_id(0).to(tl.int64)
+    if HAS_TAKE:  # noqa: SIM102
+        if tl.load(take_ptr + row // ROWS_PER_SEQUENCE) == 0:
+            return
+    better = tl.minimum(tl.load(scratch_ptr + row * SCRATCH_LEN + _RADIX_COUNTER), CAND_BLOCK)
+    mine = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    if tl.program_id(1) * BLOCK_W >= better:
+        return
+    keys = tl.load(better_ptr + row * CAND_BLOCK + mine, mask=mine < better, other=0x7FFFFFFFFFFFFFFF)
+    rank = tl.zeros([BLOCK_W], dtype=tl.int32)
+    for w0 in range(0, better, BLOCK_W):
+        other = w0 + tl.arange(0, BLOCK_W)
+        theirs = tl.load(better_ptr + row * CAND_BLOCK + other, mask=other < better, other=0x7FFFFFFFFFFFFFFF)
+        rank += tl.sum((theirs[None, :] < keys[:, None]).to(tl.int32), axis=1)
+    tl.store(ranked_ptr + row * CAND_BLOCK + rank, keys.to(tl.int32), mask=mine < better)
+
+
+@triton.jit
 def _radix_order(better_ptr, tied_ptr, counter_ptr, tied_count_ptr, ranked_ptr,
-                 CAND_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr, BLOCK: tl.constexpr):
-    """``ranked``: the better units sorted by key (a ``SMALL_SORT`` block when they fit, the
-    usual case, else ``CAND_BLOCK``), then the tied ones in index order; returns their count."""
-    better = tl.load(counter_ptr)
+                 CAND_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr, BLOCK: tl.constexpr, RANKED: tl.constexpr):
+    """``ranked``: the better units sorted by key (already there when ``RANKED``, by
+    ``_radix_rank_kernel``; else sorted here, in a ``SMALL_SORT`` block when they fit, else
+    ``CAND_BLOCK``), then the tied ones in index order; returns their count."""
+    better = tl.minimum(tl.load(counter_ptr), CAND_BLOCK)
     # each branch keeps its own names: compiled Triton merges a name bound in both branches,
     # which fails for blocks of two shapes (the interpreter does not check)
-    if better <= SMALL_SORT:
+    if RANKED:
+        pass
+    elif better <= SMALL_SORT:
         small = tl.arange(0, SMALL_SORT)
         small_keys = tl.sort(tl.load(better_ptr + small, mask=small < better, other=0x7FFFFFFFFFFFFFFF))
         tl.store(ranked_ptr + small, small_keys.to(tl.int32), mask=small < better)
@@ -389,10 +418,10 @@ def _radix_order(better_ptr, tied_ptr, counter_ptr, tied_count_ptr, ranked_ptr,
 def _fill_kernel(
     scores_ptr, ranked_ptr, ranked_scores_ptr, sizes_ptr, starts_ptr, order_ptr, take_ptr,
     unit_ids_ptr, num_units_ptr, slots_ptr, slot_valid_ptr,
-    heads_ptr, shift_ptr, cand_ptr, tied_ptr, radix_line_ptr, radix_state_ptr, begins_ptr, totals_ptr,
+    heads_ptr, shift_ptr, cand_ptr, tied_ptr, radix_line_ptr, radix_state_ptr,
     U, N, R, SHIFT_LEN, ROWS_PER_SEQUENCE, RANKED_KEYS, RADIX_LINE,
     BLOCK_U: tl.constexpr, BLOCK_R: tl.constexpr, SORT_BLOCK: tl.constexpr, HAS_TAKE: tl.constexpr,
-    CAND_BLOCK: tl.constexpr, RADIX: tl.constexpr, SMALL_SORT: tl.constexpr, SPLIT: tl.constexpr,
+    CAND_BLOCK: tl.constexpr, RADIX: tl.constexpr, SMALL_SORT: tl.constexpr, RANKED: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     u_base = bh * U
@@ -403,12 +432,10 @@ def _fill_kernel(
     # (nested: take_ptr is None when HAS_TAKE is off, so it must not be loaded at all)
     if HAS_TAKE:  # noqa: SIM102
         if tl.load(take_ptr + bh // ROWS_PER_SEQUENCE) == 0:
-            if not SPLIT:  # (SPLIT: the positions launch writes the empty slots)
-                for r0 in range(0, R, BLOCK_R):
-                    p = r0 + tl.arange(0, BLOCK_R)
-                    tl.store(slots_ptr + r_base + p, tl.zeros([BLOCK_R], dtype=slots_ptr.dtype.element_ty),
-                             mask=p < R)
-                    tl.store(slot_valid_ptr + r_base + p, tl.zeros([BLOCK_R], dtype=tl.int1), mask=p < R)
+            for r0 in range(0, R, BLOCK_R):
+                p = r0 + tl.arange(0, BLOCK_R)
+                tl.store(slots_ptr + r_base + p, tl.zeros([BLOCK_R], dtype=slots_ptr.dtype.element_ty), mask=p < R)
+                tl.store(slot_valid_ptr + r_base + p, tl.zeros([BLOCK_R], dtype=tl.int1), mask=p < R)
             for u0 in range(0, U, BLOCK_U):
                 i = u0 + tl.arange(0, BLOCK_U)
                 tl.store(unit_ids_ptr + u_base + i, tl.full([BLOCK_U], -1, dtype=tl.int64), mask=i < U)
@@ -426,7 +453,7 @@ def _fill_kernel(
         if RADIX:
             ranked_len = _radix_order(cand_ptr + bh * CAND_BLOCK, tied_ptr + bh * CAND_BLOCK,
                                       radix_line_ptr + bh * RADIX_LINE + _RADIX_COUNTER, radix_state_ptr + bh * 12 + 8,
-                                      ranked_ptr + bh * CAND_BLOCK, CAND_BLOCK, SMALL_SORT, BLOCK_U)
+                                      ranked_ptr + bh * CAND_BLOCK, CAND_BLOCK, SMALL_SORT, BLOCK_U, RANKED)
         else:
             _threshold_rank(scores_ptr + u_base, sizes_ptr + u_base, cand_ptr + bh * CAND_BLOCK,
                             ranked_ptr + bh * CAND_BLOCK, U, R, BLOCK_U, CAND_BLOCK)
@@ -434,11 +461,10 @@ def _fill_kernel(
         ranked_base = bh * RANKED_KEYS
         ranked_len = RANKED_KEYS
 
-    # 2. no unit starts anywhere yet (SPLIT: the positions launch reads begins, not flags)
-    if not SPLIT:
-        for r0 in range(0, R, BLOCK_R):
-            p = r0 + tl.arange(0, BLOCK_R)
-            tl.store(heads_ptr + r_base + p, tl.zeros([BLOCK_R], dtype=tl.int8), mask=p < R)
+    # 2. no unit starts anywhere yet
+    for r0 in range(0, R, BLOCK_R):
+        p = r0 + tl.arange(0, BLOCK_R)
+        tl.store(heads_ptr + r_base + p, tl.zeros([BLOCK_R], dtype=tl.int8), mask=p < R)
     tl.debug_barrier()
 
     # 3. units in score order
@@ -468,10 +494,7 @@ def _fill_kernel(
         position = tl.cumsum(taken_i, 0) + count - 1
         tl.store(unit_ids_ptr + u_base + position, unit, mask=taken)
         tl.store(shift_ptr + bh * SHIFT_LEN + position, start - begin, mask=taken)
-        if SPLIT:
-            tl.store(begins_ptr + bh * SHIFT_LEN + position, begin.to(tl.int32), mask=taken)
-        else:
-            tl.store(heads_ptr + r_base + begin, tl.full([BLOCK_U], 1, dtype=tl.int8), mask=taken)
+        tl.store(heads_ptr + r_base + begin, tl.full([BLOCK_U], 1, dtype=tl.int8), mask=taken)
         total += tl.sum(size, 0)
         count += tl.sum(taken_i, 0)
     # the rest of unit_ids is -1 (disjoint from the compacted writes, so no barrier; the radix
@@ -481,9 +504,6 @@ def _fill_kernel(
             i = u0 + tl.arange(0, BLOCK_U)
             tl.store(unit_ids_ptr + u_base + i, tl.full([BLOCK_U], -1, dtype=tl.int64), mask=(i >= count) & (i < U))
     tl.store(num_units_ptr + bh, count)
-    if SPLIT:
-        tl.store(totals_ptr + bh, total)
-        return
     tl.debug_barrier()
 
     # 4. output positions: the k-th flag at or before p is the taken unit covering p
@@ -500,37 +520,6 @@ def _fill_kernel(
         tl.store(slots_ptr + r_base + p, slot, mask=in_range)
         tl.store(slot_valid_ptr + r_base + p, valid, mask=in_range)
         seen += tl.sum(head, 0)
-
-
-@triton.jit
-def _positions_kernel(order_ptr, take_ptr, num_units_ptr, totals_ptr, begins_ptr, shift_ptr, slots_ptr,
-                      slot_valid_ptr, N, R, SHIFT_LEN, ROWS_PER_SEQUENCE, HAS_TAKE: tl.constexpr,
-                      BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Step 4 of the fill as its own launch over (row, block of output positions) programs
-    (``SPLIT``): the taken unit covering position ``p`` is the number of taken units beginning at
-    or before ``p``, less one (their begins ascend in rank order), so no program waits on another."""
-    bh = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
-    in_range = p < R
-    slots = slots_ptr + bh * R + p
-    if HAS_TAKE:  # noqa: SIM102
-        if tl.load(take_ptr + bh // ROWS_PER_SEQUENCE) == 0:
-            tl.store(slots, tl.zeros([BLOCK_P], dtype=slots_ptr.dtype.element_ty), mask=in_range)
-            tl.store(slot_valid_ptr + bh * R + p, tl.zeros([BLOCK_P], dtype=tl.int1), mask=in_range)
-            return
-    count = tl.load(num_units_ptr + bh)
-    total = tl.load(totals_ptr + bh)
-    which = tl.zeros([BLOCK_P], dtype=tl.int32)
-    for k0 in range(0, count, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        begin = tl.load(begins_ptr + bh * SHIFT_LEN + k, mask=k < count, other=2147483647)
-        which += tl.sum((begin[None, :] <= p[:, None]).to(tl.int32), axis=1)
-    valid = in_range & (p < total)
-    shift = tl.load(shift_ptr + bh * SHIFT_LEN + which - 1, mask=valid, other=0)
-    index = tl.minimum(tl.maximum(p + shift, 0), N - 1)
-    slot = tl.load(order_ptr + bh * N + index, mask=valid, other=0)
-    tl.store(slots, slot, mask=in_range)
-    tl.store(slot_valid_ptr + bh * R + p, valid, mask=in_range)
 
 
 @implement("triton", "select_budget", supports=triton_runs_on)
@@ -579,6 +568,9 @@ def select_budget(
         ranking = auto_ranking(units, take is not None and not graph_branch.in_conditional_body())
     if ranking not in RANKINGS:
         raise ValueError(f"triton select_budget: RANKING {RANKING!r}; accepted: auto, {', '.join(RANKINGS)}")
+    if WINNER_ORDER not in WINNER_ORDERS:
+        raise ValueError(f"triton select_budget: WINNER_ORDER {WINNER_ORDER!r}; accepted: {', '.join(WINNER_ORDERS)}")
+    ranked_winners = ranking == "radix" and WINNER_ORDER == "rank"
     ranked_keys = 0
     if ranking == "torch.sort":
         ranked_scores, ranked = torch.sort(scores, dim=-1, descending=True, stable=True)
@@ -606,33 +598,28 @@ def select_budget(
             cand, tied, radix_line, radix_state = _radix_select(scores, sizes, take, capacity, rows_per_sequence,
                                                                 cand_block, unit_ids)
             radix_line_len = radix_line.shape[-1]
+            if ranked_winners:
+                block_w = min(_RANK_BLOCK, cand_block)
+                _radix_rank_kernel[(programs, triton.cdiv(cand_block, block_w))](
+                    cand, take, radix_line, ranked, rows_per_sequence, radix_line_len,
+                    HAS_TAKE=take is not None, CAND_BLOCK=cand_block, BLOCK_W=block_w, num_warps=4,
+                )
     # scratch: per program, R flags and one shift per taken unit (at most min(U, R) of them)
-    # (SPLIT: per taken unit its first position, and per row the tokens of all selectable units)
-    split = SPLIT_POSITIONS and capacity > 0
-    heads = torch.empty(programs, 1 if split else capacity, dtype=torch.int8, device=device)
+    heads = torch.empty(programs, capacity, dtype=torch.int8, device=device)
     shift_len = max(1, min(units, capacity))
     shift = torch.empty(programs, shift_len, dtype=torch.long, device=device)
-    begins = torch.empty(programs, shift_len if split else 1, dtype=torch.int32, device=device)
-    totals = torch.empty(programs, dtype=torch.long, device=device)
-    order = order.contiguous()
     _fill_kernel[(programs,)](
-        scores, ranked, ranked_scores, sizes.contiguous(), starts.contiguous(), order, take,
+        scores, ranked, ranked_scores, sizes.contiguous(), starts.contiguous(), order.contiguous(), take,
         unit_ids, num_units, slots, slot_valid,
-        heads, shift, cand, tied, radix_line, radix_state, begins, totals,
+        heads, shift, cand, tied, radix_line, radix_state,
         units, order.shape[-1], capacity, shift_len, rows_per_sequence, ranked_keys, radix_line_len,
         BLOCK_U=min(_THRESHOLD_BLOCK if ranking == "threshold" else _BLOCK, triton.next_power_of_2(units)),
         BLOCK_R=min(_BLOCK, triton.next_power_of_2(max(capacity, 1))),
         SORT_BLOCK=sort_block, HAS_TAKE=take is not None, CAND_BLOCK=cand_block,
         RADIX=ranking == "radix", SMALL_SORT=min(_RADIX_SMALL_SORT, cand_block) if cand_block else 1,
-        SPLIT=split, num_warps=_SORT_NUM_WARPS if max(sort_block, cand_block) > 4096 else _NUM_WARPS,
+        RANKED=ranked_winners,
+        num_warps=_SORT_NUM_WARPS if max(sort_block, cand_block) > 4096 else _NUM_WARPS,
     )
-    if split:
-        block_p = min(_POSITIONS_BLOCK, triton.next_power_of_2(capacity))
-        _positions_kernel[(programs, triton.cdiv(capacity, block_p))](
-            order, take, num_units, totals, begins, shift, slots, slot_valid,
-            order.shape[-1], capacity, shift_len, rows_per_sequence,
-            HAS_TAKE=take is not None, BLOCK_P=block_p, BLOCK_K=_POSITIONS_UNITS, num_warps=4,
-        )
     return unit_ids, num_units, slots, slot_valid
 
 

@@ -355,12 +355,16 @@ def test_radix_select_cut_exactly_at_a_unit_edge(monkeypatch):
         _check(scores, sizes, starts, order, capacity)
 
 
-def test_radix_select_sorts_many_winners_in_the_whole_block(monkeypatch):
+@pytest.mark.parametrize("winner_order", ["sort", "rank"])
+def test_radix_select_sorts_many_winners_in_the_whole_block(winner_order, monkeypatch):
     # the small sort block lowered to 8: budgets whose better-than-cut units fit it and ones
-    # whose do not (then the min(U, R) block sorts them); 1,000 is more than all tokens
+    # whose do not (then the min(U, R) block sorts them); 1,000 is more than all tokens. The
+    # rank launch ("rank") compares 8 winners at a time here, so many blocks of them
     from kvpolicy.kernels.triton import select
 
     _use_ranking("radix", monkeypatch)
+    monkeypatch.setattr(select, "WINNER_ORDER", winner_order)
+    monkeypatch.setattr(select, "_RANK_BLOCK", 8)
     monkeypatch.setattr(select, "_RADIX_CHUNK", 32)
     monkeypatch.setattr(select, "_RADIX_SMALL_SORT", 8)
     inputs = _random_units(2, 2, 200, 800, 3, seed=9, levels=40)
@@ -506,30 +510,26 @@ def test_select_budget_replays_in_a_cuda_graph(ranking, monkeypatch):
         assert torch.equal(a, b)
 
 
-# ---- the output positions as their own launch (SPLIT_POSITIONS) ------------------------------
-
-# (the positions launch reads only the fill's outputs, the same for every ranking: two suffice)
-@pytest.mark.parametrize("ranking", ["full", "radix"])
-@pytest.mark.parametrize(
-    "batch, heads, units, tokens, max_size, capacity, levels, block_k",
-    [
-        (2, 3, 40, 300, 12, 64, None, 64),  # budget cut inside a unit
-        (1, 2, 30, 200, 9, 1000, None, 64),  # budget larger than all tokens: positions past the total
-        (2, 2, 50, 400, 8, 37, 3, 4),  # many ties; taken units compared 4 at a time
-        (1, 1, 12, 500, 400, 100, None, 64),  # one unit larger than the budget covers it all
-        (2, 1, 200, 600, 2, 300, 20, 16),  # over a hundred taken units, several position blocks
-    ],
-)
-def test_split_positions_match_the_reference(batch, heads, units, tokens, max_size, capacity, levels, block_k,
-                                             ranking, monkeypatch):
+@pytest.mark.parametrize("winner_order", ["sort", "rank"])
+@pytest.mark.parametrize("levels", [None, 3])
+def test_radix_winners_of_one_or_two_tokens(winner_order, levels, monkeypatch):
+    # K-means units of random keys: the best-scoring units are the smallest, so hundreds of
+    # units beat the cut (more than a small sort block, many rank blocks); rows outside take
+    # are left alone by the rank launch
     from kvpolicy.kernels.triton import select
 
-    _use_ranking(ranking, monkeypatch)
-    monkeypatch.setattr(select, "SPLIT_POSITIONS", True)
-    monkeypatch.setattr(select, "_POSITIONS_BLOCK", 64)
-    monkeypatch.setattr(select, "_POSITIONS_UNITS", block_k)
-    inputs = _random_units(batch, heads, units, tokens, max_size, seed=units + capacity, levels=levels)
-    _check(*inputs, capacity)
-    take = torch.tensor([b % 2 == 0 for b in range(batch)], device=DEVICE)
-    _check(*inputs, capacity, take)  # the other rows: empty slots written by the positions launch
-    _check(*inputs, 0, take)
+    _use_ranking("radix", monkeypatch)
+    monkeypatch.setattr(select, "WINNER_ORDER", winner_order)
+    monkeypatch.setattr(select, "_RANK_BLOCK", 32)
+    inputs = _random_units(2, 2, 400, 1200, 2, seed=17, levels=levels)
+    _check(*inputs, 300)
+    _check(*inputs, 300, torch.tensor([False, True], device=DEVICE))
+
+
+def test_an_unknown_winner_order_is_refused(monkeypatch):
+    from kvpolicy.kernels.triton import select
+
+    _use_ranking("radix", monkeypatch)
+    monkeypatch.setattr(select, "WINNER_ORDER", "bogus")
+    with pytest.raises(ValueError, match="WINNER_ORDER 'bogus'; accepted: rank, sort"):
+        _check(*_random_units(1, 1, 20, 100, 4, seed=2), 30)
