@@ -131,26 +131,26 @@ def select_budget(
 
 def unit_scores(
     query_group: torch.Tensor,
-    key_sum: torch.Tensor | None,
+    key_mean: torch.Tensor | None,
     key_min: torch.Tensor | None,
     key_max: torch.Tensor | None,
-    size: torch.Tensor | None,
     selectable: torch.Tensor,
     method: str,
     take: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Score every unit of a unit table for its KV head's query group; ``-inf`` where not selectable.
 
-    ``query_group``: ``(B, H, G, D)`` float32; ``key_sum`` / ``key_min`` / ``key_max``:
-    ``(B, H, U, D)`` float32; ``size``: ``(B, H, U)`` long; ``selectable``: ``(B, H, U)`` bool.
-    ``method``: ``"mean"`` (``mean_key_scores``, reads ``key_sum`` and ``size``) or ``"bound"``
+    ``query_group``: ``(B, H, G, D)`` float32; ``key_mean``: ``(B, H, U, D)`` float16 (the
+    table's ``key_mean``, see ``half_mean``); ``key_min`` / ``key_max``: ``(B, H, U, D)``
+    float32; ``selectable``: ``(B, H, U)`` bool.
+    ``method``: ``"mean"`` (``mean_key_scores``, reads ``key_mean``) or ``"bound"``
     (``key_bound_scores``, reads ``key_min`` and ``key_max``); the tensors a method does not
     read may be None. ``take (B,)`` bool, optional: the sequences whose scores will be used;
     the others' scores are unspecified (a fast backend skips them), this reference computes
     every row. Returns ``(B, H, U)`` float32.
     """
     if method == "mean":
-        scores = mean_key_scores(query_group, key_sum, size)
+        scores = mean_key_scores(query_group, key_mean)
     elif method == "bound":
         scores = key_bound_scores(query_group, key_min, key_max, selectable)
     else:
@@ -158,11 +158,23 @@ def unit_scores(
     return scores.masked_fill(~selectable, float("-inf"))
 
 
-def mean_key_scores(query_group: torch.Tensor, key_sum: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
-    """``mean_g q_g . (key_sum / size)`` per unit (``TopBudget``'s score), finite; ``(B, H, U)``."""
-    # q . (sum / size) = (q . sum) / size: no (B, H, U, D) table of means each step
-    summed = torch.einsum("bhgd,bhud->bhu", query_group, key_sum)
-    return summed / (size.clamp(min=1) * query_group.shape[2])
+def mean_key_scores(query_group: torch.Tensor, key_mean: torch.Tensor) -> torch.Tensor:
+    """``mean_g q_g . key_mean`` per unit (``TopBudget``'s score), in float32 from the float16
+    means; ``(B, H, U)``."""
+    summed = torch.einsum("bhgd,bhud->bhu", query_group, key_mean.float())
+    return summed / query_group.shape[2]
+
+
+# float16's largest finite value: a mean beyond it is stored there, not as inf
+HALF_MAX = 65504.0
+
+
+def half_mean(key_sum: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
+    """The float16 means a unit table keeps for scoring: ``key_sum / max(size, 1)`` in float32,
+    clamped to float16's range, rounded to nearest even. Scoring reads them rather than the float32
+    sums: half the bytes of the table read per scoring (the whole cost of scoring at decode sizes);
+    the sums stay float32, so appends accumulate exactly as before."""
+    return (key_sum / size.clamp(min=1).unsqueeze(-1)).clamp(-HALF_MAX, HALF_MAX).half()
 
 
 def key_bound_scores(
@@ -327,6 +339,7 @@ def append_to_unit(
     key_sum: torch.Tensor,
     key_min: torch.Tensor,
     key_max: torch.Tensor,
+    key_mean: torch.Tensor,
     selectable: torch.Tensor,
     open_unit: torch.Tensor,
     decode_units: torch.Tensor,
@@ -345,8 +358,9 @@ def append_to_unit(
     ``decode_units``, both ``(B,)`` long, are updated). Then the open unit of each sequence
     (unit 0 when none is open, left unchanged unless the token is valid) gets the token:
     ``start`` (set to ``position`` on a cut), ``size`` += ``valid``, the float32 ``key_sum``,
-    ``key_min``, ``key_max`` ``(B, H, U, D)`` take ``key (B, H, D)`` where ``valid (B,)``, and
-    ``selectable (B, H, U)`` bool becomes True where valid and a unit is open.
+    ``key_min``, ``key_max`` ``(B, H, U, D)`` take ``key (B, H, D)`` where ``valid (B,)``, the
+    float16 ``key_mean`` becomes ``half_mean`` of the new sum and size, and ``selectable (B, H, U)``
+    bool becomes True where valid and a unit is open.
     """
     batch, heads, dim = key.shape
     order.index_copy_(2, position.view(1), slot.view(1, 1, 1).expand(batch, heads, 1))
@@ -368,7 +382,9 @@ def append_to_unit(
     keep = valid_h.unsqueeze(-1)
     start.scatter_(2, index, unit_start)
     size.scatter_(2, index, unit_size)
-    key_sum.scatter_(2, vec_index, torch.where(keep, old_sum + k, old_sum))
+    new_sum = torch.where(keep, old_sum + k, old_sum)
+    key_sum.scatter_(2, vec_index, new_sum)
+    key_mean.scatter_(2, vec_index, half_mean(new_sum, unit_size))
     key_min.scatter_(2, vec_index, torch.where(keep, torch.minimum(old_min, k), old_min))
     key_max.scatter_(2, vec_index, torch.where(keep, torch.maximum(old_max, k), old_max))
     selectable.scatter_(2, index, selectable.gather(2, index) | (valid_h & (open_unit >= 0).view(batch, 1, 1)))

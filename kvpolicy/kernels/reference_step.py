@@ -135,7 +135,8 @@ def append_leaving_by_rule(table, slot, key, valid, boundary, max_size: int, at_
     if at_boundary:
         cut = cut | fired
     append_to_unit(
-        table.order, table.start, table.size, table.key_sum, table.key_min, table.key_max, table.selectable,
+        table.order, table.start, table.size, table.key_sum, table.key_min, table.key_max, table.key_mean,
+        table.selectable,
         table.open_unit, table.decode_units, table.order_next, slot, key, valid, cut & valid,
         table.num_prompt_units,
     )

@@ -84,7 +84,7 @@ class Selector:
         method = self._unit_score_method()
         if method is not None:
             return ops.unit_scores(
-                group, units.key_sum, units.key_min, units.key_max, units.size, units.selectable, method, take
+                group, units.key_mean, units.key_min, units.key_max, units.selectable, method, take
             )
         return self.score(group, units).masked_fill(~units.selectable, float("-inf"))
 

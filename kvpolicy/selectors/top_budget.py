@@ -23,5 +23,5 @@ class TopBudget(Selector):
     score_method: ClassVar[str] = "mean"
 
     def score(self, query_group: torch.Tensor, units) -> torch.Tensor:
-        # (sum_g q_g) . key_sum / (size * G); see reference.mean_key_scores
-        return reference.mean_key_scores(query_group, units.key_sum, units.size)
+        # (sum_g q_g) . key_mean / G; see reference.mean_key_scores
+        return reference.mean_key_scores(query_group, units.key_mean)

@@ -6,8 +6,8 @@ out of order with prompt ones). Each unit keeps the sum, min and max of its keys
 all the built-in selectors read.
 
 Memory grows with units, not tokens. Per (sequence, KV head), a unit costs ``unit_bytes(D)`` =
-``12 D + 17`` bytes (``key_sum``, ``key_min``, ``key_max``: D float32 each; ``start``, ``size``:
-int64; ``selectable``: bool), and a token 8 bytes (its slot in ``order``, int64). The decode
+``14 D + 17`` bytes (``key_sum``, ``key_min``, ``key_max``: D float32 each; ``key_mean``: D
+float16, what the mean score reads; ``start``, ``size``: int64; ``selectable``: bool), and a token 8 bytes (its slot in ``order``, int64). The decode
 part of both grows on the host by doubling, from a bound on the decode units known without
 reading the device where the decode builder's cut rule gives one (``UnitBuilder.
 max_decode_units``: pages of ``size`` open one unit per ``size`` tokens), else from the count
@@ -28,14 +28,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import dispatch
+from ..kernels import dispatch, reference
 from .base import UnitBuilder
 
 
 def unit_bytes(dim: int) -> int:
     """Bytes one unit of a ``dim``-wide table takes per (sequence, KV head): ``key_sum``,
-    ``key_min``, ``key_max`` (float32), ``start``, ``size`` (int64) and ``selectable`` (bool)."""
-    return 3 * 4 * dim + 2 * 8 + 1
+    ``key_min``, ``key_max`` (float32), ``key_mean`` (float16), ``start``, ``size`` (int64) and
+    ``selectable`` (bool)."""
+    return 3 * 4 * dim + 2 * dim + 2 * 8 + 1
 
 
 #: bytes of ``order`` per token per (sequence, KV head): the token's slot (int64)
@@ -58,6 +59,7 @@ class UnitTable:
     key_sum: torch.Tensor  # (B, H, unit_capacity, D) float32
     key_min: torch.Tensor  # (B, H, unit_capacity, D) float32
     key_max: torch.Tensor  # (B, H, unit_capacity, D) float32
+    key_mean: torch.Tensor  # (B, H, unit_capacity, D) float16: reference.half_mean(key_sum, size), scored
     selectable: torch.Tensor  # (B, H, unit_capacity) bool: holds at least one valid token
     open_unit: torch.Tensor  # (B,) long: the decode unit taking leaving tokens, -1 if none
     decode_units: torch.Tensor  # (B,) long: decode units opened so far
@@ -126,6 +128,7 @@ class UnitTable:
             key_sum=key_sum,
             key_min=key_min,
             key_max=key_max,
+            key_mean=reference.half_mean(key_sum, size),
             selectable=selectable,
             open_unit=torch.full((batch,), -1, dtype=torch.long, device=device),
             decode_units=torch.zeros(batch, dtype=torch.long, device=device),
@@ -219,6 +222,7 @@ class UnitTable:
             self.key_sum = grow_along(self.key_sum, 2, new, 0.0)
             self.key_min = grow_along(self.key_min, 2, new, float("inf"))
             self.key_max = grow_along(self.key_max, 2, new, float("-inf"))
+            self.key_mean = grow_along(self.key_mean, 2, new, 0.0)
             self.selectable = grow_along(self.selectable, 2, new, False)
 
     def append_leaving_token(
@@ -259,7 +263,8 @@ class UnitTable:
             cut = builder.starts_new_unit(fired, open_size) & valid
             # in place throughout: a captured step must update the tensors it was captured with
             ops.append_to_unit(
-                self.order, self.start, self.size, self.key_sum, self.key_min, self.key_max, self.selectable,
+                self.order, self.start, self.size, self.key_sum, self.key_min, self.key_max, self.key_mean,
+                self.selectable,
                 self.open_unit, self.decode_units, self.order_next, slot, builder.decode_key(key, self), valid, cut,
                 self.num_prompt_units,
             )

@@ -67,8 +67,8 @@ def _explicit(run, query: torch.Tensor, formula) -> torch.Tensor:
     return out
 
 
-def _top_budget(q, keys):  # mean over the group's query heads of q . mean key
-    return torch.stack([qg @ keys.mean(0) for qg in q]).mean()
+def _top_budget(q, keys):  # mean over the group's query heads of q . mean key (the table keeps it in float16)
+    return torch.stack([qg @ keys.mean(0).half().float() for qg in q]).mean()
 
 
 def _quest_bound(q, keys):  # max over the group of sum_d max(q_d min_d, q_d max_d)
@@ -89,7 +89,7 @@ def test_unit_scores_are_the_selectors_formula_per_unit(name, formula, backend):
         table, query = _moved(table, torch.device("cuda")), query.cuda()
     group = query.float().view(B, H, HQ // H, D)
     got = dispatch.get("unit_scores", backend, query.device)(
-        group, table.key_sum, table.key_min, table.key_max, table.size, table.selectable,
+        group, table.key_mean, table.key_min, table.key_max, table.selectable,
         selector._unit_score_method(), None,
     ).cpu()
     finite = torch.isfinite(want)

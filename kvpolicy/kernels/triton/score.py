@@ -5,13 +5,15 @@ key-statistics tile once and combines it with the query group's ``G`` rows (a fe
 bytes, cached), so the unit table is read once, as the reference's einsum does. A program
 whose sequence has ``take[b]`` False writes ``-inf`` for its units and returns without reading
 the table: in a replayed decode graph the scoring then costs nothing on the steps where the
-sequence keeps its selection (the table read is the whole cost: ~45 us per layer for the
-mean at U = 8192, D = 128, B = 4, H = 8 on an H200).
+sequence keeps its selection (the table read is the whole cost: 36.6 us per layer for the
+mean over float32 sums at U = 8,200, D = 128, B = 4, H = 8 on an H200, 134 MB:
+docs/bench/session10/whole/prof_every_gpu.txt; the float16 means are half the bytes).
 
-``method="mean"``: ``(sum_g q_g) . key_sum / (max(size, 1) * G)`` (``TopBudget``);
+``method="mean"``: ``(sum_g q_g) . key_mean / G`` (``TopBudget``; the table's float16 means, so
+the table read is half of the float32 sums');
 ``method="bound"``: ``max_g sum_d relu(q_gd) key_max_d + min(q_gd, 0) key_min_d`` (``Bound``).
 Units that are not ``selectable`` score ``-inf`` (their key rows are not read). Float32
-throughout; the sums run in a different order than the reference's einsum, so results agree
+arithmetic throughout; the sums run in a different order than the reference's einsum, so results agree
 to rounding (relative to ``sum |q| |k|``), not bitwise; where every product and partial sum
 is exact (small integers) they are equal, the division being correctly rounded in both.
 
@@ -36,12 +38,11 @@ _NUM_WARPS = 4
 
 @triton.jit
 def _score_kernel(
-    q_ptr, first_ptr, second_ptr, size_ptr, selectable_ptr, take_ptr, out_ptr,
+    q_ptr, first_ptr, second_ptr, selectable_ptr, take_ptr, out_ptr,
     H, U,
     q_sb, q_sh, q_sg, q_sd,
     f_sb, f_sh, f_su, f_sd,
     s_sb, s_sh, s_su, s_sd,
-    size_sb, size_sh, size_su,
     sel_sb, sel_sh, sel_su,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_U: tl.constexpr,
     BOUND: tl.constexpr, HAS_TAKE: tl.constexpr,
@@ -77,25 +78,23 @@ def _score_kernel(
             best = tl.maximum(best, bound)
         score = best
     else:
-        # first: key_sum; (sum_g q_g) . key_sum, then / (size * G) as the reference divides
+        # first: key_mean (float16); (sum_g q_g) . key_mean, then / G as the reference divides
         q_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
         for g in tl.static_range(G):
             q_sum += tl.load(q_row + g * q_sg, mask=d_ok, other=0.0)
-        key_sum = tl.load(first, mask=tile_mask, other=0.0)
-        summed = tl.sum(key_sum * q_sum[None, :], axis=1)
-        size = tl.load(size_ptr + b * size_sb + h * size_sh + units * size_su, mask=in_range, other=1)
+        key_mean = tl.load(first, mask=tile_mask, other=0.0).to(tl.float32)
+        summed = tl.sum(key_mean * q_sum[None, :], axis=1)
         # correctly rounded, as torch divides (Triton's ``/`` is approximate on the GPU)
-        score = tl.div_rn(summed, (tl.maximum(size, 1) * G).to(tl.float32))
+        score = tl.div_rn(summed, tl.full([BLOCK_U], G, tl.float32))
     tl.store(out, tl.where(selectable, score, float("-inf")), mask=in_range)
 
 
 @implement("triton", "unit_scores", supports=triton_runs_on)
 def unit_scores(
     query_group: torch.Tensor,
-    key_sum: torch.Tensor | None,
+    key_mean: torch.Tensor | None,
     key_min: torch.Tensor | None,
     key_max: torch.Tensor | None,
-    size: torch.Tensor | None,
     selectable: torch.Tensor,
     method: str,
     take: torch.Tensor | None = None,
@@ -108,22 +107,23 @@ def unit_scores(
     units = selectable.shape[-1]
     device = query_group.device
     if method == "mean":
-        first, second, bound = key_sum, key_sum, False
-        if key_sum is None or size is None:
-            raise ValueError("triton unit_scores: method 'mean' needs key_sum and size")
+        first, second, bound = key_mean, key_mean, False
+        if key_mean is None:
+            raise ValueError("triton unit_scores: method 'mean' needs key_mean")
     elif method == "bound":
         first, second, bound = key_min, key_max, True
         if key_min is None or key_max is None:
             raise ValueError("triton unit_scores: method 'bound' needs key_min and key_max")
-        size = selectable  # not read
     else:
         raise ValueError(f"triton unit_scores: unknown method {method!r}; accepted: 'mean', 'bound'")
     for name, tensor in (("first", first), ("second", second)):
         if tuple(tensor.shape) != (batch, heads, units, dim):
             raise ValueError(f"triton unit_scores: key statistics {tuple(tensor.shape)} do not fit "
                              f"query group {tuple(query_group.shape)} and {units} units")
-    if query_group.dtype != torch.float32 or first.dtype != torch.float32 or second.dtype != torch.float32:
-        raise ValueError("triton unit_scores: query group and key statistics must be float32")
+    want = torch.float16 if method == "mean" else torch.float32
+    if query_group.dtype != torch.float32 or first.dtype != want or second.dtype != want:
+        raise ValueError(f"triton unit_scores: the query group must be float32 and the key statistics {want} "
+                         f"for method {method!r}, got {query_group.dtype} and {first.dtype}")
     out = torch.empty(batch, heads, units, dtype=torch.float32, device=device)
     if out.numel() == 0:
         return out
@@ -135,12 +135,11 @@ def unit_scores(
     block_u = max(1, min(_TILE_ELEMENTS // (block_d * tiles), _MAX_BLOCK_U, triton.next_power_of_2(units)))
     grid = (triton.cdiv(units, block_u), batch * heads)
     _score_kernel[grid](
-        query_group, first, second, size, selectable, take, out,
+        query_group, first, second, selectable, take, out,
         heads, units,
         *query_group.stride(),
         *first.stride(),
         *second.stride(),
-        *size.stride(),
         *selectable.stride(),
         G=group, D=dim, BLOCK_D=block_d, BLOCK_U=block_u, BOUND=bound, HAS_TAKE=take is not None,
         num_warps=_NUM_WARPS,

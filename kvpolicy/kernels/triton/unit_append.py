@@ -25,7 +25,7 @@ _TILE = 2048
 
 @triton.jit
 def _append_kernel(
-    order_ptr, start_ptr, size_ptr, sum_ptr, min_ptr, max_ptr, sel_ptr, open_ptr, units_ptr,
+    order_ptr, start_ptr, size_ptr, sum_ptr, min_ptr, max_ptr, mean_ptr, sel_ptr, open_ptr, units_ptr,
     position_ptr, slot_ptr, key_ptr, valid_ptr, cut_ptr, boundary_ptr,
     H, num_prompt_units, max_size, boundary_sb,
     order_sb, order_sh, order_sp,
@@ -34,6 +34,7 @@ def _append_kernel(
     sum_sb, sum_sh, sum_su, sum_sd,
     min_sb, min_sh, min_su, min_sd,
     max_sb, max_sh, max_su, max_sd,
+    mean_sb, mean_sh, mean_su, mean_sd,
     sel_sb, sel_sh, sel_su,
     open_s, units_s,
     key_sb, key_sh, key_sd,
@@ -75,7 +76,8 @@ def _append_kernel(
         tl.store(start_at, tl.where(cut, position, old_start), mask=h_ok)
         size_at = size_ptr + b * size_sb + heads * size_sh + unit * size_su
         old_size = tl.load(size_at, mask=h_ok, other=0)
-        tl.store(size_at, tl.where(cut, 0, old_size) + valid.to(tl.int64), mask=h_ok)
+        new_size = tl.where(cut, 0, old_size) + valid.to(tl.int64)
+        tl.store(size_at, new_size, mask=h_ok)
         sel_at = sel_ptr + b * sel_sb + heads * sel_sh + unit * sel_su
         old_sel = tl.load(sel_at, mask=h_ok, other=0) != 0
         tl.store(sel_at, (old_sel | now_selectable).to(tl.uint8), mask=h_ok)
@@ -90,7 +92,14 @@ def _append_kernel(
         old_min = tl.where(cut, float("inf"), tl.load(min_at, mask=mask, other=0.0))
         old_max = tl.where(cut, float("-inf"), tl.load(max_at, mask=mask, other=0.0))
         # torch.minimum / maximum propagate NaN; so do these
-        tl.store(sum_at, tl.where(valid, old_sum + k, old_sum), mask=mask)
+        new_sum = tl.where(valid, old_sum + k, old_sum)
+        tl.store(sum_at, new_sum, mask=mask)
+        # reference.half_mean: a correctly rounded division, clamped, rounded to nearest even
+        mean = tl.div_rn(new_sum, tl.maximum(new_size, 1).to(tl.float32)[:, None])
+        nan = tl.PropagateNan.ALL  # NaN stays NaN, as through torch.clamp
+        mean = tl.minimum(tl.maximum(mean, -65504.0, propagate_nan=nan), 65504.0, propagate_nan=nan)
+        mean_at = mean_ptr + b * mean_sb + heads[:, None] * mean_sh + unit * mean_su + cols[None, :] * mean_sd
+        tl.store(mean_at, mean.to(tl.float16), mask=mask)
         tl.store(min_at, tl.where(valid, tl.minimum(old_min, k, propagate_nan=tl.PropagateNan.ALL), old_min), mask=mask)
         tl.store(max_at, tl.where(valid, tl.maximum(old_max, k, propagate_nan=tl.PropagateNan.ALL), old_max), mask=mask)
 
@@ -99,7 +108,7 @@ def _append_kernel(
 
 
 def _launch(table_tensors, position, slot, key, valid, cut, boundary, max_size, at_boundary, num_prompt_units):
-    order, start, size, key_sum, key_min, key_max, selectable, open_unit, decode_units = table_tensors
+    order, start, size, key_sum, key_min, key_max, key_mean, selectable, open_unit, decode_units = table_tensors
     batch, heads, dim = key.shape
     sel = selectable.view(torch.uint8)  # same memory: the kernel writes the table's tensor
     block_d = triton.next_power_of_2(max(dim, 1))
@@ -108,11 +117,11 @@ def _launch(table_tensors, position, slot, key, valid, cut, boundary, max_size, 
     cut_arg = valid if by_rule else cut  # unread under the rule
     boundary_arg = boundary if boundary is not None else cut_arg  # unread without the rule
     _append_kernel[(batch,)](
-        order, start, size, key_sum, key_min, key_max, sel, open_unit, decode_units,
+        order, start, size, key_sum, key_min, key_max, key_mean, sel, open_unit, decode_units,
         position, slot, key, valid.view(torch.uint8), cut_arg.view(torch.uint8), boundary_arg.view(torch.uint8),
         heads, num_prompt_units, max_size, boundary_arg.stride(0),
         *order.stride(), *start.stride(), *size.stride(),
-        *key_sum.stride(), *key_min.stride(), *key_max.stride(),
+        *key_sum.stride(), *key_min.stride(), *key_max.stride(), *key_mean.stride(),
         *sel.stride(), open_unit.stride(0), decode_units.stride(0),
         *key.stride(), valid.stride(0), cut_arg.stride(0),
         D=dim, BLOCK_H=block_h, BLOCK_D=block_d, BY_RULE=by_rule, AT_BOUNDARY=bool(at_boundary),
@@ -128,7 +137,7 @@ def append_leaving_by_rule(table, slot, key, valid, boundary, max_size: int, at_
     if boundary.dtype != torch.bool or boundary.shape[0] != batch or boundary.stride(1) != 1:
         raise ValueError(f"triton append_leaving_by_rule: boundary must be bool (B, capacity), got "
                          f"{boundary.dtype} {tuple(boundary.shape)}")
-    tensors = (table.order, table.start, table.size, table.key_sum, table.key_min, table.key_max,
+    tensors = (table.order, table.start, table.size, table.key_sum, table.key_min, table.key_max, table.key_mean,
                table.selectable, table.open_unit, table.decode_units)
     _launch(tensors, table.order_next, slot, key, valid, None, boundary, int(max_size), at_boundary,
             table.num_prompt_units)
@@ -142,6 +151,7 @@ def append_to_unit(
     key_sum: torch.Tensor,
     key_min: torch.Tensor,
     key_max: torch.Tensor,
+    key_mean: torch.Tensor,
     selectable: torch.Tensor,
     open_unit: torch.Tensor,
     decode_units: torch.Tensor,
@@ -162,6 +172,7 @@ def append_to_unit(
         "key_sum": (key_sum, (batch, heads, units, dim), torch.float32),
         "key_min": (key_min, (batch, heads, units, dim), torch.float32),
         "key_max": (key_max, (batch, heads, units, dim), torch.float32),
+        "key_mean": (key_mean, (batch, heads, units, dim), torch.float16),
         "selectable": (selectable, (batch, heads, units), torch.bool),
         "open_unit": (open_unit, (batch,), torch.long),
         "decode_units": (decode_units, (batch,), torch.long),
@@ -177,5 +188,5 @@ def append_to_unit(
             raise ValueError(f"triton append_to_unit: {name} must be a one-element tensor on the key's device")
     if batch == 0 or heads == 0:
         return
-    tensors = (order, start, size, key_sum, key_min, key_max, selectable, open_unit, decode_units)
+    tensors = (order, start, size, key_sum, key_min, key_max, key_mean, selectable, open_unit, decode_units)
     _launch(tensors, position, slot, key, valid, cut, None, 0, False, num_prompt_units)

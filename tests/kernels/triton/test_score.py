@@ -50,7 +50,7 @@ def _tables(batch, heads, units, dim, seed, integer=False, p_empty=0.15, tokens=
     start = (torch.rand(shape, generator=g, device=DEVICE) * (tokens - size + 1)).long()
     order = torch.argsort(torch.rand(batch, heads, tokens, generator=g, device=DEVICE), dim=-1)
     t = SimpleNamespace(key_sum=key_sum, key_min=key_min, key_max=key_max, size=size, selectable=selectable,
-                        start=start, order=order)
+                        start=start, order=order, key_mean=reference.half_mean(key_sum, size))
     t.mean_keys = lambda: t.key_sum / t.size.clamp(min=1).unsqueeze(-1)  # for Oracle
     return t
 
@@ -69,15 +69,15 @@ def _scale(method, group, t):
     """Per unit, the size of the terms the score sums (its float32 rounding is relative to it)."""
     a = group.abs()
     if method == "mean":
-        return torch.einsum("bhgd,bhud->bhu", a, t.key_sum.abs()) / (t.size.clamp(min=1) * group.shape[2])
+        return torch.einsum("bhgd,bhud->bhu", a, t.key_mean.float().abs()) / group.shape[2]
     filled = t.selectable.unsqueeze(-1)
     box = torch.where(filled, torch.maximum(t.key_min.abs(), t.key_max.abs()), 0.0)
     return torch.einsum("bhgd,bhud->bhgu", a, box).amax(2)
 
 
 def _check(method, group, t, take=None, exact=False):
-    got = _unit_scores()(group, t.key_sum, t.key_min, t.key_max, t.size, t.selectable, method, take)
-    want = reference.unit_scores(group, t.key_sum, t.key_min, t.key_max, t.size, t.selectable, method)
+    got = _unit_scores()(group, t.key_mean, t.key_min, t.key_max, t.selectable, method, take)
+    want = reference.unit_scores(group, t.key_mean, t.key_min, t.key_max, t.selectable, method)
     assert got.dtype == torch.float32 and got.shape == want.shape
     rows = torch.ones(group.shape[0], dtype=torch.bool, device=DEVICE) if take is None else take
     g, w = got[rows], want[rows]
@@ -123,11 +123,23 @@ def test_unit_scores_rejects_bad_arguments():
     t = _tables(1, 1, 4, 8, seed=1)
     q = torch.zeros(1, 1, 2, 8, device=DEVICE)
     with pytest.raises(ValueError, match="method"):
-        _unit_scores()(q, t.key_sum, t.key_min, t.key_max, t.size, t.selectable, "dot")
+        _unit_scores()(q, t.key_mean, t.key_min, t.key_max, t.selectable, "dot")
     with pytest.raises(ValueError, match="key_min"):
-        _unit_scores()(q, t.key_sum, None, None, t.size, t.selectable, "bound")
+        _unit_scores()(q, t.key_mean, None, None, t.selectable, "bound")
     with pytest.raises(ValueError, match="do not fit"):
-        _unit_scores()(q[..., :4], t.key_sum, t.key_min, t.key_max, t.size, t.selectable, "mean")
+        _unit_scores()(q[..., :4], t.key_mean, t.key_min, t.key_max, t.selectable, "mean")
+    with pytest.raises(ValueError, match="key statistics torch.float16 for method 'mean'"):
+        _unit_scores()(q, t.key_sum, t.key_min, t.key_max, t.selectable, "mean")  # the float32 sums
+
+
+def test_half_means_round_and_clamp():
+    # the float16 means are the float32 division rounded to nearest, clamped to float16's range
+    key_sum = torch.tensor([[[[3.0, -1e9, 1e9, float("nan")], [1.0, 2.0, 3.0, 4.0]]]], device=DEVICE)
+    size = torch.tensor([[[3, 0]]], device=DEVICE)
+    mean = reference.half_mean(key_sum, size)
+    assert mean.dtype == torch.float16
+    assert mean[0, 0, 0, :3].tolist() == [1.0, -65504.0, 65504.0] and torch.isnan(mean[0, 0, 0, 3])
+    assert mean[0, 0, 1].tolist() == [1.0, 2.0, 3.0, 4.0]  # an empty unit divides by 1
 
 
 def test_dispatch_reaches_the_triton_op():
@@ -187,7 +199,7 @@ def test_built_in_selectors_score_through_the_op_and_overrides_do_not():
     flipped = Shifted().select(query, t, 20, "triton")
     plain = TopBudget().select(query, t, 20, "triton")
     reverse = reference.select_budget(
-        (-reference.mean_key_scores(query.reshape(1, 1, 2, 8), t.key_sum, t.size)).masked_fill(~t.selectable, -INF),
+        (-reference.mean_key_scores(query.reshape(1, 1, 2, 8), t.key_mean)).masked_fill(~t.selectable, -INF),
         t.size, t.start, t.order, 20,
     )
     assert torch.equal(flipped.unit_ids, reverse[0]) and not torch.equal(flipped.unit_ids, plain.unit_ids)
@@ -200,7 +212,7 @@ def test_selector_score_stays_finite_and_matches_the_op():
     for selector, method in ((TopBudget(), "mean"), (Bound(), "bound")):
         raw = selector.score(q, t)
         assert torch.isfinite(raw).all()
-        masked = reference.unit_scores(q, t.key_sum, t.key_min, t.key_max, t.size, t.selectable, method)
+        masked = reference.unit_scores(q, t.key_mean, t.key_min, t.key_max, t.selectable, method)
         assert torch.equal(raw.masked_fill(~t.selectable, -INF), masked)
 
 
@@ -229,7 +241,7 @@ def test_select_with_take_replays_in_a_cuda_graph():
         got = selector.select(query, t, 2048, "triton", take)
     for seed, rows in ((3, [False, True, True, True]), (4, [False] * 4)):
         fresh = _tables(batch, kv_heads, units, dim, seed=seed, integer=True, tokens=131072)
-        for name in ("key_sum", "key_min", "key_max", "size", "selectable", "start", "order"):
+        for name in ("key_sum", "key_min", "key_max", "key_mean", "size", "selectable", "start", "order"):
             getattr(t, name).copy_(getattr(fresh, name))
         query.copy_(_query(batch, kv_heads * group, dim, seed=seed + 10, integer=True))
         take.copy_(torch.tensor(rows, device=DEVICE))

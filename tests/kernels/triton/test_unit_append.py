@@ -19,12 +19,15 @@ from kvpolicy.units.table import UnitTable
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-FIELDS = ("order", "start", "size", "key_sum", "key_min", "key_max", "selectable", "open_unit", "decode_units")
+FIELDS = ("order", "start", "size", "key_sum", "key_min", "key_max", "key_mean", "selectable", "open_unit",
+          "decode_units")
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype == torch.float32:  # bit for bit: -0.0 and 0.0 differ, infs compare
+    if a.dtype == torch.float32 and b.dtype == torch.float32:  # bit for bit: -0.0 and 0.0 differ, infs compare
         a, b = a.view(torch.int32), b.view(torch.int32)
+    if a.dtype == torch.float16 and b.dtype == torch.float16:
+        a, b = a.view(torch.int16), b.view(torch.int16)
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
 
 
@@ -47,6 +50,9 @@ def _random_state(batch, heads, dim, prompt_units, gen):
     # empty units are as a fresh table leaves them
     state["key_min"][..., -1, :] = float("inf")
     state["key_max"][..., -1, :] = float("-inf")
+    # the float16 means as the table keeps them, one unit's beyond float16's range (clamped)
+    state["key_sum"][..., 1, 0] = 3e5
+    state["key_mean"] = reference.half_mean(state["key_sum"], state["size"])
     return state, n
 
 
