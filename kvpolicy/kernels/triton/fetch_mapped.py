@@ -32,8 +32,11 @@ from ..dispatch import implement, triton_runs_on
 from ..reference_step import MAP_PENDING
 from .gather import _TILE_BYTES, _pool_argument
 
-# wanted rows one program of ``_locate`` handles per pass of its loop
-_LOCATE_BLOCK = 512
+# wanted rows one program of ``_locate`` handles per pass of its loops: a 2K budget's rows in
+# one pass, so a program waits on a few dependent loads per pass, not per chunk (tests lower it
+# to run several chunks)
+_LOCATE_BLOCK = 2048
+_LOCATE_WARPS = 8
 
 
 @triton.jit
@@ -309,6 +312,7 @@ def fetch_mapped(store, slots: torch.Tensor, slot_valid: torch.Tensor, reselect:
         *c_slots.stride()[:2], *(c_held.stride()[:2] if has_cache else (0, 0)), cursor.stride(0),
         *source.stride()[:2], *dest.stride()[:2],
         PENDING=MAP_PENDING, HAS_CACHE=has_cache, BLOCK=min(_LOCATE_BLOCK, triton.next_power_of_2(rows)),
+        num_warps=_LOCATE_WARPS,
     )
 
     zone_rows = pool.zone_rows

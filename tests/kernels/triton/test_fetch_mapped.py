@@ -100,8 +100,12 @@ def _equal(a, b):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("zone_order", [True, False], ids=["unit-ordered", "row-is-slot"])
 @pytest.mark.parametrize("shape", [(2, 3, 96, 16, 40), (3, 2, 200, 24, 100)], ids=["small", "odd-dims"])
-def test_fetch_mapped_matches_the_reference_bit_for_bit(cached, dtype, zone_order, shape):
+@pytest.mark.parametrize("chunk", [None, 16], ids=["one-pass", "chunked"])
+def test_fetch_mapped_matches_the_reference_bit_for_bit(cached, dtype, zone_order, shape, chunk, monkeypatch):
     batch, heads, prompt, dim, retrieval = shape
+    if chunk is not None:
+        # the lookup program's rows in several passes: repeated slots across passes
+        monkeypatch.setitem(dispatch.get("fetch_mapped", "triton", DEVICE).__globals__, "_LOCATE_BLOCK", chunk)
     cache_rows = retrieval + 17 if cached else 0  # at least the retrieved rows
     seed = hash((cached, str(dtype), zone_order, shape)) % 1000
     stores = [_store(torch.Generator(device=DEVICE).manual_seed(seed), batch, heads, prompt, dim, dtype, retrieval,
