@@ -17,6 +17,9 @@
     retrieved  a fixed buffer of ``retrieval`` tokens fetched from the pool, reused until the
                trigger fires again; tokens leaving the local window join it while it has room.
                A re-selection reads from the pool only the rows the buffer does not hold yet.
+               It finds them in a slot map (``slot_map``, 4 bytes per pool slot and head on
+               the attention device, sized with the pool by the plan): per slot, the buffer or
+               cache row that may hold it, checked against that row (``fetch_mapped``).
 
     cache      optional, on the attention device, not attended: the rows re-selections read
                from a host pool most recently (``RowCache``, first in first out), so a unit
