@@ -140,3 +140,108 @@ def append_leaving_by_rule(table, slot, key, valid, boundary, max_size: int, at_
         table.open_unit, table.decode_units, table.order_next, slot, key, valid, cut & valid,
         table.num_prompt_units,
     )
+
+
+# a miss's pending entry in the slot map while a fast fetch runs (above any buffer row); the
+# reference writes the final entries directly
+MAP_PENDING = 1 << 30
+
+
+def _cache_holds(code: torch.Tensor, slots: torch.Tensor, cache) -> torch.Tensor:
+    """Where ``code`` (slot-map entries) names a held cache row labelled ``slots``."""
+    if cache is None or cache.rows == 0:
+        return torch.zeros_like(slots, dtype=torch.bool)
+    row = -2 - code
+    named = (code <= -2) & (row < cache.rows)
+    at = row.clamp(0, cache.rows - 1).long()
+    return named & (cache.slots.gather(2, at) == slots) & cache.held.gather(2, at)
+
+
+def fetch_mapped(store, slots: torch.Tensor, slot_valid: torch.Tensor, reselect: torch.Tensor) -> None:
+    """A re-selection that looks each wanted slot up in the store's slot map (``store.slot_map``)
+    instead of comparing it with every buffer and cache row: for the sequences where ``reselect
+    (B,)``, the retrieved buffer becomes the rows of ``slots (B, H, R)``, read from the buffer
+    where it holds the slot, else from the GPU unit cache (``store.cache``) where that holds it,
+    else from the pool; then ``commit_selection``, and the pool reads go into the cache (first in,
+    first out from its cursor, as ``TieredStore.fetch`` numbers them). ``rows_fetched`` grows by
+    ``H * R`` and ``pool_rows_read`` by the rows neither held. The other sequences are untouched.
+
+    The slot map, ``(B, H, capacity + 1)`` int32 on the attention device (the last entry takes
+    writes that go nowhere), says per slot and head where it may be held: ``r >= 0`` buffer row
+    ``r``, ``-2 - c`` cache row ``c``, -1 nothing. An entry is only a hint, checked against the
+    row's slot and held flag, so an entry left stale by a later write (admission, a cache row
+    replaced, ``forget_resident``) is never believed. It stays exact by two rules:
+
+    1. before the lookups every held buffer row enters the map (the highest row of a slot held
+       twice), unless the entry names a cache row that holds the slot: a slot leaving the buffer
+       is then still found in the cache;
+    2. a missed slot's entry becomes the cache row of its last miss in this fetch (the cache
+       replaces rows in order, so that row is the last of the slot's copies to go).
+
+    So a slot is found iff some held buffer or cache row holds it, as ``resident_rows`` finds
+    it, and the counters and the cache's contents are the same as the comparing path's.
+    """
+    from .reference import cache_insert, gather_rows
+
+    buffer, cache, where = store.retrieved, store.cache, store.slot_map
+    batch, heads, rows = slots.shape
+    if tuple(buffer.slots.shape) != (batch, heads, rows):
+        raise ValueError(f"fetch_mapped: slots {tuple(slots.shape)} do not fit the retrieved buffer "
+                         f"{tuple(buffer.slots.shape)}")
+    if where is None or where.shape[:2] != (batch, heads) or where.shape[2] <= store.pool.capacity:
+        raise ValueError("fetch_mapped: the store has no slot map of its pool's capacity + 1 (reserve first)")
+    if batch * heads * rows == 0:
+        return
+    capacity = where.shape[2] - 1  # the last entry: a bin for writes that go nowhere
+    has_cache = cache is not None and cache.rows > 0
+    take = reselect.view(-1, 1, 1)
+    row = torch.arange(rows, device=slots.device).expand(batch, heads, rows)
+
+    # 1. the buffer's held rows into the map (not over a cache row that holds the slot)
+    label = buffer.slots
+    listed = take & buffer.held & (label >= 0) & (label < capacity)
+    at = torch.where(listed, label, capacity)
+    enters = listed & ~_cache_holds(where.gather(2, at), label, cache)
+    at = torch.where(enters, label, capacity)
+    where.scatter_(2, at, -1)
+    where.scatter_reduce_(2, at, torch.where(enters, row, -1).to(where.dtype), reduce="amax")
+
+    # 2. each wanted slot looked up, checked against the row it names
+    known = (slots >= 0) & (slots < capacity)
+    code = where.gather(2, torch.where(known, slots, capacity))
+    named = known & (code >= 0) & (code < rows)
+    at = code.clamp(0, rows - 1).long()
+    in_buffer = named & (buffer.slots.gather(2, at) == slots) & buffer.held.gather(2, at)
+    in_cache = known & ~in_buffer & _cache_holds(code, slots, cache)
+    miss = take & ~in_buffer & ~in_cache
+    count = miss.sum(-1)
+    store.rows_fetched.add_(reselect.long() * (heads * rows))
+    store.pool_rows_read.add_(count.sum(-1))
+
+    # 3. the rows: buffer rows and cache rows on the device, the misses from the pool
+    pool_rows = store.pool_rows(slots)
+    cache_at = (-2 - code).clamp(0, max(cache.rows - 1, 0) if has_cache else 0).long()
+    for name in ("keys", "values"):
+        out, dim = getattr(buffer, name), getattr(buffer, name).shape[-1]
+        new = gather_rows(getattr(store.pool, name), pool_rows, out.device)
+        if has_cache:
+            cached = getattr(cache, name).gather(2, cache_at.unsqueeze(-1).expand(batch, heads, rows, dim))
+            new = torch.where(in_cache.unsqueeze(-1), cached, new)
+        kept = out.gather(2, at.unsqueeze(-1).expand(batch, heads, rows, dim))
+        new = torch.where(in_buffer.unsqueeze(-1), kept, new)
+        out.copy_(torch.where(take.unsqueeze(-1), new, out))
+    commit_selection(store, slots, slot_valid, reselect)
+
+    if not has_cache:
+        return
+    # 4. the misses into the cache from its cursor; a missed slot's entry names its last copy
+    rank = miss.cumsum(-1) - miss.long()
+    dest = torch.where(miss, (cache.cursor.unsqueeze(-1) + rank) % cache.rows, -1)
+    cache.cursor.copy_((cache.cursor + count) % cache.rows)
+    cache_insert(cache, dest, reselect, buffer)
+    mapped = miss & known
+    at = torch.where(mapped, slots, capacity)
+    where.scatter_(2, at, -1)
+    where.scatter_reduce_(2, at, torch.where(mapped, row, -1).to(where.dtype), reduce="amax")
+    last = mapped & (where.gather(2, at) == row)
+    where.scatter_(2, torch.where(last, slots, capacity), torch.where(last, -2 - dest, -1).to(where.dtype))
