@@ -17,9 +17,6 @@
     retrieved  a fixed buffer of ``retrieval`` tokens fetched from the pool, reused until the
                trigger fires again; tokens leaving the local window join it while it has room.
                A re-selection reads from the pool only the rows the buffer does not hold yet.
-               It finds them in a slot map (``slot_map``, 4 bytes per pool slot and head on
-               the attention device, sized with the pool by the plan): per slot, the buffer or
-               cache row that may hold it, checked against that row (``fetch_mapped``).
 
     cache      optional, on the attention device, not attended: the rows re-selections read
                from a host pool most recently (``RowCache``, first in first out), so a unit
@@ -165,18 +162,6 @@ class TieredStore:
     # set where the pool sits in the GPU's own memory, where that lookup (``resident_rows``, 44 us
     # a layer at 4 x 128K on an H200) costs more than the HBM bytes it saves (~8 us)
     read_whole: bool = False
-    # how fetch finds the rows it may reuse: "map" looks each wanted slot up in ``slot_map``;
-    # "compare" compares it with every buffer and cache row (``resident_rows``: R x R compares,
-    # no memory; kept for benchmarks and as the slower fallback)
-    lookup: str = "map"
-    # (B, H, capacity + 1) int32 on the attention device, for ``lookup="map"``: per pool slot and
-    # head the buffer row (>= 0) or cache row c (-2 - c) that may hold it, or -1; checked against
-    # the row before it is believed (``reference_step.fetch_mapped``). The last entry takes
-    # writes that go nowhere. Sized with the pool, by the plan (``reserve``/``make_room``);
-    # None where fetch never looks up (``read_whole`` with no cache) or before it is first needed
-    slot_map: torch.Tensor | None = field(default=None, repr=False)
-    # with the slot map: the values' half of fetch's work buffers (``scratch`` holds the keys)
-    scratch_values: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         keys = self.retrieved.keys
@@ -213,9 +198,6 @@ class TieredStore:
         for name in ("kept", "admitted"):
             if getattr(self, name) is None:
                 setattr(self, name, torch.zeros(keys.shape[:2], dtype=torch.long, device=keys.device))
-        if self.lookup not in ("map", "compare"):
-            raise ValueError(f"TieredStore: lookup must be 'map' or 'compare', got {self.lookup!r}")
-        self._fit_map()
 
     @property
     def local_capacity(self) -> int:
@@ -397,7 +379,6 @@ class TieredStore:
             setattr(pool, name, grown)
         pad = torch.zeros(pool.valid.shape[0], new - capacity, dtype=torch.bool, device=pool.valid.device)
         pool.valid = torch.cat([pool.valid, pad], dim=1)
-        self._fit_map()
 
     def make_room(self) -> None:
         """Room for one more token (host side, before the step's kernels): in the pool (doubling),
@@ -406,38 +387,6 @@ class TieredStore:
         if self.length >= self.pool.capacity:
             self.reserve(self.pool.capacity)
         self._fit(self.length + 1)
-        self._fit_map()  # a placement may have moved the pool to the host since (plan.before_pool_growth)
-
-    @property
-    def maps_slots(self) -> bool:
-        """Whether fetch looks rows up in ``slot_map`` (so the plan keeps one the pool's size)."""
-        whole = self.read_whole and self.cache is None and self.pool.keys.device == self.retrieved.keys.device
-        return self.lookup == "map" and not whole
-
-    def _fit_map(self) -> None:
-        """A slot map of the pool's capacity + 1 entries, and the values' scratch, where fetch
-        looks rows up (``maps_slots``); a grown map keeps its entries (host side, never inside a
-        captured step)."""
-        if not self.maps_slots:
-            return
-        keys = self.retrieved.keys
-        if self.scratch_values is None or self.scratch_values.shape != keys.shape:
-            self.scratch_values = _shared(keys.shape, keys.dtype, keys, purpose="values")
-        batch, heads = keys.shape[:2]
-        entries = self.pool.capacity + 1
-        old = self.slot_map
-        if old is not None and old.shape[2] >= entries:
-            return
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise AssertionError("the slot map cannot grow inside a captured step: reserve the steps first")
-        grown = torch.full((batch, heads, entries), -1, dtype=torch.int32, device=keys.device)
-        if old is not None:
-            grown[:, :, : old.shape[2] - 1] = old[:, :, :-1]
-        self.slot_map = grown
-
-    def slot_map_bytes(self) -> int:
-        """Bytes of the slot map on the attention device (0 without one): 4 per pool slot and head."""
-        return 0 if self.slot_map is None else self.slot_map.numel() * self.slot_map.element_size()
 
     def _fit(self, tokens: int) -> None:
         wanted = self.rows_for(tokens)
@@ -490,8 +439,6 @@ class TieredStore:
         if rows != old:
             self.scratch = _shared(self.retrieved.keys.shape, grown.keys.dtype, grown.keys)
             self.source = _shared(self.retrieved.keys.shape[:3], torch.int32, grown.keys, fill=-1)
-            if self.scratch_values is not None:
-                self.scratch_values = _shared(self.retrieved.keys.shape, grown.keys.dtype, grown.keys, purpose="values")
             if self.cache is not None:
                 self._cache_scratch()
 
@@ -515,7 +462,6 @@ class TieredStore:
             raise ValueError(f"a unit cache needs at least the {self.retrieval_limit} retrieved rows, got {rows}")
         self.cache = RowCache.empty(self.retrieved.keys, rows)
         self._cache_scratch()
-        self._fit_map()  # a store that read its GPU pool whole looks rows up from now on
 
     def _cache_scratch(self) -> None:
         shape, like = self.retrieved.keys.shape[:3], self.retrieved.keys
@@ -537,11 +483,6 @@ class TieredStore:
         # a split placement may have moved the pool to the host since the prefill: then it is looked up
         if self.read_whole and cache is None and self.pool.keys.device == buffer.keys.device:
             ops.fetch_whole(self, slots, slot_valid, reselect)  # the rows, the commit and both counters
-            return
-        if self.lookup == "map":
-            self._fit_map()  # a no-op after the plan
-            # the lookup, the rows, the commit, the cache and both counters (three launches on Triton)
-            ops.fetch_mapped(self, slots, slot_valid, reselect)
             return
         self.rows_fetched.add_(reselect.long() * (heads * rows))
         # rows the buffer already holds are copied on the device; only the others are read

@@ -19,7 +19,7 @@ CUDA = torch.cuda.is_available()
 B, H, D, PROMPT, SINK, LOCAL, R = 2, 3, 16, 200, 2, 8, 12
 
 
-def _stores(seed, device, pool_device, read_whole=False, lookup="map"):
+def _stores(seed, device, pool_device, read_whole=False):
     gen = torch.Generator().manual_seed(seed)
     keys = torch.randn(B, H, PROMPT, D, generator=gen).to(device)
     values = torch.randn(B, H, PROMPT, D, generator=gen).to(device)
@@ -27,8 +27,6 @@ def _stores(seed, device, pool_device, read_whole=False, lookup="map"):
     valid[1, :5] = False  # left padding
     stores = tuple(TieredStore.from_prefill(keys, values, valid, SINK, LOCAL, R, pool_device) for _ in range(2))
     stores[0].read_whole = read_whole  # the lookup path everywhere unless a test asks otherwise
-    if lookup != "map":  # the comparing lookup (resident_rows), which keeps no slot map
-        stores[0].lookup, stores[0].slot_map = lookup, None
     return stores
 
 
@@ -58,12 +56,11 @@ def _assert_same(store, shadow, step):
         assert torch.equal(got.cpu(), want.cpu()), f"step {step}: {name} differs from a full gather"
 
 
-def _run(kind, backend, device, pool_device, steps=24, seed=0, cache_rows=0, read_whole=False, lookup="map"):
+def _run(kind, backend, device, pool_device, steps=24, seed=0, cache_rows=0, read_whole=False):
     """Decode ``steps`` tokens; returns (store, expected rows read (B,), re-selections (B,)).
     ``cache_rows``: the store keeps a GPU unit cache of that many rows (0: none); ``read_whole``:
-    the store reads every selected row from the pool (expected rows read stay the lookup's);
-    ``lookup``: how the store finds the rows it holds (``TieredStore.lookup``)."""
-    store, shadow = _stores(seed, device, pool_device, read_whole, lookup)
+    the store reads every selected row from the pool (expected rows read stay the lookup's)."""
+    store, shadow = _stores(seed, device, pool_device, read_whole)
     if cache_rows:
         store.set_cache(cache_rows)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -125,12 +122,11 @@ if CUDA:
     _CASES += [("triton", "cuda", "cpu"), ("triton", "cuda", "cuda"), ("reference", "cuda", "cpu")]
 
 
-@pytest.mark.parametrize("lookup", ["map", "compare"])
 @pytest.mark.parametrize("cache_rows", [0, 2 * R], ids=["no-cache", "cache"])
 @pytest.mark.parametrize("backend,device,pool_device", _CASES)
-def test_overlapping_selections_read_only_the_missing_rows(backend, device, pool_device, cache_rows, lookup):
+def test_overlapping_selections_read_only_the_missing_rows(backend, device, pool_device, cache_rows):
     store, expected, reselections = _run("overlap", backend, torch.device(device), torch.device(pool_device),
-                                         cache_rows=cache_rows, lookup=lookup)
+                                         cache_rows=cache_rows)
     read = store.pool_rows_read.cpu()
     assert torch.equal(read, expected)
     assert (read < H * R * reselections).all()
@@ -176,13 +172,12 @@ def test_only_a_pool_in_gpu_memory_is_read_whole():
         assert not _stores(0, torch.device("cuda"), torch.device("cpu"))[1].read_whole
 
 
-@pytest.mark.parametrize("lookup", ["map", "compare"])
 @pytest.mark.parametrize("cache_rows", [0, R], ids=["no-cache", "cache"])
 @pytest.mark.parametrize("backend,device,pool_device", _CASES)
-def test_disjoint_selections_read_every_row(backend, device, pool_device, cache_rows, lookup):
+def test_disjoint_selections_read_every_row(backend, device, pool_device, cache_rows):
     # a fresh block each time: a cache cannot hold what was never read
     store, expected, reselections = _run("disjoint", backend, torch.device(device), torch.device(pool_device),
-                                         steps=12, cache_rows=cache_rows, lookup=lookup)
+                                         steps=12, cache_rows=cache_rows)
     assert torch.equal(store.pool_rows_read.cpu(), H * R * reselections)
     assert torch.equal(expected, H * R * reselections)
 

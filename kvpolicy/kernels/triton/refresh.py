@@ -23,9 +23,6 @@ cache, and ``cache_insert`` files the rows that came from the pool into the cach
 
 Sequences whose ``take`` is False return before reading anything. No host syncs and a grid
 from shapes alone, so every launch can be graph-captured.
-
-A store fetches this way only with ``lookup="compare"``; by default it keeps a slot map and
-fetches in three launches (``fetch_mapped.py``).
 """
 
 from __future__ import annotations

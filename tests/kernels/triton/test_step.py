@@ -39,7 +39,7 @@ def _tensors(store: TieredStore) -> dict:
     # fetch's shared work buffers are scratch space (unspecified contents)
     out = {}
     for name, value in vars(store).items():
-        if name in ("scratch", "scratch_values", "source"):
+        if name in ("scratch", "source"):
             continue
         if isinstance(value, torch.Tensor):
             out[name] = value
