@@ -108,8 +108,10 @@ _RADIX_SMALL_SORT = 256
 # winners are mostly 1-3-token clusters (a few-token mean scores further from 0), ~850 of them at
 # R = 2,048, past the small sort block: the fill then took 44 us a layer at 4 x 128K
 # (docs/bench/session10/whole/prof_every_gpu.txt) against ~10 us with 8-24-token units
-# (docs/bench/session11/fill/fill_variants.log)
-WINNER_ORDER = "rank"
+# (docs/bench/session11/fill/fill_variants.log). Measured side by side (H200, whole op, us,
+# docs/bench/session11/louis/fill_variants.log): 4 x 8,200 units 47.0 sort / 50.5 rank (127 winners),
+# 64.1 / 72.4 K-means-like (761 winners); 1 x 32,800: 51.2 / 53.9 and 69.6 / 79.5. The sort stays.
+WINNER_ORDER = "sort"
 WINNER_ORDERS = ("rank", "sort")
 _RANK_BLOCK = 128
 

@@ -96,8 +96,9 @@ def _append_kernel(
         tl.store(sum_at, new_sum, mask=mask)
         # reference.half_mean: a correctly rounded division, clamped, rounded to nearest even
         mean = tl.div_rn(new_sum, tl.maximum(new_size, 1).to(tl.float32)[:, None])
-        nan = tl.PropagateNan.ALL  # NaN stays NaN, as through torch.clamp
-        mean = tl.minimum(tl.maximum(mean, -65504.0, propagate_nan=nan), 65504.0, propagate_nan=nan)
+        # NaN stays NaN, as through torch.clamp
+        mean = tl.maximum(mean, -65504.0, propagate_nan=tl.PropagateNan.ALL)
+        mean = tl.minimum(mean, 65504.0, propagate_nan=tl.PropagateNan.ALL)
         mean_at = mean_ptr + b * mean_sb + heads[:, None] * mean_sh + unit * mean_su + cols[None, :] * mean_sd
         tl.store(mean_at, mean.to(tl.float16), mask=mask)
         tl.store(min_at, tl.where(valid, tl.minimum(old_min, k, propagate_nan=tl.PropagateNan.ALL), old_min), mask=mask)
