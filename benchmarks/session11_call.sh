@@ -28,6 +28,9 @@ step prof_every_gpu 80 $PROF --preset louiskv --placement gpu --trigger '{"name"
 step prof_scoregap_reuse 80 $PROF --preset louiskv --placement gpu --trigger '{"name":"score_gap","margin":1000,"measure":"mass","leaving":"ignored"}' --out "$OUT/prof_scoregap_reuse.txt"
 step e2e_gpu 110 $E2E --contexts 131072 --batches 4 --presets louiskv@gpu --json "$OUT/e2e_gpu.json"
 step e2e_pinned 150 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --stickiness 32 --json "$OUT/e2e_pinned.json"
+# the pinned slot map (branch pinned-map, reverted on main after its GPU tests failed), from an
+# uncommitted export of that branch in pm_check/: which cases fail, and how
+[ -d pm_check ] && step pm_check 90 bash -c 'cd pm_check && PYTHONPATH=$PWD python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_fetch_mapped.py 2>&1 | tail -60'
 ;;
 pinned)  # call 3: the pinned pool (4x128K at a real model's overlap, 1x512K)
 step pinned_reselect 120 python3 benchmarks/pinned_reselect.py --out "$OUT/pinned_reselect.txt"
