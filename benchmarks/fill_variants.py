@@ -1,17 +1,16 @@
-"""``select_budget``'s ways of ordering the radix select's winners side by side, at a
-re-selection's decode sizes.
+"""``select_budget`` at a re-selection's decode sizes, for two kinds of units: its whole cost and
+the radix launches' share.
 
-Times the Triton op (ranking "auto") as a CUDA-graph replay with every row re-selecting, with the
-units better than the cut ordered by a ``tl.sort`` in the fill's program ("sort") or by the rank
-launch ("rank", ``WINNER_ORDER``), for two kinds of units: 8-24 tokens each, and K-means-like ones
-of random keys (1-87 tokens, scores spread as 1/sqrt(size), so the winners are mostly 1-3-token
-units, ~850 of them at R = 2,048). The radix launches alone are timed too. Usage (GPU):
+Times the Triton op (ranking "auto") as a CUDA-graph replay with every row re-selecting, for units
+of 8-24 tokens each and K-means-like ones of random keys (1-96 tokens, scores spread as
+1/sqrt(size), so the winners are mostly 1-3-token units, ~760 at R = 2,048). Usage (GPU):
     python3 benchmarks/fill_variants.py [--cells 4x8200,1x32800] [--budget 2048]
 
-Session 11's first call measured another variant, the output positions as their own launch over
-(row, position block) programs: 140-152 us against 45-51 (4 x 8,200 units of 8-24 tokens), so it
-was dropped (docs/bench/session11/fill/fill_variants.log).
+Two fill variants were measured with it and dropped (select.py says why): the output positions as
+their own launch (session 11's first call, docs/bench/session11/fill/) and a rank launch ordering
+the winners (second call, docs/bench/session11/louis/: the "rank" column; "sort" is the op as shipped).
 """
+
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ def main() -> None:
     device = torch.device("cuda")
     print(f"select_budget (auto ranking), R={args.budget}, {args.kv_heads} KV heads, every row re-selecting; "
           f"us per replay (median of {args.repeats})", flush=True)
-    print(f"{'cell':>8s} {'units':>8s} {'winners':>8s} {'radix alone':>12s} {'sort':>7s} {'rank':>7s}", flush=True)
-    default = select.WINNER_ORDER
+    print(f"{'cell':>8s} {'units':>8s} {'winners':>8s} {'radix alone':>12s} {'whole op':>9s}", flush=True)
     for cell in args.cells.split(","):
         batch, units = (int(x) for x in cell.split("x"))
         for kind in ("uniform", "kmeans"):
@@ -61,17 +59,9 @@ def main() -> None:
                                                                 cand, ids), device, args.repeats)
             line = select._radix_select(flat, flat_sizes, take, args.budget, args.kv_heads, cand, ids)[2]
             winners = float(line[:, select._RADIX_COUNTER.value].float().mean())
-            times = []
-            for winner_order in ("sort", "rank"):
-                select.WINNER_ORDER = winner_order
-                try:
-                    times.append(time_replay_ms(
-                        lambda: select.select_budget(scores, sizes, starts, order, args.budget, take),
-                        device, args.repeats))
-                finally:
-                    select.WINNER_ORDER = default
-            print(f"{cell:>8s} {kind:>8s} {winners:8.0f} {1e3 * radix:12.1f} {1e3 * times[0]:7.1f} "
-                  f"{1e3 * times[1]:7.1f}", flush=True)
+            whole = time_replay_ms(lambda: select.select_budget(scores, sizes, starts, order, args.budget, take),
+                                   device, args.repeats)
+            print(f"{cell:>8s} {kind:>8s} {winners:8.0f} {1e3 * radix:12.1f} {1e3 * whole:9.1f}", flush=True)
 
 
 if __name__ == "__main__":

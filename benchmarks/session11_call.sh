@@ -15,7 +15,7 @@ step gpu_tests 90 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/trit
 step fill_variants 120 python3 benchmarks/fill_variants.py
 step e2e_rate 260 $E2E --contexts 32768,131072 --batches 4,1 --presets louiskv@gpu --json "$OUT/e2e_rate.json"
 ;;
-louis)  # call 2: the winners' rank launch and the float16 means; louiskv at 4x128K and 1x512K
+louis)  # call 2: the winners' rank launch (fill_variants.py then had sort and rank columns) and the float16 means
 step gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_score.py tests/kernels/triton/test_unit_append.py tests/kernels/triton/test_select.py -k "radix or winner or score or append or replays"
 step fill_variants 90 python3 benchmarks/fill_variants.py
 step prof_every_gpu 80 $PROF --preset louiskv --placement gpu --trigger '{"name":"every_step"}' --out "$OUT/prof_every_gpu.txt"

@@ -102,18 +102,13 @@ _SORT_NUM_WARPS = 16
 _RADIX_CHUNK = 1024
 _RADIX_NUM_WARPS = 4
 _RADIX_SMALL_SORT = 256
-# How the radix select orders the units better than the cut: "rank", a launch over (row, block of
-# _RANK_BLOCK winners) programs, each winner's rank counted by comparing it with every winner; or
-# "sort", a tl.sort in the fill's own program (one per row). With K-means units of random keys the
-# winners are mostly 1-3-token clusters (a few-token mean scores further from 0), ~850 of them at
-# R = 2,048, past the small sort block: the fill then took 44 us a layer at 4 x 128K
-# (docs/bench/session10/whole/prof_every_gpu.txt) against ~10 us with 8-24-token units
-# (docs/bench/session11/fill/fill_variants.log). Measured side by side (H200, whole op, us,
-# docs/bench/session11/louis/fill_variants.log): 4 x 8,200 units 47.0 sort / 50.5 rank (127 winners),
-# 64.1 / 72.4 K-means-like (761 winners); 1 x 32,800: 51.2 / 53.9 and 69.6 / 79.5. The sort stays.
-WINNER_ORDER = "sort"
-WINNER_ORDERS = ("rank", "sort")
-_RANK_BLOCK = 128
+# The radix select's winners (the units better than the cut) are sorted in the fill's program. With
+# K-means units of random keys they are mostly 1-3-token clusters (a few-token mean scores further
+# from 0): ~760-1,270 of them at R = 2,048, past the small sort block. A launch that ranked them over
+# (row, block of 128 winners) programs by counting smaller keys measured slower on the H200 (whole
+# op, us, sort / rank: 4 x 8,200 units 47.0 / 50.5 with 127 winners, 64.1 / 72.4 with 761;
+# 1 x 32,800: 51.2 / 53.9 and 69.6 / 79.5; docs/bench/session11/louis/fill_variants.log), as did the
+# output positions as a second launch (140-152 against 45-51; session11/fill/fill_variants.log).
 
 
 def auto_ranking(units: int, take_inline: bool) -> str:
@@ -367,41 +362,14 @@ def _radix_compact_kernel(scores_ptr, sizes_ptr, take_ptr, scratch_ptr, state_pt
 
 
 @triton.jit
-def _radix_rank_kernel(better_ptr, take_ptr, scratch_ptr, ranked_ptr, ROWS_PER_SEQUENCE, SCRATCH_LEN,
-                       HAS_TAKE: tl.constexpr, CAND_BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
-    """The units better than the cut in key order (``WINNER_ORDER == "rank"``), spread over
-    (row, block of ``BLOCK_W`` winners) programs: a winner's rank is the number of winners with
-    a smaller key (keys are unique: the unit index is the low word), so each program places its
-    block by comparing it with every winner, ``BLOCK_W`` at a time; no program waits on another."""
-    row = tl.program_id(0).to(tl.int64)
-    if HAS_TAKE:  # noqa: SIM102
-        if tl.load(take_ptr + row // ROWS_PER_SEQUENCE) == 0:
-            return
-    better = tl.minimum(tl.load(scratch_ptr + row * SCRATCH_LEN + _RADIX_COUNTER), CAND_BLOCK)
-    mine = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    if tl.program_id(1) * BLOCK_W >= better:
-        return
-    keys = tl.load(better_ptr + row * CAND_BLOCK + mine, mask=mine < better, other=0x7FFFFFFFFFFFFFFF)
-    rank = tl.zeros([BLOCK_W], dtype=tl.int32)
-    for w0 in range(0, better, BLOCK_W):
-        other = w0 + tl.arange(0, BLOCK_W)
-        theirs = tl.load(better_ptr + row * CAND_BLOCK + other, mask=other < better, other=0x7FFFFFFFFFFFFFFF)
-        rank += tl.sum((theirs[None, :] < keys[:, None]).to(tl.int32), axis=1)
-    tl.store(ranked_ptr + row * CAND_BLOCK + rank, keys.to(tl.int32), mask=mine < better)
-
-
-@triton.jit
 def _radix_order(better_ptr, tied_ptr, counter_ptr, tied_count_ptr, ranked_ptr,
-                 CAND_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr, BLOCK: tl.constexpr, RANKED: tl.constexpr):
-    """``ranked``: the better units sorted by key (already there when ``RANKED``, by
-    ``_radix_rank_kernel``; else sorted here, in a ``SMALL_SORT`` block when they fit, else
+                 CAND_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr, BLOCK: tl.constexpr):
+    """``ranked``: the better units sorted by key (a ``SMALL_SORT`` block when they fit, else
     ``CAND_BLOCK``), then the tied ones in index order; returns their count."""
-    better = tl.minimum(tl.load(counter_ptr), CAND_BLOCK)
+    better = tl.load(counter_ptr)
     # each branch keeps its own names: compiled Triton merges a name bound in both branches,
     # which fails for blocks of two shapes (the interpreter does not check)
-    if RANKED:
-        pass
-    elif better <= SMALL_SORT:
+    if better <= SMALL_SORT:
         small = tl.arange(0, SMALL_SORT)
         small_keys = tl.sort(tl.load(better_ptr + small, mask=small < better, other=0x7FFFFFFFFFFFFFFF))
         tl.store(ranked_ptr + small, small_keys.to(tl.int32), mask=small < better)
@@ -423,7 +391,7 @@ def _fill_kernel(
     heads_ptr, shift_ptr, cand_ptr, tied_ptr, radix_line_ptr, radix_state_ptr,
     U, N, R, SHIFT_LEN, ROWS_PER_SEQUENCE, RANKED_KEYS, RADIX_LINE,
     BLOCK_U: tl.constexpr, BLOCK_R: tl.constexpr, SORT_BLOCK: tl.constexpr, HAS_TAKE: tl.constexpr,
-    CAND_BLOCK: tl.constexpr, RADIX: tl.constexpr, SMALL_SORT: tl.constexpr, RANKED: tl.constexpr,
+    CAND_BLOCK: tl.constexpr, RADIX: tl.constexpr, SMALL_SORT: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     u_base = bh * U
@@ -455,7 +423,7 @@ def _fill_kernel(
         if RADIX:
             ranked_len = _radix_order(cand_ptr + bh * CAND_BLOCK, tied_ptr + bh * CAND_BLOCK,
                                       radix_line_ptr + bh * RADIX_LINE + _RADIX_COUNTER, radix_state_ptr + bh * 12 + 8,
-                                      ranked_ptr + bh * CAND_BLOCK, CAND_BLOCK, SMALL_SORT, BLOCK_U, RANKED)
+                                      ranked_ptr + bh * CAND_BLOCK, CAND_BLOCK, SMALL_SORT, BLOCK_U)
         else:
             _threshold_rank(scores_ptr + u_base, sizes_ptr + u_base, cand_ptr + bh * CAND_BLOCK,
                             ranked_ptr + bh * CAND_BLOCK, U, R, BLOCK_U, CAND_BLOCK)
@@ -570,9 +538,6 @@ def select_budget(
         ranking = auto_ranking(units, take is not None and not graph_branch.in_conditional_body())
     if ranking not in RANKINGS:
         raise ValueError(f"triton select_budget: RANKING {RANKING!r}; accepted: auto, {', '.join(RANKINGS)}")
-    if WINNER_ORDER not in WINNER_ORDERS:
-        raise ValueError(f"triton select_budget: WINNER_ORDER {WINNER_ORDER!r}; accepted: {', '.join(WINNER_ORDERS)}")
-    ranked_winners = ranking == "radix" and WINNER_ORDER == "rank"
     ranked_keys = 0
     if ranking == "torch.sort":
         ranked_scores, ranked = torch.sort(scores, dim=-1, descending=True, stable=True)
@@ -600,12 +565,6 @@ def select_budget(
             cand, tied, radix_line, radix_state = _radix_select(scores, sizes, take, capacity, rows_per_sequence,
                                                                 cand_block, unit_ids)
             radix_line_len = radix_line.shape[-1]
-            if ranked_winners:
-                block_w = min(_RANK_BLOCK, cand_block)
-                _radix_rank_kernel[(programs, triton.cdiv(cand_block, block_w))](
-                    cand, take, radix_line, ranked, rows_per_sequence, radix_line_len,
-                    HAS_TAKE=take is not None, CAND_BLOCK=cand_block, BLOCK_W=block_w, num_warps=4,
-                )
     # scratch: per program, R flags and one shift per taken unit (at most min(U, R) of them)
     heads = torch.empty(programs, capacity, dtype=torch.int8, device=device)
     shift_len = max(1, min(units, capacity))
@@ -619,7 +578,6 @@ def select_budget(
         BLOCK_R=min(_BLOCK, triton.next_power_of_2(max(capacity, 1))),
         SORT_BLOCK=sort_block, HAS_TAKE=take is not None, CAND_BLOCK=cand_block,
         RADIX=ranking == "radix", SMALL_SORT=min(_RADIX_SMALL_SORT, cand_block) if cand_block else 1,
-        RANKED=ranked_winners,
         num_warps=_SORT_NUM_WARPS if max(sort_block, cand_block) > 4096 else _NUM_WARPS,
     )
     return unit_ids, num_units, slots, slot_valid

@@ -355,16 +355,12 @@ def test_radix_select_cut_exactly_at_a_unit_edge(monkeypatch):
         _check(scores, sizes, starts, order, capacity)
 
 
-@pytest.mark.parametrize("winner_order", ["sort", "rank"])
-def test_radix_select_sorts_many_winners_in_the_whole_block(winner_order, monkeypatch):
+def test_radix_select_sorts_many_winners_in_the_whole_block(monkeypatch):
     # the small sort block lowered to 8: budgets whose better-than-cut units fit it and ones
-    # whose do not (then the min(U, R) block sorts them); 1,000 is more than all tokens. The
-    # rank launch ("rank") compares 8 winners at a time here, so many blocks of them
+    # whose do not (then the min(U, R) block sorts them); 1,000 is more than all tokens
     from kvpolicy.kernels.triton import select
 
     _use_ranking("radix", monkeypatch)
-    monkeypatch.setattr(select, "WINNER_ORDER", winner_order)
-    monkeypatch.setattr(select, "_RANK_BLOCK", 8)
     monkeypatch.setattr(select, "_RADIX_CHUNK", 32)
     monkeypatch.setattr(select, "_RADIX_SMALL_SORT", 8)
     inputs = _random_units(2, 2, 200, 800, 3, seed=9, levels=40)
@@ -510,26 +506,12 @@ def test_select_budget_replays_in_a_cuda_graph(ranking, monkeypatch):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("winner_order", ["sort", "rank"])
 @pytest.mark.parametrize("levels", [None, 3])
-def test_radix_winners_of_one_or_two_tokens(winner_order, levels, monkeypatch):
+def test_radix_winners_of_one_or_two_tokens(levels, monkeypatch):
     # K-means units of random keys: the best-scoring units are the smallest, so hundreds of
-    # units beat the cut (more than a small sort block, many rank blocks); rows outside take
-    # are left alone by the rank launch
-    from kvpolicy.kernels.triton import select
-
+    # units beat the cut, more than the small sort block
     _use_ranking("radix", monkeypatch)
-    monkeypatch.setattr(select, "WINNER_ORDER", winner_order)
-    monkeypatch.setattr(select, "_RANK_BLOCK", 32)
     inputs = _random_units(2, 2, 400, 1200, 2, seed=17, levels=levels)
     _check(*inputs, 300)
     _check(*inputs, 300, torch.tensor([False, True], device=DEVICE))
 
-
-def test_an_unknown_winner_order_is_refused(monkeypatch):
-    from kvpolicy.kernels.triton import select
-
-    _use_ranking("radix", monkeypatch)
-    monkeypatch.setattr(select, "WINNER_ORDER", "bogus")
-    with pytest.raises(ValueError, match="WINNER_ORDER 'bogus'; accepted: rank, sort"):
-        _check(*_random_units(1, 1, 20, 100, 4, seed=2), 30)
