@@ -1,14 +1,16 @@
-"""``select_budget`` at a re-selection's decode sizes, for two kinds of units: its whole cost and
-the radix launches' share.
+"""``select_budget`` at a re-selection's decode sizes, for two kinds of units: its whole cost, the
+radix launches' share, and the fill's variants.
 
 Times the Triton op (ranking "auto") as a CUDA-graph replay with every row re-selecting, for units
 of 8-24 tokens each and K-means-like ones of random keys (1-96 tokens, scores spread as
 1/sqrt(size), so the winners are mostly 1-3-token units, ~760 at R = 2,048). Usage (GPU):
     python3 benchmarks/fill_variants.py [--cells 4x8200,1x32800] [--budget 2048]
 
+Columns: the radix launches alone; the whole op as shipped; without the middle sort block (the
+winners past 256 sorted in the whole min(U, R) block); with the fill at 16 warps instead of 8.
 Two fill variants were measured with it and dropped (select.py says why): the output positions as
 their own launch (session 11's first call, docs/bench/session11/fill/) and a rank launch ordering
-the winners (second call, docs/bench/session11/louis/: the "rank" column; "sort" is the op as shipped).
+the winners (second call, docs/bench/session11/louis/).
 """
 
 
@@ -42,7 +44,8 @@ def main() -> None:
     device = torch.device("cuda")
     print(f"select_budget (auto ranking), R={args.budget}, {args.kv_heads} KV heads, every row re-selecting; "
           f"us per replay (median of {args.repeats})", flush=True)
-    print(f"{'cell':>8s} {'units':>8s} {'winners':>8s} {'radix alone':>12s} {'whole op':>9s}", flush=True)
+    print(f"{'cell':>8s} {'units':>8s} {'winners':>8s} {'radix alone':>12s} {'whole op':>9s} {'no mid':>7s} "
+          f"{'16 warps':>9s}", flush=True)
     for cell in args.cells.split(","):
         batch, units = (int(x) for x in cell.split("x"))
         for kind in ("uniform", "kmeans"):
@@ -59,9 +62,20 @@ def main() -> None:
                                                                 cand, ids), device, args.repeats)
             line = select._radix_select(flat, flat_sizes, take, args.budget, args.kv_heads, cand, ids)[2]
             winners = float(line[:, select._RADIX_COUNTER.value].float().mean())
-            whole = time_replay_ms(lambda: select.select_budget(scores, sizes, starts, order, args.budget, take),
-                                   device, args.repeats)
-            print(f"{cell:>8s} {kind:>8s} {winners:8.0f} {1e3 * radix:12.1f} {1e3 * whole:9.1f}", flush=True)
+            columns = []
+            for mid, warps in ((select._RADIX_MID_SORT, select._NUM_WARPS), (0, select._NUM_WARPS),
+                               (select._RADIX_MID_SORT, 16)):
+                shipped = select._RADIX_MID_SORT, select._NUM_WARPS
+                select._RADIX_MID_SORT, select._NUM_WARPS = mid, warps
+                try:
+                    columns.append(time_replay_ms(
+                        lambda: select.select_budget(scores, sizes, starts, order, args.budget, take),
+                        device, args.repeats))
+                finally:
+                    select._RADIX_MID_SORT, select._NUM_WARPS = shipped
+            whole, no_mid, wide = (1e3 * c for c in columns)
+            print(f"{cell:>8s} {kind:>8s} {winners:8.0f} {1e3 * radix:12.1f} {whole:9.1f} {no_mid:7.1f} {wide:9.1f}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,9 @@ _SORT_NUM_WARPS = 16
 _RADIX_CHUNK = 1024
 _RADIX_NUM_WARPS = 4
 _RADIX_SMALL_SORT = 256
+# a middle block for winners past the small one (K-means units: ~760-1,270 at R = 2,048), so that
+# fewer than 1,024 of them are not sorted in the whole min(U, R) block
+_RADIX_MID_SORT = 1024  # (0: none)
 # The radix select's winners (the units better than the cut) are sorted in the fill's program. With
 # K-means units of random keys they are mostly 1-3-token clusters (a few-token mean scores further
 # from 0): ~760-1,270 of them at R = 2,048, past the small sort block. A launch that ranked them over
@@ -363,9 +366,11 @@ def _radix_compact_kernel(scores_ptr, sizes_ptr, take_ptr, scratch_ptr, state_pt
 
 @triton.jit
 def _radix_order(better_ptr, tied_ptr, counter_ptr, tied_count_ptr, ranked_ptr,
-                 CAND_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr, BLOCK: tl.constexpr):
-    """``ranked``: the better units sorted by key (a ``SMALL_SORT`` block when they fit, else
-    ``CAND_BLOCK``), then the tied ones in index order; returns their count."""
+                 CAND_BLOCK: tl.constexpr, SMALL_SORT: tl.constexpr, MID_SORT: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """``ranked``: the better units sorted by key (in the smallest of the ``SMALL_SORT``,
+    ``MID_SORT`` and ``CAND_BLOCK`` blocks they fit), then the tied ones in index order; returns
+    their count."""
     better = tl.load(counter_ptr)
     # each branch keeps its own names: compiled Triton merges a name bound in both branches,
     # which fails for blocks of two shapes (the interpreter does not check)
@@ -373,6 +378,10 @@ def _radix_order(better_ptr, tied_ptr, counter_ptr, tied_count_ptr, ranked_ptr,
         small = tl.arange(0, SMALL_SORT)
         small_keys = tl.sort(tl.load(better_ptr + small, mask=small < better, other=0x7FFFFFFFFFFFFFFF))
         tl.store(ranked_ptr + small, small_keys.to(tl.int32), mask=small < better)
+    elif better <= MID_SORT:
+        mid = tl.arange(0, MID_SORT)
+        mid_keys = tl.sort(tl.load(better_ptr + mid, mask=mid < better, other=0x7FFFFFFFFFFFFFFF))
+        tl.store(ranked_ptr + mid, mid_keys.to(tl.int32), mask=mid < better)
     else:
         whole = tl.arange(0, CAND_BLOCK)
         whole_keys = tl.sort(tl.load(better_ptr + whole, mask=whole < better, other=0x7FFFFFFFFFFFFFFF))
@@ -391,7 +400,7 @@ def _fill_kernel(
     heads_ptr, shift_ptr, cand_ptr, tied_ptr, radix_line_ptr, radix_state_ptr,
     U, N, R, SHIFT_LEN, ROWS_PER_SEQUENCE, RANKED_KEYS, RADIX_LINE,
     BLOCK_U: tl.constexpr, BLOCK_R: tl.constexpr, SORT_BLOCK: tl.constexpr, HAS_TAKE: tl.constexpr,
-    CAND_BLOCK: tl.constexpr, RADIX: tl.constexpr, SMALL_SORT: tl.constexpr,
+    CAND_BLOCK: tl.constexpr, RADIX: tl.constexpr, SMALL_SORT: tl.constexpr, MID_SORT: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     u_base = bh * U
@@ -423,7 +432,7 @@ def _fill_kernel(
         if RADIX:
             ranked_len = _radix_order(cand_ptr + bh * CAND_BLOCK, tied_ptr + bh * CAND_BLOCK,
                                       radix_line_ptr + bh * RADIX_LINE + _RADIX_COUNTER, radix_state_ptr + bh * 12 + 8,
-                                      ranked_ptr + bh * CAND_BLOCK, CAND_BLOCK, SMALL_SORT, BLOCK_U)
+                                      ranked_ptr + bh * CAND_BLOCK, CAND_BLOCK, SMALL_SORT, MID_SORT, BLOCK_U)
         else:
             _threshold_rank(scores_ptr + u_base, sizes_ptr + u_base, cand_ptr + bh * CAND_BLOCK,
                             ranked_ptr + bh * CAND_BLOCK, U, R, BLOCK_U, CAND_BLOCK)
@@ -569,6 +578,7 @@ def select_budget(
     heads = torch.empty(programs, capacity, dtype=torch.int8, device=device)
     shift_len = max(1, min(units, capacity))
     shift = torch.empty(programs, shift_len, dtype=torch.long, device=device)
+    small_sort = min(_RADIX_SMALL_SORT, cand_block) if cand_block else 1
     _fill_kernel[(programs,)](
         scores, ranked, ranked_scores, sizes.contiguous(), starts.contiguous(), order.contiguous(), take,
         unit_ids, num_units, slots, slot_valid,
@@ -577,7 +587,7 @@ def select_budget(
         BLOCK_U=min(_THRESHOLD_BLOCK if ranking == "threshold" else _BLOCK, triton.next_power_of_2(units)),
         BLOCK_R=min(_BLOCK, triton.next_power_of_2(max(capacity, 1))),
         SORT_BLOCK=sort_block, HAS_TAKE=take is not None, CAND_BLOCK=cand_block,
-        RADIX=ranking == "radix", SMALL_SORT=min(_RADIX_SMALL_SORT, cand_block) if cand_block else 1,
+        RADIX=ranking == "radix", SMALL_SORT=small_sort, MID_SORT=max(small_sort, min(_RADIX_MID_SORT, cand_block)),
         num_warps=_SORT_NUM_WARPS if max(sort_block, cand_block) > 4096 else _NUM_WARPS,
     )
     return unit_ids, num_units, slots, slot_valid

@@ -355,14 +355,16 @@ def test_radix_select_cut_exactly_at_a_unit_edge(monkeypatch):
         _check(scores, sizes, starts, order, capacity)
 
 
-def test_radix_select_sorts_many_winners_in_the_whole_block(monkeypatch):
-    # the small sort block lowered to 8: budgets whose better-than-cut units fit it and ones
-    # whose do not (then the min(U, R) block sorts them); 1,000 is more than all tokens
+def test_radix_select_sorts_many_winners_in_each_block(monkeypatch):
+    # the small and middle sort blocks lowered to 8 and 32: budgets whose better-than-cut units
+    # fit the small one, the middle one, and neither (then the min(U, R) block sorts them);
+    # 1,000 is more than all tokens
     from kvpolicy.kernels.triton import select
 
     _use_ranking("radix", monkeypatch)
     monkeypatch.setattr(select, "_RADIX_CHUNK", 32)
     monkeypatch.setattr(select, "_RADIX_SMALL_SORT", 8)
+    monkeypatch.setattr(select, "_RADIX_MID_SORT", 32)
     inputs = _random_units(2, 2, 200, 800, 3, seed=9, levels=40)
     for capacity in (5, 12, 60, 300, 1000):
         _check(*inputs, capacity, torch.tensor([False, True], device=DEVICE))
