@@ -38,7 +38,9 @@ def _tables(batch, heads, units, dim, seed, integer=False, p_empty=0.15, tokens=
     if integer:
         low = torch.randint(-4, 3, (*shape, dim), generator=g, device=DEVICE).float()
         high = low + torch.randint(0, 4, (*shape, dim), generator=g, device=DEVICE).float()
-        key_sum = torch.randint(-20, 21, (*shape, dim), generator=g, device=DEVICE).float()
+        # sums of whole multiples of the size: the float16 means are small integers, exact
+        # (a mean like 7/3 rounds, and the GPU's dot then sums the rounded terms in its own order)
+        key_sum = torch.randint(-20, 21, (*shape, dim), generator=g, device=DEVICE).float() * size.unsqueeze(-1)
     else:
         low = torch.randn(*shape, dim, generator=g, device=DEVICE)
         high = low + torch.rand(*shape, dim, generator=g, device=DEVICE) * 2
