@@ -27,7 +27,7 @@ OPS = (
     "cache_insert", "write_row",
     "sparse_decode_attention", "collision_count", "candidate_topk", "rerank", "append_to_unit", "admit_row",
     "append_token", "note_decision", "query_cosine_fire", "interval_fire", "commit_selection", "append_leaving_by_rule",
-    "fetch_whole", "query_votes", "collision_candidates", "rerank_select", "analytic_append",
+    "fetch_whole", "query_votes", "collision_candidates", "rerank_select", "analytic_append", "score_gap_fire",
 )
 # ParisKV's ops and the decode step's bookkeeping have their reference in their own files
 _REFERENCE_MODULE = {
@@ -35,7 +35,8 @@ _REFERENCE_MODULE = {
     "query_votes": reference_analytic, "collision_candidates": reference_analytic, "rerank_select": reference_analytic,
     "analytic_append": reference_analytic,
     **{op: reference_step for op in ("append_token", "note_decision", "query_cosine_fire", "interval_fire",
-                                     "commit_selection", "append_leaving_by_rule", "fetch_whole")},
+                                     "commit_selection", "append_leaving_by_rule", "fetch_whole",
+                                     "score_gap_fire")},
 }
 # auto tries these in order
 _PREFERENCE = ("triton", "reference")

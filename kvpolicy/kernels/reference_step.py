@@ -140,3 +140,104 @@ def append_leaving_by_rule(table, slot, key, valid, boundary, max_size: int, at_
         table.open_unit, table.decode_units, table.order_next, slot, key, valid, cut & valid,
         table.num_prompt_units,
     )
+
+
+def open_unit_size(units) -> torch.Tensor:
+    """``(B, H)`` the size of each sequence's open decode unit (unit 0's where none is open)."""
+    batch, heads = units.size.shape[:2]
+    index = units.open_unit.clamp(min=0).view(batch, 1, 1).expand(batch, heads, 1)
+    return units.size.gather(2, index)[..., 0]
+
+
+def held_units_mask(held: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``(B, H, capacity)`` bool: True at the unit ids listed in ``held (B, H, K)`` (-1: none)."""
+    index = torch.where(held >= 0, held, capacity)  # the -1s go to a spare column that is cut off
+    padded = torch.zeros(*held.shape[:-1], capacity + 1, dtype=torch.bool, device=held.device)
+    padded.scatter_(-1, index, True)
+    return padded[..., :-1]
+
+
+def score_gap(scores: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """``(B, H)``: best unheld unit's score minus the weakest held unit's (``-inf`` where nothing is
+    unheld and selectable; ``+inf`` where nothing is held but something could be)."""
+    finite = scores > float("-inf")
+    best_unheld = scores.masked_fill(held | ~finite, float("-inf")).amax(-1)
+    weakest_held = scores.masked_fill(~held | ~finite, float("inf")).amin(-1)
+    nothing_held = ~(held & finite).any(-1)
+    return torch.where(nothing_held, best_unheld.masked_fill(best_unheld > float("-inf"), float("inf")),
+                       best_unheld - weakest_held)
+
+
+def mass_gap(scores: torch.Tensor, held: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
+    """``(B, H)``: log of the best unheld unit's estimated attention mass over the held units' mass.
+
+    A unit's mass is estimated as ``size * exp(score)`` (its tokens at its mean key's logit), so
+    ``log(size) + score``; ``-inf`` where nothing is unheld, ``+inf`` where nothing is held.
+    """
+    finite = scores > float("-inf")
+    log_mass = scores + torch.log(size.clamp(min=1).float())
+    best_unheld = log_mass.masked_fill(held | ~finite, float("-inf")).amax(-1)
+    held_mass = torch.logsumexp(log_mass.masked_fill(~held | ~finite, float("-inf")), dim=-1)
+    return best_unheld - held_mass
+
+
+def follow_leaving_token(state, leaving_unheld: bool, evict: bool) -> None:
+    """Bring a ``ScoreGapState``'s ``held`` list up to date with the token that left the local
+    window since the last look: the open decode unit took it (the table grew) and the retrieved
+    buffer admitted it (its fill grew) or not. ``leaving_unheld``: a held unit that took a token
+    the buffer did not admit is dropped; ``evict``: the policy's ``admit="evict"``. In place."""
+    units, store = state.layer.units, state.layer.store
+    unit = units.open_unit  # (B,)
+    size = open_unit_size(units)
+    admitted_now = store.admitted
+    moved = (unit != state.seen_open).view(-1, 1)
+    appended = (unit >= 0).view(-1, 1) & (moved | (size != state.seen_size))  # (B, H)
+    admitted = admitted_now > state.seen_admitted
+    listed = state.held == unit.view(-1, 1, 1)  # (B, H, R)
+    add = appended & admitted & ~listed.any(-1)
+    room = state.held.shape[-1]
+    position = state.held_count.clamp(max=room - 1).unsqueeze(-1)
+    current = state.held.gather(2, position)
+    state.held.scatter_(2, position, torch.where(add.unsqueeze(-1), unit.view(-1, 1, 1).expand_as(current), current))
+    end_now = state.held_end.gather(2, position)
+    state.held_end.scatter_(2, position, torch.where(add.unsqueeze(-1), 0, end_now))
+    if evict:
+        # selected units whose last rows a leaving token took: rows [kept, ...) are no longer the selection's
+        state.held.masked_fill_(state.held_end > store.kept.unsqueeze(-1), -1)
+    state.held_count.add_(add.long())
+    if leaving_unheld:
+        # a token of a held unit that was not admitted: the unit is no longer all attended
+        drop = (appended & ~admitted).unsqueeze(-1) & listed
+        state.held.masked_fill_(drop, -1)
+    state.seen_open.copy_(unit)
+    state.seen_size.copy_(size)
+    state.seen_admitted.copy_(admitted_now)
+
+
+def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float) -> torch.Tensor:
+    """The score-gap trigger's step (``triggers/score_gap.py``): follow the leaving token, then fire
+    ``(B,)`` where, in any KV head, the gap (``trigger.measure``) of ``scores * scale`` (the
+    selector's ``(B, H, U)`` unit scores, ``-inf`` where not selectable) exceeds ``trigger.margin``,
+    or ``state`` has no selection yet (with ``trigger.follow``: the margin is lowered by it where
+    the layer above re-selected). ``state.gap`` gets the largest gap, clamped to +-1e4."""
+    layer = state.layer
+    follow_leaving_token(state, trigger.leaving == "unheld", layer.policy.admit == "evict")
+    now = scores * scale
+    held = held_units_mask(state.held, layer.units.capacity)
+    if trigger.leaving == "ignored":
+        # units opened since the selection that the buffer did not admit are no candidates
+        first_new = layer.units.num_prompt_units + state.units_at_selection  # (B,)
+        ids = torch.arange(now.shape[-1], device=now.device)
+        opened = ids.view(1, 1, -1) >= first_new.view(-1, 1, 1)
+        now = now.masked_fill(opened & ~held, float("-inf"))
+    if trigger.measure == "weakest":
+        gap = score_gap(now, held)
+    else:
+        gap = mass_gap(now, held, layer.units.size)
+    gap = gap.amax(-1)  # (B,): the worst KV head decides
+    fire = (gap > trigger.margin) | ~state.has_selection
+    if trigger.follow > 0 and state.above is not None:
+        # the layer above decided this step already (its ``reselect``, on the device)
+        fire = fire | (state.above.reselect & (gap > trigger.margin - trigger.follow))
+    state.gap.copy_(gap.clamp(min=-1e4, max=1e4))
+    return fire

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..kernels import reference_step
+from ..kernels.reference_step import held_units_mask, mass_gap, open_unit_size, score_gap  # noqa: F401 (this trigger's measures)
 from ..registry import register
 from .base import Trigger
 
@@ -55,45 +57,8 @@ class ScoreGapState:
     held_end: torch.Tensor | None = None
     units_at_selection: torch.Tensor | None = None  # (B,) long: decode units opened by the last selection
     above: Any = None  # the PolicyLayerState of the preceding served layer, for ``follow``
-
-
-def held_units_mask(held: torch.Tensor, capacity: int) -> torch.Tensor:
-    """``(B, H, capacity)`` bool: True at the unit ids listed in ``held (B, H, K)`` (-1: none)."""
-    index = torch.where(held >= 0, held, capacity)  # the -1s go to a spare column that is cut off
-    padded = torch.zeros(*held.shape[:-1], capacity + 1, dtype=torch.bool, device=held.device)
-    padded.scatter_(-1, index, True)
-    return padded[..., :-1]
-
-
-def _open_unit_size(units) -> torch.Tensor:
-    """``(B, H)`` the size of each sequence's open decode unit (unit 0's where none is open)."""
-    batch, heads = units.size.shape[:2]
-    index = units.open_unit.clamp(min=0).view(batch, 1, 1).expand(batch, heads, 1)
-    return units.size.gather(2, index)[..., 0]
-
-
-def score_gap(scores: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-    """``(B, H)``: best unheld unit's score minus the weakest held unit's (``-inf`` where nothing is
-    unheld and selectable; ``+inf`` where nothing is held but something could be)."""
-    finite = scores > float("-inf")
-    best_unheld = scores.masked_fill(held | ~finite, float("-inf")).amax(-1)
-    weakest_held = scores.masked_fill(~held | ~finite, float("inf")).amin(-1)
-    nothing_held = ~(held & finite).any(-1)
-    return torch.where(nothing_held, best_unheld.masked_fill(best_unheld > float("-inf"), float("inf")),
-                       best_unheld - weakest_held)
-
-
-def mass_gap(scores: torch.Tensor, held: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
-    """``(B, H)``: log of the best unheld unit's estimated attention mass over the held units' mass.
-
-    A unit's mass is estimated as ``size * exp(score)`` (its tokens at its mean key's logit), so
-    ``log(size) + score``; ``-inf`` where nothing is unheld, ``+inf`` where nothing is held.
-    """
-    finite = scores > float("-inf")
-    log_mass = scores + torch.log(size.clamp(min=1).float())
-    best_unheld = log_mass.masked_fill(held | ~finite, float("-inf")).amax(-1)
-    held_mass = torch.logsumexp(log_mass.masked_fill(~held | ~finite, float("-inf")), dim=-1)
-    return best_unheld - held_mass
+    # (B, H, U) uint8, the fused op's held mask (``kernels/triton/score_gap.py``): zeros between steps
+    held_scratch: torch.Tensor | None = None
 
 
 MEASURES = ("weakest", "mass")
@@ -165,7 +130,7 @@ class ScoreGap(Trigger):
         state.held = torch.full((batch, heads, room), -1, dtype=torch.long, device=device)
         state.held_count = torch.zeros(batch, heads, dtype=torch.long, device=device)
         state.seen_open = units.open_unit.clone()
-        state.seen_size = _open_unit_size(units)
+        state.seen_size = open_unit_size(units)
         state.seen_admitted = layer.store.admitted.clone()
         state.held_end = torch.zeros(batch, heads, room, dtype=torch.long, device=device)
         state.units_at_selection = units.decode_units.clone()
@@ -184,7 +149,7 @@ class ScoreGap(Trigger):
         state.held_count.copy_(torch.where(rows, (ids >= 0).sum(-1), state.held_count))
         units, store = state.layer.units, state.layer.store
         state.seen_open.copy_(torch.where(reselect, units.open_unit, state.seen_open))
-        state.seen_size.copy_(torch.where(rows, _open_unit_size(units), state.seen_size))
+        state.seen_size.copy_(torch.where(rows, open_unit_size(units), state.seen_size))
         state.seen_admitted.copy_(torch.where(rows, store.admitted, state.seen_admitted))
         # sizes as the selector filled them (the leaving token was filed before it ran)
         sizes = units.size.gather(2, ids.clamp(min=0)).masked_fill(ids < 0, 0)
@@ -194,66 +159,27 @@ class ScoreGap(Trigger):
         state.has_selection.logical_or_(reselect)
 
     def _follow_leaving_token(self, state: ScoreGapState) -> None:
-        """Bring ``held`` up to date with the token that left the local window since the last look:
-        the open decode unit took it (the table grew) and the retrieved buffer admitted it (its fill
-        grew) or not. In place, device only."""
-        units, store = state.layer.units, state.layer.store
-        unit = units.open_unit  # (B,)
-        size = _open_unit_size(units)
-        admitted_now = store.admitted
-        moved = (unit != state.seen_open).view(-1, 1)
-        appended = (unit >= 0).view(-1, 1) & (moved | (size != state.seen_size))  # (B, H)
-        admitted = admitted_now > state.seen_admitted
-        listed = state.held == unit.view(-1, 1, 1)  # (B, H, R)
-        add = appended & admitted & ~listed.any(-1)
-        room = state.held.shape[-1]
-        position = state.held_count.clamp(max=room - 1).unsqueeze(-1)
-        current = state.held.gather(2, position)
-        state.held.scatter_(2, position, torch.where(add.unsqueeze(-1), unit.view(-1, 1, 1).expand_as(current), current))
-        end_now = state.held_end.gather(2, position)
-        state.held_end.scatter_(2, position, torch.where(add.unsqueeze(-1), 0, end_now))
-        if state.layer.policy.admit == "evict":
-            # selected units whose last rows a leaving token took: rows [kept, ...) are no longer
-            # the selection's (a branch on the policy's spec, not on a tensor)
-            state.held.masked_fill_(state.held_end > store.kept.unsqueeze(-1), -1)
-        state.held_count.add_(add.long())
-        if self.leaving == "unheld":
-            # a token of a held unit that was not admitted: the unit is no longer all attended
-            drop = (appended & ~admitted).unsqueeze(-1) & listed
-            state.held.masked_fill_(drop, -1)
-        state.seen_open.copy_(unit)
-        state.seen_size.copy_(size)
-        state.seen_admitted.copy_(admitted_now)
-
-    def scores(self, query: torch.Tensor, layer: Any) -> torch.Tensor:
-        """``(B, H, U)`` the layer's selector scores for ``query (B, Hq, D)``, in attention logits."""
-        return layer.policy.selector.unit_scores(query, layer.units, layer.ops) * query.shape[-1] ** -0.5
+        """Bring ``held`` up to date with the token that left the local window since the last look
+        (``reference_step.follow_leaving_token``; the step's first move). In place, device only."""
+        reference_step.follow_leaving_token(state, self.leaving == "unheld", state.layer.policy.admit == "evict")
 
     def held_mask(self, state: ScoreGapState) -> torch.Tensor:
         """``(B, H, U)`` bool over the layer's unit table: the units the layer holds now."""
         return held_units_mask(state.held, state.layer.units.capacity)
 
     def decide(self, query: torch.Tensor, state: ScoreGapState) -> torch.Tensor:
+        return self._decide(query, state, reference_step.score_gap_fire)
+
+    def decide_fast(self, query: torch.Tensor, state: ScoreGapState, ops) -> torch.Tensor:
+        if type(self).decide is not ScoreGap.decide:  # a subclass with its own decision
+            return self.decide(query, state)
+        return self._decide(query, state, ops.score_gap_fire)
+
+    def _decide(self, query: torch.Tensor, state: ScoreGapState, fire_op) -> torch.Tensor:
+        """The step: score the table (the selector's op), then ``fire_op`` (``score_gap_fire``:
+        follow the leaving token, measure the gap, decide), the reference or a fused kernel."""
         layer = state.layer
         if layer is None:
             raise ConfigError("score_gap trigger: its state was not attached to a layer (Trigger.attach)")
-        self._follow_leaving_token(state)
-        now = self.scores(query, layer)
-        held = self.held_mask(state)
-        if self.leaving == "ignored":
-            # units opened since the selection that the buffer did not admit are no candidates
-            first_new = layer.units.num_prompt_units + state.units_at_selection  # (B,)
-            ids = torch.arange(now.shape[-1], device=now.device)
-            opened = ids.view(1, 1, -1) >= first_new.view(-1, 1, 1)
-            now = now.masked_fill(opened & ~held, float("-inf"))
-        if self.measure == "weakest":
-            gap = score_gap(now, held)
-        else:
-            gap = mass_gap(now, held, layer.units.size)
-        gap = gap.amax(-1)  # (B,): the worst KV head decides
-        fire = (gap > self.margin) | ~state.has_selection
-        if self.follow > 0 and state.above is not None:
-            # the layer above decided this step already (its ``reselect``, on the device)
-            fire = fire | (state.above.reselect & (gap > self.margin - self.follow))
-        state.gap.copy_(gap.clamp(min=-1e4, max=1e4))
-        return fire
+        raw = layer.policy.selector.unit_scores(query, layer.units, layer.ops)
+        return fire_op(self, state, raw, query.shape[-1] ** -0.5)

@@ -9,6 +9,7 @@ at the first step it points at an unheld one.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -26,11 +27,11 @@ PROMPT = PAGE * PAGES + LOCAL
 RUNNER_UP, FILLER = 9, 12
 
 
-def _layer(trigger: dict, batch: int = 1, seed: int = 0, admit: str = "room") -> PolicyLayerState:
+def _layer(trigger: dict, batch: int = 1, seed: int = 0, admit: str = "room", backend: str = "auto") -> PolicyLayerState:
     gen = torch.Generator().manual_seed(seed)
     policy = kvpolicy.Policy(trigger=trigger, prefill_units={"name": "pages", "size": PAGE},
                              decode_units={"name": "pages", "size": PAGE}, selector="top_budget",
-                             budget=4 + LOCAL + 2 * PAGE, sink=4, local=LOCAL, admit=admit)
+                             budget=4 + LOCAL + 2 * PAGE, sink=4, local=LOCAL, admit=admit, backend=backend)
     keys = 0.01 * torch.randn(batch, H, PROMPT, D, generator=gen)
     for page in range(PAGES):
         keys[:, :, page * PAGE:(page + 1) * PAGE, page] += 3.0
@@ -203,6 +204,30 @@ def test_the_step_replays_with_frozen_host_state(admit):
     # not vacuous: it both re-selected and reused
     assert torch.equal(eager.reselections, replayed.reselections)
     assert (1 < replayed.reselections).all() and (replayed.reselections < steps).all()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton step on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("trigger", [
+    {"name": "score_gap", "margin": 0.5},
+    {"name": "score_gap", "margin": -1.0, "measure": "mass", "leaving": "ignored"},  # the louiskv preset's kind
+])
+@pytest.mark.parametrize("admit", ["room", "evict"])
+def test_the_fused_step_decides_as_the_reference(trigger, admit):
+    # the layer's decode through the Triton op (ops.score_gap_fire) against the reference trigger:
+    # the same decisions, held lists and outputs over a decode whose query wanders across pages
+    steps = 30
+    reference, fused = (_layer(trigger, batch=2, seed=1, admit=admit, backend=backend)
+                        for backend in ("reference", "triton"))
+    gen = torch.Generator().manual_seed(5)
+    for step in range(steps):
+        q = _toward(step // 4 % PAGES, 2) + torch.randn(2, HQ, D, generator=gen)
+        k, v = 0.01 * torch.randn(2, 2, H, D, generator=gen)
+        want = reference.decode(q, k, v, D**-0.5)
+        got = fused.decode(q, k, v, D**-0.5)
+        torch.testing.assert_close(got, want, msg=f"step {step}: outputs differ")
+        assert torch.equal(fused.reselections, reference.reselections), f"step {step}: decisions differ"
+        assert torch.equal(fused.trigger_state.held, reference.trigger_state.held), f"step {step}: held differs"
+    assert (1 < fused.reselections).all() and (fused.reselections < steps).all()  # it reused and re-selected
 
 
 def test_options_are_checked():

@@ -1,0 +1,119 @@
+"""The score-gap trigger's fused step (kernels/triton/score_gap.py) against its reference
+(``reference_step.score_gap_fire``) on fresh random trigger states: the decision and the held
+list bit for bit, the gap to float32 rounding (a blocked logsumexp), over several steps so that
+the scratch mask's clearing is tested too."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvpolicy.kernels import dispatch, reference_step
+from kvpolicy.triggers.score_gap import ScoreGap, ScoreGapState
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="Triton needs a CUDA device or TRITON_INTERPRET=1",
+)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+STATE_TENSORS = ("held", "held_end", "held_count", "seen_open", "seen_size", "seen_admitted", "has_selection")
+
+
+def _state(gen: torch.Generator, batch: int, heads: int, units: int, room: int, prompt_units: int,
+           admit: str, above: bool) -> ScoreGapState:
+    """A trigger state in the middle of a decode: held lists of distinct ids (some -1), an open
+    unit that is sometimes listed, and last-look values that make every branch of the follow-up
+    happen somewhere (moved on or grew or neither; admitted or not)."""
+    def ints(low, high, *shape):
+        return torch.randint(low, high, shape, generator=gen)
+
+    held = torch.full((batch, heads, room), -1, dtype=torch.long)
+    for b in range(batch):
+        for h in range(heads):
+            n = int(ints(0, room + 1))
+            held[b, h, :n] = torch.randperm(units, generator=gen)[:n]
+    held[torch.rand(held.shape, generator=gen) < 0.2] = -1  # dropped entries inside the list
+    open_unit = ints(prompt_units - 1, units, batch)
+    open_unit[0] = -1  # no decode unit open yet
+    listed = torch.rand(batch, heads, generator=gen) < 0.4
+    held[..., 0] = torch.where(listed & (open_unit >= 0).view(-1, 1), open_unit.view(-1, 1), held[..., 0])
+    size = ints(0, 6, batch, heads, units)
+    admitted = ints(0, 20, batch, heads)
+    units_table = SimpleNamespace(size=size, open_unit=open_unit, num_prompt_units=prompt_units, capacity=units)
+    store = SimpleNamespace(admitted=admitted, kept=ints(0, room + 2, batch, heads))
+    layer = SimpleNamespace(units=units_table, store=store, policy=SimpleNamespace(admit=admit),
+                            reselect=torch.rand(batch, generator=gen) < 0.5)
+    gather = open_unit.clamp(min=0).view(-1, 1, 1).expand(batch, heads, 1)
+    state = ScoreGapState(
+        has_selection=torch.rand(batch, generator=gen) < 0.8, layer=layer, gap=torch.zeros(batch),
+        held=held, held_count=ints(0, room + 2, batch, heads),
+        seen_open=torch.where(torch.rand(batch, generator=gen) < 0.5, open_unit, open_unit - 1),
+        seen_size=size.gather(2, gather)[..., 0] - ints(0, 2, batch, heads),
+        seen_admitted=admitted - ints(0, 2, batch, heads),
+        held_end=ints(0, room + 3, batch, heads, room), units_at_selection=ints(0, units - prompt_units, batch),
+        above=SimpleNamespace(reselect=torch.rand(batch, generator=gen) < 0.5) if above else None,
+    )
+    return _to(state, DEVICE)
+
+
+def _to(obj, device):
+    for name, value in vars(obj).items():
+        if isinstance(value, torch.Tensor):
+            setattr(obj, name, value.to(device))
+        elif isinstance(value, SimpleNamespace):
+            _to(value, device)
+    return obj
+
+
+def _scores(gen: torch.Generator, state: ScoreGapState) -> torch.Tensor:
+    batch, heads, room = state.held.shape
+    units = state.layer.units.capacity
+    scores = 4 * torch.randn(batch, heads, units, generator=gen)
+    scores[torch.rand(scores.shape, generator=gen) < 0.15] = float("-inf")  # not selectable
+    scores[-1, -1] = float("-inf")  # a head with nothing selectable
+    return scores.to(DEVICE)
+
+
+def _next_look(gen: torch.Generator, state: ScoreGapState) -> None:
+    """The table and buffer one step on: the open unit moves or grows, the buffer admits or not."""
+    units, store = state.layer.units, state.layer.store
+    moved = (torch.rand(units.open_unit.shape, generator=gen) < 0.5).to(DEVICE)
+    units.open_unit.copy_(torch.where(moved, (units.open_unit + 1).clamp(max=units.capacity - 1), units.open_unit))
+    units.size.add_(torch.randint(0, 2, units.size.shape, generator=gen).to(DEVICE))
+    store.admitted.add_(torch.randint(0, 2, store.admitted.shape, generator=gen).to(DEVICE))
+
+
+@pytest.mark.parametrize("measure", ["weakest", "mass"])
+@pytest.mark.parametrize("leaving", ["unheld", "ignored"])
+@pytest.mark.parametrize("admit, follow", [("room", 0.0), ("evict", 0.0), ("room", 1.5), ("evict", math.inf)])
+def test_score_gap_fire_matches_reference(measure, leaving, admit, follow):
+    triton_ops = dispatch.bind("triton", DEVICE)
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        trigger = ScoreGap(margin=float(torch.randn(1, generator=gen)), measure=measure, leaving=leaving,
+                           follow=follow)
+        # past one block of units (1,024), so the running logsumexp rescales
+        ref = _state(gen, batch=3, heads=2, units=1500, room=12, prompt_units=1400, admit=admit, above=follow > 0)
+        fast = copy.deepcopy(ref)
+        fired = 0
+        for step in range(3):
+            scores = _scores(gen, ref)
+            scale = 0.25
+            want = reference_step.score_gap_fire(trigger, ref, scores, scale)
+            got = triton_ops.score_gap_fire(trigger, fast, scores.clone(), scale)
+            where = f"seed {seed} step {step}"
+            assert torch.equal(got, want), f"{where}: fire {got.tolist()} != {want.tolist()}"
+            torch.testing.assert_close(fast.gap, ref.gap, rtol=1e-5, atol=1e-5, equal_nan=True, msg=where)
+            for name in STATE_TENSORS:
+                assert torch.equal(getattr(fast, name), getattr(ref, name)), f"{where}: {name} differs"
+            assert not fast.held_scratch.any(), f"{where}: the scratch mask was not cleared"
+            fired += int(want.sum())
+            look = torch.Generator().set_state(gen.get_state())  # the same next look for both
+            _next_look(gen, ref)
+            _next_look(look, fast)
+    assert fired > 0
