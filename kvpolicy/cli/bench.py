@@ -164,8 +164,8 @@ def e2e(args, device, rows: BenchRows) -> bool:
           f"{100 * args.rate:.1f}%), and as every_step (worst case)")
     print(f"budget-floor: full-graph at the {args.budget}-token context a step of the budget attends (sink + "
           "retrieved + local), the best any policy can do on this stack; 'over floor' is a row's ms above it. "
-          "louiskv's /reuse row never re-selects after its first step (a reusing step alone), /every_step "
-          "re-selects at every step")
+          "louiskv's /reuse row never re-selects after its first step (a reusing step alone), /score_gap_reuse "
+          "is the same with the preset's score_gap trigger (its step cost), /every_step re-selects at every step")
     interval_steps = sweeps.whole_intervals(args.steps, every)
     if interval_steps != args.steps:
         print(f"louiskv's /interval rows time {interval_steps} steps ({interval_steps // every} whole intervals), "

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Session 13's GPU calls. Usage: bash benchmarks/session13_call.sh OUTDIR TAR MODE
+# Each step's log lands in OUTDIR; the folder is re-packed into TAR after every step, so a call cut
+# short still returns what finished.
+set -u
+OUT=${1:?}; TAR=${2:?}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+step() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?" >> "$OUT/$name.log"; tail -n 25 "$OUT/$name.log"; tar cf "$TAR" -C "$(dirname "$OUT")" "$(basename "$OUT")"; }
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+E2E="python3 -m kvpolicy bench e2e --full-kinds full-graph --budget 2048 --steps 18 --compiled-layers"
+PROF="python3 benchmarks/profile_step.py --context 131072 --batch 4 --rows 45"
+SCORE_GAP='{"name":"score_gap","margin":1000,"measure":"mass","leaving":"ignored"}'
+case ${3:?} in
+fused)  # call 1: the fused score_gap step on the GPU (tests, its reusing step's profile against
+# session 12's 5,090 kernels), louiskv end to end at 4x128K with the score_gap row
+step gpu_tests 170 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/test_score_gap.py tests/kernels/triton/test_step.py tests/kernels/triton/test_select.py tests/kernels/triton/test_unit_append.py
+step prof_scoregap_reuse 80 $PROF --preset louiskv --placement gpu --trigger "$SCORE_GAP" --out "$OUT/prof_scoregap_reuse.txt"
+step e2e_gpu 170 $E2E --contexts 131072 --batches 4 --presets louiskv@gpu --json "$OUT/e2e_gpu.json"
+step e2e_32k 120 $E2E --contexts 32768 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_32k.json"
+;;
+pinned)  # call 2: the pinned pool at 4x128K (issue 12's 2.5x target, last run in session 10)
+step e2e_pinned 280 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --stickiness 32 --json "$OUT/e2e_pinned.json"
+;;
+esac
