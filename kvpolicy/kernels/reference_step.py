@@ -241,3 +241,29 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float) -> torch.
         fire = fire | (state.above.reselect & (gap > trigger.margin - trigger.follow))
     state.gap.copy_(gap.clamp(min=-1e4, max=1e4))
     return fire
+
+
+def score_gap_selected(state, unit_ids: torch.Tensor, reselect: torch.Tensor) -> None:
+    """A ``ScoreGapState`` after a re-selection: the rows where ``reselect (B,)`` hold exactly
+    ``unit_ids (B, H, K)`` (the selection's units in score order, then -1; past the held list's
+    length R only -1s), each listed unit ending at the buffer row where its sizes sum to (capped at
+    R); the table and buffer as they are now are the next step's last look. In place."""
+    ids = unit_ids
+    room = state.held.shape[-1]
+    if ids.shape[-1] >= room:
+        ids = ids[..., :room]
+    else:
+        ids = torch.nn.functional.pad(ids, (0, room - ids.shape[-1]), value=-1)
+    rows = reselect.view(-1, 1)
+    state.held.copy_(torch.where(rows.unsqueeze(-1), ids, state.held))
+    state.held_count.copy_(torch.where(rows, (ids >= 0).sum(-1), state.held_count))
+    units, store = state.layer.units, state.layer.store
+    state.seen_open.copy_(torch.where(reselect, units.open_unit, state.seen_open))
+    state.seen_size.copy_(torch.where(rows, open_unit_size(units), state.seen_size))
+    state.seen_admitted.copy_(torch.where(rows, store.admitted, state.seen_admitted))
+    # sizes as the selector filled them (the leaving token was filed before it ran)
+    sizes = units.size.gather(2, ids.clamp(min=0)).masked_fill(ids < 0, 0)
+    ends = torch.cumsum(sizes, dim=-1).clamp(max=store.retrieval_capacity)
+    state.held_end.copy_(torch.where(rows.unsqueeze(-1), ends.masked_fill(ids < 0, 0), state.held_end))
+    state.units_at_selection.copy_(torch.where(reselect, units.decode_units, state.units_at_selection))
+    state.has_selection.logical_or_(reselect)

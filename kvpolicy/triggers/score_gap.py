@@ -137,26 +137,9 @@ class ScoreGap(Trigger):
 
     def selected(self, state: ScoreGapState, selection: Any, reselect: torch.Tensor) -> None:
         """The rows that re-selected hold exactly ``selection.unit_ids`` (the fetch made it so);
-        the table and buffer as they are now (after this step's leaving token) are the new baseline."""
-        ids = selection.unit_ids
-        room = state.held.shape[-1]
-        if ids.shape[-1] >= room:
-            ids = ids[..., :room]  # chosen units come first; past R there are only -1s
-        else:
-            ids = torch.nn.functional.pad(ids, (0, room - ids.shape[-1]), value=-1)
-        rows = reselect.view(-1, 1)
-        state.held.copy_(torch.where(rows.unsqueeze(-1), ids, state.held))
-        state.held_count.copy_(torch.where(rows, (ids >= 0).sum(-1), state.held_count))
-        units, store = state.layer.units, state.layer.store
-        state.seen_open.copy_(torch.where(reselect, units.open_unit, state.seen_open))
-        state.seen_size.copy_(torch.where(rows, open_unit_size(units), state.seen_size))
-        state.seen_admitted.copy_(torch.where(rows, store.admitted, state.seen_admitted))
-        # sizes as the selector filled them (the leaving token was filed before it ran)
-        sizes = units.size.gather(2, ids.clamp(min=0)).masked_fill(ids < 0, 0)
-        ends = torch.cumsum(sizes, dim=-1).clamp(max=store.retrieval_capacity)
-        state.held_end.copy_(torch.where(rows.unsqueeze(-1), ends.masked_fill(ids < 0, 0), state.held_end))
-        state.units_at_selection.copy_(torch.where(reselect, units.decode_units, state.units_at_selection))
-        state.has_selection.logical_or_(reselect)
+        the table and buffer as they are now (after this step's leaving token) are the new baseline
+        (op ``score_gap_selected``, through the layer's bound ops)."""
+        state.layer.ops.score_gap_selected(state, selection.unit_ids, reselect)
 
     def _follow_leaving_token(self, state: ScoreGapState) -> None:
         """Bring ``held`` up to date with the token that left the local window since the last look

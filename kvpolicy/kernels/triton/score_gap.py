@@ -1,5 +1,6 @@
-"""Triton score-gap trigger step (op ``score_gap_fire``): two launches where the reference
-(``kernels/reference_step.py``) takes about sixty small ones.
+"""Triton score-gap trigger ops: its step (``score_gap_fire``), two launches where the reference
+(``kernels/reference_step.py``) takes about sixty small ones, and its bookkeeping after a
+re-selection (``score_gap_selected``), one launch where the reference takes about twenty.
 
 On a step that keeps its selection this is what the louiskv preset's trigger adds to the unit
 scoring, and every small launch of a replayed graph costs about what it runs, so it is fused:
@@ -13,6 +14,9 @@ scoring, and every small launch of a replayed graph costs about what it runs, so
 The mask is a scratch row per (sequence, head) that is all zeros between steps (each step
 clears what it set), so no launch zeroes it. Per-sequence state (``seen_open``) is written by
 the second launch, after every head read it.
+
+``_selected_kernel``, one program per (KV head, sequence) that re-selected: the held list
+becomes the selection's units, each with the buffer row where it ends (a running sum of sizes).
 """
 
 from __future__ import annotations
@@ -190,3 +194,64 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float) -> torch.
         FOLLOW=follow, BLOCK_B=triton.next_power_of_2(batch), BLOCK_H=triton.next_power_of_2(heads),
     )
     return fire
+
+
+@triton.jit
+def _selected_kernel(
+    ids_ptr, take_ptr, size_ptr, open_ptr, decode_units_ptr, admitted_ptr,
+    held_ptr, held_end_ptr, held_count_ptr, seen_open_ptr, seen_size_ptr, seen_admitted_ptr,
+    at_selection_ptr, has_ptr,
+    K, R, capacity,
+    id_sb, id_sh, sz_sb, sz_sh, ad_sb, hl_sb, hl_sh, he_sb, he_sh, hc_sb, ss_sb, sa_sb,
+    BLOCK_R: tl.constexpr,
+):
+    h = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    if tl.load(take_ptr + b) == 0:
+        return
+    sizes_at = size_ptr + b * sz_sb + h * sz_sh
+    carry = tl.sum(tl.zeros([BLOCK_R], tl.int64), axis=0)  # the sizes summed so far
+    count = tl.sum(tl.zeros([BLOCK_R], tl.int64), axis=0)
+    for r0 in range(0, R, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        ok = rows < R
+        ids = tl.load(ids_ptr + b * id_sb + h * id_sh + rows, mask=ok & (rows < K), other=-1)
+        listed = ids >= 0
+        sizes = tl.load(sizes_at + tl.maximum(ids, 0), mask=ok & listed, other=0)
+        ends = tl.minimum(carry + tl.cumsum(sizes, axis=0), capacity)
+        tl.store(held_ptr + b * hl_sb + h * hl_sh + rows, ids, mask=ok)
+        tl.store(held_end_ptr + b * he_sb + h * he_sh + rows, tl.where(listed, ends, 0), mask=ok)
+        carry += tl.sum(sizes, axis=0)
+        count += tl.sum(listed.to(tl.int64), axis=0)
+    tl.store(held_count_ptr + b * hc_sb + h, count)
+    unit = tl.load(open_ptr + b)
+    tl.store(seen_size_ptr + b * ss_sb + h, tl.load(sizes_at + tl.maximum(unit, 0)))
+    tl.store(seen_admitted_ptr + b * sa_sb + h, tl.load(admitted_ptr + b * ad_sb + h))
+    if h == 0:  # per-sequence state: one program of the sequence owns it
+        tl.store(seen_open_ptr + b, unit)
+        tl.store(at_selection_ptr + b, tl.load(decode_units_ptr + b))
+        tl.store(has_ptr + b, tl.full([], 1, tl.uint8))
+
+
+@implement("triton", "score_gap_selected", supports=triton_runs_on)
+def score_gap_selected(state, unit_ids: torch.Tensor, reselect: torch.Tensor) -> None:
+    """One launch of ``reference_step.score_gap_selected``."""
+    batch, heads, listed = unit_ids.shape
+    if batch * heads == 0:
+        return
+    table, store = state.layer.units, state.layer.store
+    for name, t in (("unit_ids", unit_ids), ("held", state.held), ("held_end", state.held_end),
+                    ("units.size", table.size)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"triton score_gap_selected: {name} must be contiguous in its last dim")
+    room = state.held.shape[-1]
+    _selected_kernel[(heads, batch)](
+        unit_ids, reselect.view(torch.uint8), table.size, table.open_unit, table.decode_units, store.admitted,
+        state.held, state.held_end, state.held_count, state.seen_open, state.seen_size, state.seen_admitted,
+        state.units_at_selection, state.has_selection.view(torch.uint8),
+        listed, room, store.retrieval_capacity,
+        *unit_ids.stride()[:2], *table.size.stride()[:2], store.admitted.stride(0),
+        *state.held.stride()[:2], *state.held_end.stride()[:2], state.held_count.stride(0),
+        state.seen_size.stride(0), state.seen_admitted.stride(0),
+        BLOCK_R=min(1024, triton.next_power_of_2(room)),
+    )

@@ -1,7 +1,7 @@
-"""The score-gap trigger's fused step (kernels/triton/score_gap.py) against its reference
-(``reference_step.score_gap_fire``) on fresh random trigger states: the decision and the held
-list bit for bit, the gap to float32 rounding (a blocked logsumexp), over several steps so that
-the scratch mask's clearing is tested too."""
+"""The score-gap trigger's fused ops (kernels/triton/score_gap.py) against their references
+(``reference_step.score_gap_fire`` and ``score_gap_selected``) on fresh random trigger states:
+the decision and the held list bit for bit, the gap to float32 rounding (a blocked logsumexp),
+over several steps so that the scratch mask's clearing is tested too."""
 
 from __future__ import annotations
 
@@ -44,8 +44,9 @@ def _state(gen: torch.Generator, batch: int, heads: int, units: int, room: int, 
     held[..., 0] = torch.where(listed & (open_unit >= 0).view(-1, 1), open_unit.view(-1, 1), held[..., 0])
     size = ints(0, 6, batch, heads, units)
     admitted = ints(0, 20, batch, heads)
-    units_table = SimpleNamespace(size=size, open_unit=open_unit, num_prompt_units=prompt_units, capacity=units)
-    store = SimpleNamespace(admitted=admitted, kept=ints(0, room + 2, batch, heads))
+    units_table = SimpleNamespace(size=size, open_unit=open_unit, num_prompt_units=prompt_units, capacity=units,
+                                  decode_units=ints(0, units - prompt_units, batch))
+    store = SimpleNamespace(admitted=admitted, kept=ints(0, room + 2, batch, heads), retrieval_capacity=room - 2)
     layer = SimpleNamespace(units=units_table, store=store, policy=SimpleNamespace(admit=admit),
                             reselect=torch.rand(batch, generator=gen) < 0.5)
     gather = open_unit.clamp(min=0).view(-1, 1, 1).expand(batch, heads, 1)
@@ -117,3 +118,28 @@ def test_score_gap_fire_matches_reference(measure, leaving, admit, follow):
             _next_look(gen, ref)
             _next_look(look, fast)
     assert fired > 0
+
+
+# fewer ids than the held list's length, as many, more; a held list past one block (1,024 rows)
+@pytest.mark.parametrize("listed, room", [(5, 12), (12, 12), (20, 12), (1500, 1100)])
+def test_score_gap_selected_matches_reference(listed, room):
+    triton_ops = dispatch.bind("triton", DEVICE)
+    capped = 0
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        units = 2 * listed + 50
+        ref = _state(gen, batch=4, heads=2, units=units, room=room, prompt_units=40, admit="room", above=False)
+        if room > 1024:  # units of one token: the list reaches the cap in its second block
+            ref.layer.units.size.fill_(1)
+        fast = copy.deepcopy(ref)
+        ids = torch.stack([torch.stack([torch.randperm(units, generator=gen)[:listed] for _ in range(2)])
+                           for _ in range(4)])
+        cut = torch.randint(0, listed + 1, (4, 2, 1), generator=gen)
+        ids = torch.where(torch.arange(listed) < cut, ids, -1).to(DEVICE)  # chosen units, then -1
+        reselect = torch.tensor([True, False, True, True], device=DEVICE)
+        reference_step.score_gap_selected(ref, ids, reselect)
+        triton_ops.score_gap_selected(fast, ids, reselect)
+        for name in (*STATE_TENSORS, "units_at_selection"):
+            assert torch.equal(getattr(fast, name), getattr(ref, name)), f"seed {seed}: {name} differs"
+        capped += int((ref.held_end[reselect] == ref.layer.store.retrieval_capacity).sum())
+    assert capped, "no selection reached the buffer's capacity: the cap went untested"
