@@ -13,7 +13,7 @@ SCORE_GAP='{"name":"score_gap","margin":1000,"measure":"mass","leaving":"ignored
 case ${3:?} in
 fused)  # call 1: the fused score_gap step on the GPU (tests, its reusing step's profile against
 # session 12's 5,090 kernels), louiskv end to end at 4x128K with the score_gap row
-step gpu_tests 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/test_score_gap.py tests/kernels/triton/test_step.py tests/kernels/triton/test_unit_append.py
+step gpu_tests 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py tests/kernels/triton/test_step.py tests/kernels/triton/test_unit_append.py
 step gpu_tests_select 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/test_select.py -k "radix or winner or replays or decode_sizes"
 step prof_scoregap_reuse 80 $PROF --preset louiskv --placement gpu --trigger "$SCORE_GAP" --out "$OUT/prof_scoregap_reuse.txt"
 step e2e_gpu 170 $E2E --contexts 131072 --batches 4 --presets louiskv@gpu --json "$OUT/e2e_gpu.json"
