@@ -113,7 +113,7 @@ class ScoreGap(Trigger):
                 f"kmeans or segments units); this policy has selector {type(selector).__name__} over "
                 f"{type(layer.units).__name__}"
             )
-        state.layer = layer
+        state.layer = weakref.proxy(layer)  # the layer owns this state: no reference cycle to keep its KV alive
         # the layer above is the one attached just before, in this prefill: lower index, same batch
         above = getattr(self, "_last_attached", lambda: None)()
         if above is not None and above.layer is not None and above.layer.layer_idx < layer.layer_idx and \

@@ -267,7 +267,7 @@ def test_follow_lowers_the_margin_where_the_layer_above_reselected(follow, expec
     # little of page 7: 0.25 * 3 * 2.5 over the held pages 2 and 9 puts its mass gap at
     # 1.875 - 3.75 - log(1 + e**-3.5) = -1.91, under the margin -1 but over -1 - 2
     top, below = _two_layers({"name": "score_gap", "margin": -1.0, "measure": "mass", "follow": follow})
-    assert below.trigger_state.above is top and top.trigger_state.above is None
+    assert below.trigger_state.above == top and top.trigger_state.above is None
     leaning = _toward(2)
     leaning[..., 7] = 2.5
     fired, gaps = [], []
@@ -326,3 +326,20 @@ def test_admit_evict_keeps_the_prompts_last_tokens_in_place_of_the_lowest_ranked
     else:
         assert not leaving & retrieved and _unit_slots(state, RUNNER_UP) <= retrieved
         assert held == {2, RUNNER_UP}
+
+
+def test_a_dropped_layer_frees_its_state_without_the_garbage_collector():
+    # the trigger's state points back at its layer: a strong reference would make a cycle that
+    # keeps the layer's KV alive until a collection runs (bench e2e's next row ran out of memory)
+    import gc
+    import weakref
+
+    state = _layer({"name": "score_gap", "margin": 1.0})
+    _step(state, _toward(2))
+    gone = weakref.ref(state)
+    gc.disable()
+    try:
+        del state
+        assert gone() is None, "the layer state outlived its last reference (a reference cycle)"
+    finally:
+        gc.enable()
