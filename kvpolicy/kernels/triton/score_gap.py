@@ -1,19 +1,22 @@
-"""Triton score-gap trigger ops: its step (``score_gap_fire``), two launches where the reference
-(``kernels/reference_step.py``) takes about sixty small ones, and its bookkeeping after a
-re-selection (``score_gap_selected``), one launch where the reference takes about twenty.
+"""Triton score-gap trigger ops: its step (``score_gap_fire``), three launches where the
+reference (``kernels/reference_step.py``) takes about sixty small ones, and its bookkeeping after
+a re-selection (``score_gap_selected``), one launch where the reference takes about twenty.
 
-On a step that keeps its selection this is what the louiskv preset's trigger adds to the unit
-scoring, and every small launch of a replayed graph costs about what it runs, so it is fused:
+On a step that keeps its selection the first is what the louiskv preset's trigger adds to the
+unit scoring, and every small launch of a replayed graph costs about what it runs, so it is fused:
 
-1. ``_follow_and_gap_kernel``, one program per (KV head, sequence): follows the token that
-   left the local window in the held list, scatters the held list into that head's row of a
-   byte mask, then reads the scores once, taking the best unheld unit and the held units' side
-   (the weakest score, or the log of their estimated mass) and clearing the mask behind it.
-2. ``_decide_kernel``, one program: the largest gap over the heads decides each sequence.
+1. ``_follow_kernel``, one program per (KV head, sequence): follows the token that left the
+   local window in the held list and marks the held units in that head's row of a byte mask.
+2. ``_gap_blocks_kernel``, one program per block of units of each (head, sequence): reads the
+   scores once, takes the block's best unheld unit and its held units' side (the weakest score,
+   or a logsumexp of their estimated mass), and clears the marks it read. Blocks run in parallel:
+   one program walking a head's whole table was latency-bound (24 us a layer at 4x128K, H200).
+3. ``_decide_kernel``, one program per sequence: combines the blocks and heads, and the largest
+   gap over the heads decides.
 
-The mask is a scratch row per (sequence, head) that is all zeros between steps (each step
-clears what it set), so no launch zeroes it. Per-sequence state (``seen_open``) is written by
-the second launch, after every head read it.
+The mask is a scratch row per (sequence, head) that is all zeros between steps (each step clears
+what it set), so no launch zeroes it. Per-sequence state (``seen_open``) is written by the last
+launch, after every head read it.
 
 ``_selected_kernel``, one program per (KV head, sequence) that re-selected: the held list
 becomes the selection's units, each with the buffer row where it ends (a running sum of sizes).
@@ -27,15 +30,16 @@ import triton.language as tl
 
 from ..dispatch import implement, triton_runs_on
 
+_GAP_BLOCK = 1024  # units a program of the gap pass reads
+
 
 @triton.jit
-def _follow_and_gap_kernel(
-    scores_ptr, size_ptr, open_ptr, seen_open_ptr, seen_size_ptr, admitted_ptr, seen_admitted_ptr,
-    held_ptr, held_end_ptr, held_count_ptr, kept_ptr, at_selection_ptr, mask_ptr, gap_ptr,
-    scale, H, U, R, num_prompt_units,
-    sc_sb, sc_sh, sz_sb, sz_sh, ss_sb, ad_sb, sa_sb, hl_sb, hl_sh, he_sb, he_sh, hc_sb, kp_sb, mk_sb, mk_sh,
-    MASS: tl.constexpr, EVICT: tl.constexpr, LEAVING_UNHELD: tl.constexpr, LEAVING_IGNORED: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_U: tl.constexpr,
+def _follow_kernel(
+    size_ptr, open_ptr, seen_open_ptr, seen_size_ptr, admitted_ptr, seen_admitted_ptr,
+    held_ptr, held_end_ptr, held_count_ptr, kept_ptr, mask_ptr,
+    U, R,
+    sz_sb, sz_sh, ss_sb, ad_sb, sa_sb, hl_sb, hl_sh, he_sb, he_sh, hc_sb, kp_sb, mk_sb, mk_sh,
+    EVICT: tl.constexpr, LEAVING_UNHELD: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     h = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
@@ -78,71 +82,83 @@ def _follow_and_gap_kernel(
     tl.store(held_count_ptr + b * hc_sb + h, count + add.to(tl.int64))
     tl.store(seen_size_ptr + b * ss_sb + h, size_now)
     tl.store(seen_admitted_ptr + b * sa_sb + h, admitted_now)
-    tl.debug_barrier()  # the mask's writes are seen by the whole program before it is read
 
-    first_new = num_prompt_units + tl.load(at_selection_ptr + b)
-    best_unheld = tl.full([], float("-inf"), tl.float32)
-    held_side = tl.full([], float("inf"), tl.float32)  # weakest: the lowest held score
-    held_max = tl.full([], float("-inf"), tl.float32)  # mass: a running logsumexp of the held
-    held_sum = tl.full([], 0.0, tl.float32)
-    any_held = tl.full([], 0, tl.int32)
-    scores_at = scores_ptr + b * sc_sb + h * sc_sh
-    for u0 in range(0, U, BLOCK_U):
-        ids = u0 + tl.arange(0, BLOCK_U)
-        ok = ids < U
-        s = tl.load(scores_at + ids, mask=ok, other=float("-inf")) * scale
-        marked = tl.load(mask_at + ids, mask=ok, other=0)
-        tl.store(mask_at + ids, tl.zeros([BLOCK_U], tl.uint8), mask=marked != 0)
-        is_held = marked != 0
-        if MASS:
-            sizes = tl.load(size_ptr + b * sz_sb + h * sz_sh + ids, mask=ok, other=1)
-            s = s + tl.log(tl.maximum(sizes, 1).to(tl.float32))
-        finite = s > float("-inf")
-        candidate = ~is_held & finite
-        if LEAVING_IGNORED:  # units opened since the selection that the buffer did not admit
-            candidate = candidate & (ids < first_new)
-        best_unheld = tl.maximum(best_unheld, tl.max(tl.where(candidate, s, float("-inf")), axis=0))
-        counted = is_held & finite
-        any_held += tl.sum(counted.to(tl.int32), axis=0)
-        if MASS:
-            block_max = tl.max(tl.where(counted, s, float("-inf")), axis=0)
-            new_max = tl.maximum(held_max, block_max)
-            shift = tl.where(new_max > float("-inf"), new_max, 0.0)
-            held_sum = held_sum * tl.exp(held_max - shift) + tl.sum(tl.where(counted, tl.exp(s - shift), 0.0), axis=0)
-            held_max = new_max
-        else:
-            held_side = tl.minimum(held_side, tl.min(tl.where(counted, s, float("inf")), axis=0))
+
+@triton.jit
+def _gap_blocks_kernel(
+    scores_ptr, size_ptr, mask_ptr, at_selection_ptr, parts_ptr,
+    scale, U, num_prompt_units, parts_sk,
+    sc_sb, sc_sh, sz_sb, sz_sh, mk_sb, mk_sh, pt_sb, pt_sh,
+    MASS: tl.constexpr, LEAVING_IGNORED: tl.constexpr, BLOCK_U: tl.constexpr,
+):
+    block = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    ids = block * BLOCK_U + tl.arange(0, BLOCK_U).to(tl.int64)
+    ok = ids < U
+    s = tl.load(scores_ptr + b * sc_sb + h * sc_sh + ids, mask=ok, other=float("-inf")) * scale
+    mask_at = mask_ptr + b * mk_sb + h * mk_sh + ids
+    marked = tl.load(mask_at, mask=ok, other=0)
+    tl.store(mask_at, tl.zeros([BLOCK_U], tl.uint8), mask=marked != 0)
+    held = marked != 0
     if MASS:
-        some = held_max > float("-inf")
-        held_mass = tl.where(some, held_max + tl.log(tl.where(some, held_sum, 1.0)), float("-inf"))
-        gap = best_unheld - held_mass
+        sizes = tl.load(size_ptr + b * sz_sb + h * sz_sh + ids, mask=ok, other=1)
+        s = s + tl.log(tl.maximum(sizes, 1).to(tl.float32))
+    finite = s > float("-inf")
+    candidate = ~held & finite
+    if LEAVING_IGNORED:  # units opened since the selection that the buffer did not admit
+        candidate = candidate & (ids < num_prompt_units + tl.load(at_selection_ptr + b))
+    counted = held & finite
+    # the block's parts: best unheld; held units counted; the weakest held score, or the held
+    # log masses' max and their exp-sum below it (a logsumexp the decide launch combines)
+    out = parts_ptr + b * pt_sb + h * pt_sh + block
+    tl.store(out, tl.max(tl.where(candidate, s, float("-inf")), axis=0))
+    tl.store(out + parts_sk, tl.sum(counted.to(tl.float32), axis=0))
+    if MASS:
+        top = tl.max(tl.where(counted, s, float("-inf")), axis=0)
+        shift = tl.where(top > float("-inf"), top, 0.0)
+        tl.store(out + 2 * parts_sk, top)
+        tl.store(out + 3 * parts_sk, tl.sum(tl.where(counted, tl.exp(s - shift), 0.0), axis=0))
     else:
-        nothing_held = any_held == 0
-        gap = tl.where(nothing_held, tl.where(best_unheld > float("-inf"), float("inf"), float("-inf")),
-                       best_unheld - held_side)
-    tl.store(gap_ptr + b * H + h, gap)
+        tl.store(out + 2 * parts_sk, tl.min(tl.where(counted, s, float("inf")), axis=0))
 
 
 @triton.jit
 def _decide_kernel(
-    gap_ptr, has_ptr, above_ptr, open_ptr, seen_open_ptr, fire_ptr, out_gap_ptr,
-    B, H, margin, follow_margin,
-    FOLLOW: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr,
+    parts_ptr, has_ptr, above_ptr, open_ptr, seen_open_ptr, fire_ptr, out_gap_ptr,
+    H, S, parts_sk, pt_sb, pt_sh, margin, follow_margin,
+    MASS: tl.constexpr, FOLLOW: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    b = tl.arange(0, BLOCK_B)
+    b = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
-    ok = b < B
-    tile = ok[:, None] & (heads[None, :] < H)
-    g = tl.load(gap_ptr + b[:, None] * H + heads[None, :], mask=tile, other=float("-inf"))
+    blocks = tl.arange(0, BLOCK_S)
+    tile = (heads[:, None] < H) & (blocks[None, :] < S)
+    at = parts_ptr + b * pt_sb + heads[:, None] * pt_sh + blocks[None, :]
+    best_unheld = tl.max(tl.load(at, mask=tile, other=float("-inf")), axis=1)
+    any_held = tl.sum(tl.load(at + parts_sk, mask=tile, other=0.0), axis=1) > 0
+    if MASS:
+        tops = tl.load(at + 2 * parts_sk, mask=tile, other=float("-inf"))
+        sums = tl.load(at + 3 * parts_sk, mask=tile, other=0.0)
+        top = tl.max(tops, axis=1)
+        shift = tl.where(top > float("-inf"), top, 0.0)
+        total = tl.sum(sums * tl.exp(tops - shift[:, None]), axis=1)
+        some = top > float("-inf")
+        held_mass = tl.where(some, top + tl.log(tl.where(some, total, 1.0)), float("-inf"))
+        gap = best_unheld - held_mass
+    else:
+        weakest = tl.min(tl.load(at + 2 * parts_sk, mask=tile, other=float("inf")), axis=1)
+        gap = tl.where(any_held, best_unheld - weakest,
+                       tl.where(best_unheld > float("-inf"), float("inf"), float("-inf")))
+    gap = tl.where(heads < H, gap, float("-inf"))
     # the worst head decides; a NaN head (nothing held or unheld, in mass) makes a NaN gap, as amax
-    nan = tl.max((g != g).to(tl.int32), axis=1) > 0
-    gap = tl.where(nan, float("nan"), tl.max(tl.where(g != g, float("-inf"), g), axis=1))
-    fire = (gap > margin) | (tl.load(has_ptr + b, mask=ok, other=1) == 0)
+    nan = tl.max((gap != gap).to(tl.int32), axis=0) > 0
+    worst = tl.where(nan, float("nan"), tl.max(tl.where(gap != gap, float("-inf"), gap), axis=0))
+    fire = (worst > margin) | (tl.load(has_ptr + b) == 0)
     if FOLLOW:  # the layer above re-selected at this step: a lower margin
-        fire = fire | ((tl.load(above_ptr + b, mask=ok, other=0) != 0) & (gap > follow_margin))
-    tl.store(fire_ptr + b, fire.to(tl.uint8), mask=ok)
-    tl.store(out_gap_ptr + b, tl.where(gap > 1e4, 1e4, tl.where(gap < -1e4, -1e4, gap)), mask=ok)
-    tl.store(seen_open_ptr + b, tl.load(open_ptr + b, mask=ok, other=0), mask=ok)
+        fire = fire | ((tl.load(above_ptr + b) != 0) & (worst > follow_margin))
+    tl.store(fire_ptr + b, fire.to(tl.uint8))
+    tl.store(out_gap_ptr + b, tl.where(worst > 1e4, 1e4, tl.where(worst < -1e4, -1e4, worst)))
+    tl.store(seen_open_ptr + b, tl.load(open_ptr + b))
 
 
 def _scratch_mask(state, batch: int, heads: int, units: int, device: torch.device) -> torch.Tensor:
@@ -157,7 +173,7 @@ def _scratch_mask(state, batch: int, heads: int, units: int, device: torch.devic
 
 @implement("triton", "score_gap_fire", supports=triton_runs_on)
 def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float) -> torch.Tensor:
-    """Two launches of ``reference_step.score_gap_fire``."""
+    """Three launches of ``reference_step.score_gap_fire``."""
     batch, heads, units = scores.shape
     layer = state.layer
     table, store = layer.units, layer.store
@@ -171,27 +187,35 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float) -> torch.
             raise ValueError(f"triton score_gap_fire: {name} must be contiguous in its last dim")
     room = state.held.shape[-1]
     mask = _scratch_mask(state, batch, heads, units, device)
-    gaps = torch.empty(batch, heads, dtype=torch.float32, device=device)
     evict = layer.policy.admit == "evict"
     kept = store.kept if evict else store.admitted  # read only when evicting
-    _follow_and_gap_kernel[(heads, batch)](
-        scores, table.size, table.open_unit, state.seen_open, state.seen_size, store.admitted, state.seen_admitted,
-        state.held, state.held_end, state.held_count, kept, state.units_at_selection, mask, gaps,
-        float(scale), heads, units, room, int(table.num_prompt_units),
-        *scores.stride()[:2], *table.size.stride()[:2], state.seen_size.stride(0), store.admitted.stride(0),
+    _follow_kernel[(heads, batch)](
+        table.size, table.open_unit, state.seen_open, state.seen_size, store.admitted, state.seen_admitted,
+        state.held, state.held_end, state.held_count, kept, mask,
+        units, room,
+        *table.size.stride()[:2], state.seen_size.stride(0), store.admitted.stride(0),
         state.seen_admitted.stride(0), *state.held.stride()[:2], *state.held_end.stride()[:2],
         state.held_count.stride(0), kept.stride(0), *mask.stride()[:2],
-        MASS=trigger.measure == "mass", EVICT=evict, LEAVING_UNHELD=trigger.leaving == "unheld",
-        LEAVING_IGNORED=trigger.leaving == "ignored",
-        BLOCK_R=min(1024, triton.next_power_of_2(room)), BLOCK_U=min(1024, triton.next_power_of_2(units)),
+        EVICT=evict, LEAVING_UNHELD=trigger.leaving == "unheld",
+        BLOCK_R=min(4096, triton.next_power_of_2(room)),
+    )
+    mass = trigger.measure == "mass"
+    block = min(_GAP_BLOCK, triton.next_power_of_2(max(units, 1)))
+    blocks = triton.cdiv(units, block)
+    parts = torch.empty(4, batch, heads, blocks, dtype=torch.float32, device=device)
+    _gap_blocks_kernel[(blocks, heads, batch)](
+        scores, table.size, mask, state.units_at_selection, parts,
+        float(scale), units, int(table.num_prompt_units), parts.stride(0),
+        *scores.stride()[:2], *table.size.stride()[:2], *mask.stride()[:2], *parts.stride()[1:3],
+        MASS=mass, LEAVING_IGNORED=trigger.leaving == "ignored", BLOCK_U=block,
     )
     follow = trigger.follow > 0 and state.above is not None
     above = state.above.reselect if follow else state.has_selection  # read only when following
-    _decide_kernel[(1,)](
-        gaps, state.has_selection.view(torch.uint8), above.view(torch.uint8), table.open_unit, state.seen_open,
-        fire.view(torch.uint8), state.gap, batch, heads, float(trigger.margin),
-        float(trigger.margin - trigger.follow) if follow else 0.0,
-        FOLLOW=follow, BLOCK_B=triton.next_power_of_2(batch), BLOCK_H=triton.next_power_of_2(heads),
+    _decide_kernel[(batch,)](
+        parts, state.has_selection.view(torch.uint8), above.view(torch.uint8), table.open_unit, state.seen_open,
+        fire.view(torch.uint8), state.gap, heads, blocks, parts.stride(0), *parts.stride()[1:3],
+        float(trigger.margin), float(trigger.margin - trigger.follow) if follow else 0.0,
+        MASS=mass, FOLLOW=follow, BLOCK_H=triton.next_power_of_2(heads), BLOCK_S=triton.next_power_of_2(blocks),
     )
     return fire
 
