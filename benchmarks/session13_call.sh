@@ -19,7 +19,12 @@ step prof_scoregap_reuse 80 $PROF --preset louiskv --placement gpu --trigger "$S
 step e2e_gpu 170 $E2E --contexts 131072 --batches 4 --presets louiskv@gpu --json "$OUT/e2e_gpu.json"
 step e2e_32k 120 $E2E --contexts 32768 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_32k.json"
 ;;
-pinned)  # call 2: the pinned pool at 4x128K (issue 12's 2.5x target, last run in session 10)
+blocks)  # call 2: the gap pass in blocks (call 1's single program a head took 24 us a layer)
+step gpu_tests 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py
+step prof_scoregap_reuse 80 $PROF --preset louiskv --placement gpu --trigger "$SCORE_GAP" --out "$OUT/prof_scoregap_reuse.txt"
+step e2e_gpu 200 $E2E --contexts 131072 --batches 4 --presets louiskv@gpu --json "$OUT/e2e_gpu.json"
+;;
+pinned)  # call 3: the pinned pool at 4x128K (issue 12's 2.5x target, last run in session 10)
 step e2e_pinned 280 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --stickiness 32 --json "$OUT/e2e_pinned.json"
 ;;
 esac
