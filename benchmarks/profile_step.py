@@ -30,6 +30,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--placement", default="cpu")
     parser.add_argument("--trigger", default=None, help='JSON trigger spec, e.g. {"name":"interval","n":9}')
+    parser.add_argument("--stickiness", type=float, default=0.0,
+                        help="bias unit scores by up to this much per unit (bench e2e's --stickiness): overlapping selections")
     parser.add_argument("--steps", type=int, default=5, help="replays profiled")
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--out", default=None, help="also write the table here")
@@ -49,6 +51,10 @@ def main(argv=None) -> int:
         options = {"budget": args.budget, "placement": args.placement}
         if args.trigger:
             options["trigger"] = json.loads(args.trigger)
+        if args.stickiness:
+            from kvpolicy.bench.overlap import StickyTopBudget
+
+            options["selector"] = StickyTopBudget(stickiness=args.stickiness)
         r = policy_throughput(model, preset(args.preset, **options), args.batch, args.context, args.steps,
                               around=prof, branches=args.branches)
     events = prof.key_averages()

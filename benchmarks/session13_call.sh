@@ -27,4 +27,8 @@ step e2e_gpu 200 $E2E --contexts 131072 --batches 4 --presets louiskv@gpu --json
 pinned)  # call 3: the pinned pool at 4x128K (issue 12's 2.5x target, last run in session 10)
 step e2e_pinned 280 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --stickiness 32 --json "$OUT/e2e_pinned.json"
 ;;
+profiles)  # call 4: where a pinned re-selection's time goes (every step, overlapping selections) and pariskv at 1x32K
+step prof_pinned_every 120 $PROF --preset louiskv --placement cpu --trigger '{"name":"every_step"}' --stickiness 32 --out "$OUT/prof_pinned_every.txt"
+step prof_paris_32k 100 python3 benchmarks/profile_step.py --context 32768 --batch 1 --rows 45 --preset pariskv --placement gpu --out "$OUT/prof_paris_32k.txt"
+;;
 esac
