@@ -32,7 +32,7 @@ step prof_pinned_every 120 $PROF --preset louiskv --placement cpu --trigger '{"n
 step prof_paris_32k 100 python3 benchmarks/profile_step.py --context 32768 --batch 1 --rows 45 --preset pariskv --placement gpu --out "$OUT/prof_paris_32k.txt"
 ;;
 hash)  # call 5: resident_rows by a hash table (the all-pairs locate took 108 us a layer pinned)
-step gpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/test_refresh.py tests/kernels/triton/test_fetch.py tests/kernels/triton/test_score_gap_ops.py
+step gpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/test_refresh.py tests/kernels/triton/test_fetch.py tests/test_store_refresh.py tests/kernels/triton/test_score_gap_ops.py
 step prof_pinned_every 120 $PROF --preset louiskv --placement cpu --trigger '{"name":"every_step"}' --stickiness 32 --out "$OUT/prof_pinned_every.txt"
 step e2e_pinned 250 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --stickiness 32 --json "$OUT/e2e_pinned.json"
 ;;

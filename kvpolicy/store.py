@@ -493,7 +493,7 @@ class TieredStore:
         else:
             ops.resident_rows(slots, reselect, buffer, self.source, self.unread)
             ops.resident_rows(torch.where(self.source < 0, slots, -1), reselect, cache, self.cache_source, self.unread)
-            self._number_misses(reselect)
+            ops.number_misses(self, reselect)  # counted, and each given the cache row it replaces
             cache_keys, cache_values, cache_source = cache.keys, cache.values, self.cache_source
         pool_rows = self.pool_rows(slots)
         ops.refresh_rows(self.pool.keys, pool_rows, reselect, self.source, buffer.keys, self.scratch,
@@ -505,18 +505,6 @@ class TieredStore:
         ops.commit_selection(self, slots, slot_valid, reselect)
         if cache is not None:
             ops.cache_insert(cache, self.cache_dest, reselect, buffer)
-
-    def _number_misses(self, reselect: torch.Tensor) -> None:
-        """The rows neither the buffer nor the cache holds: counted in ``pool_rows_read``, and
-        each given the cache row it will replace (``cache_dest``, first in first out from the
-        cache's cursor; -1 elsewhere). Device ops only."""
-        cache = self.cache
-        miss = (self.source < 0) & (self.cache_source < 0) & reselect.view(-1, 1, 1)
-        count = miss.sum(-1)
-        self.pool_rows_read.add_(count.sum(-1))
-        rank = miss.cumsum(-1) - miss.long()
-        self.cache_dest.copy_(torch.where(miss, (cache.cursor.unsqueeze(-1) + rank) % cache.rows, -1))
-        cache.cursor.copy_((cache.cursor + count) % cache.rows)
 
     def admit(self, evicted: Evicted, mask: torch.Tensor, ops, evict: bool = False) -> None:
         """Keep a token that left the local window attended while the retrieved buffer has room;

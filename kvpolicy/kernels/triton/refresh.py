@@ -366,3 +366,45 @@ def cache_insert(cache, dest: torch.Tensor, take: torch.Tensor, buffer) -> None:
         *cache.keys.stride(), *cache.values.stride(), *cache.slots.stride(), *cache_held.stride(),
         D=dim, BLOCK_D=block_d, ROWS=tile_rows,
     )
+
+
+@triton.jit
+def _misses_kernel(
+    source_ptr, cache_source_ptr, take_ptr, dest_ptr, cursor_ptr, read_ptr,
+    R, CR,
+    src_sb, src_sh, cs_sb, cs_sh, dest_sb, dest_sh, cur_sb,
+    BLOCK: tl.constexpr,
+):
+    h = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    take = tl.load(take_ptr + b) != 0
+    cursor = tl.load(cursor_ptr + b * cur_sb + h)
+    count = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
+    for start in range(0, R, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        ok = rows < R
+        miss = ok & take & (tl.load(source_ptr + b * src_sb + h * src_sh + rows, mask=ok, other=0) < 0)
+        miss = miss & (tl.load(cache_source_ptr + b * cs_sb + h * cs_sh + rows, mask=ok, other=0) < 0)
+        ones = miss.to(tl.int64)
+        rank = count + tl.cumsum(ones, axis=0) - ones  # misses before this row
+        tl.store(dest_ptr + b * dest_sb + h * dest_sh + rows, tl.where(miss, (cursor + rank) % CR, -1), mask=ok)
+        count += tl.sum(ones, axis=0)
+    tl.store(cursor_ptr + b * cur_sb + h, (cursor + count) % CR)
+    tl.atomic_add(read_ptr + b, count)
+
+
+@implement("triton", "number_misses", supports=triton_runs_on)
+def number_misses(store, reselect: torch.Tensor) -> None:
+    """One launch of ``reference_step.number_misses``."""
+    source, cache_source, dest, cache = store.source, store.cache_source, store.cache_dest, store.cache
+    batch, heads, rows = source.shape
+    if batch * heads * rows == 0:
+        return
+    for name, t in (("source", source), ("cache_source", cache_source), ("cache_dest", dest)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"triton number_misses: {name} must be contiguous in its last dim")
+    _misses_kernel[(heads, batch)](
+        source, cache_source, reselect.view(torch.uint8), dest, cache.cursor, store.pool_rows_read,
+        rows, cache.rows, *source.stride()[:2], *cache_source.stride()[:2], *dest.stride()[:2],
+        cache.cursor.stride(0), BLOCK=min(1024, triton.next_power_of_2(rows)),
+    )

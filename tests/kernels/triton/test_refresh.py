@@ -414,3 +414,33 @@ def test_pinned_refresh_replays_in_a_cuda_graph(pinned_pool):
         graph.replay()
         assert _same_bits(out, expected)
         assert torch.equal(rows_read - before_read, want_read)
+
+
+@pytest.mark.parametrize("rows", [5, 1500])  # one block; past one (1,024)
+def test_triton_number_misses_matches_the_reference(rows):
+    from types import SimpleNamespace
+
+    from kvpolicy.kernels import reference_step
+
+    g = torch.Generator(device=DEVICE).manual_seed(rows)
+    shape = (3, 2, rows)
+
+    def store():
+        return SimpleNamespace(
+            source=torch.randint(-1, 2, shape, generator=g, device=DEVICE, dtype=torch.int32),
+            cache_source=torch.randint(-1, 2, shape, generator=g, device=DEVICE, dtype=torch.int32),
+            cache_dest=torch.full(shape, 9, dtype=torch.long, device=DEVICE),
+            pool_rows_read=torch.tensor([3, 4, 5], device=DEVICE),
+            cache=SimpleNamespace(cursor=torch.randint(0, 700, shape[:2], generator=g, device=DEVICE), rows=701),
+        )
+
+    want = store()
+    got = SimpleNamespace(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(want).items()})
+    got.cache = SimpleNamespace(cursor=want.cache.cursor.clone(), rows=want.cache.rows)
+    reselect = torch.tensor([True, False, True], device=DEVICE)
+    reference_step.number_misses(want, reselect)
+    dispatch.get("number_misses", "triton", DEVICE)(got, reselect)
+    for name in ("cache_dest", "pool_rows_read"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(got.cache.cursor, want.cache.cursor)
+    assert (want.cache_dest[0] >= 0).any() and (want.cache_dest[1] == -1).all()
