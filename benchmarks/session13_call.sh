@@ -36,4 +36,8 @@ step gpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton
 step prof_pinned_every 120 $PROF --preset louiskv --placement cpu --trigger '{"name":"every_step"}' --stickiness 32 --out "$OUT/prof_pinned_every.txt"
 step e2e_pinned 250 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --stickiness 32 --json "$OUT/e2e_pinned.json"
 ;;
+relaxed)  # call 6: the hash insert's atomics relaxed (call 5's insert took 330 us a launch)
+step gpu_tests 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/test_refresh.py
+step prof_pinned_every 120 $PROF --preset louiskv --placement cpu --trigger '{"name":"every_step"}' --stickiness 32 --out "$OUT/prof_pinned_every.txt"
+;;
 esac
