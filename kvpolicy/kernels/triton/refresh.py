@@ -5,9 +5,10 @@ on the GPU. A fetch runs three launches per tensor pair:
 
 1. ``resident_rows`` (once for keys and values): for each wanted slot, the last held buffer
    row labelled with it, or -1; and the count of -1 per sequence, added with one atomic per
-   program. Two launches: a hash table per (sequence, head) of the buffer's held labels, then a
-   lookup per wanted slot, O(R) work where comparing every pair was O(R^2) (and compute-bound);
-   a sequence that does not re-select costs nothing (its programs return at once).
+   program. A direct comparison of every wanted slot with every buffer row: R^2 compares per
+   (sequence, head), but in registers, fully parallel, and a sequence that does not re-select
+   costs nothing (its programs return at once), where a sort would run every step. Past
+   ``_COMPARE_MAX`` rows the quadratic cost wins over that, and the reference's sort is used.
 2. ``refresh_rows`` fill: one program per ``[ROWS, D]`` tile of one (sequence, head) writes
    ``scratch`` from the buffer where the slot is resident and from the pool otherwise. Both
    loads are masked per row, so a resident row costs no pool byte: with a pinned host pool,
@@ -34,86 +35,50 @@ from .. import reference
 from ..dispatch import implement, triton_runs_on
 from .gather import _TILE_BYTES, _pool_argument
 
-# wanted slots a program of the lookup reads; buffer rows a step of the insert loop files
-_LOOKUP_ROWS = 128
-_INSERT_BLOCK = 1024
+# wanted slots x buffer rows compared per step of the loop (int32 registers of one program)
+_LOCATE_ROWS = 64
+_LOCATE_BLOCK = 128
+# above this many buffer rows, sort + binary search (the reference) instead of comparing all
+# pairs. A guess, not measured: at 2048 the comparison is ~4M int32 compares per (sequence,
+# head), tens of microseconds for B x H = 32 on an H200 by arithmetic throughput
+_COMPARE_MAX = 4096
 
 
 @triton.jit
-def _slot_hash(slot, LOG_T: tl.constexpr):
-    # Knuth's multiplicative hash: slot * A mod 2**32, its top bits (runs of consecutive slots spread)
-    return ((slot.to(tl.int64) * 2654435761) & 0xFFFFFFFF) >> (32 - LOG_T)
-
-
-@triton.jit
-def _insert_kernel(
-    take_ptr, current_ptr, held_ptr, keys_ptr, rows_ptr,
-    RC,
-    current_sb, current_sh, current_sr, held_sb, held_sh, held_sr, table_sb, table_sh,
-    LOG_T: tl.constexpr, BLOCK: tl.constexpr, CLEAR: tl.constexpr,
-):
-    h = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1).to(tl.int64)
-    if tl.load(take_ptr + b) == 0:
-        return
-    T: tl.constexpr = 1 << LOG_T
-    keys = keys_ptr + b * table_sb + h * table_sh
-    rows = rows_ptr + b * table_sb + h * table_sh
-    # this (sequence, head)'s table, emptied (-1); entry T is a sink for idle lanes that never
-    # matches a compare-and-swap against -1
-    for start in range(0, T, CLEAR):
-        at = start + tl.arange(0, CLEAR)
-        tl.store(keys + at, tl.full([CLEAR], -1, tl.int32))
-        tl.store(rows + at, tl.full([CLEAR], -1, tl.int32))
-    tl.store(keys + T, tl.full([], -2, tl.int32))
-    tl.debug_barrier()  # the whole program sees the empty table before its atomics
-    for start in range(0, RC, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        col_ok = cols < RC
-        label = tl.load(current_ptr + b * current_sb + h * current_sh + cols * current_sr, mask=col_ok, other=-1)
-        held = tl.load(held_ptr + b * held_sb + h * held_sh + cols * held_sr, mask=col_ok, other=0)
-        label = tl.where(held != 0, label, -1).to(tl.int32)
-        active = label >= 0
-        probe = _slot_hash(label, LOG_T)
-        # open addressing, linear probing: claim an empty entry or find the slot's own, then keep
-        # the highest row labelled with it (the reference's "last held row")
-        while tl.max(active.to(tl.int32), axis=0) > 0:
-            at = tl.where(active, probe, T)
-            before = tl.atomic_cas(keys + at, tl.full([BLOCK], -1, tl.int32), label)
-            placed = active & ((before == -1) | (before == label))
-            tl.atomic_max(rows + at, cols.to(tl.int32), mask=placed)
-            active = active & ~placed
-            probe = (probe + 1) & (T - 1)
-
-
-@triton.jit
-def _lookup_kernel(
-    slots_ptr, take_ptr, keys_ptr, rows_ptr, source_ptr, read_ptr,
-    R,
-    slots_sb, slots_sh, slots_sr, table_sb, table_sh, source_sb, source_sh, source_sr,
-    LOG_T: tl.constexpr, ROWS: tl.constexpr,
+def _locate_kernel(
+    slots_ptr, take_ptr, current_ptr, held_ptr, source_ptr, read_ptr,
+    R, RC,
+    slots_sb, slots_sh, slots_sr,
+    current_sb, current_sh, current_sr,
+    held_sb, held_sh, held_sr,
+    source_sb, source_sh, source_sr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     if tl.load(take_ptr + b) == 0:
         return
-    T: tl.constexpr = 1 << LOG_T
-    keys = keys_ptr + b * table_sb + h * table_sh
     rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     row_ok = rows < R
+    # a masked-off or negative wanted slot must not match the -1 of rows that hold nothing
     wanted = tl.load(slots_ptr + b * slots_sb + h * slots_sh + rows * slots_sr, mask=row_ok, other=-1).to(tl.int32)
-    active = row_ok & (wanted >= 0)  # a negative wanted slot is never found
-    probe = _slot_hash(wanted, LOG_T)
-    found = tl.full([ROWS], -1, tl.int32)
-    while tl.max(active.to(tl.int32), axis=0) > 0:
-        key = tl.load(keys + probe, mask=active, other=-1)
-        hit = active & (key == wanted)
-        found = tl.where(hit, tl.load(rows_ptr + b * table_sb + h * table_sh + probe, mask=hit, other=-1), found)
-        active = active & (key != wanted) & (key != -1)  # an empty entry ends the probe: not there
-        probe = (probe + 1) & (T - 1)
-    tl.store(source_ptr + b * source_sb + h * source_sh + rows * source_sr, found, mask=row_ok)
-    missing = tl.sum(tl.where(row_ok & (found < 0), 1, 0), axis=0)
+    wanted = tl.where(wanted >= 0, wanted, -2)
+    # an elementwise running max per (wanted, column) pair, reduced once after the loop: a row
+    # reduction per block (shuffles) made this the re-selection's costliest kernel (83 us a
+    # layer at 4 x 128K, session 7's profile)
+    best_of = tl.full([ROWS, BLOCK], -1, dtype=tl.int32)
+    for start in range(0, RC, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        col_ok = cols < RC
+        label = tl.load(current_ptr + b * current_sb + h * current_sh + cols * current_sr, mask=col_ok, other=-1)
+        held = tl.load(held_ptr + b * held_sb + h * held_sh + cols * held_sr, mask=col_ok, other=0)
+        label = tl.where(held != 0, label.to(tl.int32), -1)
+        match = wanted[:, None] == label[None, :]
+        best_of = tl.maximum(best_of, tl.where(match, cols[None, :], -1))
+    best = tl.max(best_of, axis=1)
+    tl.store(source_ptr + b * source_sb + h * source_sh + rows * source_sr, best, mask=row_ok)
+    missing = tl.sum(tl.where(row_ok & (best < 0), 1, 0), axis=0)
     tl.atomic_add(read_ptr + b, missing.to(tl.int64))
 
 
@@ -121,12 +86,7 @@ def _lookup_kernel(
 def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch.Tensor, rows_read: torch.Tensor) -> None:
     """``source`` = the last held row of ``buffer`` (a ``RetrievedBuffer``) labelled with each
     wanted slot (or -1), and ``rows_read`` += the count of -1, for the sequences where ``take``;
-    see the reference.
-
-    Two launches: a hash table per (sequence, head) of the buffer's held labels (slot -> its
-    highest row; open addressing, at most half full), then one lookup per wanted slot: O(R + R')
-    work where comparing every pair cost O(R R') (108 us a layer at 4x128K against the buffer and
-    a 4,096-row unit cache, session 13's pinned profile, compute-bound)."""
+    see the reference."""
     current_slots, current_held = buffer.slots, buffer.held
     batch, heads, rows = slots.shape
     current = current_slots.shape[-1]
@@ -139,26 +99,21 @@ def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch
     if tuple(rows_read.shape) != (batch,) or rows_read.dtype != torch.long:
         raise ValueError(f"triton resident_rows: rows_read must be long ({batch},), got {rows_read.dtype} "
                          f"{tuple(rows_read.shape)}")
+    if current > _COMPARE_MAX:
+        reference.resident_rows(slots, take, buffer, source, rows_read)
+        return
     if batch * heads * rows == 0:
         return
     device = source.device
     slots, current_slots = slots.to(device), current_slots.to(device)  # no-ops when already there
     take = take.to(device).reshape(batch).contiguous().view(torch.uint8)
     held = current_held.to(device).view(torch.uint8)
-    log_t = max(2 * current, 16).bit_length()  # 2**log_t > 2 R': the table is at most half full
-    # scratch of the step (a captured graph keeps its block): keys and rows, entry T the idle lanes' sink
-    table = torch.empty(2, batch, heads, (1 << log_t) + 1, dtype=torch.int32, device=device)
-    keys, table_rows = table[0], table[1]
-    _insert_kernel[(heads, batch)](
-        take, current_slots, held, keys, table_rows,
-        current, *current_slots.stride(), *held.stride(), *keys.stride()[:2],
-        LOG_T=log_t, BLOCK=min(_INSERT_BLOCK, triton.next_power_of_2(max(current, 1))),
-        CLEAR=min(1024, 1 << log_t),
-    )
-    _lookup_kernel[(triton.cdiv(rows, _LOOKUP_ROWS), heads, batch)](
-        slots, take, keys, table_rows, source, rows_read,
-        rows, *slots.stride(), *keys.stride()[:2], *source.stride(),
-        LOG_T=log_t, ROWS=_LOOKUP_ROWS,
+    grid = (triton.cdiv(rows, _LOCATE_ROWS), heads, batch)
+    _locate_kernel[grid](
+        slots, take, current_slots, held, source, rows_read,
+        rows, current,
+        *slots.stride(), *current_slots.stride(), *held.stride(), *source.stride(),
+        ROWS=_LOCATE_ROWS, BLOCK=_LOCATE_BLOCK,
     )
 
 
