@@ -31,7 +31,8 @@ def main(argv=None) -> int:
     parser.add_argument("--placement", default="cpu")
     parser.add_argument("--trigger", default=None, help='JSON trigger spec, e.g. {"name":"interval","n":9}')
     parser.add_argument("--stickiness", type=float, default=0.0,
-                        help="bias unit scores by up to this much per unit (bench e2e's --stickiness): overlapping selections")
+                        help="bias unit scores by up to this many times their spread, per unit (bench e2e's "
+                             "--stickiness): overlapping selections")
     parser.add_argument("--steps", type=int, default=5, help="replays profiled")
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--out", default=None, help="also write the table here")

@@ -53,7 +53,7 @@ def e2e(model, *, contexts: Iterable[int], batches: Iterable[int], cells: Preset
     ``budget-floor`` (full-graph at the budget's context: the best any policy can do on the
     stack), the other ``full_kinds``, then each preset at each placement and DecodeGraph branch
     kind; louiskv at ``interval(n)`` (``rate``), never re-selecting after its first step
-    (``/reuse``; ``/score_gap_reuse``: the preset's score_gap trigger, reusing) and at every step
+    (``/reuse``; ``/score_gap_reuse``: the preset's SmolLM2 trigger, score_gap, reusing) and at every step
     (``/every_step``); ``unit_cache_rows``: the policies' GPU unit
     cache (``Policy.unit_cache_rows``). A policy row carries its ``miss_fraction``. ``stickiness``:
     louiskv's re-selecting rows run once per value, with unit scores biased by up to that much
@@ -72,7 +72,8 @@ def e2e(model, *, contexts: Iterable[int], batches: Iterable[int], cells: Preset
     tags = [(f"~s{bias:g}" if labelled else "", bias) for bias in stickiness]
     louiskv_triggers = ([("interval" + tag, {"name": "interval", "n": every}, bias) for tag, bias in tags]
                         + [("reuse", {"name": "interval", "n": 1 << 40}, 0.0)]  # never re-selects: no bias to try
-                        # the preset's own trigger kind at a margin it never passes: its step cost, reusing
+                        # the preset's trigger kind for SmolLM2 (score_gap) at a margin it never passes:
+                        # its step cost, reusing
                         + [("score_gap_reuse", {"name": "score_gap", "measure": "mass", "leaving": "ignored",
                                                 "margin": 1e9}, 0.0)]
                         + [("every_step" + tag, {"name": "every_step"}, bias) for tag, bias in tags])

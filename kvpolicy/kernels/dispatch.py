@@ -37,7 +37,7 @@ _REFERENCE_MODULE = {
     "analytic_append": reference_analytic,
     **{op: reference_step for op in ("append_token", "note_decision", "query_cosine_fire", "interval_fire",
                                      "commit_selection", "append_leaving_by_rule", "fetch_whole",
-                                     "score_gap_fire", "score_gap_selected", "number_misses")},
+                                     "score_gap_fire", "score_gap_selected")},
 }
 # auto tries these in order
 _PREFERENCE = ("triton", "reference")

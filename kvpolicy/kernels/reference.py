@@ -440,3 +440,18 @@ def admit_row(buffer, evicted, mask: torch.Tensor, kept: torch.Tensor | None = N
         kept.copy_(torch.where(reset, buffer.fill, kept - replace.long()))
     if admitted is not None:
         admitted.add_(admit.long())
+
+
+def number_misses(store, reselect: torch.Tensor) -> None:
+    """After both ``resident_rows`` of a fetch with a unit cache: the wanted rows that neither the
+    buffer (``store.source``) nor the cache (``store.cache_source``) holds, for the sequences where
+    ``reselect (B,)``, are counted in ``store.pool_rows_read`` and each given the cache row it will
+    replace (``store.cache_dest``: first in first out from the cache's cursor, in row order; -1
+    elsewhere); the cursor moves past them."""
+    cache = store.cache
+    miss = (store.source < 0) & (store.cache_source < 0) & reselect.view(-1, 1, 1)
+    count = miss.sum(-1)
+    store.pool_rows_read.add_(count.sum(-1))
+    rank = miss.cumsum(-1) - miss.long()
+    store.cache_dest.copy_(torch.where(miss, (cache.cursor.unsqueeze(-1) + rank) % cache.rows, -1))
+    cache.cursor.copy_((cache.cursor + count) % cache.rows)

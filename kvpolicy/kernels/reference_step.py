@@ -1,9 +1,11 @@
-"""Reference (plain PyTorch) of the decode step's bookkeeping ops.
+"""Reference (plain PyTorch) of the decode step's bookkeeping ops, and of the score_gap trigger's.
 
-Each op is one launch on a fast backend (``kernels/triton/step.py``) where this reference takes
-ten or more small PyTorch kernels: on a step that keeps its selection these launches are most
-of what a policy adds to attention, so they are fused. Everything is in place on fixed
-buffers, and slots come from device counters: a captured step replays.
+Each op is one to three launches on a fast backend (``kernels/triton/step.py``; the trigger's in
+``kernels/triton/score_gap.py``) where this reference takes ten to sixty small PyTorch kernels:
+on a step that keeps its selection these launches are most of what a policy adds to attention,
+so they are fused. Everything is in place on fixed buffers, and slots come from device
+counters: a captured step replays. The score_gap trigger's measures (``score_gap``,
+``mass_gap``) live here with its step.
 """
 
 from __future__ import annotations
@@ -268,17 +270,3 @@ def score_gap_selected(state, unit_ids: torch.Tensor, reselect: torch.Tensor) ->
     state.units_at_selection.copy_(torch.where(reselect, units.decode_units, state.units_at_selection))
     state.has_selection.logical_or_(reselect)
 
-
-def number_misses(store, reselect: torch.Tensor) -> None:
-    """After both ``resident_rows`` of a fetch with a unit cache: the wanted rows that neither the
-    buffer (``store.source``) nor the cache (``store.cache_source``) holds, for the sequences where
-    ``reselect (B,)``, are counted in ``store.pool_rows_read`` and each given the cache row it will
-    replace (``store.cache_dest``: first in first out from the cache's cursor, in row order; -1
-    elsewhere); the cursor moves past them."""
-    cache = store.cache
-    miss = (store.source < 0) & (store.cache_source < 0) & reselect.view(-1, 1, 1)
-    count = miss.sum(-1)
-    store.pool_rows_read.add_(count.sum(-1))
-    rank = miss.cumsum(-1) - miss.long()
-    store.cache_dest.copy_(torch.where(miss, (cache.cursor.unsqueeze(-1) + rank) % cache.rows, -1))
-    cache.cursor.copy_((cache.cursor + count) % cache.rows)

@@ -33,7 +33,7 @@ import torch
 
 from ..errors import ConfigError
 from ..kernels import reference_step
-from ..kernels.reference_step import held_units_mask, mass_gap, open_unit_size, score_gap  # noqa: F401 (this trigger's measures)
+from ..kernels.reference_step import held_units_mask, open_unit_size
 from ..registry import register
 from .base import Trigger
 

@@ -1,4 +1,5 @@
-"""Triton implementations of the kernel ops, one file per op.
+"""Triton implementations of the kernel ops, one file per op or per family of ops (step,
+refresh, score_gap).
 
 Importing this package registers them with the dispatch. Triton kernels run on CUDA, and on
 CPU under ``TRITON_INTERPRET=1`` (set before this package is imported: Triton reads it when a

@@ -1,4 +1,5 @@
-"""Triton re-selection that reads only the new rows (ops ``resident_rows`` and ``refresh_rows``).
+"""Triton re-selection that reads only the new rows (ops ``resident_rows``, ``refresh_rows``,
+``cache_insert`` and ``number_misses``).
 
 Consecutive selections overlap, and the rows they share are already in the retrieved buffer
 on the GPU. A fetch runs three launches per tensor pair:
@@ -21,7 +22,8 @@ against the cache for the rows the buffer lacks, step 2 reads the rows found the
 cache, and ``cache_insert`` files the rows that came from the pool into the cache afterwards
 (after the copy back, so no read of this fetch sees a row it replaces).
 
-Sequences whose ``take`` is False return before reading anything. No host syncs and a grid
+Sequences whose ``take`` is False return before reading anything (``number_misses`` writes
+their ``cache_dest`` -1, as its reference does). No host syncs and a grid
 from shapes alone, so every launch can be graph-captured.
 """
 

@@ -116,7 +116,8 @@ def _gap_blocks_kernel(
     tl.store(out + parts_sk, tl.sum(counted.to(tl.float32), axis=0))
     if MASS:
         top = tl.max(tl.where(counted, s, float("-inf")), axis=0)
-        shift = tl.where(top > float("-inf"), top, 0.0)
+        # an infinite top shifts by 0, so an overflowed +inf score sums to +inf, as logsumexp's
+        shift = tl.where((top > float("-inf")) & (top < float("inf")), top, 0.0)
         tl.store(out + 2 * parts_sk, top)
         tl.store(out + 3 * parts_sk, tl.sum(tl.where(counted, tl.exp(s - shift), 0.0), axis=0))
     else:
@@ -140,7 +141,7 @@ def _decide_kernel(
         tops = tl.load(at + 2 * parts_sk, mask=tile, other=float("-inf"))
         sums = tl.load(at + 3 * parts_sk, mask=tile, other=0.0)
         top = tl.max(tops, axis=1)
-        shift = tl.where(top > float("-inf"), top, 0.0)
+        shift = tl.where((top > float("-inf")) & (top < float("inf")), top, 0.0)
         total = tl.sum(sums * tl.exp(tops - shift[:, None]), axis=1)
         some = top > float("-inf")
         held_mass = tl.where(some, top + tl.log(tl.where(some, total, 1.0)), float("-inf"))

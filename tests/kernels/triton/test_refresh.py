@@ -415,8 +415,6 @@ def test_pinned_refresh_replays_in_a_cuda_graph(pinned_pool):
 def test_triton_number_misses_matches_the_reference(rows):
     from types import SimpleNamespace
 
-    from kvpolicy.kernels import reference_step
-
     g = torch.Generator(device=DEVICE).manual_seed(rows)
     shape = (3, 2, rows)
 
@@ -433,7 +431,7 @@ def test_triton_number_misses_matches_the_reference(rows):
     got = SimpleNamespace(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(want).items()})
     got.cache = SimpleNamespace(cursor=want.cache.cursor.clone(), rows=want.cache.rows)
     reselect = torch.tensor([True, False, True], device=DEVICE)
-    reference_step.number_misses(want, reselect)
+    reference.number_misses(want, reselect)
     dispatch.get("number_misses", "triton", DEVICE)(got, reselect)
     for name in ("cache_dest", "pool_rows_read"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name

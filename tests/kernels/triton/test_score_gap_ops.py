@@ -35,7 +35,7 @@ def _state(gen: torch.Generator, batch: int, heads: int, units: int, room: int, 
     held = torch.full((batch, heads, room), -1, dtype=torch.long)
     for b in range(batch):
         for h in range(heads):
-            n = int(ints(0, room + 1))
+            n = int(ints(0, min(room, units) + 1))
             held[b, h, :n] = torch.randperm(units, generator=gen)[:n]
     held[torch.rand(held.shape, generator=gen) < 0.2] = -1  # dropped entries inside the list
     open_unit = ints(prompt_units - 1, units, batch)
@@ -94,17 +94,22 @@ def _next_look(gen: torch.Generator, state: ScoreGapState) -> None:
 @pytest.mark.parametrize("admit, follow", [("room", 0.0), ("evict", 0.0), ("room", 1.5), ("evict", math.inf)])
 def test_score_gap_fire_matches_reference(measure, leaving, admit, follow):
     triton_ops = dispatch.bind("triton", DEVICE)
+    by_gap = kept = 0
     for seed in range(3):
         gen = torch.Generator().manual_seed(seed)
-        trigger = ScoreGap(margin=float(torch.randn(1, generator=gen)), measure=measure, leaving=leaving,
-                           follow=follow)
-        # past one block of units (1,024), so the running logsumexp rescales
-        ref = _state(gen, batch=3, heads=2, units=1500, room=12, prompt_units=1400, admit=admit, above=follow > 0)
+        # margins below and past any gap of these scores (rows that fire, rows that keep), and one between
+        margin = (-8.0, float(torch.randn(1, generator=gen)), 8.0)[seed]
+        trigger = ScoreGap(margin=margin, measure=measure, leaving=leaving, follow=follow)
+        # past one block of units (1,024), so the running logsumexp rescales; one case a follow value
+        # with a held list past one block of the follow-up (4,096 rows), evicting and dropping
+        room, units = (5000, 6000) if (measure, leaving, admit) == ("mass", "unheld", "evict") else (12, 1500)
+        ref = _state(gen, batch=3, heads=2, units=units, room=room, prompt_units=units - 100, admit=admit,
+                     above=follow > 0)
         fast = copy.deepcopy(ref)
-        fired = 0
         for step in range(3):
             scores = _scores(gen, ref)
             scale = 0.25
+            had = ref.has_selection.clone()
             want = reference_step.score_gap_fire(trigger, ref, scores, scale)
             got = triton_ops.score_gap_fire(trigger, fast, scores.clone(), scale)
             where = f"seed {seed} step {step}"
@@ -113,11 +118,12 @@ def test_score_gap_fire_matches_reference(measure, leaving, admit, follow):
             for name in STATE_TENSORS:
                 assert torch.equal(getattr(fast, name), getattr(ref, name)), f"{where}: {name} differs"
             assert not fast.held_scratch.any(), f"{where}: the scratch mask was not cleared"
-            fired += int(want.sum())
+            by_gap += int((want & had).sum())  # fired on the gap, not for want of a selection
+            kept += int((~want).sum())
             look = torch.Generator().set_state(gen.get_state())  # the same next look for both
             _next_look(gen, ref)
             _next_look(look, fast)
-    assert fired > 0
+    assert by_gap and kept, f"not both decisions were tested: {by_gap} fired on the gap, {kept} kept"
 
 
 # fewer ids than the held list's length, as many, more; a held list past one block (1,024 rows)
@@ -143,3 +149,22 @@ def test_score_gap_selected_matches_reference(listed, room):
             assert torch.equal(getattr(fast, name), getattr(ref, name)), f"seed {seed}: {name} differs"
         capped += int((ref.held_end[reselect] == ref.layer.store.retrieval_capacity).sum())
     assert capped, "no selection reached the buffer's capacity: the cap went untested"
+
+
+@pytest.mark.parametrize("measure", ["weakest", "mass"])
+def test_an_overflowed_held_score_decides_as_the_reference(measure):
+    # a +inf score (a float32 overflow) on a held unit: logsumexp gives +inf, not NaN, so that head
+    # cannot fire and the other heads still decide
+    gen = torch.Generator().manual_seed(4)
+    trigger = ScoreGap(margin=0.0, measure=measure)
+    ref = _state(gen, batch=3, heads=2, units=70, room=12, prompt_units=40, admit="room", above=False)
+    ref.held[:, 0, 0] = 3
+    ref.layer.units.open_unit.fill_(-1)  # no follow-up: unit 3 stays held
+    fast = copy.deepcopy(ref)
+    scores = _scores(gen, ref)
+    scores[:, 0, 3] = float("inf")
+    want = reference_step.score_gap_fire(trigger, ref, scores, 0.25)
+    got = dispatch.bind("triton", DEVICE).score_gap_fire(trigger, fast, scores.clone(), 0.25)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(fast.gap, ref.gap, equal_nan=True)
+    assert not ref.gap[:2].isnan().any()  # (the last row has a head with nothing selectable: NaN in mass)
