@@ -66,6 +66,13 @@ def _locate_kernel(
     # a masked-off or negative wanted slot must not match the -1 of rows that hold nothing
     wanted = tl.load(slots_ptr + b * slots_sb + h * slots_sh + rows * slots_sr, mask=row_ok, other=-1).to(tl.int32)
     wanted = tl.where(wanted >= 0, wanted, -2)
+    if tl.max(wanted, axis=0) < 0:
+        # nothing to look up (a fetch's cache lookup is handed -1 for the rows its buffer holds):
+        # the tile's answer is all -1, without the comparison
+        tl.store(source_ptr + b * source_sb + h * source_sh + rows * source_sr, tl.full([ROWS], -1, tl.int32),
+                 mask=row_ok)
+        tl.atomic_add(read_ptr + b, tl.sum(row_ok.to(tl.int64), axis=0))
+        return
     # an elementwise running max per (wanted, column) pair, reduced once after the loop: a row
     # reduction per block (shuffles) made this the re-selection's costliest kernel (83 us a
     # layer at 4 x 128K, session 7's profile)

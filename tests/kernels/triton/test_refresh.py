@@ -139,6 +139,23 @@ def test_resident_rows_over_many_buffer_rows(backend):
     assert torch.equal(read, (want < 0).flatten(1).sum(-1))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resident_rows_with_tiles_of_nothing_to_look_up(backend):
+    # a fetch's cache lookup is handed -1 for the rows the buffer holds: whole tiles of them
+    g = torch.Generator(device=DEVICE).manual_seed(11)
+    current = torch.randint(0, 400, (2, 2, 256), generator=g, device=DEVICE)
+    held = torch.rand(2, 2, 256, generator=g, device=DEVICE) < 0.9
+    slots = torch.randint(0, 400, (2, 2, 200), generator=g, device=DEVICE)
+    slots[:, :, :64] = -1  # a whole tile with nothing to find
+    slots[1, 1] = -1  # and a whole (sequence, head)
+    take = torch.ones(2, dtype=torch.bool, device=DEVICE)
+    source, read = _locate(backend, slots, take, current, held)
+    want = _brute_force_source(slots, current, held)
+    assert torch.equal(source, want)
+    assert torch.equal(read, (want < 0).flatten(1).sum(-1))
+    assert (want[0, 0, 64:] >= 0).any()
+
+
 # ---- refresh_rows --------------------------------------------------------------------------
 
 
