@@ -1,11 +1,6 @@
 #!/usr/bin/env bash
 # Session 9's GPU calls. Usage: bash benchmarks/session9_call.sh OUTDIR TAR MODE
-set -u
-OUT=${1:?}; TAR=${2:?}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-step() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?" >> "$OUT/$name.log"; tail -n 25 "$OUT/$name.log"; tar cf "$TAR" -C "$(dirname "$OUT")" "$(basename "$OUT")"; }
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
-E2E="python3 -m kvpolicy bench e2e --full-kinds full-graph --budget 2048 --steps 18 --compiled-layers"
+source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 case ${3:?} in
 baseline)
 step gpu_tests 100 python3 -m pytest -q -x -p no:cacheprovider tests/test_placement.py tests/kernels/triton/test_refresh.py tests/test_plan.py
