@@ -53,13 +53,13 @@ def e2e(model, *, contexts: Iterable[int], batches: Iterable[int], cells: Preset
     ``budget-floor`` (full-graph at the budget's context: the best any policy can do on the
     stack), the other ``full_kinds``, then each preset at each placement and DecodeGraph branch
     kind; louiskv at ``interval(n)`` (``rate``), never re-selecting after its first step
-    (``/reuse``; ``/score_gap_reuse``: the preset's SmolLM2 trigger, score_gap, reusing) and at every step
-    (``/every_step``); ``unit_cache_rows``: the policies' GPU unit
-    cache (``Policy.unit_cache_rows``). A policy row carries its ``miss_fraction``. ``stickiness``:
+    (``/reuse``; ``/score_gap_reuse``: the preset's SmolLM2 trigger, score_gap, reusing) and at
+    every step (``/every_step``); ``unit_cache_rows``: the policies' GPU unit cache
+    (``Policy.unit_cache_rows``). A policy row carries its ``miss_fraction``. ``stickiness``:
     louiskv's re-selecting rows run once per value, with unit scores biased by up to that much
     per unit (``overlap.StickyTopBudget``: selections overlap as a real model's do), labelled
     ``~sN`` unless the only value is 0."""
-    from ..presets import preset
+    from ..presets import BUILTIN_TRIGGER, EMBEDDED_ID, preset
     from .e2e import DoesNotFit, full_throughput, policy_throughput
     from .overlap import StickyTopBudget
 
@@ -72,10 +72,9 @@ def e2e(model, *, contexts: Iterable[int], batches: Iterable[int], cells: Preset
     tags = [(f"~s{bias:g}" if labelled else "", bias) for bias in stickiness]
     louiskv_triggers = ([("interval" + tag, {"name": "interval", "n": every}, bias) for tag, bias in tags]
                         + [("reuse", {"name": "interval", "n": 1 << 40}, 0.0)]  # never re-selects: no bias to try
-                        # the preset's trigger kind for SmolLM2 (score_gap) at a margin it never passes:
+                        # the preset's trigger for SmolLM2 (score_gap) at a margin it never passes:
                         # its step cost, reusing
-                        + [("score_gap_reuse", {"name": "score_gap", "measure": "mass", "leaving": "ignored",
-                                                "margin": 1e9}, 0.0)]
+                        + [("score_gap_reuse", {**BUILTIN_TRIGGER[EMBEDDED_ID], "margin": 1e9}, 0.0)]
                         + [("every_step" + tag, {"name": "every_step"}, bias) for tag, bias in tags])
     full_kinds = list(full_kinds)
     for context in contexts:
