@@ -1,10 +1,10 @@
 """``resident_rows`` (which wanted rows the retrieved buffer already holds) as a CUDA-graph replay:
-the Triton op's all-pairs comparison against the reference's sort + binary search, side by side.
+the Triton op's slot map against the reference's sort + binary search, side by side.
 
     python3 benchmarks/resident_rows.py [--rows 2048] [--batches 1,4] [--kv-heads 8] [--overlap 0.5]
 
 Session 7's profile of a re-selecting step at 4 x 128K found this op the costliest of the
-re-selection (83 us a layer). Each wanted row is in the buffer with probability ``--overlap``.
+re-selection (83 us a layer, then an all-pairs comparison). Each wanted row is in the buffer with probability ``--overlap``.
 """
 
 from __future__ import annotations
@@ -43,11 +43,12 @@ def main() -> None:
         take = torch.ones(batch, dtype=torch.bool, device=device)
         source = torch.empty(shape, dtype=torch.int32, device=device)
         read = torch.zeros(batch, dtype=torch.long, device=device)
+        slot_map = torch.full((*shape[:2], 1 << 21), -1, dtype=torch.int32, device=device)
         rows = current.new_zeros(*shape, 0, dtype=torch.bfloat16)  # the op reads only labels and held flags
         buffer = RetrievedBuffer(rows, rows, held, slots=current, held=held, fill=current.new_zeros(shape[:2]))
         times = []
         for op in (refresh.resident_rows, reference.resident_rows):
-            times.append(1e3 * time_replay_ms(lambda op=op: op(wanted, take, buffer, source, read), device,
+            times.append(1e3 * time_replay_ms(lambda op=op: op(wanted, take, buffer, source, read, slot_map), device,
                                               args.repeats))
         print(f"{batch:2d} {times[0]:8.1f} {times[1]:10.1f}", flush=True)
 

@@ -139,6 +139,9 @@ class TieredStore:
     cache_source: torch.Tensor | None = field(default=None, repr=False)
     cache_dest: torch.Tensor | None = field(default=None, repr=False)
     unread: torch.Tensor | None = field(default=None, repr=False)
+    # (B, H, pool capacity) int32, all -1 between fetches: the slot -> row map through which
+    # ``resident_rows`` finds the rows the buffer and the cache hold; shared like the ones above
+    slot_map: torch.Tensor | None = field(default=None, repr=False)
     # what ``append`` writes each step, in fixed buffers (a replay refills them): the token the
     # ring pushed out, and () long, the slot the step's token took
     evicted: Evicted | None = field(default=None, repr=False)
@@ -159,8 +162,9 @@ class TieredStore:
     kept: torch.Tensor | None = None
     admitted: torch.Tensor | None = None
     # fetch reads every selected row from the pool, without looking up the rows the buffer holds:
-    # set where the pool sits in the GPU's own memory, where that lookup (``resident_rows``, 44 us
-    # a layer at 4 x 128K on an H200) costs more than the HBM bytes it saves (~8 us)
+    # set where the pool sits in the GPU's own memory, where that lookup (``resident_rows``: 44 us
+    # a layer at 4 x 128K on an H200 as an all-pairs compare; not re-measured since the slot map)
+    # costs more than the HBM bytes it saves (~8 us)
     read_whole: bool = False
 
     def __post_init__(self) -> None:
@@ -176,6 +180,8 @@ class TieredStore:
         if self.source is None:
             # -1 (nothing resident) until written: a backend may read entries it was not asked to fill
             self.source = _shared(keys.shape[:3], torch.int32, keys, fill=-1)
+        if self.slot_map is None:
+            self._slot_map_scratch()
         if self.evicted is None:
             ring = self.local.keys
             batch, heads, _, dim = ring.shape
@@ -379,6 +385,12 @@ class TieredStore:
             setattr(pool, name, grown)
         pad = torch.zeros(pool.valid.shape[0], new - capacity, dtype=torch.bool, device=pool.valid.device)
         pool.valid = torch.cat([pool.valid, pad], dim=1)
+        self._slot_map_scratch()
+
+    def _slot_map_scratch(self) -> None:
+        batch, heads = self.retrieved.keys.shape[:2]
+        self.slot_map = _shared((batch, heads, self.pool.capacity), torch.int32, self.retrieved.keys, fill=-1,
+                                purpose="slot map")
 
     def make_room(self) -> None:
         """Room for one more token (host side, before the step's kernels): in the pool (doubling),
@@ -488,11 +500,12 @@ class TieredStore:
         # rows the buffer already holds are copied on the device; only the others are read
         # from the pool (over PCIe for a host pool). Same contents as gathering every row.
         if cache is None:
-            ops.resident_rows(slots, reselect, buffer, self.source, self.pool_rows_read)
+            ops.resident_rows(slots, reselect, buffer, self.source, self.pool_rows_read, self.slot_map)
             cache_keys = cache_values = cache_source = None
         else:
-            ops.resident_rows(slots, reselect, buffer, self.source, self.unread)
-            ops.resident_rows(torch.where(self.source < 0, slots, -1), reselect, cache, self.cache_source, self.unread)
+            ops.resident_rows(slots, reselect, buffer, self.source, self.unread, self.slot_map)
+            ops.resident_rows(torch.where(self.source < 0, slots, -1), reselect, cache, self.cache_source, self.unread,
+                              self.slot_map)
             ops.number_misses(self, reselect)  # counted, and each given the cache row it replaces
             cache_keys, cache_values, cache_source = cache.keys, cache.values, self.cache_source
         pool_rows = self.pool_rows(slots)

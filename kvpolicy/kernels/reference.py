@@ -216,18 +216,20 @@ def gather_rows_into(pool: torch.Tensor, slots: torch.Tensor, take: torch.Tensor
     out.copy_(torch.where(take.view(-1, 1, 1, 1), rows, out))
 
 
-def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch.Tensor, rows_read: torch.Tensor) -> None:
+def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch.Tensor, rows_read: torch.Tensor,
+                  slot_map: torch.Tensor) -> None:
     """Where each wanted slot already sits in the current buffer, for ``refresh_rows``.
 
-    ``slots``: ``(B, H, R)`` the new selection; ``buffer``: the current ``RetrievedBuffer``, whose
-    ``slots`` / ``held`` ``(B, H, R')`` say the slot each row is labelled with, and whether the
-    row really holds that slot's pool row. For the sequences where ``take (B,)``: ``source (B, H, R)`` int32
-    gets the last held row labelled with each wanted slot, or -1 (a negative slot is never
-    found), and ``rows_read (B,)`` long grows by the count of -1 (rows the pool must supply).
-    Both are left untouched for the other sequences.
+    ``slots``: ``(B, H, R)`` the new selection; ``buffer``: the current ``RetrievedBuffer`` (or
+    ``RowCache``), whose ``slots`` / ``held`` ``(B, H, R')`` say the slot each row is labelled
+    with, and whether the row really holds that slot's pool row. For the sequences where
+    ``take (B,)``: ``source (B, H, R)`` int32 gets the last held row labelled with each wanted
+    slot, or -1 (a negative slot is never found), and ``rows_read (B,)`` long grows by the count
+    of -1 (rows the pool must supply). Both are left untouched for the other sequences.
 
-    Sort + binary search: O(R log R), and no memory that grows with the pool (a slot -> row
-    map on the device would cost 4 bytes per pool slot and head). No host reads.
+    ``slot_map``: ``(B, H, M)`` int32 scratch, all -1, with ``M`` above every slot (the pool's
+    capacity); a fast backend marks the held rows' slots in it and leaves it all -1 again. This
+    reference does not touch it: sort + binary search, O(R log R). No host reads.
     """
     current_slots, current_held = buffer.slots, buffer.held
     if current_slots.shape[-1] == 0 or slots.shape[-1] == 0:

@@ -6,10 +6,9 @@ on the GPU. A fetch runs three launches per tensor pair:
 
 1. ``resident_rows`` (once for keys and values): for each wanted slot, the last held buffer
    row labelled with it, or -1; and the count of -1 per sequence, added with one atomic per
-   program. A direct comparison of every wanted slot with every buffer row: R^2 compares per
-   (sequence, head), but in registers, fully parallel, and a sequence that does not re-select
-   costs nothing (its programs return at once), where a sort would run every step. Past
-   ``_COMPARE_MAX`` rows the quadratic cost wins over that, and the reference's sort is used.
+   program. Through a slot -> row map that every layer shares (the held rows mark it, the
+   wanted slots read it, the held rows clear it): linear in the rows, fully parallel, and a
+   sequence that does not re-select costs nothing (its programs return at once).
 2. ``refresh_rows`` fill: one program per ``[ROWS, D]`` tile of one (sequence, head) writes
    ``scratch`` from the buffer where the slot is resident and from the pool otherwise. Both
    loads are masked per row, so a resident row costs no pool byte: with a pinned host pool,
@@ -33,28 +32,48 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import reference
 from ..dispatch import implement, triton_runs_on
 from .gather import _TILE_BYTES, _pool_argument
 
-# wanted slots x buffer rows compared per step of the loop (int32 registers of one program)
-_LOCATE_ROWS = 64
-_LOCATE_BLOCK = 128
-# above this many buffer rows, sort + binary search (the reference) instead of comparing all
-# pairs. A guess, not measured: at 2048 the comparison is ~4M int32 compares per (sequence,
-# head), tens of microseconds for B x H = 32 on an H200 by arithmetic throughput
-_COMPARE_MAX = 4096
+# rows of one (sequence, head) per program of the slot-map launches
+_MAP_ROWS = 256
 
 
 @triton.jit
-def _locate_kernel(
-    slots_ptr, take_ptr, current_ptr, held_ptr, source_ptr, read_ptr,
-    R, RC,
-    slots_sb, slots_sh, slots_sr,
-    current_sb, current_sh, current_sr,
+def _mark_kernel(
+    take_ptr, label_ptr, held_ptr, map_ptr,
+    RC, M,
+    label_sb, label_sh, label_sr,
     held_sb, held_sh, held_sr,
+    map_sb, map_sh, map_sm,
+    ROWS: tl.constexpr, CLEAR: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    if tl.load(take_ptr + b) == 0:
+        return
+    cols = tile * ROWS + tl.arange(0, ROWS)
+    col_ok = cols < RC
+    label = tl.load(label_ptr + b * label_sb + h * label_sh + cols * label_sr, mask=col_ok, other=-1).to(tl.int64)
+    held = tl.load(held_ptr + b * held_sb + h * held_sh + cols * held_sr, mask=col_ok, other=0)
+    mark = col_ok & (held != 0) & (label >= 0) & (label < M)
+    at = map_ptr + b * map_sb + h * map_sh + tl.where(mark, label, 0) * map_sm
+    if CLEAR:
+        tl.store(at, tl.full([ROWS], -1, tl.int32), mask=mark)
+    else:
+        # rows labelled alike: the highest wins, as the reference's "last held row"
+        tl.atomic_max(at, cols.to(tl.int32), mask=mark, sem="relaxed")
+
+
+@triton.jit
+def _lookup_kernel(
+    slots_ptr, take_ptr, map_ptr, source_ptr, read_ptr,
+    R, M,
+    slots_sb, slots_sh, slots_sr,
+    map_sb, map_sh, map_sm,
     source_sb, source_sh, source_sr,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
@@ -63,39 +82,26 @@ def _locate_kernel(
         return
     rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     row_ok = rows < R
-    # a masked-off or negative wanted slot must not match the -1 of rows that hold nothing
-    wanted = tl.load(slots_ptr + b * slots_sb + h * slots_sh + rows * slots_sr, mask=row_ok, other=-1).to(tl.int32)
-    wanted = tl.where(wanted >= 0, wanted, -2)
-    if tl.max(wanted, axis=0) < 0:
-        # nothing to look up (a fetch's cache lookup is handed -1 for the rows its buffer holds):
-        # the tile's answer is all -1, without the comparison
-        tl.store(source_ptr + b * source_sb + h * source_sh + rows * source_sr, tl.full([ROWS], -1, tl.int32),
-                 mask=row_ok)
-        tl.atomic_add(read_ptr + b, tl.sum(row_ok.to(tl.int64), axis=0))
-        return
-    # an elementwise running max per (wanted, column) pair, reduced once after the loop: a row
-    # reduction per block (shuffles) made this the re-selection's costliest kernel (83 us a
-    # layer at 4 x 128K, session 7's profile)
-    best_of = tl.full([ROWS, BLOCK], -1, dtype=tl.int32)
-    for start in range(0, RC, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        col_ok = cols < RC
-        label = tl.load(current_ptr + b * current_sb + h * current_sh + cols * current_sr, mask=col_ok, other=-1)
-        held = tl.load(held_ptr + b * held_sb + h * held_sh + cols * held_sr, mask=col_ok, other=0)
-        label = tl.where(held != 0, label.to(tl.int32), -1)
-        match = wanted[:, None] == label[None, :]
-        best_of = tl.maximum(best_of, tl.where(match, cols[None, :], -1))
-    best = tl.max(best_of, axis=1)
-    tl.store(source_ptr + b * source_sb + h * source_sh + rows * source_sr, best, mask=row_ok)
-    missing = tl.sum(tl.where(row_ok & (best < 0), 1, 0), axis=0)
+    wanted = tl.load(slots_ptr + b * slots_sb + h * slots_sh + rows * slots_sr, mask=row_ok, other=-1).to(tl.int64)
+    look = row_ok & (wanted >= 0) & (wanted < M)
+    found = tl.load(map_ptr + b * map_sb + h * map_sh + tl.where(look, wanted, 0) * map_sm, mask=look, other=-1)
+    tl.store(source_ptr + b * source_sb + h * source_sh + rows * source_sr, found, mask=row_ok)
+    missing = tl.sum(tl.where(row_ok & (found < 0), 1, 0), axis=0)
     tl.atomic_add(read_ptr + b, missing.to(tl.int64))
 
 
 @implement("triton", "resident_rows", supports=triton_runs_on)
-def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch.Tensor, rows_read: torch.Tensor) -> None:
-    """``source`` = the last held row of ``buffer`` (a ``RetrievedBuffer``) labelled with each
-    wanted slot (or -1), and ``rows_read`` += the count of -1, for the sequences where ``take``;
-    see the reference."""
+def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch.Tensor, rows_read: torch.Tensor,
+                  slot_map: torch.Tensor) -> None:
+    """``source`` = the last held row of ``buffer`` (a ``RetrievedBuffer`` or ``RowCache``)
+    labelled with each wanted slot (or -1), and ``rows_read`` += the count of -1, for the
+    sequences where ``take``; see the reference.
+
+    Three launches over ``slot_map`` (``(B, H, M)`` int32, all -1, left all -1): the held rows
+    write their row number at their slot (an atomic max, so the last of equal labels wins), the
+    wanted slots read it, the held rows write -1 back. Linear in the rows, where comparing every
+    wanted slot with every buffer row cost 54 us a launch at 4 x 128K on an H200 (session 13).
+    """
     current_slots, current_held = buffer.slots, buffer.held
     batch, heads, rows = slots.shape
     current = current_slots.shape[-1]
@@ -108,22 +114,30 @@ def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch
     if tuple(rows_read.shape) != (batch,) or rows_read.dtype != torch.long:
         raise ValueError(f"triton resident_rows: rows_read must be long ({batch},), got {rows_read.dtype} "
                          f"{tuple(rows_read.shape)}")
-    if current > _COMPARE_MAX:
-        reference.resident_rows(slots, take, buffer, source, rows_read)
-        return
+    if slot_map.dim() != 3 or tuple(slot_map.shape[:2]) != (batch, heads) or slot_map.dtype != torch.int32 \
+            or slot_map.device != source.device:
+        raise ValueError(f"triton resident_rows: slot_map must be int32 ({batch}, {heads}, M) on {source.device}, "
+                         f"got {slot_map.dtype} {tuple(slot_map.shape)} on {slot_map.device}")
     if batch * heads * rows == 0:
         return
     device = source.device
     slots, current_slots = slots.to(device), current_slots.to(device)  # no-ops when already there
     take = take.to(device).reshape(batch).contiguous().view(torch.uint8)
     held = current_held.to(device).view(torch.uint8)
-    grid = (triton.cdiv(rows, _LOCATE_ROWS), heads, batch)
-    _locate_kernel[grid](
-        slots, take, current_slots, held, source, rows_read,
-        rows, current,
-        *slots.stride(), *current_slots.stride(), *held.stride(), *source.stride(),
-        ROWS=_LOCATE_ROWS, BLOCK=_LOCATE_BLOCK,
+    slots_m = slot_map.shape[-1]
+    label_args = (current_slots, held, slot_map, current, slots_m,
+                  *current_slots.stride(), *held.stride(), *slot_map.stride())
+    mark_grid = (triton.cdiv(current, _MAP_ROWS), heads, batch)
+    if current:
+        _mark_kernel[mark_grid](take, *label_args, ROWS=_MAP_ROWS, CLEAR=False)
+    _lookup_kernel[(triton.cdiv(rows, _MAP_ROWS), heads, batch)](
+        slots, take, slot_map, source, rows_read,
+        rows, slots_m,
+        *slots.stride(), *slot_map.stride(), *source.stride(),
+        ROWS=_MAP_ROWS,
     )
+    if current:
+        _mark_kernel[mark_grid](take, *label_args, ROWS=_MAP_ROWS, CLEAR=True)
 
 
 @triton.jit

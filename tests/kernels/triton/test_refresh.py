@@ -27,11 +27,19 @@ def _refresh(backend):
     return dispatch.get("refresh_rows", backend, DEVICE)
 
 
+def _slot_map(slots, current):
+    """The all -1 scratch map ``resident_rows`` needs: one entry past every slot of either."""
+    top = max([int(t.max()) for t in (slots, current) if t.numel()] + [0])
+    return torch.full((*slots.shape[:2], top + 1), -1, dtype=torch.int32, device=slots.device)
+
+
 def _locate(backend, slots, take, current, held):
-    """``resident_rows`` into fresh outputs: ``(source, rows_read)``."""
+    """``resident_rows`` into fresh outputs: ``(source, rows_read)``; the slot map must come back all -1."""
     source = torch.full(slots.shape, -7, dtype=torch.int32, device=slots.device)  # -7: "untouched"
     rows_read = torch.full((slots.shape[0],), 5, dtype=torch.long, device=slots.device)
-    dispatch.get("resident_rows", backend, DEVICE)(slots, take, _buffer(current, held), source, rows_read)
+    slot_map = _slot_map(slots, current)
+    dispatch.get("resident_rows", backend, DEVICE)(slots, take, _buffer(current, held), source, rows_read, slot_map)
+    assert (slot_map == -1).all(), "resident_rows left marks in the slot map"
     return source, rows_read - 5
 
 
@@ -365,15 +373,31 @@ def _pinned_case(pool, seed, share):
     return current, held, out, slots
 
 
-def test_triton_resident_rows_falls_back_to_the_sort_for_large_buffers(monkeypatch):
-    from kvpolicy.kernels.triton import refresh
-
-    monkeypatch.setattr(refresh, "_COMPARE_MAX", 8)
-    _, current, held, _, slots, take = _case("overlap", seed=10)
-    source, read = _locate("triton", slots, take, current, held)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resident_rows_over_a_unit_cache_of_thousands_of_rows(backend):
+    # a GPU unit cache holds more rows than the buffer: more than the old all-pairs limit (4,096),
+    # with labels repeated so the last holding row must win
+    g = torch.Generator(device=DEVICE).manual_seed(12)
+    current = torch.randint(0, 3000, (2, 1, 5000), generator=g, device=DEVICE)
+    held = torch.rand(2, 1, 5000, generator=g, device=DEVICE) < 0.8
+    slots = torch.randint(-1, 6000, (2, 1, 700), generator=g, device=DEVICE)
+    take = torch.tensor([True, False], device=DEVICE)
+    source, read = _locate(backend, slots, take, current, held)
     want = _brute_force_source(slots, current, held)
     assert torch.equal(source[take], want[take]) and (source[~take] == -7).all()
     assert torch.equal(read, torch.where(take, (want < 0).flatten(1).sum(-1), 0))
+    assert (want[0] >= 0).float().mean() > 0.3
+
+
+def test_triton_resident_rows_rejects_a_slot_map_that_does_not_fit():
+    _, current, held, _, slots, take = _case("overlap", seed=10)
+    source = torch.full(slots.shape, -1, dtype=torch.int32, device=DEVICE)
+    read = torch.zeros(slots.shape[0], dtype=torch.long, device=DEVICE)
+    op = dispatch.get("resident_rows", "triton", DEVICE)
+    for bad in (torch.full((1, *slots.shape[1:2], 100), -1, dtype=torch.int32, device=DEVICE),
+                torch.full((*slots.shape[:2], 100), -1, dtype=torch.long, device=DEVICE)):
+        with pytest.raises(ValueError, match="slot_map"):
+            op(slots, take, _buffer(current, held), source, read, bad)
 
 
 @needs_cuda
@@ -402,9 +426,11 @@ def test_pinned_refresh_replays_in_a_cuda_graph(pinned_pool):
     scratch = torch.empty_like(out)
     source = torch.full(slots.shape, -1, dtype=torch.int32, device="cuda")
     rows_read = torch.zeros(2, dtype=torch.long, device="cuda")
+    slot_map = torch.full((*slots.shape[:2], pinned_pool.shape[2]), -1, dtype=torch.int32, device="cuda")
 
     def step():
-        dispatch.get("resident_rows", "triton", DEVICE)(slots, take, _buffer(current, held), source, rows_read)
+        dispatch.get("resident_rows", "triton", DEVICE)(slots, take, _buffer(current, held), source, rows_read,
+                                                        slot_map)
         _refresh("triton")(pinned_pool, slots, take, source, out, scratch)
         current.copy_(torch.where(take.view(-1, 1, 1), slots, current))
 
@@ -426,6 +452,7 @@ def test_pinned_refresh_replays_in_a_cuda_graph(pinned_pool):
         graph.replay()
         assert _same_bits(out, expected)
         assert torch.equal(rows_read - before_read, want_read)
+    assert (slot_map == -1).all()  # each replay clears the marks it made
 
 
 @pytest.mark.parametrize("rows", [5, 1500])  # one block; past one (1,024)
