@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Session 14's GPU calls. Usage: bash benchmarks/session14_call.sh OUTDIR TAR MODE
+source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
+EVERY='{"name":"every_step"}'
+case ${3:?} in
+map)  # call 1: resident_rows through the slot map (the all-pairs compare took 108 us a layer pinned);
+# session 13's untested-on-GPU code (the fused score_gap layer test, number_misses) with it
+step gpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/test_refresh.py tests/kernels/triton/test_fetch.py tests/test_store_refresh.py tests/kernels/triton/test_score_gap_ops.py tests/triggers/test_score_gap.py
+step resident_rows 40 python3 benchmarks/resident_rows.py --batches 1,4
+step prof_pinned_every 110 $PROF --preset louiskv --placement cpu --trigger "$EVERY" --stickiness 32 --out "$OUT/prof_pinned_every.txt"
+step e2e_pinned 280 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --stickiness 32 --json "$OUT/e2e_pinned.json"
+;;
+esac
