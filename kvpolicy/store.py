@@ -74,6 +74,11 @@ def _shared(shape: tuple, dtype: torch.dtype, like: torch.Tensor, fill: float | 
     return found
 
 
+def _pair_scratch(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a fetch assembles its new key rows and value rows (one launch fills both)."""
+    return tuple(_shared(like.shape, like.dtype, like, purpose=part) for part in ("keys", "values"))
+
+
 def _copy_prompt(pool: torch.Tensor, rows: torch.Tensor, first: int = 0) -> None:
     """``pool[:, :, first:n] = rows[:, :, first:]`` (``rows (B, H, n, D)``), as plain
     device-to-host copies when the pool is pinned.
@@ -130,9 +135,10 @@ class TieredStore:
     rows_fetched: torch.Tensor | None = None
     # the GPU unit cache (None: none; ``set_cache``)
     cache: RowCache | None = None
-    # fetch's work buffers, shared by the stores of one shape (see _shared): (B, H, R, D) where
-    # the new rows are assembled, and (B, H, R) int32, the buffer row holding each wanted slot
-    scratch: torch.Tensor | None = field(default=None, repr=False)
+    # fetch's work buffers, shared by the stores of one shape (see _shared): two (B, H, R, D)
+    # where the new key and value rows are assembled, and (B, H, R) int32, the buffer row holding
+    # each wanted slot
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     source: torch.Tensor | None = field(default=None, repr=False)
     # with a unit cache, shared like the two above: (B, H, R) int32, the cache row holding each
     # wanted slot; (B, H, R) long, the cache row each miss goes to; (B,) long, a count not kept
@@ -176,7 +182,7 @@ class TieredStore:
         if self.scratch is None:
             if self.retrieved.values.shape != keys.shape or self.retrieved.values.dtype != keys.dtype:
                 raise ValueError("TieredStore: retrieved keys and values must have one shape and dtype")
-            self.scratch = _shared(keys.shape, keys.dtype, keys)
+            self.scratch = _pair_scratch(keys)
         if self.source is None:
             # -1 (nothing resident) until written: a backend may read entries it was not asked to fill
             self.source = _shared(keys.shape[:3], torch.int32, keys, fill=-1)
@@ -449,7 +455,7 @@ class TieredStore:
             slots[:, :, :old], held[:, :, :old] = buffer.slots, buffer.held
         self.retrieved = RetrievedBuffer(*part(slice(sink, sink + rows)), slots=slots, held=held, fill=buffer.fill)
         if rows != old:
-            self.scratch = _shared(self.retrieved.keys.shape, grown.keys.dtype, grown.keys)
+            self.scratch = _pair_scratch(self.retrieved.keys)
             self.source = _shared(self.retrieved.keys.shape[:3], torch.int32, grown.keys, fill=-1)
             if self.cache is not None:
                 self._cache_scratch()
@@ -501,18 +507,17 @@ class TieredStore:
         # from the pool (over PCIe for a host pool). Same contents as gathering every row.
         if cache is None:
             ops.resident_rows(slots, reselect, buffer, self.source, self.pool_rows_read, self.slot_map)
-            cache_keys = cache_values = cache_source = None
+            cache_source = None
         else:
             ops.resident_rows(slots, reselect, buffer, self.source, self.unread, self.slot_map)
             ops.resident_rows(torch.where(self.source < 0, slots, -1), reselect, cache, self.cache_source, self.unread,
                               self.slot_map)
             ops.number_misses(self, reselect)  # counted, and each given the cache row it replaces
-            cache_keys, cache_values, cache_source = cache.keys, cache.values, self.cache_source
+            cache_source = self.cache_source
         pool_rows = self.pool_rows(slots)
-        ops.refresh_rows(self.pool.keys, pool_rows, reselect, self.source, buffer.keys, self.scratch,
-                         cache_keys, cache_source)
-        ops.refresh_rows(self.pool.values, pool_rows, reselect, self.source, buffer.values, self.scratch,
-                         cache_values, cache_source)
+        ops.refresh_rows((self.pool.keys, self.pool.values), pool_rows, reselect, self.source,
+                         (buffer.keys, buffer.values), self.scratch,
+                         None if cache is None else (cache.keys, cache.values), cache_source)
         # the buffer's slots, validity (padding inside a unit is fetched, never attended), fill
         # and held flags (a slot not written yet was read as whatever the pool held: never reused)
         ops.commit_selection(self, slots, slot_valid, reselect)

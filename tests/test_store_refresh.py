@@ -272,8 +272,10 @@ def test_unwritten_slots_are_never_reused():
 
 def test_stores_of_one_shape_share_one_scratch():
     a, b = _stores(0, torch.device("cpu"), torch.device("cpu"))
-    assert a.scratch is b.scratch
-    assert a.scratch.shape == a.retrieved.keys.shape
+    assert all(x is y for x, y in zip(a.scratch, b.scratch)) and len(a.scratch) == 2
+    assert a.scratch[0] is not a.scratch[1]  # one fill writes keys and values at once
+    assert all(part.shape == a.retrieved.keys.shape for part in a.scratch)
+    assert a.slot_map is b.slot_map and (a.slot_map == -1).all()
 
 
 @pytest.mark.parametrize("name", ["quest", "louiskv"])

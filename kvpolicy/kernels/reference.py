@@ -249,16 +249,17 @@ def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch
 
 
 def refresh_rows(
-    pool: torch.Tensor,
+    pools: Sequence[torch.Tensor],
     slots: torch.Tensor,
     take: torch.Tensor,
     source: torch.Tensor,
-    out: torch.Tensor,
-    scratch: torch.Tensor,
-    cache: torch.Tensor | None = None,
+    outs: Sequence[torch.Tensor],
+    scratches: Sequence[torch.Tensor],
+    caches: Sequence[torch.Tensor] | None = None,
     cache_source: torch.Tensor | None = None,
 ) -> None:
-    """``gather_rows_into`` that reuses rows already on the device.
+    """``gather_rows_into`` that reuses rows already on the device, for each part (a fetch's
+    keys and values: ``pools``, ``outs``, ``scratches`` and ``caches`` hold one tensor a part).
 
     For the sequences where ``take (B,)``: ``out[b, h, r] = out[b, h, source[b, h, r]]`` where
     ``source >= 0`` (the current buffer holds that slot, see ``resident_rows``), else
@@ -267,20 +268,25 @@ def refresh_rows(
     in ``scratch`` (same shape as ``out``, left with unspecified contents) and copied back; a
     fast backend reads only the non-resident rows from the pool.
 
-    ``cache`` ``(B, H, C, D)`` (a ``RowCache``'s keys or values, on ``out``'s device) with
+    ``caches`` ``(B, H, C, D)`` (a ``RowCache``'s keys and values, on ``out``'s device) with
     ``cache_source (B, H, R)`` int32: where ``source < 0`` and ``cache_source >= 0`` the row is
     ``cache[b, h, cache_source]`` instead of the pool's (the GPU unit cache holds that slot).
     """
-    resident = (source >= 0).unsqueeze(-1)
-    # clamped: entries of sequences that do not take may be stale
-    index = source.long().clamp(0, max(out.shape[2] - 1, 0)).unsqueeze(-1).expand(*source.shape, out.shape[-1])
-    kept = out.gather(2, index)
-    fetched = gather_rows(pool, slots, out.device)
-    if cache is not None and cache.shape[2] > 0:
-        at = cache_source.long().clamp(0, cache.shape[2] - 1).unsqueeze(-1).expand(*source.shape, out.shape[-1])
-        fetched = torch.where((cache_source >= 0).unsqueeze(-1), cache.gather(2, at), fetched)
-    scratch.copy_(torch.where(resident, kept, fetched))
-    out.copy_(torch.where(take.view(-1, 1, 1, 1), scratch, out))
+    if len(outs) != len(pools) or len(scratches) != len(pools) or (caches is not None and len(caches) != len(pools)):
+        raise ValueError(f"refresh_rows: pools, outs, scratches and caches need one tensor a part, got {len(pools)}, "
+                         f"{len(outs)}, {len(scratches)} and {'no' if caches is None else len(caches)}")
+    for part, (pool, out, scratch) in enumerate(zip(pools, outs, scratches)):
+        cache = None if caches is None else caches[part]
+        resident = (source >= 0).unsqueeze(-1)
+        # clamped: entries of sequences that do not take may be stale
+        index = source.long().clamp(0, max(out.shape[2] - 1, 0)).unsqueeze(-1).expand(*source.shape, out.shape[-1])
+        kept = out.gather(2, index)
+        fetched = gather_rows(pool, slots, out.device)
+        if cache is not None and cache.shape[2] > 0:
+            at = cache_source.long().clamp(0, cache.shape[2] - 1).unsqueeze(-1).expand(*source.shape, out.shape[-1])
+            fetched = torch.where((cache_source >= 0).unsqueeze(-1), cache.gather(2, at), fetched)
+        scratch.copy_(torch.where(resident, kept, fetched))
+        out.copy_(torch.where(take.view(-1, 1, 1, 1), scratch, out))
 
 
 def cache_insert(cache, dest: torch.Tensor, take: torch.Tensor, buffer) -> None:

@@ -2,17 +2,18 @@
 ``cache_insert`` and ``number_misses``).
 
 Consecutive selections overlap, and the rows they share are already in the retrieved buffer
-on the GPU. A fetch runs three launches per tensor pair:
+on the GPU. A fetch runs:
 
 1. ``resident_rows`` (once for keys and values): for each wanted slot, the last held buffer
    row labelled with it, or -1; and the count of -1 per sequence, added with one atomic per
    program. Through a slot -> row map that every layer shares (the held rows mark it, the
    wanted slots read it, the held rows clear it): linear in the rows, fully parallel, and a
    sequence that does not re-select costs nothing (its programs return at once).
-2. ``refresh_rows`` fill: one program per ``[ROWS, D]`` tile of one (sequence, head) writes
-   ``scratch`` from the buffer where the slot is resident and from the pool otherwise. Both
-   loads are masked per row, so a resident row costs no pool byte: with a pinned host pool,
-   only the missing rows cross PCIe. Two masked stores (no select on the values) keep every bit.
+2. ``refresh_rows`` fill, keys and values in one launch: one program per ``[ROWS, D]`` tile of
+   one part of one (sequence, head) writes its ``scratch`` from the buffer where the slot is
+   resident and from the pool otherwise. Both loads are masked per row, so a resident row costs
+   no pool byte: with a pinned host pool, only the missing rows cross PCIe. Two masked stores
+   (no select on the values) keep every bit.
 3. ``refresh_rows`` copy back: ``out = scratch``. Separate, because rows move between
    positions: a program of step 2 may read a buffer row another one would already have replaced.
 
@@ -27,6 +28,8 @@ from shapes alone, so every launch can be graph-captured.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import triton
@@ -142,7 +145,8 @@ def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch
 
 @triton.jit
 def _refresh_kernel(
-    pool_ptr, slots_ptr, source_ptr, take_ptr, out_ptr, scratch_ptr, cache_ptr, cache_source_ptr,
+    pool0_ptr, pool1_ptr, out0_ptr, out1_ptr, scratch0_ptr, scratch1_ptr, cache0_ptr, cache1_ptr,
+    slots_ptr, source_ptr, take_ptr, cache_source_ptr,
     R,
     pool_sb, pool_sh, pool_sr, pool_sd,
     slots_sb, slots_sh, slots_sr,
@@ -151,9 +155,17 @@ def _refresh_kernel(
     scratch_sb, scratch_sh, scratch_sr, scratch_sd,
     cache_sb, cache_sh, cache_sr, cache_sd,
     csrc_sb, csrc_sh, csrc_sr,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, COPY_BACK: tl.constexpr, HAS_CACHE: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, PARTS: tl.constexpr, COPY_BACK: tl.constexpr,
+    HAS_CACHE: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    # the parts (keys, values) of one tile are neighbouring programs: both tensors' rows are in
+    # flight over PCIe at once, where a launch per tensor left half the requests for later
+    tile = tl.program_id(0) // PARTS
+    part = tl.program_id(0) % PARTS
+    if part == 0:
+        pool_ptr, out_ptr, scratch_ptr, cache_ptr = pool0_ptr, out0_ptr, scratch0_ptr, cache0_ptr
+    else:
+        pool_ptr, out_ptr, scratch_ptr, cache_ptr = pool1_ptr, out1_ptr, scratch1_ptr, cache1_ptr
     # int64: pools reach past 2**31 elements
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -208,25 +220,46 @@ def _refresh_kernel(
         tl.store(here, tl.load(kept_src, mask=kept_mask), mask=kept_mask)
 
 
+def _same_layout(name: str, parts: Sequence[torch.Tensor]) -> None:
+    first = parts[0]
+    for other in parts[1:]:
+        if other.shape != first.shape or other.stride() != first.stride() or other.dtype != first.dtype \
+                or other.device != first.device:
+            raise ValueError(f"triton refresh_rows: the {name} parts must share shape, strides, dtype and device, got "
+                             + ", ".join(f"{tuple(t.shape)} {t.stride()} {t.dtype} on {t.device}" for t in parts))
+
+
 @implement("triton", "refresh_rows", supports=triton_runs_on)
 def refresh_rows(
-    pool: torch.Tensor,
+    pools: Sequence[torch.Tensor],
     slots: torch.Tensor,
     take: torch.Tensor,
     source: torch.Tensor,
-    out: torch.Tensor,
-    scratch: torch.Tensor,
-    cache: torch.Tensor | None = None,
+    outs: Sequence[torch.Tensor],
+    scratches: Sequence[torch.Tensor],
+    caches: Sequence[torch.Tensor] | None = None,
     cache_source: torch.Tensor | None = None,
 ) -> None:
-    """``out[b, h, r] = out[b, h, source]`` if ``source >= 0``, else ``cache[b, h, cache_source]``
-    if a ``cache`` is given and ``cache_source >= 0``, else ``pool[b, h, slots]``, where ``take``.
+    """For each part (the keys, the values): ``out[b, h, r] = out[b, h, source]`` if
+    ``source >= 0``, else ``cache[b, h, cache_source]`` if ``caches`` are given and
+    ``cache_source >= 0``, else ``pool[b, h, slots]``, where ``take``. Every part in one launch
+    (and one for the copy back).
 
-    ``pool`` is on ``out``'s device, or in pinned CPU memory for a CUDA ``out``; ``source`` holds
-    rows of ``out`` (``-1 <= source < R``); ``scratch`` has ``out``'s shape and dtype, does not
-    overlap it, and is left with unspecified contents; ``cache (B, H, C, D)`` is on ``out``'s
-    device and ``cache_source`` is int32 shaped like ``source`` (``-1 <= cache_source < C``).
+    A pool is on its ``out``'s device, or in pinned CPU memory for a CUDA ``out``; ``source``
+    holds rows of ``out`` (``-1 <= source < R``); a ``scratch`` has its ``out``'s shape and dtype,
+    overlaps no ``out``, and is left with unspecified contents; a cache ``(B, H, C, D)`` is on
+    ``out``'s device and ``cache_source`` is int32 shaped like ``source`` (``-1 <= cache_source <
+    C``). The parts of each argument share one layout.
     """
+    parts = len(pools)
+    if parts not in (1, 2) or len(outs) != parts or len(scratches) != parts \
+            or (caches is not None and len(caches) != parts):
+        raise ValueError(f"triton refresh_rows: one or two parts (keys, values) of pools, outs, scratches and caches "
+                         f"alike, got {len(pools)}, {len(outs)}, {len(scratches)} and "
+                         f"{'no' if caches is None else len(caches)}")
+    for name, group in (("pool", pools), ("out", outs), ("scratch", scratches)) + ((("cache", caches),) if caches else ()):
+        _same_layout(name, group)
+    pool, out, scratch = pools[0], outs[0], scratches[0]
     batch, heads, _, dim = pool.shape
     rows = slots.shape[-1]
     want = (batch, heads, rows)
@@ -242,6 +275,7 @@ def refresh_rows(
         )
     if out.dtype != pool.dtype:
         raise ValueError(f"triton refresh_rows: out is {out.dtype} but the pool is {pool.dtype}")
+    cache = caches[0] if caches is not None else None
     has_cache = cache is not None and cache.shape[2] > 0
     if has_cache and (tuple(cache.shape[:2]) != (batch, heads) or cache.shape[3] != dim or cache.dtype != out.dtype
                       or cache.device != out.device or cache_source is None
@@ -252,27 +286,34 @@ def refresh_rows(
         )
     if batch * heads * rows * dim == 0:
         return
-    if scratch.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
-        raise ValueError("triton refresh_rows: scratch shares memory with out; rows would be overwritten before read")
+    outs_storage = {o.untyped_storage().data_ptr() for o in outs}
+    if any(s.untyped_storage().data_ptr() in outs_storage for s in scratches) \
+            or (parts == 2 and scratches[0].data_ptr() == scratches[1].data_ptr()):
+        raise ValueError("triton refresh_rows: a scratch shares memory with an out or the other scratch; rows would "
+                         "be overwritten before read")
     device = out.device
-    pool_arg = _pool_argument(pool, device)
+    pool_args = [_pool_argument(p, device) for p in pools]
     slots = slots.to(device)  # no-op when already there
     source = source.to(device)
     take = take.to(device).reshape(batch).contiguous().view(torch.uint8)
     block_d = triton.next_power_of_2(dim)
     tile_rows = max(1, min(_TILE_BYTES // (block_d * pool.element_size()), 128))
     tile_rows = min(tile_rows, triton.next_power_of_2(rows))
-    grid = (triton.cdiv(rows, tile_rows), heads, batch)
+    grid = (parts * triton.cdiv(rows, tile_rows), heads, batch)
     if not has_cache:  # unused pointers: any tensor of the device, strides unread
-        cache, cache_source = out, source
+        caches, cache_source = outs, source
+    # a single part passes its tensors twice: the kernel never takes the second branch
+    second = 1 if parts == 2 else 0
+    pointers = (pool_args[0], pool_args[second], outs[0], outs[second], scratches[0], scratches[second],
+                caches[0], caches[second])
     strides = (*pool.stride(), *slots.stride(), *source.stride(), *out.stride(), *scratch.stride(),
-               *cache.stride(), *cache_source.stride())
+               *caches[0].stride(), *cache_source.stride())
     for copy_back in (False, True):
         _refresh_kernel[grid](
-            pool_arg, slots, source, take, out, scratch, cache, cache_source,
+            *pointers, slots, source, take, cache_source,
             rows,
             *strides,
-            D=dim, BLOCK_D=block_d, ROWS=tile_rows, COPY_BACK=copy_back, HAS_CACHE=has_cache,
+            D=dim, BLOCK_D=block_d, ROWS=tile_rows, PARTS=parts, COPY_BACK=copy_back, HAS_CACHE=has_cache,
         )
 
 

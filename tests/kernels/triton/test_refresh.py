@@ -24,7 +24,13 @@ BACKENDS = ["reference", "triton"]
 
 
 def _refresh(backend):
-    return dispatch.get("refresh_rows", backend, DEVICE)
+    """``refresh_rows`` of one part: ``(pool, slots, take, source, out, scratch[, cache, cache_source])``."""
+    op = dispatch.get("refresh_rows", backend, DEVICE)
+
+    def one_part(pool, slots, take, source, out, scratch, cache=None, cache_source=None):
+        op((pool,), slots, take, source, (out,), (scratch,), None if cache is None else (cache,), cache_source)
+
+    return one_part
 
 
 def _slot_map(slots, current):
@@ -186,9 +192,46 @@ def test_triton_refresh_matches_the_reference_bit_for_bit(dtype, dim):
     pool, current, held, out, slots, take = _case("overlap", dtype=dtype, dim=dim, seed=3)
     source, _ = _locate("reference", slots, take, current, held)
     want = out.clone()
-    reference.refresh_rows(pool, slots, take, source, want, torch.empty_like(out))
+    _refresh("reference")(pool, slots, take, source, want, torch.empty_like(out))
     _refresh("triton")(pool, slots, take, source, out, torch.empty_like(out))
     assert _same_bits(out, want)
+
+
+@pytest.mark.parametrize("with_cache", [False, True])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_refresh_of_keys_and_values_in_one_call_equals_one_call_each(backend, with_cache):
+    pool, current, held, out, slots, take = _case("overlap", dtype=torch.bfloat16, seed=13)
+    values_pool = pool.flip(2).contiguous()  # other contents, same layout
+    values_out = _current_buffer(values_pool, current, held, DEVICE)
+    source, _ = _locate("reference", slots, take, current, held)
+    g = torch.Generator(device=DEVICE).manual_seed(14)
+    caches, cache_source = None, None
+    if with_cache:
+        caches = tuple(torch.randn(*pool.shape[:2], 9, pool.shape[-1], generator=g, device=DEVICE).to(pool.dtype)
+                       for _ in range(2))
+        cache_source = torch.randint(-1, 9, slots.shape, generator=g, device=DEVICE, dtype=torch.int32)
+    want = [out.clone(), values_out.clone()]
+    for part, (p, w) in enumerate(zip((pool, values_pool), want)):
+        _refresh("reference")(p, slots, take, source, w, torch.empty_like(w),
+                              None if caches is None else caches[part], cache_source)
+    got = [out.clone(), values_out.clone()]
+    dispatch.get("refresh_rows", backend, DEVICE)((pool, values_pool), slots, take, source, got,
+                                                  [torch.empty_like(out), torch.empty_like(out)], caches, cache_source)
+    assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
+    assert not _same_bits(want[0], want[1])  # the parts really differ
+
+
+def test_triton_refresh_rejects_parts_that_do_not_pair_up():
+    pool, current, held, out, slots, take = _case("overlap", seed=15)
+    source, _ = _locate("reference", slots, take, current, held)
+    op = dispatch.get("refresh_rows", "triton", DEVICE)
+    with pytest.raises(ValueError, match="one or two parts"):
+        op((pool, pool), slots, take, source, (out,), (torch.empty_like(out),))
+    with pytest.raises(ValueError, match="share shape"):
+        op((pool, pool[:, :, :-1]), slots, take, source, (out, out.clone()), (torch.empty_like(out),) * 2)
+    shared = torch.empty_like(out)
+    with pytest.raises(ValueError, match="shares memory"):
+        op((pool, pool), slots, take, source, (out, out.clone()), (shared, shared))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
