@@ -10,4 +10,10 @@ step resident_rows 40 python3 benchmarks/resident_rows.py --batches 1,4
 step prof_pinned_every 110 $PROF --preset louiskv --placement cpu --trigger "$EVERY" --stickiness 32 --out "$OUT/prof_pinned_every.txt"
 step e2e_pinned 280 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --stickiness 32 --json "$OUT/e2e_pinned.json"
 ;;
+pair)  # call 2: keys and values refreshed in one launch; a unit cache of 16K rows against the default
+# (2 x the retrieved rows), now that the lookup is linear in the cache's rows
+step gpu_tests 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/test_refresh.py tests/test_store_refresh.py tests/kernels/triton/test_fetch.py
+step e2e_pinned 270 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --stickiness 32 --json "$OUT/e2e_pinned.json"
+step e2e_pinned_c16k 230 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --stickiness 32 --unit-cache-rows 16384 --json "$OUT/e2e_pinned_c16k.json"
+;;
 esac
