@@ -568,7 +568,18 @@ def _index_tensors(seed, batch, heads, n, dim, subspaces, indexed, written):
     return tensors, gen
 
 
-@pytest.mark.parametrize("dim, subspaces, buffer, indexed, written", [(128, 16, 4, 90, 94), (64, 8, 8, 90, 93), (16, 16, 1, 50, 51)])
+@pytest.mark.parametrize(
+    "dim, subspaces, buffer, indexed, written",
+    [
+        (128, 16, 4, 90, 94),  # ParisKV's: the rotation's factors 8 x 16
+        (64, 8, 8, 90, 93),  # factors 8 x 8
+        (16, 16, 1, 50, 51),  # 1-dim subspaces
+        (256, 32, 2, 40, 41),  # factors 16 x 16
+        (16, 2, 3, 10, 12),  # a subspace (8 dims) wider than the rotation's low factor (4 x 4)
+        (8, 1, 2, 10, 11),  # one subspace holds the whole key
+        (2, 1, 1, 5, 6),  # the smallest head_dim: factors 1 x 2
+    ],
+)
 def test_analytic_append_matches_reference(dim, subspaces, buffer, indexed, written):
     batch, heads, n = 2, 3, 100
     from kvpolicy.kernels.triton import analytic_append
