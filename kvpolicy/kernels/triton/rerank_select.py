@@ -579,7 +579,8 @@ def _radix_place_kernel(
         tl.store(out_valid + r, valid.to(tl.int8), mask=write)
     if chunk == 0:  # the row's count: the chosen ones and the buffer's valid rows
         count = take
-        for r0 in range(0, R, BLOCK):
+        # over the buffer's rows only (a few dozen), not all R: this program's serial tail
+        for r0 in range(0, buffered, BLOCK):
             r = r0 + lanes
             in_buffer = r < buffered
             position = tl.minimum(indexed + r, N - 1)
