@@ -344,7 +344,7 @@ _RADIX_SCORE_WARPS = 4
 _RADIX_MIN_CHUNK = 256
 # ... where that leaves at least _RADIX_MIN_CHUNK_PROGRAMS programs: a smaller call (batch 1 at
 # 32K: 8 rows of 6K candidates, 192 programs at 256) takes chunks of one score step instead, so
-# no program waits on two rounds of code loads (at 1x32K: 384 programs); unmeasured
+# no program waits on two rounds of code loads (at 1x32K: 8 x 47 = 376 programs); unmeasured
 _RADIX_MIN_CHUNK_PROGRAMS = 1024
 # the fewest candidates a program of the level and place passes takes (0: the score pass's
 # chunk). Their programs are latency-bound (a row histogram's pick, one step of keys, 256

@@ -532,7 +532,7 @@ def test_radix_chunk_at_decode_sizes():
     from kvpolicy.kernels.triton import rerank_select as rs
 
     assert rs.radix_chunk(32, 13108) == rs._RADIX_MIN_CHUNK  # 128K x 4: 1,664 programs at the floor
-    assert rs.radix_chunk(8, 6001) == rs._RADIX_SCORE_SUB  # 1 x 32K: one score step a program, 384 programs
+    assert rs.radix_chunk(8, 6001) == rs._RADIX_SCORE_SUB  # 1 x 32K: one score step a program, 376 programs
     assert rs.radix_chunk(32, 104858) == 1024  # 1M x 4: _RADIX_PROGRAMS decides
     assert rs.radix_chunk(1, 100000) == 512  # at most _MAX_CHUNKS chunks a row
 
