@@ -65,6 +65,8 @@ RERANK_VARIANTS = (
     ("radix score 32x4w old", {"METHOD": "radix", "_RADIX_SCORE_SUB": 32, "_RADIX_SCORE_WARPS": 4}),
     ("radix words 64x8w", {"METHOD": "radix", "SCORE_WORDS": True, "_RADIX_SCORE_SUB": 64, "_RADIX_SCORE_WARPS": 8}),
     ("radix min chunk 128", {"METHOD": "radix", "_RADIX_MIN_CHUNK": 128}),
+    # as before the small-call chunks: the 256 floor whatever the programs
+    ("radix min chunk 256 always", {"METHOD": "radix", "_RADIX_MIN_CHUNK_PROGRAMS": 0}),
     ("radix programs 2048", {"METHOD": "radix", "_RADIX_PROGRAMS": 2048}),
     ("radix programs 8192", {"METHOD": "radix", "_RADIX_PROGRAMS": 8192}),
     ("radix programs 16384", {"METHOD": "radix", "_RADIX_PROGRAMS": 16384}),
@@ -74,6 +76,8 @@ RERANK_VARIANTS = (
 # shipped setting): positions a program, keys a step, warps of the votes and compaction passes
 COLLISION_VARIANTS = (
     ("shipped", {}),
+    # as before the small-call chunks: 2048 positions at every size, the threshold pass in steps of 32
+    ("before: chunk 2048 always", {"_MIN_CHUNK": 2048, "_WHOLE_ROW_CHUNKS": 0}),
     ("chunk 4096", {"_CHUNK": 4096}),
     ("chunk 1024", {"_CHUNK": 1024}),
     ("sub 512", {"_SUB": 512}),
@@ -88,6 +92,8 @@ COLLISION_VARIANTS = (
 # rerank_select's radix method alone, no composed path
 QUICK_COLLISION_VARIANTS = (
     ("shipped", {}),
+    # as before the small-call chunks: 2048 positions at every size, the threshold pass in steps of 32
+    ("before: chunk 2048 always", {"_MIN_CHUNK": 2048, "_WHOLE_ROW_CHUNKS": 0}),
     ("before: pass", {"PIPELINE": "pass"}),
     ("fused votes 8 warps", {"_VOTES_WARPS": 8}),
     ("fused compact sub 2048", {"_COMPACT_SUB": 2048}),

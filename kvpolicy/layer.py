@@ -90,6 +90,7 @@ class PolicyLayerState:
         self.ops: dispatch.Ops | None = None  # bound at prefill, on the attention device
         self.has_selection: torch.Tensor | None = None  # (B,) bool
         self.reselect: torch.Tensor | None = None  # (B,) bool
+        self.no_rows: torch.Tensor | None = None  # (B,) bool, all False, never written
         self.reselections: torch.Tensor | None = None  # (B,) long, summed over decode steps
         self.decode_steps = 0
         # (pool_rows_read, rows_fetched) after the first decode step, whose selection finds an
@@ -151,6 +152,7 @@ class PolicyLayerState:
             policy.trigger.attach(self.trigger_state, self)
         self.has_selection = torch.zeros(batch, dtype=torch.bool, device=device)
         self.reselect = torch.zeros(batch, dtype=torch.bool, device=device)  # this step's decision
+        self.no_rows = torch.zeros(batch, dtype=torch.bool, device=device)
         self.reselections = torch.zeros(batch, dtype=torch.long, device=device)
 
     def _cache_rows(self) -> int:
@@ -207,7 +209,10 @@ class PolicyLayerState:
             else:
                 # in a captured step a conditional node: a step where no row re-selects skips it
                 graph_branch.run_if_any(reselect, lambda: self._reselect(query))
-            store.admit(evicted, ~reselect, ops, evict=policy.admit == "evict")
+            # rows that did not re-select may admit; an always-reselecting trigger's never do, a
+            # constant mask rather than a launch for ~reselect
+            may_admit = self.no_rows if policy.trigger.always_reselects else ~reselect
+            store.admit(evicted, may_admit, ops, evict=policy.admit == "evict")
             if self.decode_steps == 0:  # eager: a graph captures a later step
                 self.first_fetch = (store.pool_rows_read.clone(), store.rows_fetched.clone())
         self.decode_steps += 1

@@ -51,6 +51,19 @@ def test_unknown_reference_is_a_clear_error():
         QueryCosine(tau=0.8, against="last").validate()
 
 
+def test_every_step_decides_every_row_from_one_cached_tensor():
+    from kvpolicy.triggers.every_step import EveryStep
+
+    trigger = EveryStep()
+    query = torch.zeros(3, 4, 8)
+    with torch.inference_mode():
+        fire = trigger.decide_fast(query, None, None)
+    assert fire.dtype == torch.bool and fire.tolist() == [True] * 3
+    assert trigger.decide_fast(query, None, None) is fire  # no launch on a later step
+    assert trigger.decide_fast(torch.zeros(2, 4, 8), None, None).tolist() == [True] * 2
+    assert torch.equal(trigger.decide(query, None), fire)
+
+
 @pytest.mark.parametrize("preset, expects_mask", [("quest", False), ("louiskv", True)])
 def test_the_decode_step_passes_the_trigger_decision_unless_it_always_reselects(preset, expects_mask, monkeypatch):
     # every_step triggers declare always_reselects, so the selector gets no take mask (its

@@ -6,8 +6,10 @@ centroid ids, the calibration weight; then six ``index_copy_`` and the counter: 
 launches a layer and step).
 
 1. ``_encode_kernel``, one program per (sequence, KV head): loads the key, l2-normalises it and
-   applies the SRHT signs, rotates it by the ``D x D`` Hadamard signs ``(-1)^popcount(i & j) /
-   sqrt(D)`` (as ``query_votes``), and writes at position ``next_position`` its centroid id per
+   applies the SRHT signs, rotates it by the Hadamard signs ``(-1)^popcount(i & j) / sqrt(D)`` as
+   two small products (``H_D = H_HI (x) H_LO``: ``D x (HI + LO)`` terms, 3,072 at D = 128, where
+   the whole ``D x D`` matrix is 16,384, each a 7-bit parity: a single program's arithmetic is
+   this launch's time, so it is kept short), and writes at position ``next_position`` its centroid id per
    subspace (bit ``j``: rotated coordinate ``j`` >= 0), its packed 4-bit code (magnitude: the
    thresholds below ``|x|``, as ``bucketize``; bit 3 the sign), ``weight = 1 / <k, k_hat>``
    (0 where not positive) and its norm; the KV head 0 programs write ``token_valid``, the first
@@ -33,6 +35,17 @@ from ..dispatch import OPS, implement, triton_runs_on
 
 
 @triton.jit
+def _hadamard_signs(N: tl.constexpr, LOG_N: tl.constexpr):
+    """``(N, N)`` True where the Sylvester Hadamard matrix has +1: ``popcount(i & j)`` even."""
+    i = tl.arange(0, N)
+    both = i[:, None] & i[None, :]
+    parity = tl.zeros([N, N], dtype=tl.int32)
+    for bit in tl.static_range(LOG_N):
+        parity ^= (both >> bit) & 1
+    return parity == 0
+
+
+@triton.jit
 def _encode_kernel(
     key_ptr, signs_ptr, thresholds_ptr, values_ptr, next_ptr, valid_ptr, slot_ptr,
     centroids_ptr, codes_ptr, weight_ptr, norms_ptr, token_valid_ptr, slots_ptr,
@@ -44,40 +57,47 @@ def _encode_kernel(
     norm_sb, norm_sh, norm_sn,
     tv_sb, tv_sn, slot_s,
     inv_sqrt_d,
-    D: tl.constexpr, LOG_D: tl.constexpr, S: tl.constexpr, DIMS: tl.constexpr, BLOCK_S: tl.constexpr,
-    LEVELS: tl.constexpr,
+    D: tl.constexpr, HI: tl.constexpr, LOG_HI: tl.constexpr, LO: tl.constexpr, LOG_LO: tl.constexpr,
+    S: tl.constexpr, DIMS: tl.constexpr, LEVELS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // H
     h = row % H
     position = tl.load(next_ptr)
-    d = tl.arange(0, D)
+    # the key as a (HI, LO) tile, coordinate HI-index * LO + LO-index (D = HI * LO)
+    hi = tl.arange(0, HI)
+    lo = tl.arange(0, LO)
+    d = hi[:, None] * LO + lo[None, :]
     key = tl.load(key_ptr + b * key_sb + h * key_sh + d * key_sd).to(tl.float32)
-    norm = tl.sqrt(tl.sum(key * key, axis=0))
+    norm = tl.sqrt(tl.sum(tl.sum(key * key, axis=1), axis=0))
     unit = key / tl.maximum(norm, 1e-12) * tl.load(signs_ptr + d)
-    # rotated coordinate i: row i of the Hadamard matrix dotted with the signed unit key
-    both = d[:, None] & d[None, :]
-    parity = tl.zeros([D, D], dtype=tl.int32)
-    for bit in tl.static_range(LOG_D):
-        parity ^= (both >> bit) & 1
-    rotated = tl.sum(tl.where(parity == 0, unit[None, :], -unit[None, :]), axis=1) * inv_sqrt_d
+    # the rotation: H_D = H_HI (x) H_LO (Sylvester order), so rotating is two small products,
+    # over the low index bits then the high ones: D * (LO + HI) terms, not D * D
+    by_lo = tl.sum(tl.where(_hadamard_signs(LO, LOG_LO)[None, :, :], unit[:, None, :], -unit[:, None, :]), axis=2)
+    rotated = tl.sum(tl.where(_hadamard_signs(HI, LOG_HI)[:, :, None], by_lo[None, :, :], -by_lo[None, :, :]),
+                     axis=1) * inv_sqrt_d
+    rotated = tl.reshape(rotated, [D])
     # the code: magnitude = thresholds below |x| (bucketize), bit 3 the sign; its value
     magnitude = tl.zeros([D], dtype=tl.int32)
     for t in tl.static_range(LEVELS - 1):
         magnitude += (tl.abs(rotated) > tl.load(thresholds_ptr + t)).to(tl.int32)
     nibble = magnitude | ((rotated < 0).to(tl.int32) << 3)
-    alignment = tl.sum(rotated * tl.load(values_ptr + nibble), axis=0)
+    # the code's value, values[nibble], chosen among the LEVELS loaded up front rather than
+    # gathered: a global load fewer in the chain after the rotation (values[8 + m] = -values[m])
+    level = tl.zeros([D], dtype=tl.float32)
+    for t in tl.static_range(LEVELS):
+        level = tl.where(magnitude == t, tl.load(values_ptr + t), level)
+    alignment = tl.sum(rotated * tl.where(rotated < 0, -level, level), axis=0)
     weight = tl.where(alignment > 0, 1.0 / tl.maximum(alignment, 1e-30), 0.0)
     # pack coordinate 2i into byte i's low nibble, 2i + 1 into its high one
+    low, high = tl.split(tl.reshape(nibble, [D // 2, 2]))
     i = tl.arange(0, D // 2)
-    packed = tl.sum(tl.where(d[None, :] == 2 * i[:, None], nibble[None, :], 0)
-                    + tl.where(d[None, :] == 2 * i[:, None] + 1, nibble[None, :] << 4, 0), axis=1)
-    tl.store(codes_ptr + b * code_sb + h * code_sh + position * code_sn + i * code_sd, packed.to(tl.uint8))
+    tl.store(codes_ptr + b * code_sb + h * code_sh + position * code_sn + i * code_sd, (low | (high << 4)).to(tl.uint8))
     # centroid id of subspace s: bit j set where coordinate s * DIMS + j is >= 0
-    s = tl.arange(0, BLOCK_S)
-    bits = tl.where((d[None, :] // DIMS == s[:, None]) & (rotated[None, :] >= 0), 1 << (d[None, :] % DIMS), 0)
-    ids = tl.sum(bits, axis=1)
-    tl.store(centroids_ptr + b * cen_sb + h * cen_sh + position * cen_sn + s * cen_ss, ids.to(tl.uint8), mask=s < S)
+    place = 1 << tl.arange(0, DIMS)
+    ids = tl.sum(tl.where(tl.reshape(rotated, [S, DIMS]) >= 0, place[None, :], 0), axis=1)
+    s = tl.arange(0, S)
+    tl.store(centroids_ptr + b * cen_sb + h * cen_sh + position * cen_sn + s * cen_ss, ids.to(tl.uint8))
     tl.store(weight_ptr + b * weight_sb + h * weight_sh + position * weight_sn, weight)
     tl.store(norms_ptr + b * norm_sb + h * norm_sh + position * norm_sn, norm)
     if h == 0:
@@ -127,6 +147,9 @@ def analytic_append(
         return
     device = codes.device
     levels, thresholds, values = analytic._levels_on(dim, device)  # cached with the levels
+    # the rotation's two factors: the high half of the index bits (fewer), the low half
+    log_d = dim.bit_length() - 1
+    log_hi = log_d // 2
     token_bytes = token_valid.view(torch.uint8) if token_valid.dtype == torch.bool else token_valid
     valid_bytes = valid.reshape(batch)
     valid_bytes = valid_bytes.view(torch.uint8) if valid_bytes.dtype == torch.bool else valid_bytes
@@ -137,7 +160,7 @@ def analytic_append(
         *key.stride(), *centroids.stride(), *codes.stride(), *weight.stride(), *norms.stride(),
         *token_bytes.stride(), slots.stride(0),
         1.0 / math.sqrt(dim),
-        D=dim, LOG_D=dim.bit_length() - 1, S=subspaces, DIMS=dims, BLOCK_S=triton.next_power_of_2(subspaces),
+        D=dim, HI=1 << log_hi, LOG_HI=log_hi, LO=dim >> log_hi, LOG_LO=log_d - log_hi, S=subspaces, DIMS=dims,
         LEVELS=levels.shape[0],
     )
     _counters_kernel[(1,)](next_position, indexed, int(update_buffer))

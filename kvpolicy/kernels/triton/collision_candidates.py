@@ -13,7 +13,8 @@ count and the cut). Votes are small integers (at most ``max_votes``: 96 for 16 s
 tiers), so the ``keep`` best-voted keys of a row are every key with more votes than a
 threshold vote ``v*`` plus the first keys by position with exactly ``v*``:
 
-1. ``_votes_kernel``, one program per (row, chunk of ``_CHUNK`` positions): reads the chunk's
+1. ``_votes_kernel``, one program per (row, chunk of ``pass_chunk`` positions: 2048, fewer in
+   a call too small to fill the GPU with programs of that size): reads the chunk's
    centroid ids (``S`` bytes per key, the only pass over them; as int32 words of four where
    the layout allows), looks each up in the row's vote table (``(S, 256)``, int8 from
    ``query_votes``, L1/L2-resident) one subspace at a time across the keys, so a warp's
@@ -51,8 +52,19 @@ from ..dispatch import OPS, implement, triton_runs_on
 # positions per program of the votes and compaction passes; keys per step inside one
 _CHUNK = 2048
 _SUB = 256
-# chunks per step of the threshold pass (a step holds _CHUNK_BLOCK x BINS counts)
+# a small call (batch 1 at 32K: 8 rows of ~40K positions, 160 programs of 8 steps at _CHUNK)
+# runs a loop of dependent steps on too few programs: the chunk shrinks, down to _MIN_CHUNK,
+# until the grid has about _PASS_PROGRAMS programs (an H200 holds ~2,000 4-warp programs at
+# once); a chunk of at most _ONE_STEP_CHUNK positions is read in one step (its loads all
+# independent). Larger calls keep _CHUNK and _SUB (128K x 4: 2,560 programs)
+_PASS_PROGRAMS = 1024
+_MIN_CHUNK = 512
+_ONE_STEP_CHUNK = 512
+# chunks per step of the threshold pass (a step holds _CHUNK_BLOCK x BINS counts); a row of at
+# most _WHOLE_ROW_CHUNKS chunks is read in one step (8 warps), so the smaller chunks above cost
+# the threshold pass no extra dependent loads
 _CHUNK_BLOCK = 32
+_WHOLE_ROW_CHUNKS = 128
 # bands of the length rule the kernel takes (ParisKV's has 3)
 _MAX_BANDS = 4
 # warps a program of the votes and compaction passes (4: Triton's default, what every measurement
@@ -376,7 +388,10 @@ def collision_candidates(
     out = torch.empty(batch, heads, width, dtype=torch.long, device=key_centroids.device)
     device = key_centroids.device
     bins = triton.next_power_of_2(max_votes + 2)
-    chunks = triton.cdiv(n, _CHUNK)
+    chunk = pass_chunk(rows, n)
+    sub = chunk if chunk <= _ONE_STEP_CHUNK else _SUB
+    chunks = triton.cdiv(n, chunk)
+    chunk_block = triton.next_power_of_2(chunks) if chunks <= _WHOLE_ROW_CHUNKS else _CHUNK_BLOCK
     votes = torch.empty(batch, heads, n, dtype=torch.int16, device=device)
     hist = torch.empty(rows, chunks, bins, dtype=torch.int32, device=device)
     words = _as_words(key_centroids)
@@ -386,7 +401,7 @@ def collision_candidates(
         heads, n, chunks,
         *ids.stride(), *valid.stride(),
         S=subspaces, IDS=reference_analytic.NUM_IDS, WORDS=words is not None,
-        CHUNK=_CHUNK, SUB=_SUB, BINS=bins, num_warps=_VOTES_WARPS,
+        CHUNK=chunk, SUB=sub, BINS=bins, num_warps=_VOTES_WARPS,
     )
     start = torch.empty(rows, chunks, dtype=torch.int32, device=device)
     ties = torch.empty(rows, chunks, dtype=torch.int32, device=device)
@@ -395,13 +410,20 @@ def collision_candidates(
     _threshold_kernel[(rows,)](
         hist, start, ties, level, take,
         chunks, width, int(floor), float(fraction), *_bands(bands),
-        BINS=bins, CHUNK_BLOCK=_CHUNK_BLOCK,
+        BINS=bins, CHUNK_BLOCK=chunk_block, num_warps=8 if chunk_block > _CHUNK_BLOCK else 4,
     )
     _compact_kernel[(rows, chunks)](
-        votes, start, ties, level, take, out, n, chunks, width, triton.cdiv(width, chunks), CHUNK=_CHUNK, SUB=_SUB,
+        votes, start, ties, level, take, out, n, chunks, width, triton.cdiv(width, chunks), CHUNK=chunk, SUB=sub,
         num_warps=_COMPACT_WARPS,
     )
     return out
+
+
+def pass_chunk(rows: int, n: int) -> int:
+    """Positions per program of the pass pipeline: ``_CHUNK``, or fewer (down to ``_MIN_CHUNK``)
+    where ``_CHUNK`` would leave fewer than about ``_PASS_PROGRAMS`` programs."""
+    wanted = triton.next_power_of_2(triton.cdiv(max(1, rows * n), _PASS_PROGRAMS))
+    return min(_CHUNK, max(_MIN_CHUNK, wanted))
 
 
 def fused_chunk(rows: int, n: int) -> int:

@@ -342,6 +342,10 @@ _RADIX_SCORE_WARPS = 4
 # against 107.2 (the whole selection 0.211 ms against 0.221); session 8's call alike (107.2
 # against 114.0). At 1Mx4 the chunk is 1024 either way (there, 2048 programs took 380.5 against 370.4)
 _RADIX_MIN_CHUNK = 256
+# ... where that leaves at least _RADIX_MIN_CHUNK_PROGRAMS programs: a smaller call (batch 1 at
+# 32K: 8 rows of 6K candidates, 192 programs at 256) takes chunks of one score step instead, so
+# no program waits on two rounds of code loads (at 1x32K: 8 x 47 = 376 programs); unmeasured
+_RADIX_MIN_CHUNK_PROGRAMS = 1024
 # the fewest candidates a program of the level and place passes takes (0: the score pass's
 # chunk). Their programs are latency-bound (a row histogram's pick, one step of keys, 256
 # atomics), so fewer may be faster; unmeasured, so 0 (pariskv_select.py --quick times 1024, 2048)
@@ -579,7 +583,8 @@ def _radix_place_kernel(
         tl.store(out_valid + r, valid.to(tl.int8), mask=write)
     if chunk == 0:  # the row's count: the chosen ones and the buffer's valid rows
         count = take
-        for r0 in range(0, R, BLOCK):
+        # over the buffer's rows only (a few dozen), not all R: this program's serial tail
+        for r0 in range(0, buffered, BLOCK):
             r = r0 + lanes
             in_buffer = r < buffered
             position = tl.minimum(indexed + r, N - 1)
@@ -691,10 +696,13 @@ def _score_launch(query_rotated, codes, weight, norms, candidates, keys, row_his
 
 def radix_chunk(rows: int, width: int) -> int:
     """Candidates per program of the radix method's passes: about ``_RADIX_PROGRAMS`` programs a
-    call, at most ``_MAX_CHUNKS`` chunks a row, at least ``_RADIX_MIN_CHUNK`` (and
-    ``_RADIX_SCORE_SUB``) where the row has that many."""
+    call, at most ``_MAX_CHUNKS`` chunks a row, at least ``_RADIX_MIN_CHUNK`` where the call
+    keeps ``_RADIX_MIN_CHUNK_PROGRAMS`` programs at it, and at least ``_RADIX_SCORE_SUB`` (all
+    where the row has that many)."""
     chunk = triton.next_power_of_2(triton.cdiv(max(1, rows * width), _RADIX_PROGRAMS))
-    chunk = max(chunk, _RADIX_MIN_CHUNK, triton.next_power_of_2(triton.cdiv(max(1, width), _MAX_CHUNKS)))
+    if rows * triton.cdiv(width, _RADIX_MIN_CHUNK) >= _RADIX_MIN_CHUNK_PROGRAMS:
+        chunk = max(chunk, _RADIX_MIN_CHUNK)
+    chunk = max(chunk, triton.next_power_of_2(triton.cdiv(max(1, width), _MAX_CHUNKS)))
     return max(_RADIX_SCORE_SUB, min(chunk, triton.next_power_of_2(max(1, width))))
 
 

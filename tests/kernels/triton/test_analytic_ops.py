@@ -243,17 +243,28 @@ def test_query_votes_refuses_misshaped_inputs():
         query_votes.query_votes(torch.zeros(1, 1, 2, 16, device=DEVICE), torch.ones(16, device=DEVICE), 4, [1] * 20)
 
 
-@pytest.fixture(params=["fused", "pass"])
+@pytest.fixture(params=["fused", "pass", "pass-small-call"])
 def small_chunks(monkeypatch, request):
     """Several chunks, steps and chunk blocks at interpreter sizes; each pipeline (session 10's
-    two launches, and the three before it)."""
+    two launches, and the three before it); "pass-small-call": the pass pipeline's chunk shrunk
+    for a call with few programs (one step a chunk, the threshold pass reading a row's chunks in
+    one step)."""
     from kvpolicy.kernels.triton import collision_candidates
 
-    monkeypatch.setattr(collision_candidates, "PIPELINE", request.param)
+    monkeypatch.setattr(collision_candidates, "PIPELINE", request.param.removesuffix("-small-call"))
     monkeypatch.setattr(collision_candidates, "_CHUNK", 256)
     monkeypatch.setattr(collision_candidates, "_SUB", 64)
     monkeypatch.setattr(collision_candidates, "_COMPACT_SUB", 64)
     monkeypatch.setattr(collision_candidates, "_CHUNK_BLOCK", 2)
+    if request.param == "pass-small-call":  # 32-position chunks, dozens a row
+        monkeypatch.setattr(collision_candidates, "_PASS_PROGRAMS", 1 << 20)
+        monkeypatch.setattr(collision_candidates, "_MIN_CHUNK", 32)
+        monkeypatch.setattr(collision_candidates, "_ONE_STEP_CHUNK", 32)
+        monkeypatch.setattr(collision_candidates, "_WHOLE_ROW_CHUNKS", 64)
+    else:  # 256-position chunks of 4 steps, the threshold pass in steps of 2 chunks
+        monkeypatch.setattr(collision_candidates, "_PASS_PROGRAMS", 1)
+        monkeypatch.setattr(collision_candidates, "_ONE_STEP_CHUNK", 64)
+        monkeypatch.setattr(collision_candidates, "_WHOLE_ROW_CHUNKS", 1)
     return collision_candidates.collision_candidates
 
 
@@ -310,6 +321,15 @@ def test_collision_candidates_fused_chunk_grows_with_the_call():
     assert cc.fused_chunk(32, 1 << 20) == 8192  # 128 chunks a row, 4096 programs
     assert cc.fused_chunk(1, 1 << 24) == 16384  # at most _MAX_CHUNKS chunks a row
     assert cc.fused_chunk(1, 100) == cc._CHUNK
+
+
+def test_collision_candidates_pass_chunk_shrinks_for_a_small_call():
+    from kvpolicy.kernels.triton import collision_candidates as cc
+
+    assert cc.pass_chunk(8, 40960) == 512  # batch 1 at 32K: 640 programs of one step
+    assert cc.pass_chunk(8, 81920) == 1024
+    assert cc.pass_chunk(32, 163840) == cc._CHUNK  # 128K x 4: 2,560 programs as before
+    assert cc.pass_chunk(1, 100) == cc._MIN_CHUNK
 
 
 @pytest.mark.parametrize("subspaces, view", [(16, "strided"), (6, "contiguous")])
@@ -508,6 +528,15 @@ def test_rerank_select_edges_at_the_default_sizes(method, width, listed, buffere
     _assert_selects_like_reference(got, want, inputs, 40)
 
 
+def test_radix_chunk_at_decode_sizes():
+    from kvpolicy.kernels.triton import rerank_select as rs
+
+    assert rs.radix_chunk(32, 13108) == rs._RADIX_MIN_CHUNK  # 128K x 4: 1,664 programs at the floor
+    assert rs.radix_chunk(8, 6001) == rs._RADIX_SCORE_SUB  # 1 x 32K: one score step a program, 376 programs
+    assert rs.radix_chunk(32, 104858) == 1024  # 1M x 4: _RADIX_PROGRAMS decides
+    assert rs.radix_chunk(1, 100000) == 512  # at most _MAX_CHUNKS chunks a row
+
+
 def test_rerank_select_method_table(monkeypatch):
     from kvpolicy.kernels.triton import rerank_select
 
@@ -568,7 +597,18 @@ def _index_tensors(seed, batch, heads, n, dim, subspaces, indexed, written):
     return tensors, gen
 
 
-@pytest.mark.parametrize("dim, subspaces, buffer, indexed, written", [(128, 16, 4, 90, 94), (64, 8, 8, 90, 93), (16, 16, 1, 50, 51)])
+@pytest.mark.parametrize(
+    "dim, subspaces, buffer, indexed, written",
+    [
+        (128, 16, 4, 90, 94),  # ParisKV's: the rotation's factors 8 x 16
+        (64, 8, 8, 90, 93),  # factors 8 x 8
+        (16, 16, 1, 50, 51),  # 1-dim subspaces
+        (256, 32, 2, 40, 41),  # factors 16 x 16
+        (16, 2, 3, 10, 12),  # a subspace (8 dims) wider than the rotation's low factor (4 x 4)
+        (8, 1, 2, 10, 11),  # one subspace holds the whole key
+        (2, 1, 1, 5, 6),  # the smallest head_dim: factors 1 x 2
+    ],
+)
 def test_analytic_append_matches_reference(dim, subspaces, buffer, indexed, written):
     batch, heads, n = 2, 3, 100
     from kvpolicy.kernels.triton import analytic_append
