@@ -16,4 +16,11 @@ step gpu_tests 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/
 step e2e_pinned 270 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --stickiness 32 --json "$OUT/e2e_pinned.json"
 step e2e_pinned_c16k 230 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --stickiness 32 --unit-cache-rows 16384 --json "$OUT/e2e_pinned_c16k.json"
 ;;
+paris)  # call 3: helper-12's pariskv kernels (encode by two small rotations, smaller chunks for small
+# calls, two launches fewer a layer) at 1x32K; louiskv pinned at 1x512K with the slot map
+step gpu_tests 110 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/test_analytic_ops.py tests/selectors/test_collision_rerank.py tests/triggers/test_triggers.py
+step prof_paris_32k 90 python3 benchmarks/profile_step.py --context 32768 --batch 1 --rows 45 --preset pariskv --placement gpu --out "$OUT/prof_paris_32k.txt"
+step e2e_32k 130 $E2E --contexts 32768 --batches 1 --presets pariskv@gpu,louiskv@gpu --json "$OUT/e2e_32k.json"
+step e2e_512k1 200 $E2E --contexts 524288 --batches 1 --presets louiskv@cpu --stickiness 32 --json "$OUT/e2e_512k1.json"
+;;
 esac
