@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kernels import dispatch
+from .kernels import dispatch, reference
 from .pinned import pinned_empty
 from .tiers import Evicted, Pool, RetrievedBuffer, RowCache, SinkTier, Tier
 
@@ -338,12 +338,7 @@ class TieredStore:
 
     def pool_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """The pool row holding each of ``slots`` (``(B, H, R)``)."""
-        zone_rows = self.pool.zone_rows
-        if zone_rows is None:
-            return slots
-        zone = self.zone_end
-        in_zone = zone_rows.gather(2, slots.clamp(0, zone - 1))
-        return torch.where(slots < zone, in_zone, slots)  # int32 rows promote to long in the same kernel
+        return reference.pool_rows(slots, self.pool.zone_rows)
 
     def sink_slot_mask(self) -> torch.Tensor:
         """``(B, zone_end)`` True where a zone slot is a sink token (so not retrievable)."""
@@ -502,7 +497,7 @@ class TieredStore:
         if self.read_whole and cache is None and self.pool.keys.device == buffer.keys.device:
             ops.fetch_whole(self, slots, slot_valid, reselect)  # the rows, the commit and both counters
             return
-        self.rows_fetched.add_(reselect.long() * (heads * rows))
+        self.rows_fetched.add_(reselect, alpha=heads * rows)  # one launch
         # rows the buffer already holds are copied on the device; only the others are read
         # from the pool (over PCIe for a host pool). Same contents as gathering every row.
         if cache is None:
@@ -510,14 +505,12 @@ class TieredStore:
             cache_source = None
         else:
             ops.resident_rows(slots, reselect, buffer, self.source, self.unread, self.slot_map)
-            ops.resident_rows(torch.where(self.source < 0, slots, -1), reselect, cache, self.cache_source, self.unread,
-                              self.slot_map)
+            ops.resident_rows(slots, reselect, cache, self.cache_source, self.unread, self.slot_map, skip=self.source)
             ops.number_misses(self, reselect)  # counted, and each given the cache row it replaces
             cache_source = self.cache_source
-        pool_rows = self.pool_rows(slots)
-        ops.refresh_rows((self.pool.keys, self.pool.values), pool_rows, reselect, self.source,
+        ops.refresh_rows((self.pool.keys, self.pool.values), slots, reselect, self.source,
                          (buffer.keys, buffer.values), self.scratch,
-                         None if cache is None else (cache.keys, cache.values), cache_source)
+                         None if cache is None else (cache.keys, cache.values), cache_source, self.pool.zone_rows)
         # the buffer's slots, validity (padding inside a unit is fetched, never attended), fill
         # and held flags (a slot not written yet was read as whatever the pool held: never reused)
         ops.commit_selection(self, slots, slot_valid, reselect)

@@ -216,8 +216,19 @@ def gather_rows_into(pool: torch.Tensor, slots: torch.Tensor, take: torch.Tensor
     out.copy_(torch.where(take.view(-1, 1, 1, 1), rows, out))
 
 
+def pool_rows(slots: torch.Tensor, zone_rows: torch.Tensor | None) -> torch.Tensor:
+    """The pool row holding each of ``slots`` (``(B, H, R)``): ``zone_rows[b, h, slot]`` for a slot
+    of the prompt's retrieval zone (``zone_rows (B, H, zone)``, laid out unit by unit; None: none),
+    the slot itself after it."""
+    if zone_rows is None:
+        return slots
+    zone = zone_rows.shape[-1]
+    in_zone = zone_rows.gather(2, slots.clamp(0, zone - 1))
+    return torch.where(slots < zone, in_zone, slots)  # int32 rows promote to long in the same kernel
+
+
 def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch.Tensor, rows_read: torch.Tensor,
-                  slot_map: torch.Tensor) -> None:
+                  slot_map: torch.Tensor, skip: torch.Tensor | None = None) -> None:
     """Where each wanted slot already sits in the current buffer, for ``refresh_rows``.
 
     ``slots``: ``(B, H, R)`` the new selection; ``buffer``: the current ``RetrievedBuffer`` (or
@@ -230,7 +241,12 @@ def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch
     ``slot_map``: ``(B, H, M)`` int32 scratch, all -1, with ``M`` above every slot (the pool's
     capacity); a fast backend marks the held rows' slots in it and leaves it all -1 again. This
     reference does not touch it: sort + binary search, O(R log R). No host reads.
+
+    ``skip`` ``(B, H, R)``: where ``skip >= 0`` (found already, in another buffer) the slot is
+    not looked up: -1, as a negative slot.
     """
+    if skip is not None:
+        slots = torch.where(skip >= 0, -1, slots)
     current_slots, current_held = buffer.slots, buffer.held
     if current_slots.shape[-1] == 0 or slots.shape[-1] == 0:
         found = torch.full(slots.shape, -1, dtype=torch.int32, device=slots.device)
@@ -257,6 +273,7 @@ def refresh_rows(
     scratches: Sequence[torch.Tensor],
     caches: Sequence[torch.Tensor] | None = None,
     cache_source: torch.Tensor | None = None,
+    zone_rows: torch.Tensor | None = None,
 ) -> None:
     """``gather_rows_into`` that reuses rows already on the device, for each part (a fetch's
     keys and values: ``pools``, ``outs``, ``scratches`` and ``caches`` hold one tensor a part).
@@ -271,7 +288,11 @@ def refresh_rows(
     ``caches`` ``(B, H, C, D)`` (a ``RowCache``'s keys and values, on ``out``'s device) with
     ``cache_source (B, H, R)`` int32: where ``source < 0`` and ``cache_source >= 0`` the row is
     ``cache[b, h, cache_source]`` instead of the pool's (the GPU unit cache holds that slot).
+
+    ``zone_rows``: where the pool lays out the prompt's zone (``pool_rows``); None: ``slots`` are
+    the pool's rows.
     """
+    slots = pool_rows(slots, zone_rows)
     if len(outs) != len(pools) or len(scratches) != len(pools) or (caches is not None and len(caches) != len(pools)):
         raise ValueError(f"refresh_rows: pools, outs, scratches and caches need one tensor a part, got {len(pools)}, "
                          f"{len(outs)}, {len(scratches)} and {'no' if caches is None else len(caches)}")

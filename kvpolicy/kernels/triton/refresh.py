@@ -71,12 +71,13 @@ def _mark_kernel(
 
 @triton.jit
 def _lookup_kernel(
-    slots_ptr, take_ptr, map_ptr, source_ptr, read_ptr,
+    slots_ptr, take_ptr, map_ptr, source_ptr, read_ptr, skip_ptr,
     R, M,
     slots_sb, slots_sh, slots_sr,
     map_sb, map_sh, map_sm,
     source_sb, source_sh, source_sr,
-    ROWS: tl.constexpr,
+    skip_sb, skip_sh, skip_sr,
+    ROWS: tl.constexpr, HAS_SKIP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
@@ -87,6 +88,9 @@ def _lookup_kernel(
     row_ok = rows < R
     wanted = tl.load(slots_ptr + b * slots_sb + h * slots_sh + rows * slots_sr, mask=row_ok, other=-1).to(tl.int64)
     look = row_ok & (wanted >= 0) & (wanted < M)
+    if HAS_SKIP:
+        # found already in another buffer: not looked up here
+        look = look & (tl.load(skip_ptr + b * skip_sb + h * skip_sh + rows * skip_sr, mask=row_ok, other=-1) < 0)
     found = tl.load(map_ptr + b * map_sb + h * map_sh + tl.where(look, wanted, 0) * map_sm, mask=look, other=-1)
     tl.store(source_ptr + b * source_sb + h * source_sh + rows * source_sr, found, mask=row_ok)
     missing = tl.sum(tl.where(row_ok & (found < 0), 1, 0), axis=0)
@@ -95,10 +99,10 @@ def _lookup_kernel(
 
 @implement("triton", "resident_rows", supports=triton_runs_on)
 def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch.Tensor, rows_read: torch.Tensor,
-                  slot_map: torch.Tensor) -> None:
+                  slot_map: torch.Tensor, skip: torch.Tensor | None = None) -> None:
     """``source`` = the last held row of ``buffer`` (a ``RetrievedBuffer`` or ``RowCache``)
-    labelled with each wanted slot (or -1), and ``rows_read`` += the count of -1, for the
-    sequences where ``take``; see the reference.
+    labelled with each wanted slot (or -1; also where ``skip >= 0``), and ``rows_read`` += the
+    count of -1, for the sequences where ``take``; see the reference.
 
     Three launches over ``slot_map`` (``(B, H, M)`` int32, all -1, left all -1): the held rows
     write their row number at their slot (an atomic max, so the last of equal labels wins), the
@@ -121,10 +125,14 @@ def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch
             or slot_map.device != source.device:
         raise ValueError(f"triton resident_rows: slot_map must be int32 ({batch}, {heads}, M) on {source.device}, "
                          f"got {slot_map.dtype} {tuple(slot_map.shape)} on {slot_map.device}")
+    if skip is not None and (tuple(skip.shape) != (batch, heads, rows) or skip.device != source.device):
+        raise ValueError(f"triton resident_rows: skip must be {(batch, heads, rows)} on {source.device}, got "
+                         f"{tuple(skip.shape)} on {skip.device}")
     if batch * heads * rows == 0:
         return
     device = source.device
     slots, current_slots = slots.to(device), current_slots.to(device)  # no-ops when already there
+    skip_arg = source if skip is None else skip  # any tensor: never read without HAS_SKIP
     take = take.to(device).reshape(batch).contiguous().view(torch.uint8)
     held = current_held.to(device).view(torch.uint8)
     slots_m = slot_map.shape[-1]
@@ -134,10 +142,10 @@ def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch
     if current:
         _mark_kernel[mark_grid](take, *label_args, ROWS=_MAP_ROWS, CLEAR=False)
     _lookup_kernel[(triton.cdiv(rows, _MAP_ROWS), heads, batch)](
-        slots, take, slot_map, source, rows_read,
+        slots, take, slot_map, source, rows_read, skip_arg,
         rows, slots_m,
-        *slots.stride(), *slot_map.stride(), *source.stride(),
-        ROWS=_MAP_ROWS,
+        *slots.stride(), *slot_map.stride(), *source.stride(), *skip_arg.stride(),
+        ROWS=_MAP_ROWS, HAS_SKIP=skip is not None,
     )
     if current:
         _mark_kernel[mark_grid](take, *label_args, ROWS=_MAP_ROWS, CLEAR=True)
@@ -146,8 +154,8 @@ def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch
 @triton.jit
 def _refresh_kernel(
     pool0_ptr, pool1_ptr, out0_ptr, out1_ptr, scratch0_ptr, scratch1_ptr, cache0_ptr, cache1_ptr,
-    slots_ptr, source_ptr, take_ptr, cache_source_ptr,
-    R,
+    slots_ptr, source_ptr, take_ptr, cache_source_ptr, zone_rows_ptr,
+    R, zone_end,
     pool_sb, pool_sh, pool_sr, pool_sd,
     slots_sb, slots_sh, slots_sr,
     source_sb, source_sh, source_sr,
@@ -155,8 +163,9 @@ def _refresh_kernel(
     scratch_sb, scratch_sh, scratch_sr, scratch_sd,
     cache_sb, cache_sh, cache_sr, cache_sd,
     csrc_sb, csrc_sh, csrc_sr,
+    zone_sb, zone_sh,
     D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, PARTS: tl.constexpr, COPY_BACK: tl.constexpr,
-    HAS_CACHE: tl.constexpr,
+    HAS_CACHE: tl.constexpr, HAS_ZONE: tl.constexpr,
 ):
     # the parts (keys, values) of one tile are neighbouring programs: both tensors' rows are in
     # flight over PCIe at once, where a launch per tensor left half the requests for later
@@ -211,6 +220,12 @@ def _refresh_kernel(
             kept_mask = resident[:, None] & col_ok[None, :]
         slot = tl.load(slots_ptr + b * slots_sb + h * slots_sh + rows * slots_sr, mask=from_pool, other=0)
         slot = slot.to(tl.int64)
+        if HAS_ZONE:
+            # the prompt's zone is laid out unit by unit: its slots map to rows; later slots are rows
+            in_zone = slot < zone_end
+            zone_slot = tl.minimum(tl.maximum(slot, 0), zone_end - 1)
+            mapped = tl.load(zone_rows_ptr + b * zone_sb + h * zone_sh + zone_slot, mask=from_pool & in_zone, other=0)
+            slot = tl.where(in_zone, mapped.to(tl.int64), slot)
         src = pool_ptr + b * pool_sb + h * pool_sh + slot[:, None] * pool_sr + cols[None, :] * pool_sd
         fetched = tl.load(src, mask=pool_mask)
         tl.store(here, fetched, mask=pool_mask)
@@ -239,11 +254,13 @@ def refresh_rows(
     scratches: Sequence[torch.Tensor],
     caches: Sequence[torch.Tensor] | None = None,
     cache_source: torch.Tensor | None = None,
+    zone_rows: torch.Tensor | None = None,
 ) -> None:
     """For each part (the keys, the values): ``out[b, h, r] = out[b, h, source]`` if
     ``source >= 0``, else ``cache[b, h, cache_source]`` if ``caches`` are given and
-    ``cache_source >= 0``, else ``pool[b, h, slots]``, where ``take``. Every part in one launch
-    (and one for the copy back).
+    ``cache_source >= 0``, else ``pool[b, h, pool_rows(slots, zone_rows)]`` (the reference's),
+    where ``take``. Every part in one launch (and one for the copy back); only the rows read
+    from the pool are translated.
 
     A pool is on its ``out``'s device, or in pinned CPU memory for a CUDA ``out``; ``source``
     holds rows of ``out`` (``-1 <= source < R``); a ``scratch`` has its ``out``'s shape and dtype,
@@ -284,6 +301,12 @@ def refresh_rows(
             f"triton refresh_rows: the cache {tuple(cache.shape)} {cache.dtype} on {cache.device} must be "
             f"({batch}, {heads}, C, {dim}) {out.dtype} on {out.device}, with an int32 cache_source of {want}"
         )
+    has_zone = zone_rows is not None and zone_rows.shape[-1] > 0
+    if has_zone and (tuple(zone_rows.shape[:2]) != (batch, heads) or zone_rows.stride(-1) != 1
+                     or zone_rows.device != out.device or zone_rows.dtype not in (torch.int32, torch.long)):
+        raise ValueError(f"triton refresh_rows: zone_rows must be int32 or long ({batch}, {heads}, zone), contiguous "
+                         f"in its last dim, on {out.device}; got {zone_rows.dtype} {tuple(zone_rows.shape)} "
+                         f"{zone_rows.stride()} on {zone_rows.device}")
     if batch * heads * rows * dim == 0:
         return
     outs_storage = {o.untyped_storage().data_ptr() for o in outs}
@@ -306,14 +329,18 @@ def refresh_rows(
     second = 1 if parts == 2 else 0
     pointers = (pool_args[0], pool_args[second], outs[0], outs[second], scratches[0], scratches[second],
                 caches[0], caches[second])
+    if not has_zone:
+        zone_rows = slots  # any tensor: never read without HAS_ZONE
+    zone_end = zone_rows.shape[-1] if has_zone else 0
     strides = (*pool.stride(), *slots.stride(), *source.stride(), *out.stride(), *scratch.stride(),
-               *caches[0].stride(), *cache_source.stride())
+               *caches[0].stride(), *cache_source.stride(), *zone_rows.stride()[:2])
     for copy_back in (False, True):
         _refresh_kernel[grid](
-            *pointers, slots, source, take, cache_source,
-            rows,
+            *pointers, slots, source, take, cache_source, zone_rows,
+            rows, zone_end,
             *strides,
             D=dim, BLOCK_D=block_d, ROWS=tile_rows, PARTS=parts, COPY_BACK=copy_back, HAS_CACHE=has_cache,
+            HAS_ZONE=has_zone,
         )
 
 

@@ -221,6 +221,40 @@ def test_refresh_of_keys_and_values_in_one_call_equals_one_call_each(backend, wi
     assert not _same_bits(want[0], want[1])  # the parts really differ
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_refresh_reads_the_zone_through_its_row_map(backend):
+    # slots of the prompt's zone are read at zone_rows[slot]; later slots at their own row
+    pool, current, held, out, slots, take = _case("disjoint", seed=16)
+    zone = 50
+    g = torch.Generator(device=DEVICE).manual_seed(17)
+    zone_rows = torch.stack([torch.randperm(zone, generator=g, device=DEVICE) for _ in range(6)])
+    zone_rows = zone_rows.view(3, 2, zone).int()
+    source, _ = _locate("reference", slots, take, current, held)
+    want = out.clone()
+    reference.gather_rows_into(pool, reference.pool_rows(slots, zone_rows), take, want)
+    dispatch.get("refresh_rows", backend, DEVICE)((pool,), slots, take, source, (out,), (torch.empty_like(out),),
+                                                  None, None, zone_rows)
+    assert _same_bits(out, want)
+    in_zone = (slots < zone) & (source < 0) & take.view(-1, 1, 1)
+    assert in_zone.any() and ((slots >= zone) & (source < 0)).any()  # both kinds of row are read
+    assert (zone_rows.long() != torch.arange(zone, device=DEVICE)).any()  # the map is not the identity
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resident_rows_skips_rows_found_elsewhere(backend):
+    _, current, held, _, slots, take = _case("overlap", seed=18)
+    g = torch.Generator(device=DEVICE).manual_seed(19)
+    skip = torch.randint(-1, 3, slots.shape, generator=g, device=DEVICE, dtype=torch.int32)
+    source = torch.full(slots.shape, -7, dtype=torch.int32, device=DEVICE)
+    read = torch.zeros(slots.shape[0], dtype=torch.long, device=DEVICE)
+    slot_map = _slot_map(slots, current)
+    dispatch.get("resident_rows", backend, DEVICE)(slots, take, _buffer(current, held), source, read, slot_map,
+                                                   skip=skip)
+    want, want_read = _locate("reference", torch.where(skip >= 0, -1, slots), take, current, held)
+    assert torch.equal(source, want) and torch.equal(read, want_read) and (slot_map == -1).all()
+    assert ((skip >= 0) & (_brute_force_source(slots, current, held) >= 0)).any()  # skips rows it would find
+
+
 def test_triton_refresh_rejects_parts_that_do_not_pair_up():
     pool, current, held, out, slots, take = _case("overlap", seed=15)
     source, _ = _locate("reference", slots, take, current, held)
