@@ -192,32 +192,43 @@ def interval_fire(steps: torch.Tensor, n: int) -> torch.Tensor:
     return fire
 
 
+# rows of one (sequence, head) per program of the commit
+_COMMIT_ROWS = 256
+
+
 @triton.jit
 def _commit_kernel(
     slots_ptr, sv_ptr, take_ptr, pool_valid_ptr, next_slot_ptr,
     rvalid_ptr, rslots_ptr, rfill_ptr, rheld_ptr,
     H, R,
     s_sb, s_sh, sv_sb, sv_sh, pv_sb, rv_sb, rv_sh, rs_sb, rs_sh, rf_sb, rh_sb, rh_sh,
-    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr, FILL_BLOCK: tl.constexpr,
 ):
-    h = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1).to(tl.int64)
+    # a tile of rows a program (one loop of a slot load then its pool-validity load per 1,024 rows
+    # and one program a (sequence, head) took 11.5 us at 4 x 128K on an H200)
+    tile = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
     if tl.load(take_ptr + b) == 0:
         return
     next_slot = tl.load(next_slot_ptr)
-    fill = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
-    for r0 in range(0, R, BLOCK):
-        rows = r0 + tl.arange(0, BLOCK)
-        ok = rows < R
-        slot = tl.load(slots_ptr + b * s_sb + h * s_sh + rows, mask=ok, other=0)
-        listed = tl.load(sv_ptr + b * sv_sb + h * sv_sh + rows, mask=ok, other=0) != 0
-        real = tl.load(pool_valid_ptr + b * pv_sb + slot, mask=ok, other=0) != 0
-        tl.store(rvalid_ptr + b * rv_sb + h * rv_sh + rows, (listed & real).to(tl.uint8), mask=ok)
-        tl.store(rslots_ptr + b * rs_sb + h * rs_sh + rows, slot, mask=ok)
-        held = (slot >= 0) & (slot < next_slot)
-        tl.store(rheld_ptr + b * rh_sb + h * rh_sh + rows, held.to(tl.uint8), mask=ok)
-        fill += tl.sum(listed.to(tl.int64), axis=0)
-    tl.store(rfill_ptr + b * rf_sb + h, fill)
+    rows = tile * ROWS + tl.arange(0, ROWS)
+    ok = rows < R
+    slot = tl.load(slots_ptr + b * s_sb + h * s_sh + rows, mask=ok, other=0)
+    listed = tl.load(sv_ptr + b * sv_sb + h * sv_sh + rows, mask=ok, other=0) != 0
+    real = tl.load(pool_valid_ptr + b * pv_sb + slot, mask=ok, other=0) != 0
+    tl.store(rvalid_ptr + b * rv_sb + h * rv_sh + rows, (listed & real).to(tl.uint8), mask=ok)
+    tl.store(rslots_ptr + b * rs_sb + h * rs_sh + rows, slot, mask=ok)
+    held = (slot >= 0) & (slot < next_slot)
+    tl.store(rheld_ptr + b * rh_sb + h * rh_sh + rows, held.to(tl.uint8), mask=ok)
+    if tile == 0:
+        # the fill counts the listed rows: independent loads, no atomics to zero first
+        fill = tl.sum(tl.zeros([FILL_BLOCK], tl.int64), axis=0)
+        for r0 in range(0, R, FILL_BLOCK):
+            every = r0 + tl.arange(0, FILL_BLOCK)
+            fill += tl.sum((tl.load(sv_ptr + b * sv_sb + h * sv_sh + every, mask=every < R, other=0) != 0).to(tl.int64),
+                           axis=0)
+        tl.store(rfill_ptr + b * rf_sb + h, fill)
 
 
 @implement("triton", "commit_selection", supports=triton_runs_on)
@@ -231,7 +242,7 @@ def commit_selection(store, slots: torch.Tensor, slot_valid: torch.Tensor, resel
                     ("retrieved.slots", buffer.slots), ("retrieved.held", buffer.held)):
         if t.stride(-1) != 1:
             raise ValueError(f"triton commit_selection: {name} must be contiguous in its last dim")
-    _commit_kernel[(heads, batch)](
+    _commit_kernel[(triton.cdiv(rows, _COMMIT_ROWS), heads, batch)](
         slots, slot_valid.view(torch.uint8), reselect.view(torch.uint8), pool.valid.view(torch.uint8),
         store.next_slot, buffer.valid.view(torch.uint8), buffer.slots, buffer.fill,
         buffer.held.view(torch.uint8),
@@ -239,5 +250,5 @@ def commit_selection(store, slots: torch.Tensor, slot_valid: torch.Tensor, resel
         *slots.stride()[:2], *slot_valid.stride()[:2], pool.valid.stride(0),
         *buffer.valid.stride()[:2], *buffer.slots.stride()[:2], buffer.fill.stride(0),
         *buffer.held.stride()[:2],
-        BLOCK=min(1024, triton.next_power_of_2(rows)),
+        ROWS=min(_COMMIT_ROWS, triton.next_power_of_2(rows)), FILL_BLOCK=min(1024, triton.next_power_of_2(rows)),
     )

@@ -125,14 +125,17 @@ def test_query_cosine_fire_matches_reference(anchor):
     assert fired[1:, 1].all() and not fired[1:, 0].any()  # the test decides both ways
 
 
-def test_commit_selection_matches_reference():
-    ref, gen = _store(5)
+@pytest.mark.parametrize("retrieval", [12, 1300])  # one tile; several, and more than one fill block
+def test_commit_selection_matches_reference(retrieval):
+    ref, gen = _store(5, prompt=40 + retrieval, retrieval=retrieval)
     for _ in range(3):
         ref.append(torch.randn(2, 3, 16, generator=gen).to(DEVICE), torch.randn(2, 3, 16, generator=gen).to(DEVICE),
                    "reference")
     fast = copy.deepcopy(ref)
-    slots = torch.randint(0, ref.pool.valid.shape[1], (2, 3, 12), generator=gen).to(DEVICE)
-    listed = (torch.rand(2, 3, 12, generator=gen) < 0.7).to(DEVICE)
+    rows = ref.retrieval_capacity
+    assert rows == retrieval
+    slots = torch.randint(0, ref.pool.valid.shape[1], (2, 3, rows), generator=gen).to(DEVICE)
+    listed = (torch.rand(2, 3, rows, generator=gen) < 0.7).to(DEVICE)
     reselect = torch.tensor([True, False], device=DEVICE)
     reference_step.commit_selection(ref, slots, listed, reselect)
     _triton().commit_selection(fast, slots, listed, reselect)
