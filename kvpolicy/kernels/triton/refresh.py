@@ -452,5 +452,6 @@ def number_misses(store, reselect: torch.Tensor) -> None:
     _misses_kernel[(heads, batch)](
         source, cache_source, reselect.view(torch.uint8), dest, cache.cursor, store.pool_rows_read,
         rows, cache.rows, *source.stride()[:2], *cache_source.stride()[:2], *dest.stride()[:2],
-        cache.cursor.stride(0), BLOCK=min(1024, triton.next_power_of_2(rows)),
+        # one block at a decode's 2,048 rows: the loop's steps run one after another
+        cache.cursor.stride(0), BLOCK=min(4096, triton.next_power_of_2(rows)),
     )

@@ -532,7 +532,7 @@ def test_pinned_refresh_replays_in_a_cuda_graph(pinned_pool):
     assert (slot_map == -1).all()  # each replay clears the marks it made
 
 
-@pytest.mark.parametrize("rows", [5, 1500])  # one block; past one (1,024)
+@pytest.mark.parametrize("rows", [5, 1500, 5000])  # one block; one of 2,048; past one (4,096)
 def test_triton_number_misses_matches_the_reference(rows):
     from types import SimpleNamespace
 
