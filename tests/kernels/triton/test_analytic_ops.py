@@ -243,20 +243,22 @@ def test_query_votes_refuses_misshaped_inputs():
         query_votes.query_votes(torch.zeros(1, 1, 2, 16, device=DEVICE), torch.ones(16, device=DEVICE), 4, [1] * 20)
 
 
-@pytest.fixture(params=["fused", "pass", "pass-small-call"])
+@pytest.fixture(params=["fused", "pass", "pass-small-call", "pass-small-call-threshold-launch"])
 def small_chunks(monkeypatch, request):
     """Several chunks, steps and chunk blocks at interpreter sizes; each pipeline (session 10's
     two launches, and the three before it); "pass-small-call": the pass pipeline's chunk shrunk
-    for a call with few programs (one step a chunk, the threshold pass reading a row's chunks in
-    one step)."""
+    for a call with few programs (one step a chunk, the threshold folded into the compaction);
+    "-threshold-launch": the same chunks with the threshold pass launched (reading a row's
+    chunks in one step)."""
     from kvpolicy.kernels.triton import collision_candidates
 
-    monkeypatch.setattr(collision_candidates, "PIPELINE", request.param.removesuffix("-small-call"))
+    monkeypatch.setattr(collision_candidates, "PIPELINE", request.param.split("-")[0])
+    monkeypatch.setattr(collision_candidates, "FOLD_SMALL_THRESHOLD", not request.param.endswith("-threshold-launch"))
     monkeypatch.setattr(collision_candidates, "_CHUNK", 256)
     monkeypatch.setattr(collision_candidates, "_SUB", 64)
     monkeypatch.setattr(collision_candidates, "_COMPACT_SUB", 64)
     monkeypatch.setattr(collision_candidates, "_CHUNK_BLOCK", 2)
-    if request.param == "pass-small-call":  # 32-position chunks, dozens a row
+    if request.param.startswith("pass-small-call"):  # 32-position chunks, dozens a row
         monkeypatch.setattr(collision_candidates, "_PASS_PROGRAMS", 1 << 20)
         monkeypatch.setattr(collision_candidates, "_MIN_CHUNK", 32)
         monkeypatch.setattr(collision_candidates, "_ONE_STEP_CHUNK", 32)
