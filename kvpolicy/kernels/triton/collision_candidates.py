@@ -114,6 +114,9 @@ def _votes_kernel(
     for s0 in range(0, CHUNK, SUB):
         n = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
         in_n = n < N
+        # the positions' flags first: loaded after the lookups (in source order), ptxas issued
+        # them after the lookups had returned, a dependent load more before the stores
+        valid = tl.load(valid_ptr + b * valid_sb + n * valid_sn, mask=in_n, other=0)
         key_row = keys_ptr + b * key_sb + h * key_sh + n * key_sn
         # one subspace at a time across the keys: a warp's lookups then fall in one subspace's
         # 256-entry row (two cache lines of int8 votes), not across the whole table
@@ -128,7 +131,8 @@ def _votes_kernel(
             for sub in tl.static_range(S):
                 ids = tl.load(key_row + sub * key_ss, mask=in_n, other=0).to(tl.int32)
                 total += tl.load(table_row + sub * IDS + ids, mask=in_n, other=0).to(tl.int32)
-        valid = tl.load(valid_ptr + b * valid_sb + n * valid_sn, mask=in_n, other=0)
+        # (not next to the flags' load: there ptxas placed the compare before the ids' loads, so
+        # the ids waited on the indexed count's load)
         voted = in_n & (valid != 0) & (n < indexed)
         tl.store(votes_ptr + row * N + n, tl.where(voted, total, -1).to(tl.int16), mask=in_n)
         hist += tl.histogram(tl.where(voted, total + 1, 0), BINS)
