@@ -422,7 +422,7 @@ def collision_candidates(
     chunk_block = triton.next_power_of_2(chunks) if chunks <= _WHOLE_ROW_CHUNKS else _CHUNK_BLOCK
     votes = torch.empty(batch, heads, n, dtype=torch.int16, device=device)
     hist = torch.empty(rows, chunks, bins, dtype=torch.int32, device=device)
-    fold = FOLD_SMALL_THRESHOLD and chunk < _CHUNK and chunks <= _MAX_CHUNKS
+    fold = folds_threshold(rows, n)
     row_hist = torch.zeros(rows, bins, dtype=torch.int32, device=device) if fold else hist
     words = _as_words(key_centroids)
     ids = key_centroids if words is None else words
@@ -462,6 +462,13 @@ def pass_chunk(rows: int, n: int) -> int:
     where ``_CHUNK`` would leave fewer than about ``_PASS_PROGRAMS`` programs."""
     wanted = triton.next_power_of_2(triton.cdiv(max(1, rows * n), _PASS_PROGRAMS))
     return min(_CHUNK, max(_MIN_CHUNK, wanted))
+
+
+def folds_threshold(rows: int, n: int) -> bool:
+    """Whether the pass pipeline folds its threshold pass into the compaction: where
+    ``FOLD_SMALL_THRESHOLD`` and the chunk shrank below ``_CHUNK`` (at most ``_MAX_CHUNKS`` a row)."""
+    chunk = pass_chunk(rows, n)
+    return FOLD_SMALL_THRESHOLD and chunk < _CHUNK and triton.cdiv(n, chunk) <= _MAX_CHUNKS
 
 
 def fused_chunk(rows: int, n: int) -> int:

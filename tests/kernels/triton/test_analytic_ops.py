@@ -334,6 +334,19 @@ def test_collision_candidates_pass_chunk_shrinks_for_a_small_call():
     assert cc.pass_chunk(1, 100) == cc._MIN_CHUNK
 
 
+def test_collision_candidates_folds_the_threshold_of_small_calls_only(monkeypatch):
+    from kvpolicy.kernels.triton import collision_candidates as cc
+
+    assert cc.folds_threshold(8, 40960)  # batch 1 at 32K: 80 chunks of 512 a row
+    assert cc.folds_threshold(1, 1 << 20)  # one row of 1M: 1,024 chunks of 1024
+    assert not cc.folds_threshold(32, 163840)  # 128K x 4: chunks of _CHUNK, the threshold launched
+    assert not cc.folds_threshold(32, 1310720)  # 1M x 4
+    monkeypatch.setattr(cc, "_PASS_PROGRAMS", 1 << 20)
+    assert not cc.folds_threshold(1, 1 << 20)  # more than _MAX_CHUNKS chunks a row
+    monkeypatch.setattr(cc, "FOLD_SMALL_THRESHOLD", False)
+    assert not cc.folds_threshold(8, 40960)
+
+
 @pytest.mark.parametrize("subspaces, view", [(16, "strided"), (6, "contiguous")])
 def test_collision_candidates_reads_an_int8_table_and_ids_bytewise(small_chunks, subspaces, view):
     # query_votes' int8 table; ids the kernel cannot read as int32 words (a strided view, or 6
