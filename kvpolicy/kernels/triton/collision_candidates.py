@@ -2,7 +2,8 @@
 candidate set, each centroid id read once.
 
 Two pipelines, with the same output exactly. ``PIPELINE = "pass"`` (the default): the
-three launches below (votes, threshold, compact). ``PIPELINE = "fused"`` (session 10): two launches
+three launches below (votes, threshold, compact; two and a memset in a small call, see
+``folds_threshold``). ``PIPELINE = "fused"`` (session 10): two launches
 and a memset, the threshold folded into the compaction (see the comment above
 ``_votes_fused_kernel``); on an H200 its votes pass took 150 us at 128Kx4 against the pass's 46,
 and 1,178 against 314 at 1Mx4 (docs/bench/session10/final/paris/), so it is not the default.
@@ -34,7 +35,7 @@ threshold vote ``v*`` plus the first keys by position with exactly ``v*``:
    row's -1 tail (so no fill launch precedes the three).
 
 A call too small to fill the GPU with ``_CHUNK``-position programs (its chunk shrank; batch 1
-at 32K) folds step 2 into step 3 (``FOLD_SMALL_THRESHOLD``): the votes pass adds each chunk's
+at 32K) folds step 2 into step 3 (``folds_threshold``, ``FOLD_SMALL_THRESHOLD``): the votes pass adds each chunk's
 histogram into the row's (atomics into a zeroed ``(rows, BINS)``: a memset) and writes the chunk's
 suffix counts (bin b: its keys with vote bin b or more), and every compaction program finds the
 row's count and threshold from the row histogram and its start from two suffix counts of each
