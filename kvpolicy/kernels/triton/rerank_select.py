@@ -355,6 +355,11 @@ _RADIX_MIN_CHUNK_PROGRAMS = 1024
 # chunk). Their programs are latency-bound (a row histogram's pick, one step of keys, 256
 # atomics), so fewer may be faster; unmeasured, so 0 (pariskv_select.py --quick times 1024, 2048)
 _RADIX_LEVEL_MIN_CHUNK = 0
+# the place pass loads every listed candidate's position and slot ahead of the pick (two dependent
+# loads off its chain) in a call of at most this many candidates (1x32K: 8 x 6K); a larger call
+# loads the chosen ones' only (at 1Mx4, 3.4M candidates: ~27 MB of positions and a scattered
+# slot read each, where ~65K are chosen)
+_PRELOAD_CANDIDATES = 1 << 16
 SCORE_WORDS = False
 
 
@@ -529,19 +534,20 @@ def _radix_place_kernel(
     H, W, CHUNKS, R, N, FILL,
     cand_sb, cand_sh, cand_sc, valid_sb, valid_sn, slot_s,
     CHUNK: tl.constexpr, SUB: tl.constexpr, CHUNKS_BLOCK: tl.constexpr, LEVELS: tl.constexpr,
-    BINS: tl.constexpr, BLOCK: tl.constexpr,
+    BINS: tl.constexpr, BLOCK: tl.constexpr, PRELOAD: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = row // H
     h = row % H
-    # the first step's keys, positions and slots, loaded before the row's histogram (they do
-    # not depend on it)
+    # the first step's keys (and with PRELOAD its candidates' positions and slots, every listed
+    # one's, not the chosen ones' only), loaded before the row's histogram (they do not depend on it)
     cand_row = cand_ptr + b * cand_sb + h * cand_sh
     c = chunk * CHUNK + tl.arange(0, SUB).to(tl.int64)
     key_next = tl.load(keys_ptr + row * W + c, mask=c < W, other=-2147483648)
-    position_next = tl.load(cand_row + c * cand_sc, mask=c < W, other=-1).to(tl.int64)
-    slot_next = tl.load(slots_ptr + tl.maximum(position_next, 0) * slot_s, mask=position_next >= 0, other=0)
+    if PRELOAD:
+        position_next = tl.load(cand_row + c * cand_sc, mask=c < W, other=-1).to(tl.int64)
+        slot_next = tl.load(slots_ptr + tl.maximum(position_next, 0) * slot_s, mask=position_next >= 0, other=0)
     # the last digit, picked as the level passes pick theirs: the threshold key and how many keys
     # equal to it are taken
     bins = tl.arange(0, BINS)
@@ -576,19 +582,23 @@ def _radix_place_kernel(
         c = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
         in_c = c < W
         key = key_next
-        position = position_next
-        slot = slot_next
         # the next step's, a step ahead
         ahead = c + SUB
         in_ahead = (ahead < W) & (s0 + SUB < CHUNK)
         key_next = tl.load(keys_ptr + row * W + ahead, mask=in_ahead, other=-2147483648)
-        position_next = tl.load(cand_row + ahead * cand_sc, mask=in_ahead, other=-1).to(tl.int64)
-        slot_next = tl.load(slots_ptr + tl.maximum(position_next, 0) * slot_s, mask=position_next >= 0, other=0)
+        if PRELOAD:
+            position = position_next
+            slot = slot_next
+            position_next = tl.load(cand_row + ahead * cand_sc, mask=in_ahead, other=-1).to(tl.int64)
+            slot_next = tl.load(slots_ptr + tl.maximum(position_next, 0) * slot_s, mask=position_next >= 0, other=0)
         listed = in_c & (key != unlisted)
         equal = (listed & (key == threshold)).to(tl.int32)
         equal_rank = equal_seen + tl.cumsum(equal, axis=0) - equal
         chosen = ((listed & (key > threshold)) | ((equal != 0) & (equal_rank < my_taken))).to(tl.int32)
         at = placed + tl.cumsum(chosen, axis=0) - chosen
+        if not PRELOAD:  # the chosen ones' only, once known
+            position = tl.load(cand_row + c * cand_sc, mask=chosen != 0, other=0).to(tl.int64)
+            slot = tl.load(slots_ptr + position * slot_s, mask=chosen != 0, other=0)
         tl.store(out_ids + at, position, mask=chosen != 0)
         tl.store(out_slots + at, slot, mask=chosen != 0)
         tl.store(out_valid + at, tl.full([SUB], 1, tl.int8), mask=chosen != 0)
@@ -769,7 +779,7 @@ def _radix(query_rotated, codes, weight, norms, candidates, token_valid, slots, 
         heads, width, chunks, capacity, n, triton.cdiv(capacity, chunks),
         *candidates.stride(), *token_bytes.stride(), slots.stride(0),
         CHUNK=chunk, SUB=sub, CHUNKS_BLOCK=max(2, triton.next_power_of_2(chunks)), LEVELS=_RADIX_LEVELS,
-        BINS=_RADIX_BINS, BLOCK=min(_PLACE_BLOCK, triton.next_power_of_2(triton.cdiv(capacity, chunks))),
+        BINS=_RADIX_BINS, PRELOAD=rows * width <= _PRELOAD_CANDIDATES, BLOCK=min(_PLACE_BLOCK, triton.next_power_of_2(triton.cdiv(capacity, chunks))),
     )
     return ids, count, out_slots, valid
 

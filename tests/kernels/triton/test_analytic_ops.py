@@ -407,11 +407,12 @@ def test_collision_candidates_band_bounds_are_exclusive(small_chunks, indexed, c
 # -- the fused rerank and final selection: rerank_select ----------------------------------------
 
 
-@pytest.fixture(params=["radix", "radix-level-chunk", "split", "torch"])
+@pytest.fixture(params=["radix", "radix-level-chunk", "radix-no-preload", "split", "torch"])
 def small_select(request, monkeypatch):
     """Each method at interpreter sizes: several chunks (radix: 16-32 candidates each), steps
     within a chunk, chunk blocks and finish blocks; "radix-level-chunk": the level and place
-    passes on chunks larger than the score pass's."""
+    passes on chunks larger than the score pass's; "radix-no-preload": the place pass loading
+    the chosen candidates' positions and slots only (a large call's)."""
     from kvpolicy.kernels.triton import rerank_select
 
     monkeypatch.setattr(rerank_select, "_CHUNK", 128)
@@ -426,7 +427,9 @@ def small_select(request, monkeypatch):
     monkeypatch.setattr(rerank_select, "_PLACE_BLOCK", 4)
     if request.param == "radix-level-chunk":
         monkeypatch.setattr(rerank_select, "_RADIX_LEVEL_MIN_CHUNK", 32)
-    monkeypatch.setattr(rerank_select, "METHOD", request.param.removesuffix("-level-chunk"))
+    if request.param == "radix-no-preload":
+        monkeypatch.setattr(rerank_select, "_PRELOAD_CANDIDATES", 0)
+    monkeypatch.setattr(rerank_select, "METHOD", request.param.split("-")[0])
     return rerank_select.rerank_select
 
 
