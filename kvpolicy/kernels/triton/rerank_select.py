@@ -317,8 +317,9 @@ def _finish_kernel(
 #    at it), then writes its chosen candidates at their places in position order, and its share
 #    of the update buffer's rows and the -1 tail (chunk 0: the row's count).
 #
-# Each level and place program loads its first step's keys (and the place pass its candidates'
-# positions and slots) before the row's histogram, so those loads overlap the pick's.
+# Each level and place program loads its first step's keys (and in a small call the place pass
+# its candidates' positions and slots: _PRELOAD_CANDIDATES) before the row's histogram, so those
+# loads overlap the pick's.
 #
 # Per candidate: codes, weight, norm and position once (as the old rerank), the key written once
 # and read four times (4 bytes each); per program 256 histogram bins (257 suffix counts at level 3).
