@@ -25,9 +25,9 @@ step e2e_512k1 200 $E2E --contexts 524288 --batches 1 --presets louiskv@cpu --st
 ;;
 final)  # call 4: the pinned fetch's glue folded (zone rows, skip, commit tiles, misses in one block) and
 # helper-13's pariskv kernels (threshold folded for small calls, three radix levels, loads hoisted)
-step gpu_tests_pinned 80 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/test_refresh.py tests/kernels/triton/test_step.py tests/test_store_refresh.py
-step e2e_pinned 240 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --stickiness 32 --json "$OUT/e2e_pinned.json"
 step gpu_tests_paris 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/test_analytic_ops.py tests/selectors/test_collision_rerank.py
 step e2e_paris_32k 70 python3 -m kvpolicy bench e2e --full-kinds full-graph --budget 2048 --steps 18 --compiled-layers --contexts 32768 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_paris_32k.json"
+step gpu_tests_pinned 80 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/test_refresh.py tests/kernels/triton/test_step.py tests/test_store_refresh.py
+step e2e_pinned 240 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --stickiness 32 --json "$OUT/e2e_pinned.json"
 ;;
 esac
