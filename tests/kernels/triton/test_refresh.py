@@ -141,7 +141,7 @@ def test_resident_rows_never_reuses_unheld_rows_or_matches_negative_slots(backen
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_resident_rows_over_many_buffer_rows(backend):
-    # more rows than one block of the comparison loop, and more wanted rows than one tile
+    # more buffer rows than one slot-map tile (256), and more than the wanted rows
     g = torch.Generator(device=DEVICE).manual_seed(9)
     current = torch.randint(0, 600, (2, 2, 300), generator=g, device=DEVICE)
     held = torch.rand(2, 2, 300, generator=g, device=DEVICE) < 0.9
@@ -154,13 +154,13 @@ def test_resident_rows_over_many_buffer_rows(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_resident_rows_with_tiles_of_nothing_to_look_up(backend):
-    # a fetch's cache lookup is handed -1 for the rows the buffer holds: whole tiles of them
+def test_resident_rows_with_runs_of_nothing_to_look_up(backend):
+    # slots of -1 (nothing to look up): a run of them, and a whole (sequence, head)
     g = torch.Generator(device=DEVICE).manual_seed(11)
     current = torch.randint(0, 400, (2, 2, 256), generator=g, device=DEVICE)
     held = torch.rand(2, 2, 256, generator=g, device=DEVICE) < 0.9
     slots = torch.randint(0, 400, (2, 2, 200), generator=g, device=DEVICE)
-    slots[:, :, :64] = -1  # a whole tile with nothing to find
+    slots[:, :, :64] = -1  # a run with nothing to find
     slots[1, 1] = -1  # and a whole (sequence, head)
     take = torch.ones(2, dtype=torch.bool, device=DEVICE)
     source, read = _locate(backend, slots, take, current, held)
