@@ -55,8 +55,9 @@ def _allocate_pool(like: torch.Tensor, capacity: int, device: torch.device, atte
 
 
 # Work buffers of fetch, one per (shape, dtype, device), shared by every layer's store: fetches
-# run one after another on the stream, and a scratch per layer would add half the retrieved
-# buffers' memory. Held weakly: one goes when the last store using it does.
+# run one after another on one stream (the slot map, all -1 between fetches, relies on it), and
+# a scratch per layer would add half the retrieved buffers' memory. Held weakly: one goes when
+# the last store using it does.
 _SHARED: weakref.WeakValueDictionary[tuple, torch.Tensor] = weakref.WeakValueDictionary()
 
 
@@ -168,9 +169,9 @@ class TieredStore:
     kept: torch.Tensor | None = None
     admitted: torch.Tensor | None = None
     # fetch reads every selected row from the pool, without looking up the rows the buffer holds:
-    # set where the pool sits in the GPU's own memory, where that lookup (``resident_rows``: 44 us
-    # a layer at 4 x 128K on an H200 as an all-pairs compare; not re-measured since the slot map)
-    # costs more than the HBM bytes it saves (~8 us)
+    # set where the pool sits in the GPU's own memory, where that lookup (``resident_rows``: 16 us
+    # a layer at 4 x 128K on an H200 through the slot map, measured on a host pool) costs more
+    # than the HBM bytes it saves (~8 us)
     read_whole: bool = False
 
     def __post_init__(self) -> None:

@@ -220,7 +220,7 @@ def pool_rows(slots: torch.Tensor, zone_rows: torch.Tensor | None) -> torch.Tens
     """The pool row holding each of ``slots`` (``(B, H, R)``): ``zone_rows[b, h, slot]`` for a slot
     of the prompt's retrieval zone (``zone_rows (B, H, zone)``, laid out unit by unit; None: none),
     the slot itself after it."""
-    if zone_rows is None:
+    if zone_rows is None or zone_rows.shape[-1] == 0:
         return slots
     zone = zone_rows.shape[-1]
     in_zone = zone_rows.gather(2, slots.clamp(0, zone - 1))
@@ -246,6 +246,8 @@ def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch
     not looked up: -1, as a negative slot.
     """
     if skip is not None:
+        if skip.dtype.is_floating_point or skip.dtype == torch.bool:
+            raise ValueError(f"resident_rows: skip must hold integer rows (-1: look up), got {skip.dtype}")
         slots = torch.where(skip >= 0, -1, slots)
     current_slots, current_held = buffer.slots, buffer.held
     if current_slots.shape[-1] == 0 or slots.shape[-1] == 0:

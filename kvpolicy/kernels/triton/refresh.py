@@ -71,10 +71,12 @@ def _mark_kernel(
 
 @triton.jit
 def _lookup_kernel(
-    slots_ptr, take_ptr, map_ptr, source_ptr, read_ptr, skip_ptr,
-    R, M,
+    slots_ptr, take_ptr, map_ptr, source_ptr, read_ptr, skip_ptr, label_ptr, held_ptr,
+    R, M, RC,
     slots_sb, slots_sh, slots_sr,
     map_sb, map_sh, map_sm,
+    label_sb, label_sh, label_sr,
+    held_sb, held_sh, held_sr,
     source_sb, source_sh, source_sr,
     skip_sb, skip_sh, skip_sr,
     ROWS: tl.constexpr, HAS_SKIP: tl.constexpr,
@@ -92,6 +94,14 @@ def _lookup_kernel(
         # found already in another buffer: not looked up here
         look = look & (tl.load(skip_ptr + b * skip_sb + h * skip_sh + rows * skip_sr, mask=row_ok, other=-1) < 0)
     found = tl.load(map_ptr + b * map_sb + h * map_sh + tl.where(look, wanted, 0) * map_sm, mask=look, other=-1)
+    # a row is taken only if it really holds the slot: a stale map entry (a call cut short
+    # between its mark and clear launches) costs a pool read, never a wrong row
+    found = tl.where(found < RC, found, -1)
+    check = row_ok & (found >= 0)
+    at = tl.where(check, found, 0).to(tl.int64)
+    label = tl.load(label_ptr + b * label_sb + h * label_sh + at * label_sr, mask=check, other=-1).to(tl.int64)
+    held = tl.load(held_ptr + b * held_sb + h * held_sh + at * held_sr, mask=check, other=0)
+    found = tl.where(check & (label == wanted) & (held != 0), found, -1)
     tl.store(source_ptr + b * source_sb + h * source_sh + rows * source_sr, found, mask=row_ok)
     missing = tl.sum(tl.where(row_ok & (found < 0), 1, 0), axis=0)
     tl.atomic_add(read_ptr + b, missing.to(tl.int64))
@@ -106,7 +116,9 @@ def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch
 
     Three launches over ``slot_map`` (``(B, H, M)`` int32, all -1, left all -1): the held rows
     write their row number at their slot (an atomic max, so the last of equal labels wins), the
-    wanted slots read it, the held rows write -1 back. Linear in the rows, where comparing every
+    wanted slots read it (and check that row's label), the held rows write -1 back. A slot of
+    ``M`` or more is never found: ``M`` must exceed every slot (the store's is the pool's
+    capacity). Calls sharing a map must run one after another (one stream). Linear in the rows, where comparing every
     wanted slot with every buffer row cost 54 us a launch at 4 x 128K on an H200 (session 13).
     """
     current_slots, current_held = buffer.slots, buffer.held
@@ -125,9 +137,10 @@ def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch
             or slot_map.device != source.device:
         raise ValueError(f"triton resident_rows: slot_map must be int32 ({batch}, {heads}, M) on {source.device}, "
                          f"got {slot_map.dtype} {tuple(slot_map.shape)} on {slot_map.device}")
-    if skip is not None and (tuple(skip.shape) != (batch, heads, rows) or skip.device != source.device):
-        raise ValueError(f"triton resident_rows: skip must be {(batch, heads, rows)} on {source.device}, got "
-                         f"{tuple(skip.shape)} on {skip.device}")
+    if skip is not None and (tuple(skip.shape) != (batch, heads, rows) or skip.device != source.device
+                             or skip.dtype.is_floating_point or skip.dtype == torch.bool):
+        raise ValueError(f"triton resident_rows: skip must be integer rows {(batch, heads, rows)} on {source.device}, "
+                         f"got {skip.dtype} {tuple(skip.shape)} on {skip.device}")
     if batch * heads * rows == 0:
         return
     device = source.device
@@ -142,9 +155,10 @@ def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch
     if current:
         _mark_kernel[mark_grid](take, *label_args, ROWS=_MAP_ROWS, CLEAR=False)
     _lookup_kernel[(triton.cdiv(rows, _MAP_ROWS), heads, batch)](
-        slots, take, slot_map, source, rows_read, skip_arg,
-        rows, slots_m,
-        *slots.stride(), *slot_map.stride(), *source.stride(), *skip_arg.stride(),
+        slots, take, slot_map, source, rows_read, skip_arg, current_slots, held,
+        rows, slots_m, current,
+        *slots.stride(), *slot_map.stride(), *current_slots.stride(), *held.stride(), *source.stride(),
+        *skip_arg.stride(),
         ROWS=_MAP_ROWS, HAS_SKIP=skip is not None,
     )
     if current:
@@ -268,6 +282,9 @@ def refresh_rows(
     ``out``'s device and ``cache_source`` is int32 shaped like ``source`` (``-1 <= cache_source <
     C``). The parts of each argument share one layout.
     """
+    if any(isinstance(group, torch.Tensor) for group in (pools, outs, scratches, caches)):
+        raise ValueError("triton refresh_rows: pools, outs, scratches and caches are sequences of parts "
+                         "(keys, values), not tensors: pass (pool,) for one part")
     parts = len(pools)
     if parts not in (1, 2) or len(outs) != parts or len(scratches) != parts \
             or (caches is not None and len(caches) != parts):
@@ -302,7 +319,7 @@ def refresh_rows(
             f"({batch}, {heads}, C, {dim}) {out.dtype} on {out.device}, with an int32 cache_source of {want}"
         )
     has_zone = zone_rows is not None and zone_rows.shape[-1] > 0
-    if has_zone and (tuple(zone_rows.shape[:2]) != (batch, heads) or zone_rows.stride(-1) != 1
+    if has_zone and (zone_rows.dim() != 3 or tuple(zone_rows.shape[:2]) != (batch, heads) or zone_rows.stride(-1) != 1
                      or zone_rows.device != out.device or zone_rows.dtype not in (torch.int32, torch.long)):
         raise ValueError(f"triton refresh_rows: zone_rows must be int32 or long ({batch}, {heads}, zone), contiguous "
                          f"in its last dim, on {out.device}; got {zone_rows.dtype} {tuple(zone_rows.shape)} "
@@ -311,7 +328,7 @@ def refresh_rows(
         return
     outs_storage = {o.untyped_storage().data_ptr() for o in outs}
     if any(s.untyped_storage().data_ptr() in outs_storage for s in scratches) \
-            or (parts == 2 and scratches[0].data_ptr() == scratches[1].data_ptr()):
+            or (parts == 2 and scratches[0].untyped_storage().data_ptr() == scratches[1].untyped_storage().data_ptr()):
         raise ValueError("triton refresh_rows: a scratch shares memory with an out or the other scratch; rows would "
                          "be overwritten before read")
     device = out.device
@@ -452,6 +469,7 @@ def number_misses(store, reselect: torch.Tensor) -> None:
     _misses_kernel[(heads, batch)](
         source, cache_source, reselect.view(torch.uint8), dest, cache.cursor, store.pool_rows_read,
         rows, cache.rows, *source.stride()[:2], *cache_source.stride()[:2], *dest.stride()[:2],
-        # one block at a decode's 2,048 rows: the loop's steps run one after another
+        # the loop's steps run one after another: one block for a decode's 2,048 rows (4,096 int64
+        # a program compiled without spills for sm_90)
         cache.cursor.stride(0), BLOCK=min(4096, triton.next_power_of_2(rows)),
     )
