@@ -278,26 +278,28 @@ def test_stores_of_one_shape_share_one_scratch():
     assert a.slot_map is b.slot_map and (a.slot_map == -1).all()
 
 
-def _decoded_store(name: str, backend: str, cache_rows: int | None) -> TieredStore:
+def _decoded(name: str, steps: int, **options) -> PolicyLayerState:
+    """A layer of preset ``name`` (budget 100, GQA: two query heads per KV head) after a 300-token
+    prompt and ``steps`` random decode steps."""
     gen = torch.Generator().manual_seed(5)
     hq = 2 * H
-    policy = kvpolicy.preset(name, budget=100, sink=4, local=16, backend=backend, unit_cache_rows=cache_rows)
+    policy = kvpolicy.preset(name, budget=100, sink=4, local=16, **options)
     state = PolicyLayerState(policy, 0, torch.device("cpu"))
     state.prefill(torch.randn(B, H, 300, D, generator=gen), torch.randn(B, H, 300, D, generator=gen),
                   torch.ones(B, 300, dtype=torch.bool), hq)
-    for _ in range(12):
+    for _ in range(steps):
         q = torch.randn(B, hq, D, generator=gen)
         k, v = torch.randn(2, B, H, D, generator=gen)
         state.decode(q, k, v, D**-0.5)
-    return state.store
+    return state
 
 
 @pytest.mark.parametrize("cache_rows", [None, 160])
 @pytest.mark.parametrize("name", ["quest", "louiskv"])
 def test_triton_fetches_match_the_reference_and_leave_the_slot_map_clean(name, cache_rows):
     # both presets' prompt units lay the zone out unit by unit: refresh_rows translates its slots
-    want = _decoded_store(name, "reference", cache_rows)
-    got = _decoded_store(name, "triton", cache_rows)
+    want = _decoded(name, 12, backend="reference", unit_cache_rows=cache_rows).store
+    got = _decoded(name, 12, backend="triton", unit_cache_rows=cache_rows).store
     assert got.pool.zone_rows is not None
     assert (got.cache is not None) == (cache_rows is not None)
     for part in ("keys", "values", "slots", "held"):
@@ -309,16 +311,7 @@ def test_triton_fetches_match_the_reference_and_leave_the_slot_map_clean(name, c
 
 @pytest.mark.parametrize("name", ["quest", "louiskv"])
 def test_a_policy_decode_reads_fewer_rows_than_it_selects(name):
-    gen = torch.Generator().manual_seed(5)
-    hq = 2 * H  # GQA: two query heads per KV head
-    policy = kvpolicy.preset(name, budget=100, sink=4, local=16)
-    state = PolicyLayerState(policy, 0, torch.device("cpu"))
-    state.prefill(torch.randn(B, H, 300, D, generator=gen), torch.randn(B, H, 300, D, generator=gen),
-                  torch.ones(B, 300, dtype=torch.bool), hq)
-    for _ in range(30):
-        q = torch.randn(B, hq, D, generator=gen)
-        k, v = torch.randn(2, B, H, D, generator=gen)
-        state.decode(q, k, v, D**-0.5)
+    state = _decoded(name, 30)
     full = H * state.store.retrieval_capacity * state.reselections
     assert (state.reselections > 1).all()
     assert (state.store.pool_rows_read < full).all(), (state.store.pool_rows_read, full)
