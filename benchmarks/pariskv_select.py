@@ -78,6 +78,8 @@ COLLISION_VARIANTS = (
     ("shipped", {}),
     # as before the small-call chunks: 2048 positions at every size, the threshold pass in steps of 32
     ("before: chunk 2048 always", {"_MIN_CHUNK": 2048, "_WHOLE_ROW_CHUNKS": 0}),
+    # as before the small call's threshold fold: the threshold pass launched (whole rows in one step)
+    ("before: threshold launch", {"FOLD_SMALL_THRESHOLD": False}),
     ("chunk 4096", {"_CHUNK": 4096}),
     ("chunk 1024", {"_CHUNK": 1024}),
     ("sub 512", {"_SUB": 512}),
@@ -94,6 +96,7 @@ QUICK_COLLISION_VARIANTS = (
     ("shipped", {}),
     # as before the small-call chunks: 2048 positions at every size, the threshold pass in steps of 32
     ("before: chunk 2048 always", {"_MIN_CHUNK": 2048, "_WHOLE_ROW_CHUNKS": 0}),
+    ("before: threshold launch", {"FOLD_SMALL_THRESHOLD": False}),
     ("before: pass", {"PIPELINE": "pass"}),
     ("fused votes 8 warps", {"_VOTES_WARPS": 8}),
     ("fused compact sub 2048", {"_COMPACT_SUB": 2048}),

@@ -278,18 +278,18 @@ def test_stores_of_one_shape_share_one_scratch():
     assert a.slot_map is b.slot_map and (a.slot_map == -1).all()
 
 
-def _decoded(name: str, steps: int, **options) -> PolicyLayerState:
-    """A layer of preset ``name`` (budget 100, GQA: two query heads per KV head) after a 300-token
-    prompt and ``steps`` random decode steps."""
+def _decoded(name: str, steps: int, device: str = "cpu", **options) -> PolicyLayerState:
+    """A layer of preset ``name`` (budget 100, GQA: two query heads per KV head) on ``device`` after a
+    300-token prompt and ``steps`` random decode steps (drawn on the CPU, so every device sees the same)."""
     gen = torch.Generator().manual_seed(5)
     hq = 2 * H
     policy = kvpolicy.preset(name, budget=100, sink=4, local=16, **options)
-    state = PolicyLayerState(policy, 0, torch.device("cpu"))
-    state.prefill(torch.randn(B, H, 300, D, generator=gen), torch.randn(B, H, 300, D, generator=gen),
-                  torch.ones(B, 300, dtype=torch.bool), hq)
+    state = PolicyLayerState(policy, 0, torch.device(device))
+    prompt = torch.randn(2, B, H, 300, D, generator=gen).to(device)
+    state.prefill(prompt[0], prompt[1], torch.ones(B, 300, dtype=torch.bool, device=device), hq)
     for _ in range(steps):
-        q = torch.randn(B, hq, D, generator=gen)
-        k, v = torch.randn(2, B, H, D, generator=gen)
+        q = torch.randn(B, hq, D, generator=gen).to(device)
+        k, v = torch.randn(2, B, H, D, generator=gen).to(device)
         state.decode(q, k, v, D**-0.5)
     return state
 
@@ -298,8 +298,10 @@ def _decoded(name: str, steps: int, **options) -> PolicyLayerState:
 @pytest.mark.parametrize("name", ["quest", "louiskv"])
 def test_triton_fetches_match_the_reference_and_leave_the_slot_map_clean(name, cache_rows):
     # both presets' prompt units lay the zone out unit by unit: refresh_rows translates its slots
-    want = _decoded(name, 12, backend="reference", unit_cache_rows=cache_rows).store
-    got = _decoded(name, 12, backend="triton", unit_cache_rows=cache_rows).store
+    # Triton runs on CPU tensors only under its interpreter, which is off on a CUDA machine
+    device = "cuda" if CUDA else "cpu"
+    want = _decoded(name, 12, device, backend="reference", unit_cache_rows=cache_rows).store
+    got = _decoded(name, 12, device, backend="triton", unit_cache_rows=cache_rows).store
     assert got.pool.zone_rows is not None
     assert (got.cache is not None) == (cache_rows is not None)
     for part in ("keys", "values", "slots", "held"):

@@ -184,11 +184,14 @@ def test_the_fused_selection_is_ten_triton_launches_and_one_memset(monkeypatch):
     launches.clear()
     with Record() as record:
         selection = selector.select(query, index, 40, ops)
-    # the query (1), the votes and candidates (3: collision_candidates' default "pass" pipeline), then
-    # rerank_select's radix method (auto's choice): the score pass with the top digit, three digit
-    # passes, the count and the place pass
-    assert launches == ["_query_votes_sort_kernel", "_votes_kernel", "_threshold_kernel", "_compact_kernel",
+    # the query (1), the votes and candidates (2 and a memset: collision_candidates' default "pass"
+    # pipeline at a call too small for 2048-position chunks, its threshold folded into the
+    # compaction), then rerank_select's radix method (auto's choice): the score pass with the top
+    # digit, three digit passes, then the place pass (the last digit's pick and the counts before
+    # each chunk)
+    assert launches == ["_query_votes_sort_kernel", "_votes_kernel", "_compact_fused_kernel",
                         "_radix_score_kernel", "_radix_level_kernel", "_radix_level_kernel", "_radix_level_kernel",
-                        "_radix_level_kernel", "_radix_place_kernel"]
-    assert record.ops == ["aten.zeros.default"]  # the radix passes' histogram scratch
+                        "_radix_place_kernel"]
+    # the votes' row histogram, the radix passes' histogram scratch
+    assert record.ops == ["aten.zeros.default", "aten.zeros.default"]
     assert int(selection.num_units.sum()) == 2 * 40

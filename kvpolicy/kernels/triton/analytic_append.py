@@ -69,8 +69,17 @@ def _encode_kernel(
     lo = tl.arange(0, LO)
     d = hi[:, None] * LO + lo[None, :]
     key = tl.load(key_ptr + b * key_sb + h * key_sh + d * key_sd).to(tl.float32)
+    # everything else this program reads, loaded with the key (none of it depends on the key):
+    # loaded where used, each waited behind the rotation's barriers, and the levels' values one
+    # after another (predicated loads into one register)
+    signs = tl.load(signs_ptr + d)
+    t = tl.arange(0, LEVELS)
+    thresholds = tl.load(thresholds_ptr + t, mask=t < LEVELS - 1, other=float("inf"))  # no level past the last
+    values = tl.load(values_ptr + t)
+    token_ok = tl.load(valid_ptr + b)
+    slot = tl.load(slot_ptr)
     norm = tl.sqrt(tl.sum(tl.sum(key * key, axis=1), axis=0))
-    unit = key / tl.maximum(norm, 1e-12) * tl.load(signs_ptr + d)
+    unit = key / tl.maximum(norm, 1e-12) * signs
     # the rotation: H_D = H_HI (x) H_LO (Sylvester order), so rotating is two small products,
     # over the low index bits then the high ones: D * (LO + HI) terms, not D * D
     by_lo = tl.sum(tl.where(_hadamard_signs(LO, LOG_LO)[None, :, :], unit[:, None, :], -unit[:, None, :]), axis=2)
@@ -78,15 +87,11 @@ def _encode_kernel(
                      axis=1) * inv_sqrt_d
     rotated = tl.reshape(rotated, [D])
     # the code: magnitude = thresholds below |x| (bucketize), bit 3 the sign; its value
-    magnitude = tl.zeros([D], dtype=tl.int32)
-    for t in tl.static_range(LEVELS - 1):
-        magnitude += (tl.abs(rotated) > tl.load(thresholds_ptr + t)).to(tl.int32)
+    magnitude = tl.sum((tl.abs(rotated)[:, None] > thresholds[None, :]).to(tl.int32), axis=1)
     nibble = magnitude | ((rotated < 0).to(tl.int32) << 3)
-    # the code's value, values[nibble], chosen among the LEVELS loaded up front rather than
-    # gathered: a global load fewer in the chain after the rotation (values[8 + m] = -values[m])
-    level = tl.zeros([D], dtype=tl.float32)
-    for t in tl.static_range(LEVELS):
-        level = tl.where(magnitude == t, tl.load(values_ptr + t), level)
+    # the code's value, values[nibble], picked among the LEVELS loaded up front (values[8 + m] =
+    # -values[m]): one of them and zeros summed, so exactly that value
+    level = tl.sum(tl.where(magnitude[:, None] == t[None, :], values[None, :], 0.0), axis=1)
     alignment = tl.sum(rotated * tl.where(rotated < 0, -level, level), axis=0)
     weight = tl.where(alignment > 0, 1.0 / tl.maximum(alignment, 1e-30), 0.0)
     # pack coordinate 2i into byte i's low nibble, 2i + 1 into its high one
@@ -101,9 +106,9 @@ def _encode_kernel(
     tl.store(weight_ptr + b * weight_sb + h * weight_sh + position * weight_sn, weight)
     tl.store(norms_ptr + b * norm_sb + h * norm_sh + position * norm_sn, norm)
     if h == 0:
-        tl.store(token_valid_ptr + b * tv_sb + position * tv_sn, tl.load(valid_ptr + b))
+        tl.store(token_valid_ptr + b * tv_sb + position * tv_sn, token_ok)
         if b == 0:
-            tl.store(slots_ptr + position * slot_s, tl.load(slot_ptr))
+            tl.store(slots_ptr + position * slot_s, slot)
 
 
 @triton.jit

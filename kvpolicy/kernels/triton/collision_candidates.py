@@ -2,7 +2,8 @@
 candidate set, each centroid id read once.
 
 Two pipelines, with the same output exactly. ``PIPELINE = "pass"`` (the default): the
-three launches below (votes, threshold, compact). ``PIPELINE = "fused"`` (session 10): two launches
+three launches below (votes, threshold, compact; two and a memset in a small call, see
+``folds_threshold``). ``PIPELINE = "fused"`` (session 10): two launches
 and a memset, the threshold folded into the compaction (see the comment above
 ``_votes_fused_kernel``); on an H200 its votes pass took 150 us at 128Kx4 against the pass's 46,
 and 1,178 against 314 at 1Mx4 (docs/bench/session10/final/paris/), so it is not the default.
@@ -32,6 +33,15 @@ threshold vote ``v*`` plus the first keys by position with exactly ``v*``:
    an eighth of the ids' 16) and writes the chunk's candidates at their places, in position
    order, so the rerank reads the candidates' codes in address order; and its share of the
    row's -1 tail (so no fill launch precedes the three).
+
+A call too small to fill the GPU with ``_CHUNK``-position programs (its chunk shrank; batch 1
+at 32K) folds step 2 into step 3 (``folds_threshold``, ``FOLD_SMALL_THRESHOLD``): the votes pass adds each chunk's
+histogram into the row's (atomics into a zeroed ``(rows, BINS)``: a memset) and writes the chunk's
+suffix counts (bin b: its keys with vote bin b or more), and every compaction program finds the
+row's count and threshold from the row histogram and its start from two suffix counts of each
+earlier chunk (``_compact_fused_kernel``, the fused pipeline's). One program a row walking up to
+128 chunk histograms (4.8 us at 1x32K on an H200, session 14) becomes a memset; each compaction
+program waits on one more dependent load (the suffix counts, after the row's threshold).
 
 Per key and step: the ids once (``S`` bytes), the vote written and read once (2 + 2 bytes),
 ``token_valid`` once (1 byte per sequence, shared by its heads through the cache). The output
@@ -71,6 +81,9 @@ _MAX_BANDS = 4
 # so far ran); benchmarks/pariskv_select.py's COLLISION_VARIANTS times the others
 _VOTES_WARPS = 4
 _COMPACT_WARPS = 4
+# a small call (chunk under _CHUNK, at most _MAX_CHUNKS chunks a row): the threshold pass folded
+# into the compaction (see the module docstring); False: the threshold launch at every size
+FOLD_SMALL_THRESHOLD = True
 # "pass" (votes, threshold, compact) or session 10's "fused" (two launches and a memset; 3.3x and
 # 3.7x slower votes at 128Kx4 and 1Mx4 on an H200, so kept for benchmarks/pariskv_select.py only)
 PIPELINE = "pass"
@@ -84,12 +97,12 @@ _COMPACT_SUB = 1024
 
 @triton.jit
 def _votes_kernel(
-    table_ptr, keys_ptr, valid_ptr, indexed_ptr, votes_ptr, hist_ptr,
+    table_ptr, keys_ptr, valid_ptr, indexed_ptr, votes_ptr, hist_ptr, row_hist_ptr,
     H, N, CHUNKS,
     key_sb, key_sh, key_sn, key_ss,
     valid_sb, valid_sn,
     S: tl.constexpr, IDS: tl.constexpr, WORDS: tl.constexpr,
-    CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr, ROW_HIST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -97,10 +110,14 @@ def _votes_kernel(
     h = row % H
     indexed = tl.load(indexed_ptr)
     table_row = table_ptr + row * S * IDS
+    bins = tl.arange(0, BINS)
     hist = tl.zeros([BINS], dtype=tl.int32)
     for s0 in range(0, CHUNK, SUB):
         n = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
         in_n = n < N
+        # the positions' flags first: loaded after the lookups (in source order), ptxas issued
+        # them after the lookups had returned, a dependent load more before the stores
+        valid = tl.load(valid_ptr + b * valid_sb + n * valid_sn, mask=in_n, other=0)
         key_row = keys_ptr + b * key_sb + h * key_sh + n * key_sn
         # one subspace at a time across the keys: a warp's lookups then fall in one subspace's
         # 256-entry row (two cache lines of int8 votes), not across the whole table
@@ -115,11 +132,17 @@ def _votes_kernel(
             for sub in tl.static_range(S):
                 ids = tl.load(key_row + sub * key_ss, mask=in_n, other=0).to(tl.int32)
                 total += tl.load(table_row + sub * IDS + ids, mask=in_n, other=0).to(tl.int32)
-        valid = tl.load(valid_ptr + b * valid_sb + n * valid_sn, mask=in_n, other=0)
+        # (not next to the flags' load: there ptxas placed the compare before the ids' loads, so
+        # the ids waited on the indexed count's load)
         voted = in_n & (valid != 0) & (n < indexed)
         tl.store(votes_ptr + row * N + n, tl.where(voted, total, -1).to(tl.int16), mask=in_n)
         hist += tl.histogram(tl.where(voted, total + 1, 0), BINS)
-    tl.store(hist_ptr + (row * CHUNKS + chunk) * BINS + tl.arange(0, BINS), hist)
+    if ROW_HIST:  # the threshold folded into the compaction: suffix counts, and the row's histogram
+        suffix = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+        tl.store(hist_ptr + (row * CHUNKS + chunk) * BINS + bins, suffix)
+        tl.atomic_add(row_hist_ptr + row * BINS + bins, hist, mask=(hist != 0) & (bins > 0), sem="relaxed")
+    else:
+        tl.store(hist_ptr + (row * CHUNKS + chunk) * BINS + bins, hist)
 
 
 def _as_words(key_centroids: torch.Tensor) -> torch.Tensor | None:
@@ -289,6 +312,10 @@ def _compact_fused_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
+    # the first step's votes, loaded before the row's histogram (they do not depend on it); the
+    # next step's a step ahead
+    pos = chunk * CHUNK + tl.arange(0, SUB).to(tl.int64)
+    vote_next = tl.load(votes_ptr + row * N + pos, mask=pos < N, other=-1).to(tl.int32) + 1
     bins = tl.arange(0, BINS)
     # the row's count and threshold: _threshold_kernel's arithmetic on the row histogram
     total = tl.load(row_hist_ptr + row * BINS + bins)
@@ -324,7 +351,9 @@ def _compact_fused_kernel(
     for s0 in range(0, CHUNK, SUB):
         pos = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
         in_n = pos < N
-        vote_bin = tl.load(votes_ptr + row * N + pos, mask=in_n, other=-1).to(tl.int32) + 1
+        vote_bin = vote_next
+        ahead = pos + SUB
+        vote_next = tl.load(votes_ptr + row * N + ahead, mask=(ahead < N) & (s0 + SUB < CHUNK), other=-1).to(tl.int32) + 1
         tied = (vote_bin == level).to(tl.int32)
         high = (vote_bin > level).to(tl.int32)
         # one scan for both counts: keys above the threshold in the high 16 bits, tied ones in the low
@@ -394,15 +423,25 @@ def collision_candidates(
     chunk_block = triton.next_power_of_2(chunks) if chunks <= _WHOLE_ROW_CHUNKS else _CHUNK_BLOCK
     votes = torch.empty(batch, heads, n, dtype=torch.int16, device=device)
     hist = torch.empty(rows, chunks, bins, dtype=torch.int32, device=device)
+    fold = folds_threshold(rows, n)
+    row_hist = torch.zeros(rows, bins, dtype=torch.int32, device=device) if fold else hist
     words = _as_words(key_centroids)
     ids = key_centroids if words is None else words
     _votes_kernel[(rows, chunks)](
-        table, ids, valid, indexed, votes, hist,
+        table, ids, valid, indexed, votes, hist, row_hist,
         heads, n, chunks,
         *ids.stride(), *valid.stride(),
         S=subspaces, IDS=reference_analytic.NUM_IDS, WORDS=words is not None,
-        CHUNK=chunk, SUB=sub, BINS=bins, num_warps=_VOTES_WARPS,
+        CHUNK=chunk, SUB=sub, BINS=bins, ROW_HIST=fold, num_warps=_VOTES_WARPS,
     )
+    if fold:  # hist holds suffix counts: the compaction finds the threshold itself
+        _compact_fused_kernel[(rows, chunks)](
+            votes, hist, row_hist, out,
+            n, chunks, width, triton.cdiv(width, chunks), int(floor), float(fraction), *_bands(bands),
+            CHUNK=chunk, SUB=sub, BINS=bins, CHUNKS_BLOCK=max(2, triton.next_power_of_2(chunks)),
+            num_warps=_COMPACT_WARPS,
+        )
+        return out
     start = torch.empty(rows, chunks, dtype=torch.int32, device=device)
     ties = torch.empty(rows, chunks, dtype=torch.int32, device=device)
     level = torch.empty(rows, dtype=torch.int32, device=device)
@@ -424,6 +463,13 @@ def pass_chunk(rows: int, n: int) -> int:
     where ``_CHUNK`` would leave fewer than about ``_PASS_PROGRAMS`` programs."""
     wanted = triton.next_power_of_2(triton.cdiv(max(1, rows * n), _PASS_PROGRAMS))
     return min(_CHUNK, max(_MIN_CHUNK, wanted))
+
+
+def folds_threshold(rows: int, n: int) -> bool:
+    """Whether the pass pipeline folds its threshold pass into the compaction: where
+    ``FOLD_SMALL_THRESHOLD`` and the chunk shrank below ``_CHUNK`` (at most ``_MAX_CHUNKS`` a row)."""
+    chunk = pass_chunk(rows, n)
+    return FOLD_SMALL_THRESHOLD and chunk < _CHUNK and triton.cdiv(n, chunk) <= _MAX_CHUNKS
 
 
 def fused_chunk(rows: int, n: int) -> int:

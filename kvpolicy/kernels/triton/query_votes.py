@@ -123,9 +123,14 @@ def _query_votes_sort_kernel(
     heads = tl.load(
         query_ptr + b * q_sb + h * q_sh + g[:, None] * q_sg + d[None, :] * q_sd, mask=(g < G)[:, None], other=0.0
     ).to(tl.float32)
+    # the signs and the rank-r centroid's votes, loaded with the query: neither depends on it, and
+    # loaded where they are used they would wait behind the norm's and the sort's barriers
+    signs = tl.load(signs_ptr + d)
+    rank = tl.arange(0, CENTROIDS)
+    votes = tl.load(weights_ptr + rank, mask=rank < RHO, other=0)
     mean = tl.sum(heads, axis=0) / G
     norm = tl.sqrt(tl.sum(mean * mean, axis=0))
-    unit = mean / tl.maximum(norm, 1e-12) * tl.load(signs_ptr + d)
+    unit = mean / tl.maximum(norm, 1e-12) * signs
     j = tl.arange(0, BLOCK_DIMS)
     in_j = j < DIMS
     i = sub * DIMS + j
@@ -151,8 +156,6 @@ def _query_votes_sort_kernel(
     key = (ordered.to(tl.int64) << 8) | (255 - c).to(tl.int64)
     ranked = tl.sort(key, 0, True)
     centroid = 255 - (ranked & 255)
-    rank = tl.arange(0, CENTROIDS)
-    votes = tl.load(weights_ptr + rank, mask=rank < RHO, other=0)
     table_row = table_ptr + (row * S + sub) * IDS
     tl.store(table_row + centroid, votes.to(tl.int8))
     if CENTROIDS < IDS:  # ids past the subspace's centroids get no votes

@@ -307,16 +307,22 @@ def _finish_kernel(
 # 2. ``_radix_level_kernel`` at levels 1-3: every program picks the previous digit from the row's
 #    histogram (the highest bin with at least ``need`` keys at or above it), then histograms the
 #    next digit of its keys that match the digits picked so far; the row's state (digits, need)
-#    is written once per row (chunk 0) for the next level;
-# 3. the same kernel at level 4: the last digit gives the threshold key ``T`` and how many keys
-#    equal to it are taken (the first by position); each program counts its keys above ``T`` and
-#    equal to it;
-# 4. ``_radix_place_kernel``: each program sums the counts of the chunks before it (at most
-#    ``_MAX_CHUNKS``), then writes its chosen candidates at their places in position order, and
-#    its share of the update buffer's rows and the -1 tail (chunk 0: the row's count).
+#    is written once per row (chunk 0) for the next level. At level 3 each program also writes
+#    its chunk's suffix counts of the last digit (entry d: its keys above the three digits picked,
+#    plus its matching keys whose last digit is d or more; entry 256: the former alone), so the
+#    place pass can count a chunk's keys above and at any threshold without a fourth level pass;
+# 3. ``_radix_place_kernel``: each program picks the last digit from the row's histogram (the
+#    threshold key ``T`` and how many keys equal to it are taken, the first by position), reads
+#    two suffix counts of each chunk before it (at most ``_MAX_CHUNKS``: its keys above ``T`` and
+#    at it), then writes its chosen candidates at their places in position order, and its share
+#    of the update buffer's rows and the -1 tail (chunk 0: the row's count).
+#
+# Each level and place program loads its first step's keys (and in a small call the place pass
+# its candidates' positions and slots: _PRELOAD_CANDIDATES) before the row's histogram, so those
+# loads overlap the pick's.
 #
 # Per candidate: codes, weight, norm and position once (as the old rerank), the key written once
-# and read four times (4 bytes each); per program 256 histogram bins.
+# and read four times (4 bytes each); per program 256 histogram bins (257 suffix counts at level 3).
 
 _RADIX_BINS = 256
 _RADIX_LEVELS = 4
@@ -350,6 +356,11 @@ _RADIX_MIN_CHUNK_PROGRAMS = 1024
 # chunk). Their programs are latency-bound (a row histogram's pick, one step of keys, 256
 # atomics), so fewer may be faster; unmeasured, so 0 (pariskv_select.py --quick times 1024, 2048)
 _RADIX_LEVEL_MIN_CHUNK = 0
+# the place pass loads every listed candidate's position and slot ahead of the pick (two dependent
+# loads off its chain) in a call of at most this many candidates (1x32K: 8 x 6K); a larger call
+# loads the chosen ones' only (at 1Mx4, 3.4M candidates: ~27 MB of positions and a scattered
+# slot read each, where ~65K are chosen)
+_PRELOAD_CANDIDATES = 1 << 16
 SCORE_WORDS = False
 
 
@@ -465,6 +476,9 @@ def _radix_level_kernel(
     chunk = tl.program_id(1)
     bins = tl.arange(0, BINS)
     three = tl.arange(0, 4)
+    # the first step's keys, loaded before the row's histogram (they do not depend on it)
+    c = chunk * CHUNK + tl.arange(0, SUB).to(tl.int64)
+    key_next = tl.load(keys_ptr + row * W + c, mask=c < W, other=-2147483648)
     # the state after the previous levels: the key's digits picked so far, the keys still to take
     hist = tl.load(row_hist_ptr + (row * LEVELS + LEVEL - 1) * BINS + bins)
     if LEVEL == 1:
@@ -473,7 +487,7 @@ def _radix_level_kernel(
         prefix = take * 0
         need = take
     else:
-        state = tl.load(state_ptr + (row * (LEVELS + 1) + LEVEL - 1) * 4 + three)
+        state = tl.load(state_ptr + (row * LEVELS + LEVEL - 1) * 4 + three)
         prefix = tl.sum(tl.where(three == 0, state, 0), axis=0)
         need = tl.sum(tl.where(three == 1, state, 0), axis=0)
         take = tl.sum(tl.where(three == 2, state, 0), axis=0)
@@ -485,63 +499,77 @@ def _radix_level_kernel(
     prefix = prefix | (digit_bits << (32 - 8 * LEVEL))
     need = need - above
     if chunk == 0:
-        tl.store(state_ptr + (row * (LEVELS + 1) + LEVEL) * 4 + three,
+        tl.store(state_ptr + (row * LEVELS + LEVEL) * 4 + three,
                  tl.where(three == 0, prefix, tl.where(three == 1, need, tl.where(three == 2, take, 0))))
-    if LEVEL < LEVELS:
-        # the next digit's histogram of the keys whose higher digits are the picked ones
-        high = -(1 << (32 - 8 * LEVEL))  # the bits picked so far
-        unlisted = tl.full([SUB], -2147483648, tl.int32)
-        hist = tl.zeros([BINS], dtype=tl.int32)
-        for s0 in range(0, CHUNK, SUB):
-            c = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
-            in_c = c < W
-            key = tl.load(keys_ptr + row * W + c, mask=in_c, other=-2147483648)
-            match = in_c & (key != unlisted) & ((key & high) == prefix)
-            hist += tl.histogram(tl.where(match, _key_digit(key, LEVEL), 0), BINS)
-            hist -= tl.where(bins == 0, SUB - tl.sum(match.to(tl.int32), axis=0), 0)
-        tl.atomic_add(row_hist_ptr + (row * LEVELS + LEVEL) * BINS + bins, hist, mask=hist != 0, sem="relaxed")
-    else:
-        # prefix is the threshold key: count this chunk's keys above it and equal to it
-        unlisted = tl.full([SUB], -2147483648, tl.int32)
-        over = 0
-        tied = 0
-        for s0 in range(0, CHUNK, SUB):
-            c = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
-            in_c = c < W
-            key = tl.load(keys_ptr + row * W + c, mask=in_c, other=-2147483648)
-            listed = in_c & (key != unlisted)
-            over += tl.sum((listed & (key > prefix)).to(tl.int32), axis=0)
-            tied += tl.sum((listed & (key == prefix)).to(tl.int32), axis=0)
-        two = tl.arange(0, 2)
-        tl.store(counts_ptr + (row * CHUNKS + chunk) * 2 + two, tl.where(two == 0, over, tied))
+    # the next digit's histogram of the keys whose higher digits are the picked ones
+    high = -(1 << (32 - 8 * LEVEL))  # the bits picked so far
+    unlisted = tl.full([SUB], -2147483648, tl.int32)
+    hist = tl.zeros([BINS], dtype=tl.int32)
+    over = 0  # keys above every key with the picked digits
+    for s0 in range(0, CHUNK, SUB):
+        c = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
+        in_c = c < W
+        key = key_next
+        ahead = c + SUB
+        key_next = tl.load(keys_ptr + row * W + ahead, mask=(ahead < W) & (s0 + SUB < CHUNK), other=-2147483648)
+        listed = in_c & (key != unlisted)
+        match = listed & ((key & high) == prefix)
+        hist += tl.histogram(tl.where(match, _key_digit(key, LEVEL), 0), BINS)
+        hist -= tl.where(bins == 0, SUB - tl.sum(match.to(tl.int32), axis=0), 0)
+        if LEVEL == LEVELS - 1:  # above the largest key with the picked digits
+            over += tl.sum((listed & (key > (prefix | ((1 << (32 - 8 * LEVEL)) - 1)))).to(tl.int32), axis=0)
+    tl.atomic_add(row_hist_ptr + (row * LEVELS + LEVEL) * BINS + bins, hist, mask=hist != 0, sem="relaxed")
+    if LEVEL == LEVELS - 1:
+        # the chunk's suffix counts of the last digit (see the comment above): the place pass
+        # reads entries d and d + 1 of them for the picked last digit d
+        suffix = over + tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+        counts_row = counts_ptr + (row * CHUNKS + chunk) * (BINS + 1)
+        tl.store(counts_row + bins, suffix)
+        tl.store(counts_row + BINS, over)
 
 
 @triton.jit
 def _radix_place_kernel(
-    keys_ptr, cand_ptr, state_ptr, counts_ptr, token_valid_ptr, slots_ptr, indexed_ptr, next_ptr,
+    keys_ptr, cand_ptr, row_hist_ptr, state_ptr, counts_ptr, token_valid_ptr, slots_ptr, indexed_ptr, next_ptr,
     ids_ptr, out_slots_ptr, valid_ptr, count_ptr,
     H, W, CHUNKS, R, N, FILL,
     cand_sb, cand_sh, cand_sc, valid_sb, valid_sn, slot_s,
     CHUNK: tl.constexpr, SUB: tl.constexpr, CHUNKS_BLOCK: tl.constexpr, LEVELS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BINS: tl.constexpr, BLOCK: tl.constexpr, PRELOAD: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = row // H
     h = row % H
+    # the first step's keys (and with PRELOAD its candidates' positions and slots, every listed
+    # one's, not the chosen ones' only), loaded before the row's histogram (they do not depend on it)
+    cand_row = cand_ptr + b * cand_sb + h * cand_sh
+    c = chunk * CHUNK + tl.arange(0, SUB).to(tl.int64)
+    key_next = tl.load(keys_ptr + row * W + c, mask=c < W, other=-2147483648)
+    if PRELOAD:
+        position_next = tl.load(cand_row + c * cand_sc, mask=c < W, other=-1).to(tl.int64)
+        slot_next = tl.load(slots_ptr + tl.maximum(position_next, 0) * slot_s, mask=position_next >= 0, other=0)
+    # the last digit, picked as the level passes pick theirs: the threshold key and how many keys
+    # equal to it are taken
+    bins = tl.arange(0, BINS)
     three = tl.arange(0, 4)
-    state = tl.load(state_ptr + (row * (LEVELS + 1) + LEVELS) * 4 + three)
-    threshold = tl.sum(tl.where(three == 0, state, 0), axis=0)
-    need_equal = tl.sum(tl.where(three == 1, state, 0), axis=0)
+    hist = tl.load(row_hist_ptr + (row * LEVELS + LEVELS - 1) * BINS + bins)
+    state = tl.load(state_ptr + (row * LEVELS + LEVELS - 1) * 4 + three)
+    prefix = tl.sum(tl.where(three == 0, state, 0), axis=0)
+    need = tl.sum(tl.where(three == 1, state, 0), axis=0)
     take = tl.sum(tl.where(three == 2, state, 0), axis=0)
+    digit, above = _pick(hist, bins, need)
+    threshold = prefix | digit
+    need_equal = need - above
     indexed = tl.load(indexed_ptr)
     buffered = tl.minimum(tl.maximum(tl.load(next_ptr) - indexed, 0), R).to(tl.int32)
     # the chunks before this one: their keys above the threshold, and their share of the equal
-    # ones (the first need_equal by position)
+    # ones (the first need_equal by position), from their suffix counts of the last digit
     others = tl.arange(0, CHUNKS_BLOCK)
     in_others = others < CHUNKS
-    over = tl.load(counts_ptr + (row * CHUNKS + others) * 2, mask=in_others, other=0)
-    tied = tl.load(counts_ptr + (row * CHUNKS + others) * 2 + 1, mask=in_others, other=0)
+    counts_rows = counts_ptr + (row * CHUNKS + others) * (BINS + 1)
+    over = tl.load(counts_rows + digit + 1, mask=in_others, other=0)
+    tied = tl.load(counts_rows + digit, mask=in_others, other=0) - over
     taken = tl.minimum(tl.maximum(need_equal - (tl.cumsum(tied, axis=0) - tied), 0), tied)
     before = others < chunk
     placed = buffered + tl.sum(tl.where(before, over + taken, 0), axis=0)
@@ -554,15 +582,26 @@ def _radix_place_kernel(
     for s0 in range(0, CHUNK, SUB):
         c = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
         in_c = c < W
-        key = tl.load(keys_ptr + row * W + c, mask=in_c, other=-2147483648)
+        key = key_next
+        # the next step's, a step ahead
+        ahead = c + SUB
+        in_ahead = (ahead < W) & (s0 + SUB < CHUNK)
+        key_next = tl.load(keys_ptr + row * W + ahead, mask=in_ahead, other=-2147483648)
+        if PRELOAD:
+            position = position_next
+            slot = slot_next
+            position_next = tl.load(cand_row + ahead * cand_sc, mask=in_ahead, other=-1).to(tl.int64)
+            slot_next = tl.load(slots_ptr + tl.maximum(position_next, 0) * slot_s, mask=position_next >= 0, other=0)
         listed = in_c & (key != unlisted)
         equal = (listed & (key == threshold)).to(tl.int32)
         equal_rank = equal_seen + tl.cumsum(equal, axis=0) - equal
         chosen = ((listed & (key > threshold)) | ((equal != 0) & (equal_rank < my_taken))).to(tl.int32)
         at = placed + tl.cumsum(chosen, axis=0) - chosen
-        position = tl.load(cand_ptr + b * cand_sb + h * cand_sh + c * cand_sc, mask=chosen != 0, other=0).to(tl.int64)
+        if not PRELOAD:  # the chosen ones' only, once known
+            position = tl.load(cand_row + c * cand_sc, mask=chosen != 0, other=0).to(tl.int64)
+            slot = tl.load(slots_ptr + position * slot_s, mask=chosen != 0, other=0)
         tl.store(out_ids + at, position, mask=chosen != 0)
-        tl.store(out_slots + at, tl.load(slots_ptr + position * slot_s, mask=chosen != 0, other=0), mask=chosen != 0)
+        tl.store(out_slots + at, slot, mask=chosen != 0)
         tl.store(out_valid + at, tl.full([SUB], 1, tl.int8), mask=chosen != 0)
         equal_seen += tl.sum(equal, axis=0)
         placed += tl.sum(chosen, axis=0)
@@ -717,16 +756,17 @@ def _radix(query_rotated, codes, weight, norms, candidates, token_valid, slots, 
     chunk = radix_chunk(rows, width)
     keys = torch.empty(rows, max(1, width), dtype=torch.int32, device=device)
     row_hist = torch.zeros(rows, _RADIX_LEVELS, _RADIX_BINS, dtype=torch.int32, device=device)
-    state = torch.empty(rows, _RADIX_LEVELS + 1, 4, dtype=torch.int32, device=device)
+    state = torch.empty(rows, _RADIX_LEVELS, 4, dtype=torch.int32, device=device)
     _score_launch(query_rotated, codes, weight, norms, candidates, keys, row_hist, chunk,
                   max(1, triton.cdiv(width, chunk)), False)
     # the level and place passes' chunk: the score pass's, or larger (_RADIX_LEVEL_MIN_CHUNK; the
     # score pass's histogram goes to the row's whatever its chunks)
     chunk = max(chunk, min(_RADIX_LEVEL_MIN_CHUNK, triton.next_power_of_2(max(1, width))))
     chunks = max(1, triton.cdiv(width, chunk))
-    counts = torch.empty(rows, chunks, 2, dtype=torch.int32, device=device)
+    # level 3's suffix counts of the last digit, per chunk (see the comment above _RADIX_BINS)
+    counts = torch.empty(rows, chunks, _RADIX_BINS + 1, dtype=torch.int32, device=device)
     sub = min(chunk, _RADIX_SUB)
-    for level in range(1, _RADIX_LEVELS + 1):
+    for level in range(1, _RADIX_LEVELS):
         _radix_level_kernel[(rows, chunks)](
             keys, row_hist, state, counts, indexed, next_position,
             width, chunks, capacity,
@@ -735,12 +775,12 @@ def _radix(query_rotated, codes, weight, norms, candidates, token_valid, slots, 
     valid_bytes = valid.view(torch.int8)
     token_bytes = token_valid.view(torch.uint8) if token_valid.dtype == torch.bool else token_valid
     _radix_place_kernel[(rows, chunks)](
-        keys, candidates, state, counts, token_bytes, slots, indexed, next_position,
+        keys, candidates, row_hist, state, counts, token_bytes, slots, indexed, next_position,
         ids, out_slots, valid_bytes, count,
         heads, width, chunks, capacity, n, triton.cdiv(capacity, chunks),
         *candidates.stride(), *token_bytes.stride(), slots.stride(0),
         CHUNK=chunk, SUB=sub, CHUNKS_BLOCK=max(2, triton.next_power_of_2(chunks)), LEVELS=_RADIX_LEVELS,
-        BLOCK=min(_PLACE_BLOCK, triton.next_power_of_2(triton.cdiv(capacity, chunks))),
+        BINS=_RADIX_BINS, PRELOAD=rows * width <= _PRELOAD_CANDIDATES, BLOCK=min(_PLACE_BLOCK, triton.next_power_of_2(triton.cdiv(capacity, chunks))),
     )
     return ids, count, out_slots, valid
 

@@ -243,20 +243,22 @@ def test_query_votes_refuses_misshaped_inputs():
         query_votes.query_votes(torch.zeros(1, 1, 2, 16, device=DEVICE), torch.ones(16, device=DEVICE), 4, [1] * 20)
 
 
-@pytest.fixture(params=["fused", "pass", "pass-small-call"])
+@pytest.fixture(params=["fused", "pass", "pass-small-call", "pass-small-call-threshold-launch"])
 def small_chunks(monkeypatch, request):
     """Several chunks, steps and chunk blocks at interpreter sizes; each pipeline (session 10's
     two launches, and the three before it); "pass-small-call": the pass pipeline's chunk shrunk
-    for a call with few programs (one step a chunk, the threshold pass reading a row's chunks in
-    one step)."""
+    for a call with few programs (one step a chunk, the threshold folded into the compaction);
+    "-threshold-launch": the same chunks with the threshold pass launched (reading a row's
+    chunks in one step)."""
     from kvpolicy.kernels.triton import collision_candidates
 
-    monkeypatch.setattr(collision_candidates, "PIPELINE", request.param.removesuffix("-small-call"))
+    monkeypatch.setattr(collision_candidates, "PIPELINE", request.param.split("-")[0])
+    monkeypatch.setattr(collision_candidates, "FOLD_SMALL_THRESHOLD", not request.param.endswith("-threshold-launch"))
     monkeypatch.setattr(collision_candidates, "_CHUNK", 256)
     monkeypatch.setattr(collision_candidates, "_SUB", 64)
     monkeypatch.setattr(collision_candidates, "_COMPACT_SUB", 64)
     monkeypatch.setattr(collision_candidates, "_CHUNK_BLOCK", 2)
-    if request.param == "pass-small-call":  # 32-position chunks, dozens a row
+    if request.param.startswith("pass-small-call"):  # 32-position chunks, dozens a row
         monkeypatch.setattr(collision_candidates, "_PASS_PROGRAMS", 1 << 20)
         monkeypatch.setattr(collision_candidates, "_MIN_CHUNK", 32)
         monkeypatch.setattr(collision_candidates, "_ONE_STEP_CHUNK", 32)
@@ -332,6 +334,19 @@ def test_collision_candidates_pass_chunk_shrinks_for_a_small_call():
     assert cc.pass_chunk(1, 100) == cc._MIN_CHUNK
 
 
+def test_collision_candidates_folds_the_threshold_of_small_calls_only(monkeypatch):
+    from kvpolicy.kernels.triton import collision_candidates as cc
+
+    assert cc.folds_threshold(8, 40960)  # batch 1 at 32K: 80 chunks of 512 a row
+    assert cc.folds_threshold(1, 1 << 20)  # one row of 1M: 1,024 chunks of 1024
+    assert not cc.folds_threshold(32, 163840)  # 128K x 4: chunks of _CHUNK, the threshold launched
+    assert not cc.folds_threshold(32, 1310720)  # 1M x 4
+    monkeypatch.setattr(cc, "_PASS_PROGRAMS", 1 << 20)
+    assert not cc.folds_threshold(1, 1 << 20)  # more than _MAX_CHUNKS chunks a row
+    monkeypatch.setattr(cc, "FOLD_SMALL_THRESHOLD", False)
+    assert not cc.folds_threshold(8, 40960)
+
+
 @pytest.mark.parametrize("subspaces, view", [(16, "strided"), (6, "contiguous")])
 def test_collision_candidates_reads_an_int8_table_and_ids_bytewise(small_chunks, subspaces, view):
     # query_votes' int8 table; ids the kernel cannot read as int32 words (a strided view, or 6
@@ -392,11 +407,12 @@ def test_collision_candidates_band_bounds_are_exclusive(small_chunks, indexed, c
 # -- the fused rerank and final selection: rerank_select ----------------------------------------
 
 
-@pytest.fixture(params=["radix", "radix-level-chunk", "split", "torch"])
+@pytest.fixture(params=["radix", "radix-level-chunk", "radix-no-preload", "split", "torch"])
 def small_select(request, monkeypatch):
     """Each method at interpreter sizes: several chunks (radix: 16-32 candidates each), steps
     within a chunk, chunk blocks and finish blocks; "radix-level-chunk": the level and place
-    passes on chunks larger than the score pass's."""
+    passes on chunks larger than the score pass's; "radix-no-preload": the place pass loading
+    the chosen candidates' positions and slots only (a large call's)."""
     from kvpolicy.kernels.triton import rerank_select
 
     monkeypatch.setattr(rerank_select, "_CHUNK", 128)
@@ -411,7 +427,9 @@ def small_select(request, monkeypatch):
     monkeypatch.setattr(rerank_select, "_PLACE_BLOCK", 4)
     if request.param == "radix-level-chunk":
         monkeypatch.setattr(rerank_select, "_RADIX_LEVEL_MIN_CHUNK", 32)
-    monkeypatch.setattr(rerank_select, "METHOD", request.param.removesuffix("-level-chunk"))
+    if request.param == "radix-no-preload":
+        monkeypatch.setattr(rerank_select, "_PRELOAD_CANDIDATES", 0)
+    monkeypatch.setattr(rerank_select, "METHOD", request.param.split("-")[0])
     return rerank_select.rerank_select
 
 
