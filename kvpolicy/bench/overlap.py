@@ -10,8 +10,9 @@ follows the misses, so a benchmark at random weights' overlap overstates it.
 the spread (standard deviation) of the row's scores: the query still ranks the units, but the
 same ones keep winning, more of them the larger the bias; in units of the scores' own spread,
 so one setting means about the same overlap at any context or batch. The scoring, ranking and fetch run
-as they do for ``top_budget`` (plus one elementwise add); the row's measured miss fraction says
-what overlap the bias produced.
+as they do for ``top_budget``, plus the bias: one launch on the Triton backend (``sticky_bias.py``),
+a dozen PyTorch ops on the reference; the row's measured miss fraction says what overlap the bias
+produced.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import dispatch
 from ..selectors.top_budget import TopBudget
 
 
@@ -39,9 +41,25 @@ class StickyTopBudget(TopBudget):
 
     def unit_scores(self, query, units, ops, take=None) -> torch.Tensor:
         scores = super().unit_scores(query, units, ops, take)
-        finite = torch.isfinite(scores)
-        count = finite.sum(-1, keepdim=True).clamp(min=1)
-        kept = torch.where(finite, scores, 0.0)
-        mean = kept.sum(-1, keepdim=True) / count
-        spread = (torch.where(finite, scores - mean, 0.0).square().sum(-1, keepdim=True) / count).sqrt()
-        return scores + self.stickiness * spread * unit_hash(scores.shape[-1], scores.device)
+        if _runs_triton(dispatch.as_ops(ops, scores.device), scores.device):
+            from .sticky_bias import sticky_bias as fused  # imports Triton only where it runs
+
+            return fused(scores, self.stickiness)
+        return sticky_bias(scores, self.stickiness)
+
+
+def _runs_triton(ops: dispatch.Ops, device: torch.device) -> bool:
+    """The fused bias where the policy's other ops run Triton: asked for by name (CUDA, or the
+    interpreter's tests on CPU), or ``auto`` on CUDA (as ``auto`` picks for every op there)."""
+    return ops.backend == "triton" or (ops.backend == "auto" and device.type == "cuda")
+
+
+def sticky_bias(scores: torch.Tensor, stickiness: float) -> torch.Tensor:
+    """``(..., U)`` scores -> scores plus ``stickiness * sigma * unit_hash`` per row, ``sigma`` the
+    standard deviation of the row's finite scores (the reference of ``sticky_bias.py``)."""
+    finite = torch.isfinite(scores)
+    count = finite.sum(-1, keepdim=True).clamp(min=1)
+    kept = torch.where(finite, scores, 0.0)
+    mean = kept.sum(-1, keepdim=True) / count
+    spread = (torch.where(finite, scores - mean, 0.0).square().sum(-1, keepdim=True) / count).sqrt()
+    return scores + stickiness * spread * unit_hash(scores.shape[-1], scores.device)

@@ -7,6 +7,7 @@ from kvpolicy.bench.overlap import StickyTopBudget, unit_hash
 from kvpolicy.bench.sweeps import louiskv_interval
 from kvpolicy.cli.common import floats
 from kvpolicy.errors import KVPolicyError
+from kvpolicy.kernels import dispatch
 from kvpolicy.selectors.top_budget import TopBudget
 from kvpolicy.units.table import UnitTable
 
@@ -60,3 +61,46 @@ def test_the_interval_never_re_selects_less_often_than_the_rate():
 def test_bad_numbers_are_a_clear_error(text):
     with pytest.raises(KVPolicyError, match="--stickiness"):
         floats(text, "stickiness")
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 100), (1, 2, 2500)], ids=["one-block", "three-blocks"])
+def test_the_fused_bias_matches_the_reference(shape):
+    from kvpolicy.bench.overlap import sticky_bias
+    from kvpolicy.bench.sticky_bias import sticky_bias as fused
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU: the interpreter (conftest)
+    scores = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[-1])) * 3 + 1
+    scores[..., ::7] = float("-inf")  # unselectable units: out of the spread, and stay -inf
+    scores = scores.to(device)
+    want, got = sticky_bias(scores, 32.0), fused(scores, 32.0)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(got[finite], scores[finite])  # the bias was added
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the table is on the CPU, where Triton needs the interpreter "
+                    "(off on a CUDA machine); the fused kernel's CUDA test is the one above")
+def test_a_triton_policy_scores_with_the_fused_bias(monkeypatch):
+    import kvpolicy.bench.sticky_bias as fused
+
+    table, cpu = _table(), torch.device("cpu")
+    query = torch.randn(B, HQ, D, generator=torch.Generator().manual_seed(4))
+    sticky = StickyTopBudget(stickiness=8.0)
+    want = sticky.unit_scores(query, table, dispatch.bind("reference", cpu))
+    launches = []
+    monkeypatch.setattr(fused, "_sticky_kernel", _Counted(fused._sticky_kernel, launches))
+    got = sticky.unit_scores(query, table, dispatch.bind("triton", cpu))
+    assert len(launches) == 1  # the fused kernel ran, not the reference's ops
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+class _Counted:
+    """A Triton kernel whose launches (``kernel[grid](...)``) are recorded."""
+
+    def __init__(self, kernel, launches):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
