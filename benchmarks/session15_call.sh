@@ -17,4 +17,10 @@ step gpu_tests_pinned 60 python3 -m pytest -q -p no:cacheprovider tests/test_sto
 step prof_paris_32k 90 python3 benchmarks/profile_step.py --context 32768 --batch 1 --rows 45 --preset pariskv --placement gpu --out "$OUT/prof_paris_32k.txt"
 step prof_pinned_interval 120 $PROF --preset louiskv --placement cpu --trigger '{"name":"interval","n":5}' --steps 20 --stickiness 32 --out "$OUT/prof_pinned_interval.txt"
 ;;
+sticky)  # call 3: the benchmark's sticky bias in one launch (it put ~12 PyTorch launches into every
+# pinned re-selecting layer); the gather bench with the decode's refresh_rows beside gather_rows_into
+step gpu_tests 60 python3 -m pytest -q -p no:cacheprovider tests/bench/test_overlap.py tests/bench/test_gather_bench.py
+step gather 90 python3 -m kvpolicy bench gather --batches 1,4 --runs 16 --repeats 20 --json "$OUT/gather.json"
+step e2e_pinned 250 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --stickiness 32 --json "$OUT/e2e_pinned.json"
+;;
 esac

@@ -1,4 +1,8 @@
-"""The pool gather's bandwidth against a plain host-to-device copy of as many bytes, same run."""
+"""The pool gather's bandwidth against a plain host-to-device copy of as many bytes, same run.
+
+Two ops: ``gather`` (``gather_rows_into``, one tensor) and ``refresh`` (``refresh_rows``, what a
+decode step's fetch runs: keys and values in one launch, then the copy back from its scratch;
+cold, so every row crosses from the pool)."""
 
 from __future__ import annotations
 
@@ -11,8 +15,12 @@ from ..pinned import pinned_empty
 from .timing import time_ms
 
 
+OPS = ("gather", "refresh")
+
+
 @dataclass
 class GatherBandwidth:
+    op: str  # one of OPS
     backend: str
     pool: str  # "pinned cpu" or the device
     batch: int
@@ -41,11 +49,39 @@ def measure_gather(
     dtype: torch.dtype = torch.bfloat16,
     repeats: int = 30,
     run: int = 1,
+    op: str = "gather",
 ) -> GatherBandwidth:
     if run < 1 or rows % run:
         raise ValueError(f"run must be a positive divisor of rows ({rows}), got {run}")
+    if op not in OPS:
+        raise ValueError(f"gather op {op!r}; accepted: {', '.join(OPS)}")
     pinned = device.type == "cuda"
     shape = (batch, heads, context, head_dim)
+    parts = 2 if op == "refresh" else 1
+    pools = [_random_pool(shape, dtype, pinned) for _ in range(parts)]
+    starts = torch.randint(0, context - run + 1, (batch, heads, rows // run, 1), device=device)
+    slots = (starts + torch.arange(run, device=device)).view(batch, heads, rows)
+    take = torch.ones(batch, dtype=torch.bool, device=device)
+    outs = [torch.empty(batch, heads, rows, head_dim, dtype=dtype, device=device) for _ in range(parts)]
+    nbytes = sum(out.numel() * out.element_size() for out in outs)
+    if op == "gather":
+        gather_into = dispatch.get("gather_rows_into", backend, device)
+        gather_ms = time_ms(lambda: gather_into(pools[0], slots, take, outs[0]), device, repeats)
+    else:
+        refresh = dispatch.get("refresh_rows", backend, device)
+        source = torch.full((batch, heads, rows), -1, dtype=torch.int32, device=device)  # nothing resident
+        scratches = [torch.empty_like(out) for out in outs]
+        gather_ms = time_ms(lambda: refresh(pools, slots, take, source, outs, scratches), device, repeats)
+    source = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    copy_ms = time_ms(lambda: target.copy_(source, non_blocking=True), device, repeats)
+    return GatherBandwidth(
+        op=op, backend=backend, pool="pinned cpu" if pinned else str(device), batch=batch, heads=heads, rows=rows, run=run,
+        row_bytes=head_dim * outs[0].element_size(), gather_gbps=nbytes / gather_ms / 1e6, copy_gbps=nbytes / copy_ms / 1e6,
+    )
+
+
+def _random_pool(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
     pool = pinned_empty(shape, dtype) if pinned else torch.empty(shape, dtype=dtype)
     # random contents without drawing 2 GB of random numbers on the host: repeat one block
     block = torch.randn(1 << 16, dtype=dtype)
@@ -53,20 +89,7 @@ def measure_gather(
     whole = flat.numel() // block.numel() * block.numel()
     flat[:whole].view(-1, block.numel()).copy_(block.expand(whole // block.numel(), -1))
     flat[whole:].normal_()
-    starts = torch.randint(0, context - run + 1, (batch, heads, rows // run, 1), device=device)
-    slots = (starts + torch.arange(run, device=device)).view(batch, heads, rows)
-    take = torch.ones(batch, dtype=torch.bool, device=device)
-    out = torch.empty(batch, heads, rows, head_dim, dtype=dtype, device=device)
-    gather_into = dispatch.get("gather_rows_into", backend, device)
-    nbytes = out.numel() * out.element_size()
-    gather_ms = time_ms(lambda: gather_into(pool, slots, take, out), device, repeats)
-    source = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    copy_ms = time_ms(lambda: target.copy_(source, non_blocking=True), device, repeats)
-    return GatherBandwidth(
-        backend=backend, pool="pinned cpu" if pinned else str(device), batch=batch, heads=heads, rows=rows, run=run,
-        row_bytes=head_dim * out.element_size(), gather_gbps=nbytes / gather_ms / 1e6, copy_gbps=nbytes / copy_ms / 1e6,
-    )
+    return pool
 
 
 @dataclass

@@ -149,16 +149,17 @@ def ttft(model, *, lengths: Iterable[int], batches: Iterable[int], cells: Preset
 def gather(device: torch.device, *, batches: Iterable[int], runs: Iterable[int], rows: int, backend: str,
            repeats: int) -> Iterator[dict]:
     """On a GPU first the pinned allocation's cost (a row ``{"pinned_allocation": ...}``), then the
-    pool gather's bandwidth against a pinned copy, per batch and run length."""
-    from .gather import measure_gather, measure_pinned_allocation
+    pool gather's bandwidth against a pinned copy, per batch, run length and op (``gather.OPS``)."""
+    from .gather import OPS, measure_gather, measure_pinned_allocation
 
     if device.type == "cuda":
         yield {"pinned_allocation": measure_pinned_allocation(device).__dict__}
     runs = list(runs)
     for batch in batches:
         for run in runs:
-            r = measure_gather(device, backend=backend, batch=batch, rows=rows, repeats=repeats, run=run)
-            yield {**r.__dict__, "ratio": r.ratio}
+            for op in OPS:
+                r = measure_gather(device, backend=backend, batch=batch, rows=rows, repeats=repeats, run=run, op=op)
+                yield {**r.__dict__, "ratio": r.ratio}
 
 
 def layer(device: torch.device, *, contexts: Iterable[int], batches: Iterable[int], cells: PresetCells, budget: int,

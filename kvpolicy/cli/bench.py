@@ -260,7 +260,8 @@ def gather(args, device, rows: BenchRows) -> bool:
     """``bench gather``: the pool gather's bandwidth against a pinned copy."""
     from ..bench import sweeps
 
-    header = f"{'batch':>5s} {'rows/head':>9s} {'run':>4s} {'gather GB/s':>11s} {'copy GB/s':>9s} {'ratio':>6s}"
+    header = (f"{'op':>7s} {'batch':>5s} {'rows/head':>9s} {'run':>4s} {'gather GB/s':>11s} {'copy GB/s':>9s} "
+              f"{'ratio':>6s}")
     if device.type != "cuda":
         print(header)
     for row in sweeps.gather(device, batches=ints(args.batches, "batches"), runs=ints(args.runs, "runs"),
@@ -272,7 +273,7 @@ def gather(args, device, rows: BenchRows) -> bool:
                   f"free {a['again_ms']:.1f} ms, GPU->pinned copy {a['copy_ms']:.2f} ms", flush=True)
             print(header)
             continue
-        print(f"{row['batch']:5d} {row['rows']:9d} {row['run']:4d} {row['gather_gbps']:11.1f} {row['copy_gbps']:9.1f} "
+        print(f"{row['op']:>7s} {row['batch']:5d} {row['rows']:9d} {row['run']:4d} {row['gather_gbps']:11.1f} {row['copy_gbps']:9.1f} "
               f"{row['ratio']:6.2f}", flush=True)
     return False
 
