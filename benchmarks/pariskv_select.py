@@ -88,6 +88,11 @@ COLLISION_VARIANTS = (
     ("votes 2 warps", {"_VOTES_WARPS": 2}),
     ("votes 8w sub 512", {"_VOTES_WARPS": 8, "_SUB": 512}),
     ("compact 8 warps", {"_COMPACT_WARPS": 8}),
+    # a small call's chunk below 512 (batch 1 at 32K: 1,280 or 2,560 programs of 2 or 1 keys a
+    # thread, for a votes pass bound by its lookups' latency, not by its ids' 4 MB)
+    ("small chunk 256", {"_PASS_PROGRAMS": 2048, "_MIN_CHUNK": 256}),
+    ("small chunk 128", {"_PASS_PROGRAMS": 4096, "_MIN_CHUNK": 128}),
+    ("small chunk 256 votes 2w", {"_PASS_PROGRAMS": 2048, "_MIN_CHUNK": 256, "_VOTES_WARPS": 2}),
 )
 
 # --quick (session 10's before/after): collision_candidates' pipelines and two fused tunables,

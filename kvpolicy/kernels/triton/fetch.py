@@ -9,8 +9,8 @@ dependent loads). Here one program copies a ``[ROWS, D]`` tile of keys and of va
 row also counts its fill, and the first of a sequence the counters. Same results as the
 reference, bit for bit (``reference_step.fetch_whole``).
 
-Sequences whose ``take`` is False return before reading anything. No host syncs and a grid from
-shapes alone, so the launch can be graph-captured.
+Sequences whose ``take`` is False read and write nothing (every access masked by it). No host
+syncs and a grid from shapes alone, so the launch can be graph-captured.
 """
 
 from __future__ import annotations
@@ -21,6 +21,13 @@ import triton.language as tl
 
 from ..dispatch import implement, triton_runs_on
 from .gather import _TILE_BYTES
+
+# bytes of keys (and as many of values) a program copies, and its warps: the gather's tile and
+# Triton's default warps, as measured so far (benchmarks/fetch_whole.py times the others)
+TILE_BYTES = _TILE_BYTES
+WARPS = 4
+# flags per step of tile 0's fill count: a budget of 2,048 rows in the one step loaded up front
+FILL_BLOCK = 2048
 
 
 @triton.jit
@@ -38,11 +45,19 @@ def _fetch_whole_kernel(
     # int64: pools reach past 2**31 elements
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
-    if tl.load(take_ptr + b) == 0:
-        return
+    # the sequence's flag masks every access instead of an early return: its load then runs beside
+    # the slots' (one dependent load fewer before the rows' copies)
+    take = tl.load(take_ptr + b) != 0
     rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    row_ok = rows < R
+    row_ok = rows < tl.where(take, R, 0)  # (a scalar flag and'ed with a vector trips the interpreter)
     slot = tl.load(slots_ptr + b * s_sb + h * s_sh + rows, mask=row_ok, other=0).to(tl.int64)
+    # tile 0 also counts the fill and the counters: their first loads issued here, beside the
+    # slots', not after its copy (there, a chain of loads that ended the kernel after the others)
+    first = (tile == 0) & take
+    lanes = tl.arange(0, FILL_BLOCK)
+    listed_head = tl.load(sv_ptr + b * sv_sb + h * sv_sh + lanes, mask=lanes < tl.where(first, R, 0), other=0)
+    fetched = tl.load(fetched_ptr + b)
+    read = tl.load(read_ptr + b)
     pool_row = slot
     if HAS_ZONE:
         # the prompt's zone is laid out unit by unit: its slots map to rows; later slots are rows
@@ -66,16 +81,16 @@ def _fetch_whole_kernel(
     tl.store(rslots_ptr + b * rs_sb + h * rs_sh + rows, slot, mask=row_ok)
     held = (slot >= 0) & (slot < tl.load(next_slot_ptr))
     tl.store(rheld_ptr + b * rh_sb + h * rh_sh + rows, held.to(tl.uint8), mask=row_ok)
-    if tile == 0:
-        fill = tl.sum(tl.zeros([FILL_BLOCK], tl.int64), axis=0)
-        for r0 in range(0, R, FILL_BLOCK):
-            at = r0 + tl.arange(0, FILL_BLOCK)
+    if first:
+        fill = tl.sum((listed_head != 0).to(tl.int64), axis=0)
+        for r0 in range(FILL_BLOCK, R, FILL_BLOCK):  # rows past the first block (R over FILL_BLOCK)
+            at = r0 + lanes
             fill += tl.sum((tl.load(sv_ptr + b * sv_sb + h * sv_sh + at, mask=at < R, other=0) != 0).to(tl.int64), axis=0)
         tl.store(rfill_ptr + b * rf_sb + h, fill)
         if h == 0:
             # one program per sequence adds the sequence's rows: no atomics
-            tl.store(fetched_ptr + b, tl.load(fetched_ptr + b) + H * R)
-            tl.store(read_ptr + b, tl.load(read_ptr + b) + H * R)
+            tl.store(fetched_ptr + b, fetched + H * R)
+            tl.store(read_ptr + b, read + H * R)
 
 
 @implement("triton", "fetch_whole", supports=triton_runs_on)
@@ -103,8 +118,8 @@ def fetch_whole(store, slots: torch.Tensor, slot_valid: torch.Tensor, reselect: 
     has_zone = zone_rows is not None and store.zone_end > 0
     zone = zone_rows if has_zone else slots  # any tensor: never read without HAS_ZONE
     block_d = triton.next_power_of_2(dim)
-    # one program moves a tile of keys and one of values: each the gather's tile size
-    tile_rows = max(1, min(_TILE_BYTES // (block_d * pool.keys.element_size()), 128))
+    # one program moves a tile of keys and one of values, each of about TILE_BYTES
+    tile_rows = max(1, min(TILE_BYTES // (block_d * pool.keys.element_size()), 128))
     tile_rows = min(tile_rows, triton.next_power_of_2(rows))
     grid = (triton.cdiv(rows, tile_rows), heads, batch)
     _fetch_whole_kernel[grid](
@@ -117,5 +132,6 @@ def fetch_whole(store, slots: torch.Tensor, slot_valid: torch.Tensor, reselect: 
         *zone.stride()[:2], *slots.stride()[:2], *slot_valid.stride()[:2], pool.valid.stride(0),
         *buffer.keys.stride()[:3], *buffer.values.stride()[:3],
         *buffer.valid.stride()[:2], *buffer.slots.stride()[:2], *buffer.held.stride()[:2], buffer.fill.stride(0),
-        D=dim, BLOCK_D=block_d, ROWS=tile_rows, HAS_ZONE=has_zone, FILL_BLOCK=min(1024, triton.next_power_of_2(rows)),
+        D=dim, BLOCK_D=block_d, ROWS=tile_rows, HAS_ZONE=has_zone, FILL_BLOCK=min(FILL_BLOCK, triton.next_power_of_2(rows)),
+        num_warps=WARPS,
     )

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvpolicy.kernels import dispatch
+from kvpolicy.kernels.triton import fetch
 from kvpolicy.store import TieredStore
 
 from bitwise import random_pool, same_bits
@@ -43,7 +44,13 @@ def _snapshot(store):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("zone_order", [True, False], ids=["unit-ordered", "row-is-slot"])
 @pytest.mark.parametrize("shape", [(2, 3, 96, 16, 40), (3, 2, 200, 24, 100)], ids=["small", "odd-dims"])
-def test_fetch_whole_matches_the_reference_bit_for_bit(dtype, zone_order, shape):
+# "one tile": a (sequence, head)'s rows in one program at these sizes; "tiles": 256-byte tiles,
+# several programs a (sequence, head), so the fill and counters come from tile 0 alone, and the
+# fill in steps of 16 flags (the loop past the first block)
+@pytest.mark.parametrize("tile_bytes", [fetch._TILE_BYTES, 256], ids=["one-tile", "tiles"])
+def test_fetch_whole_matches_the_reference_bit_for_bit(dtype, zone_order, shape, tile_bytes, monkeypatch):
+    monkeypatch.setattr(fetch, "TILE_BYTES", tile_bytes)
+    monkeypatch.setattr(fetch, "FILL_BLOCK", fetch.FILL_BLOCK if tile_bytes == fetch._TILE_BYTES else 16)
     batch, heads, prompt, dim, retrieval = shape
     seed = hash((str(dtype), zone_order, shape)) % 1000
     stores = []
