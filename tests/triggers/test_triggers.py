@@ -94,3 +94,33 @@ def test_the_decode_step_passes_the_trigger_decision_unless_it_always_reselects(
         assert bool(seen[0].all())  # the first step always selects
     else:
         assert all(t is None for t in seen)
+
+
+@pytest.mark.parametrize("preset, admit, launches", [("quest", "room", 0), ("quest", "evict", 3), ("louiskv", "room", 3)])
+def test_an_always_reselecting_step_admits_with_no_launch_unless_it_evicts(preset, admit, launches, monkeypatch):
+    # every row of an always-reselecting step re-selected after its fetch, so none may admit;
+    # evicting still resets the buffer's kept rows to the new selection (through the admit op)
+    import kvpolicy
+    from kvpolicy.layer import PolicyLayerState
+
+    policy = kvpolicy.preset(preset, budget=96, sink=4, local=16, admit=admit)
+    state = PolicyLayerState(policy, 0, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    state.prefill(torch.randn(2, 2, 160, 16, generator=gen), torch.randn(2, 2, 160, 16, generator=gen),
+                  torch.ones(2, 160, dtype=torch.bool), 4)
+    masks = []
+    real_admit = state.store.admit
+
+    def spy(evicted, mask, ops, evict=False):
+        masks.append(mask.clone())
+        return real_admit(evicted, mask, ops, evict)
+
+    monkeypatch.setattr(state.store, "admit", spy)
+    for _ in range(3):
+        q, k, v = torch.randn(3, 2, 4, 16, generator=gen)
+        state.decode(q, k[:, :2], v[:, :2], 0.25)
+    assert len(masks) == launches
+    if policy.trigger.always_reselects:
+        assert not any(bool(m.any()) for m in masks)
+    if admit == "evict":  # the kept rows are the last selection's
+        assert bool((state.store.kept == state.store.retrieved.fill).all())
