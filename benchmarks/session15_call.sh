@@ -23,4 +23,11 @@ step gpu_tests 60 python3 -m pytest -q -p no:cacheprovider tests/bench/test_over
 step gather 90 python3 -m kvpolicy bench gather --batches 1,4 --runs 16 --repeats 20 --json "$OUT/gather.json"
 step e2e_pinned 250 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --stickiness 32 --json "$OUT/e2e_pinned.json"
 ;;
+fetch)  # call 4: helper-15's fetch_whole (take as a mask, tile 0's loads up front; tile and warp
+# variants timed), no admit launch for always-reselecting steps; pariskv 1x32K; louiskv pinned 1x512K
+step gpu_tests 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/test_fetch.py tests/test_store_refresh.py tests/triggers/test_triggers.py
+step fetch_whole 70 python3 benchmarks/fetch_whole.py --contexts 32768,131072 --batches 1,4
+step e2e_paris_32k 80 $E2E --contexts 32768 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_paris_32k.json"
+step e2e_512k1 190 $E2E --contexts 524288 --batches 1 --presets louiskv@cpu --stickiness 32 --json "$OUT/e2e_512k1.json"
+;;
 esac
