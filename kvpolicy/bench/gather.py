@@ -12,7 +12,7 @@ import torch
 
 from ..kernels import dispatch
 from ..pinned import pinned_empty
-from .timing import time_ms
+from .timing import time_ms, time_replay_ms
 
 
 OPS = ("gather", "refresh")
@@ -64,17 +64,20 @@ def measure_gather(
     take = torch.ones(batch, dtype=torch.bool, device=device)
     outs = [torch.empty(batch, heads, rows, head_dim, dtype=dtype, device=device) for _ in range(parts)]
     nbytes = sum(out.numel() * out.element_size() for out in outs)
+    # on a GPU each call is timed as a graph replay, as a decode step runs it: timed eagerly, the
+    # wrapper's Python checks (~0.1 ms) outlasted a batch-1 call's kernel and were counted in it
+    timer = time_replay_ms if device.type == "cuda" else time_ms
     if op == "gather":
         gather_into = dispatch.get("gather_rows_into", backend, device)
-        gather_ms = time_ms(lambda: gather_into(pools[0], slots, take, outs[0]), device, repeats)
+        gather_ms = timer(lambda: gather_into(pools[0], slots, take, outs[0]), device, repeats)
     else:
         refresh = dispatch.get("refresh_rows", backend, device)
         source = torch.full((batch, heads, rows), -1, dtype=torch.int32, device=device)  # nothing resident
         scratches = [torch.empty_like(out) for out in outs]
-        gather_ms = time_ms(lambda: refresh(pools, slots, take, source, outs, scratches), device, repeats)
-    source = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        gather_ms = timer(lambda: refresh(pools, slots, take, source, outs, scratches), device, repeats)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
     target = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    copy_ms = time_ms(lambda: target.copy_(source, non_blocking=True), device, repeats)
+    copy_ms = timer(lambda: target.copy_(host, non_blocking=True), device, repeats)
     return GatherBandwidth(
         op=op, backend=backend, pool="pinned cpu" if pinned else str(device), batch=batch, heads=heads, rows=rows, run=run,
         row_bytes=head_dim * outs[0].element_size(), gather_gbps=nbytes / gather_ms / 1e6, copy_gbps=nbytes / copy_ms / 1e6,
