@@ -140,7 +140,8 @@ def unit_scores(
 ) -> torch.Tensor:
     """Score every unit of a unit table for its KV head's query group; ``-inf`` where not selectable.
 
-    ``query_group``: ``(B, H, G, D)`` float32; ``key_mean``: ``(B, H, U, D)`` float16 (the
+    ``query_group``: ``(B, H, G, D)`` float32, or the model's bfloat16 / float16 (widened to
+    float32 first, exactly); ``key_mean``: ``(B, H, U, D)`` float16 (the
     table's ``key_mean``, see ``half_mean``); ``key_min`` / ``key_max``: ``(B, H, U, D)``
     float32; ``selectable``: ``(B, H, U)`` bool.
     ``method``: ``"mean"`` (``mean_key_scores``, reads ``key_mean``) or ``"bound"``
@@ -149,6 +150,7 @@ def unit_scores(
     the others' scores are unspecified (a fast backend skips them), this reference computes
     every row. Returns ``(B, H, U)`` float32.
     """
+    query_group = query_group.float()
     if method == "mean":
         scores = mean_key_scores(query_group, key_mean)
     elif method == "bound":

@@ -80,13 +80,14 @@ class Selector:
         ``ops``: bound kernel ops; ``take`` as in ``select``."""
         batch, q_heads, dim = query.shape
         kv_heads = units.start.shape[1]
-        group = query.float().view(batch, kv_heads, q_heads // kv_heads, dim)
+        group = query.view(batch, kv_heads, q_heads // kv_heads, dim)
         method = self._unit_score_method()
         if method is not None:
+            # the op widens the model's dtype itself (no float32 copy: a launch saved a scoring)
             return ops.unit_scores(
                 group, units.key_mean, units.key_min, units.key_max, units.selectable, method, take
             )
-        return self.score(group, units).masked_fill(~units.selectable, float("-inf"))
+        return self.score(group.float(), units).masked_fill(~units.selectable, float("-inf"))
 
     @classmethod
     def _unit_score_method(cls) -> str | None:

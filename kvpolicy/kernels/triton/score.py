@@ -73,7 +73,7 @@ def _score_kernel(
                        mask=tile_mask, other=0.0)
         best = tl.full([BLOCK_U], float("-inf"), dtype=tl.float32)
         for g in tl.static_range(G):
-            q = tl.load(q_row + g * q_sg, mask=d_ok, other=0.0)[None, :]
+            q = tl.load(q_row + g * q_sg, mask=d_ok, other=0.0).to(tl.float32)[None, :]
             bound = tl.sum(tl.maximum(q, 0.0) * high + tl.minimum(q, 0.0) * low, axis=1)
             best = tl.maximum(best, bound)
         score = best
@@ -81,12 +81,17 @@ def _score_kernel(
         # first: key_mean (float16); (sum_g q_g) . key_mean, then / G as the reference divides
         q_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
         for g in tl.static_range(G):
-            q_sum += tl.load(q_row + g * q_sg, mask=d_ok, other=0.0)
+            q_sum += tl.load(q_row + g * q_sg, mask=d_ok, other=0.0).to(tl.float32)
         key_mean = tl.load(first, mask=tile_mask, other=0.0).to(tl.float32)
         summed = tl.sum(key_mean * q_sum[None, :], axis=1)
         # correctly rounded, as torch divides (Triton's ``/`` is approximate on the GPU)
         score = tl.div_rn(summed, tl.full([BLOCK_U], G, tl.float32))
     tl.store(out, tl.where(selectable, score, float("-inf")), mask=in_range)
+
+
+# the model's query dtype is read as it is (and widened in the kernel): a float32 copy of the query
+# was a launch of its own in every scoring, every step for the score_gap trigger
+QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @implement("triton", "unit_scores", supports=triton_runs_on)
@@ -121,9 +126,10 @@ def unit_scores(
             raise ValueError(f"triton unit_scores: key statistics {tuple(tensor.shape)} do not fit "
                              f"query group {tuple(query_group.shape)} and {units} units")
     want = torch.float16 if method == "mean" else torch.float32
-    if query_group.dtype != torch.float32 or first.dtype != want or second.dtype != want:
-        raise ValueError(f"triton unit_scores: the query group must be float32 and the key statistics {want} "
-                         f"for method {method!r}, got {query_group.dtype} and {first.dtype}")
+    if query_group.dtype not in QUERY_DTYPES or first.dtype != want or second.dtype != want:
+        raise ValueError(f"triton unit_scores: the query group must be float32, bfloat16 or float16 (read as "
+                         f"float32) and the key statistics {want} for method {method!r}, got {query_group.dtype} "
+                         f"and {first.dtype}")
     out = torch.empty(batch, heads, units, dtype=torch.float32, device=device)
     if out.numel() == 0:
         return out

@@ -122,6 +122,20 @@ def test_unit_scores_are_exact_on_small_integers(method):
     _check(method, q, t, torch.tensor([False, True], device=DEVICE), exact=True)
 
 
+@pytest.mark.parametrize("method", ["mean", "bound"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_model_dtype_query_scores_as_its_float32_widening(method, dtype):
+    # the op reads the model's query as it is (no float32 copy launched), widened exactly in-kernel
+    t = _tables(2, 2, 300, 128, seed=9)
+    q = _query(2, 8, 128, seed=10).reshape(2, 2, 4, 128).to(dtype)
+    take = torch.tensor([True, False], device=DEVICE)
+    got = _unit_scores()(q, t.key_mean, t.key_min, t.key_max, t.selectable, method, take)
+    assert torch.equal(got, _unit_scores()(q.float(), t.key_mean, t.key_min, t.key_max, t.selectable, method, take))
+    want = reference.unit_scores(q, t.key_mean, t.key_min, t.key_max, t.selectable, method)
+    assert torch.equal(want, reference.unit_scores(q.float(), t.key_mean, t.key_min, t.key_max, t.selectable, method))
+    _check(method, q.float(), t, take)
+
+
 def test_unit_scores_rejects_bad_arguments():
     t = _tables(1, 1, 4, 8, seed=1)
     q = torch.zeros(1, 1, 2, 8, device=DEVICE)
@@ -131,6 +145,8 @@ def test_unit_scores_rejects_bad_arguments():
         _unit_scores()(q, t.key_mean, None, None, t.selectable, "bound")
     with pytest.raises(ValueError, match="do not fit"):
         _unit_scores()(q[..., :4], t.key_mean, t.key_min, t.key_max, t.selectable, "mean")
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        _unit_scores()(q.double(), t.key_mean, t.key_min, t.key_max, t.selectable, "mean")
     with pytest.raises(ValueError, match="key statistics torch.float16 for method 'mean'"):
         _unit_scores()(q, t.key_sum, t.key_min, t.key_max, t.selectable, "mean")  # the float32 sums
 
