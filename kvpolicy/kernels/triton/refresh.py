@@ -442,18 +442,20 @@ def _misses_kernel(
     b = tl.program_id(1).to(tl.int64)
     take = tl.load(take_ptr + b) != 0
     cursor = tl.load(cursor_ptr + b * cur_sb + h)
-    count = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
+    # the count and the scan in int32 (a row's rank is below R): an int64 scan of a decode's 2,048
+    # rows runs as pairs of 32-bit operations; only the cache row and the counters are int64
+    count = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)
     for start in range(0, R, BLOCK):
         rows = start + tl.arange(0, BLOCK)
         ok = rows < R
         miss = ok & take & (tl.load(source_ptr + b * src_sb + h * src_sh + rows, mask=ok, other=0) < 0)
         miss = miss & (tl.load(cache_source_ptr + b * cs_sb + h * cs_sh + rows, mask=ok, other=0) < 0)
-        ones = miss.to(tl.int64)
+        ones = miss.to(tl.int32)
         rank = count + tl.cumsum(ones, axis=0) - ones  # misses before this row
         tl.store(dest_ptr + b * dest_sb + h * dest_sh + rows, tl.where(miss, (cursor + rank) % CR, -1), mask=ok)
         count += tl.sum(ones, axis=0)
     tl.store(cursor_ptr + b * cur_sb + h, (cursor + count) % CR)
-    tl.atomic_add(read_ptr + b, count)
+    tl.atomic_add(read_ptr + b, count.to(tl.int64))
 
 
 @implement("triton", "number_misses", supports=triton_runs_on)
@@ -469,7 +471,7 @@ def number_misses(store, reselect: torch.Tensor) -> None:
     _misses_kernel[(heads, batch)](
         source, cache_source, reselect.view(torch.uint8), dest, cache.cursor, store.pool_rows_read,
         rows, cache.rows, *source.stride()[:2], *cache_source.stride()[:2], *dest.stride()[:2],
-        # the loop's steps run one after another: one block for a decode's 2,048 rows (4,096 int64
-        # a program compiled without spills for sm_90)
+        # the loop's steps run one after another: one block for a decode's 2,048 rows (4,096 int32
+        # a program)
         cache.cursor.stride(0), BLOCK=min(4096, triton.next_power_of_2(rows)),
     )
