@@ -30,4 +30,11 @@ step fetch_whole 70 python3 benchmarks/fetch_whole.py --contexts 32768,131072 --
 step e2e_paris_32k 80 $E2E --contexts 32768 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_paris_32k.json"
 step e2e_512k1 190 $E2E --contexts 524288 --batches 1 --presets louiskv@cpu --stickiness 32 --json "$OUT/e2e_512k1.json"
 ;;
+final)  # call 5: the scoring reads the model's query dtype, number_misses in int32 (on GPU for the first
+# time); the gather timed as a graph replay; pariskv's selection per layer; louiskv pinned 4x128K
+step gpu_tests 70 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/test_score.py tests/kernels/triton/test_refresh.py tests/bench/test_overlap.py tests/bench/test_gather_bench.py tests/triggers/test_score_gap.py
+step gather 70 python3 -m kvpolicy bench gather --batches 1,4 --runs 16 --repeats 20 --json "$OUT/gather.json"
+step pariskv_select 100 python3 benchmarks/pariskv_select.py --quick --no-gather --json "$OUT/pariskv_select.json"
+step e2e_pinned 230 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --stickiness 32 --json "$OUT/e2e_pinned.json"
+;;
 esac
