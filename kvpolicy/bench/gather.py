@@ -50,7 +50,11 @@ def measure_gather(
     repeats: int = 30,
     run: int = 1,
     op: str = "gather",
+    replay: bool = False,
 ) -> GatherBandwidth:
+    """``op``'s bandwidth from a pool (pinned on a GPU) and a pinned copy's of as many bytes; each
+    call timed as a CUDA-graph replay where ``replay`` (as a decode step runs it: timed eagerly, the
+    wrapper's Python checks outlast a batch-1 call's kernel and are counted in it)."""
     if run < 1 or rows % run:
         raise ValueError(f"run must be a positive divisor of rows ({rows}), got {run}")
     if op not in OPS:
@@ -64,9 +68,7 @@ def measure_gather(
     take = torch.ones(batch, dtype=torch.bool, device=device)
     outs = [torch.empty(batch, heads, rows, head_dim, dtype=dtype, device=device) for _ in range(parts)]
     nbytes = sum(out.numel() * out.element_size() for out in outs)
-    # on a GPU each call is timed as a graph replay, as a decode step runs it: timed eagerly, the
-    # wrapper's Python checks (~0.1 ms) outlasted a batch-1 call's kernel and were counted in it
-    timer = time_replay_ms if device.type == "cuda" else time_ms
+    timer = time_replay_ms if replay else time_ms
     if op == "gather":
         gather_into = dispatch.get("gather_rows_into", backend, device)
         gather_ms = timer(lambda: gather_into(pools[0], slots, take, outs[0]), device, repeats)

@@ -25,11 +25,15 @@ from ..kernels import dispatch
 from ..selectors.top_budget import TopBudget
 
 
+# Knuth's multiplicative hash: a permutation of 32-bit integers
+HASH_MULTIPLIER = 2654435761
+
+
 def unit_hash(units: int, device: torch.device) -> torch.Tensor:
-    """``(units,)`` float32 in [0, 1), fixed per unit index: Knuth's multiplicative hash, a
-    permutation of 32-bit integers, so distinct units get distinct values."""
+    """``(units,)`` float32 in [0, 1), fixed per unit index: Knuth's multiplicative hash, so
+    distinct units get distinct values."""
     index = torch.arange(units, device=device, dtype=torch.long)
-    return ((index * 2654435761) % (1 << 32)).float() / float(1 << 32)
+    return ((index * HASH_MULTIPLIER) % (1 << 32)).float() / float(1 << 32)
 
 
 @dataclass
@@ -41,17 +45,16 @@ class StickyTopBudget(TopBudget):
 
     def unit_scores(self, query, units, ops, take=None) -> torch.Tensor:
         scores = super().unit_scores(query, units, ops, take)
-        if _runs_triton(dispatch.as_ops(ops, scores.device), scores.device):
+        if _scores_with_triton(dispatch.as_ops(ops, scores.device)):
             from .sticky_bias import sticky_bias as fused  # imports Triton only where it runs
 
             return fused(scores, self.stickiness)
         return sticky_bias(scores, self.stickiness)
 
 
-def _runs_triton(ops: dispatch.Ops, device: torch.device) -> bool:
-    """The fused bias where the policy's other ops run Triton: asked for by name (CUDA, or the
-    interpreter's tests on CPU), or ``auto`` on CUDA (as ``auto`` picks for every op there)."""
-    return ops.backend == "triton" or (ops.backend == "auto" and device.type == "cuda")
+def _scores_with_triton(ops: dispatch.Ops) -> bool:
+    """The fused bias where the policy's scoring resolved to Triton (by name, or ``auto`` on CUDA)."""
+    return ops.unit_scores.__module__.startswith("kvpolicy.kernels.triton")
 
 
 def sticky_bias(scores: torch.Tensor, stickiness: float) -> torch.Tensor:

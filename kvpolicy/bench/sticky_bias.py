@@ -12,8 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .overlap import HASH_MULTIPLIER
+
 _BLOCK = 1024  # scores a program reads per iteration
-_HASH = 2654435761  # Knuth's multiplicative hash (``overlap.unit_hash``)
 
 
 @triton.jit
@@ -57,6 +58,6 @@ def sticky_bias(scores: torch.Tensor, stickiness: float) -> torch.Tensor:
     units = scores.shape[-1]
     rows = scores.numel() // units if units else 0
     if rows:
-        _sticky_kernel[(rows,)](scores, out, units, float(stickiness), _HASH,
+        _sticky_kernel[(rows,)](scores, out, units, float(stickiness), HASH_MULTIPLIER,
                                 BLOCK=min(_BLOCK, triton.next_power_of_2(units)))
     return out

@@ -147,18 +147,20 @@ def ttft(model, *, lengths: Iterable[int], batches: Iterable[int], cells: Preset
 
 
 def gather(device: torch.device, *, batches: Iterable[int], runs: Iterable[int], rows: int, backend: str,
-           repeats: int) -> Iterator[dict]:
+           repeats: int, ops: Iterable[str] = ("gather", "refresh"), replay: bool = False) -> Iterator[dict]:
     """On a GPU first the pinned allocation's cost (a row ``{"pinned_allocation": ...}``), then the
-    pool gather's bandwidth against a pinned copy, per batch, run length and op (``gather.OPS``)."""
-    from .gather import OPS, measure_gather, measure_pinned_allocation
+    pool gather's bandwidth against a pinned copy, per batch, run length and op (of ``gather.OPS``),
+    each call timed as a graph replay where ``replay``."""
+    from .gather import measure_gather, measure_pinned_allocation
 
     if device.type == "cuda":
         yield {"pinned_allocation": measure_pinned_allocation(device).__dict__}
-    runs = list(runs)
+    runs, ops = list(runs), list(ops)
     for batch in batches:
         for run in runs:
-            for op in OPS:
-                r = measure_gather(device, backend=backend, batch=batch, rows=rows, repeats=repeats, run=run, op=op)
+            for op in ops:
+                r = measure_gather(device, backend=backend, batch=batch, rows=rows, repeats=repeats, run=run, op=op,
+                                   replay=replay)
                 yield {**r.__dict__, "ratio": r.ratio}
 
 

@@ -35,9 +35,13 @@ def add_parser(sub) -> None:
     bench.add_argument("--decode-steps", type=int, default=1024,
                        help="layer: generated tokens the index has room for (its capacity is what selection ranks)")
     bench.add_argument("--eager", action="store_true",
-                       help="layer: time each part launched from Python (default on a GPU: as a CUDA-graph replay)")
+                       help="layer, gather: time each part (each call) launched from Python (default on a GPU: as a "
+                            "CUDA-graph replay)")
     bench.add_argument("--runs", default="1,16", help="gather: consecutive rows per run (1: random rows; 16: a "
                        "unit of the unit-ordered pool)")
+    bench.add_argument("--gather-ops", default="gather,refresh",
+                       help="gather: comma-separated ops timed (gather: gather_rows_into; refresh: refresh_rows, "
+                            "keys and values, as a decode step's fetch)")
     bench.add_argument("--full-kinds", default="full-graph,full-sdpa-graph,full-eager",
                        help="e2e: which full-attention baselines run (full-graph always runs: ratios are against it)")
     bench.add_argument("--backend", default="triton", help="kernel backend: reference or triton")
@@ -257,15 +261,24 @@ def ttft(args, device, rows: BenchRows) -> bool:
 
 
 def gather(args, device, rows: BenchRows) -> bool:
-    """``bench gather``: the pool gather's bandwidth against a pinned copy."""
+    """``bench gather``: each op's bandwidth (``gather_rows_into``, ``refresh_rows``) from the pool
+    against a pinned copy of as many bytes, timed as graph replays on a GPU unless ``--eager``."""
     from ..bench import sweeps
+    from ..bench.gather import OPS
 
-    header = (f"{'op':>7s} {'batch':>5s} {'rows/head':>9s} {'run':>4s} {'gather GB/s':>11s} {'copy GB/s':>9s} "
-              f"{'ratio':>6s}")
+    ops = [op.strip() for op in args.gather_ops.split(",")]
+    if not ops or any(op not in OPS for op in ops):
+        raise KVPolicyError(f"--gather-ops: {args.gather_ops!r}; accepted: a comma-separated list of {', '.join(OPS)}")
+    replay = device.type == "cuda" and not args.eager
+    if replay and args.backend == "reference":
+        raise KVPolicyError("bench gather --backend reference on a GPU reads the pinned pool on the host, which a CUDA "
+                          "graph cannot capture: pass --eager, or --backend triton or auto")
+    header = f"{'op':>7s} {'batch':>5s} {'rows/head':>9s} {'run':>4s} {'GB/s':>7s} {'copy GB/s':>9s} {'ratio':>6s}"
+    print(f"each call timed {'as a CUDA-graph replay' if replay else 'eagerly (launched from Python)'}")
     if device.type != "cuda":
         print(header)
     for row in sweeps.gather(device, batches=ints(args.batches, "batches"), runs=ints(args.runs, "runs"),
-                             rows=args.budget, backend=args.backend, repeats=args.repeats):
+                             rows=args.budget, backend=args.backend, repeats=args.repeats, ops=ops, replay=replay):
         rows.append(row)
         if "pinned_allocation" in row:
             a = row["pinned_allocation"]
@@ -273,7 +286,7 @@ def gather(args, device, rows: BenchRows) -> bool:
                   f"free {a['again_ms']:.1f} ms, GPU->pinned copy {a['copy_ms']:.2f} ms", flush=True)
             print(header)
             continue
-        print(f"{row['op']:>7s} {row['batch']:5d} {row['rows']:9d} {row['run']:4d} {row['gather_gbps']:11.1f} {row['copy_gbps']:9.1f} "
+        print(f"{row['op']:>7s} {row['batch']:5d} {row['rows']:9d} {row['run']:4d} {row['gather_gbps']:7.1f} {row['copy_gbps']:9.1f} "
               f"{row['ratio']:6.2f}", flush=True)
     return False
 

@@ -129,6 +129,11 @@ def select_budget(
     return unit_ids, num_units, slots, slot_valid
 
 
+# the query dtypes ``unit_scores`` reads (a model's bfloat16 / float16 query as it is, widened exactly:
+# a float32 copy was a launch of its own at every scoring, every step for the score_gap trigger)
+QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def unit_scores(
     query_group: torch.Tensor,
     key_mean: torch.Tensor | None,
@@ -150,6 +155,9 @@ def unit_scores(
     the others' scores are unspecified (a fast backend skips them), this reference computes
     every row. Returns ``(B, H, U)`` float32.
     """
+    if query_group.dtype not in QUERY_DTYPES:
+        raise ValueError(f"unit_scores: the query group must be float32, bfloat16 or float16 (read as float32), "
+                         f"got {query_group.dtype}")
     query_group = query_group.float()
     if method == "mean":
         scores = mean_key_scores(query_group, key_mean)

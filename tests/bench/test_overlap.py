@@ -14,12 +14,13 @@ from kvpolicy.units.table import UnitTable
 B, HQ, H, D, U = 2, 4, 2, 16, 64
 
 
-def _table():
+def _table(device: str = "cpu"):
     """A table of ``U`` units of 4 tokens each per (sequence, head), every one selectable."""
     tokens = U * 4
-    keys = torch.randn(B, H, tokens, D, generator=torch.Generator().manual_seed(0))
-    labels = (torch.arange(tokens) // 4).expand(B, H, tokens)
-    return UnitTable.from_prompt(keys, torch.arange(tokens), torch.ones(B, tokens, dtype=torch.bool), labels, U)
+    keys = torch.randn(B, H, tokens, D, generator=torch.Generator().manual_seed(0)).to(device)
+    labels = (torch.arange(tokens, device=device) // 4).expand(B, H, tokens)
+    return UnitTable.from_prompt(keys, torch.arange(tokens, device=device),
+                                 torch.ones(B, tokens, dtype=torch.bool, device=device), labels, U)
 
 
 def _selected(selector, table, seed):
@@ -71,6 +72,7 @@ def test_the_fused_bias_matches_the_reference(shape):
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU: the interpreter (conftest)
     scores = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[-1])) * 3 + 1
     scores[..., ::7] = float("-inf")  # unselectable units: out of the spread, and stay -inf
+    scores[0, 0] = float("-inf")  # a whole row unscored (a sequence that does not re-select)
     scores = scores.to(device)
     want, got = sticky_bias(scores, 32.0), fused(scores, 32.0)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
@@ -79,19 +81,21 @@ def test_the_fused_bias_matches_the_reference(shape):
     assert not torch.allclose(got[finite], scores[finite])  # the bias was added
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the table is on the CPU, where Triton needs the interpreter "
-                    "(off on a CUDA machine); the fused kernel's CUDA test is the one above")
-def test_a_triton_policy_scores_with_the_fused_bias(monkeypatch):
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_a_policy_scoring_with_triton_biases_with_the_fused_kernel(backend, monkeypatch):
     import kvpolicy.bench.sticky_bias as fused
 
-    table, cpu = _table(), torch.device("cpu")
-    query = torch.randn(B, HQ, D, generator=torch.Generator().manual_seed(4))
+    # on CPU Triton runs under the interpreter (conftest), and auto picks the reference there
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    table = _table(device.type)
+    query = torch.randn(B, HQ, D, generator=torch.Generator().manual_seed(4)).to(device)
     sticky = StickyTopBudget(stickiness=8.0)
-    want = sticky.unit_scores(query, table, dispatch.bind("reference", cpu))
+    want = sticky.unit_scores(query, table, dispatch.bind("reference", device))
     launches = []
     monkeypatch.setattr(fused, "_sticky_kernel", _Counted(fused._sticky_kernel, launches))
-    got = sticky.unit_scores(query, table, dispatch.bind("triton", cpu))
-    assert len(launches) == 1  # the fused kernel ran, not the reference's ops
+    got = sticky.unit_scores(query, table, dispatch.bind(backend, device))
+    triton_scores = backend == "triton" or device.type == "cuda"
+    assert len(launches) == (1 if triton_scores else 0)  # the fused kernel, not the reference's ops
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 

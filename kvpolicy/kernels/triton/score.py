@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import implement, triton_runs_on
+from ..reference import QUERY_DTYPES
 
 # elements of key statistics one program loads (one tile for the mean, two for the bound):
 # 32 units x D=128 for the mean at 4 warps is 32 floats a thread (64 registers in all, no spills
@@ -87,11 +88,6 @@ def _score_kernel(
         # correctly rounded, as torch divides (Triton's ``/`` is approximate on the GPU)
         score = tl.div_rn(summed, tl.full([BLOCK_U], G, tl.float32))
     tl.store(out, tl.where(selectable, score, float("-inf")), mask=in_range)
-
-
-# the model's query dtype is read as it is (and widened in the kernel): a float32 copy of the query
-# was a launch of its own in every scoring, every step for the score_gap trigger
-QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @implement("triton", "unit_scores", supports=triton_runs_on)
