@@ -102,9 +102,10 @@ QUICK_COLLISION_VARIANTS = (
     # as before the small-call chunks: 2048 positions at every size, the threshold pass in steps of 32
     ("before: chunk 2048 always", {"_MIN_CHUNK": 2048, "_WHOLE_ROW_CHUNKS": 0}),
     ("before: threshold launch", {"FOLD_SMALL_THRESHOLD": False}),
-    ("before: pass", {"PIPELINE": "pass"}),
-    ("fused votes 8 warps", {"_VOTES_WARPS": 8}),
-    ("fused compact sub 2048", {"_COMPACT_SUB": 2048}),
+    # the shipped pipeline is "pass"; the fused one (votes and suffix counts in one pass) beside it
+    ("fused pipeline", {"PIPELINE": "fused"}),
+    ("votes 8 warps", {"_VOTES_WARPS": 8}),
+    ("fused pipeline, compact sub 2048", {"PIPELINE": "fused", "_COMPACT_SUB": 2048}),
 )
 QUICK_RERANK_VARIANTS = (
     ("radix", {"METHOD": "radix"}),

@@ -96,6 +96,16 @@ _COMPACT_SUB = 1024
 
 
 @triton.jit
+def _suffix_and_row_hist(hist, bins, suffix_at, row_hist_at):
+    """A chunk's suffix counts (per bin, its positions in that bin or above; bin ``v + 1`` holds
+    ``v`` votes) stored at ``suffix_at``, and its histogram added to the row's at ``row_hist_at``
+    (bin 0, the positions not voted, left out)."""
+    suffix = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+    tl.store(suffix_at + bins, suffix)
+    tl.atomic_add(row_hist_at + bins, hist, mask=(hist != 0) & (bins > 0), sem="relaxed")
+
+
+@triton.jit
 def _votes_kernel(
     table_ptr, keys_ptr, valid_ptr, indexed_ptr, votes_ptr, hist_ptr, row_hist_ptr,
     H, N, CHUNKS,
@@ -138,9 +148,7 @@ def _votes_kernel(
         tl.store(votes_ptr + row * N + n, tl.where(voted, total, -1).to(tl.int16), mask=in_n)
         hist += tl.histogram(tl.where(voted, total + 1, 0), BINS)
     if ROW_HIST:  # the threshold folded into the compaction: suffix counts, and the row's histogram
-        suffix = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-        tl.store(hist_ptr + (row * CHUNKS + chunk) * BINS + bins, suffix)
-        tl.atomic_add(row_hist_ptr + row * BINS + bins, hist, mask=(hist != 0) & (bins > 0), sem="relaxed")
+        _suffix_and_row_hist(hist, bins, hist_ptr + (row * CHUNKS + chunk) * BINS, row_hist_ptr + row * BINS)
     else:
         tl.store(hist_ptr + (row * CHUNKS + chunk) * BINS + bins, hist)
 
@@ -298,9 +306,7 @@ def _votes_fused_kernel(
         voted = in_n & (valid != 0) & (n < indexed)
         tl.store(votes_ptr + row * N + n, tl.where(voted, total, -1).to(votes_ptr.dtype.element_ty), mask=in_n)
         hist += tl.histogram(tl.where(voted, total + 1, 0), BINS)
-    suffix = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-    tl.store(suffix_ptr + (row * CHUNKS + chunk) * BINS + bins, suffix)
-    tl.atomic_add(row_hist_ptr + row * BINS + bins, hist, mask=(hist != 0) & (bins > 0), sem="relaxed")
+    _suffix_and_row_hist(hist, bins, suffix_ptr + (row * CHUNKS + chunk) * BINS, row_hist_ptr + row * BINS)
 
 
 @triton.jit
