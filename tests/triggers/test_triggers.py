@@ -64,19 +64,26 @@ def test_every_step_decides_every_row_from_one_cached_tensor():
     assert torch.equal(trigger.decide(query, None), fire)
 
 
+def _prefilled(preset: str, **options):
+    """A layer of ``preset`` (budget 96; 2 sequences, 2 KV heads of 4 query heads, dim 16) after a
+    160-token random prompt, and the generator to draw its decode steps from."""
+    import kvpolicy
+    from kvpolicy.layer import PolicyLayerState
+
+    state = PolicyLayerState(kvpolicy.preset(preset, budget=96, sink=4, local=16, **options), 0, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    state.prefill(torch.randn(2, 2, 160, 16, generator=gen), torch.randn(2, 2, 160, 16, generator=gen),
+                  torch.ones(2, 160, dtype=torch.bool), 4)
+    return state, gen
+
+
 @pytest.mark.parametrize("preset, expects_mask", [("quest", False), ("louiskv", True)])
 def test_the_decode_step_passes_the_trigger_decision_unless_it_always_reselects(preset, expects_mask, monkeypatch):
     # every_step triggers declare always_reselects, so the selector gets no take mask (its
     # kernels may then rank however is fastest); other triggers pass their (B,) decision
-    import kvpolicy
-    from kvpolicy.layer import PolicyLayerState
-
-    policy = kvpolicy.preset(preset, budget=96, sink=4, local=16)
+    state, gen = _prefilled(preset)
+    policy = state.policy
     assert policy.trigger.always_reselects is (not expects_mask)
-    state = PolicyLayerState(policy, 0, torch.device("cpu"))
-    gen = torch.Generator().manual_seed(0)
-    state.prefill(torch.randn(2, 2, 160, 16, generator=gen), torch.randn(2, 2, 160, 16, generator=gen),
-                  torch.ones(2, 160, dtype=torch.bool), 4)
     seen = []
     real_select = policy.selector.select
 
@@ -100,14 +107,8 @@ def test_the_decode_step_passes_the_trigger_decision_unless_it_always_reselects(
 def test_an_always_reselecting_step_admits_with_no_launch_unless_it_evicts(preset, admit, launches, monkeypatch):
     # every row of an always-reselecting step re-selected after its fetch, so none may admit;
     # evicting still resets the buffer's kept rows to the new selection (through the admit op)
-    import kvpolicy
-    from kvpolicy.layer import PolicyLayerState
-
-    policy = kvpolicy.preset(preset, budget=96, sink=4, local=16, admit=admit)
-    state = PolicyLayerState(policy, 0, torch.device("cpu"))
-    gen = torch.Generator().manual_seed(0)
-    state.prefill(torch.randn(2, 2, 160, 16, generator=gen), torch.randn(2, 2, 160, 16, generator=gen),
-                  torch.ones(2, 160, dtype=torch.bool), 4)
+    state, gen = _prefilled(preset, admit=admit)
+    policy = state.policy
     masks = []
     real_admit = state.store.admit
 
