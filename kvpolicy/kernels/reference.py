@@ -308,17 +308,20 @@ def refresh_rows(
     if len(outs) != len(pools) or len(scratches) != len(pools) or (caches is not None and len(caches) != len(pools)):
         raise ValueError(f"refresh_rows: pools, outs, scratches and caches need one tensor a part, got {len(pools)}, "
                          f"{len(outs)}, {len(scratches)} and {'no' if caches is None else len(caches)}")
+    # the parts share their layout: where each row comes from is worked out once
+    out, cache = outs[0], None if caches is None else caches[0]
+    resident = (source >= 0).unsqueeze(-1)
+    # clamped: entries of sequences that do not take may be stale
+    index = source.long().clamp(0, max(out.shape[2] - 1, 0)).unsqueeze(-1).expand(*source.shape, out.shape[-1])
+    has_cache = cache is not None and cache.shape[2] > 0
+    if has_cache:
+        at = cache_source.long().clamp(0, cache.shape[2] - 1).unsqueeze(-1).expand(*source.shape, out.shape[-1])
+        cached = (cache_source >= 0).unsqueeze(-1)
     for part, (pool, out, scratch) in enumerate(zip(pools, outs, scratches)):
-        cache = None if caches is None else caches[part]
-        resident = (source >= 0).unsqueeze(-1)
-        # clamped: entries of sequences that do not take may be stale
-        index = source.long().clamp(0, max(out.shape[2] - 1, 0)).unsqueeze(-1).expand(*source.shape, out.shape[-1])
-        kept = out.gather(2, index)
         fetched = gather_rows(pool, slots, out.device)
-        if cache is not None and cache.shape[2] > 0:
-            at = cache_source.long().clamp(0, cache.shape[2] - 1).unsqueeze(-1).expand(*source.shape, out.shape[-1])
-            fetched = torch.where((cache_source >= 0).unsqueeze(-1), cache.gather(2, at), fetched)
-        scratch.copy_(torch.where(resident, kept, fetched))
+        if has_cache:
+            fetched = torch.where(cached, caches[part].gather(2, at), fetched)
+        scratch.copy_(torch.where(resident, out.gather(2, index), fetched))
         out.copy_(torch.where(take.view(-1, 1, 1, 1), scratch, out))
 
 
