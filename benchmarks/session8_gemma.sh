@@ -36,7 +36,9 @@
 # labels are added to PRESETS unless listed there), VARIANTS (more `--variant` specs, one a line),
 # CHUNK_DIR (default /tmp/gemma_chunks: when wheels/ lacks the wheels, the chunks of one tar of
 # them, carried one a call as wheels/chunk_* and moved there, are joined and unpacked into wheels/;
-# CHUNKS_SHA256, when set, is checked first).
+# CHUNKS_SHA256, when set, is checked first), TOKENIZER_FIX (default wheels/gemma3_tokenizer.tar.xz
+# when there: Gemma 3's tokenizer files as transformers 5.24 makes them, unpacked over the model
+# cache's; the load step then fails unless 'The capital of France' encodes as [2, 818, 5279, 529, 7001]).
 # ROUNDS tokens: nK = needles, seed K, at L16 and L32 budget B1 then L32 budget B2; oK = the other
 # tasks, seed K, L16 and L32 at B1; and one cell block a token: n16:K (needles, L16, B1, seed K),
 # n32:K (L32, B1), n32w:K (L32, B2), o16:K / o32:K (the other tasks at B1); K may be a list, 0,1.
@@ -163,19 +165,35 @@ except ImportError: print('no gguf (fine only with a whole model cache)')
 " || { note "FATAL: import failed"; exit 3; }
 
 # --- 2. load gemma3 once (converts into the cache), check it generates --------------------------
+# TOKENIZER_FIX (wheels/gemma3_tokenizer.tar.xz when it is there): tokenizer.json and
+# tokenizer_config.json as transformers 5.24 converts them from the same GGUF, unpacked over the
+# model cache's. transformers 5.17 (the device image's) converts Gemma 3's GGUF tokenizer into a
+# Unigram model without merges that its GemmaTokenizer reads as single characters, with no BOS:
+# 'The capital' is 11 tokens instead of [2, 818, 5279] (session 10's cells ran on that).
+TOKENIZER_FIX=${TOKENIZER_FIX-wheels/gemma3_tokenizer.tar.xz}
+[ -f "$TOKENIZER_FIX" ] || TOKENIZER_FIX=""
 step load 240 "$PY" -c "
-import time, torch
+import subprocess, time, torch
 t = time.perf_counter()
-from kvpolicy.models import load_model
+from kvpolicy.models import cache_dir, load_model
 model, tok = load_model('gemma3', device='$DEV')
+if '$TOKENIZER_FIX':
+    target = cache_dir() / 'models' / 'gemma-3-270m'
+    subprocess.run(['tar', 'xJf', '$TOKENIZER_FIX', '-C', str(target)], check=True)
+    model, tok = load_model('gemma3', device='$DEV')
+    print('tokenizer files from $TOKENIZER_FIX unpacked into', target)
 c = model.config
 print('loaded in %.1f s' % (time.perf_counter() - t), type(model).__name__, c.model_type, c.num_hidden_layers, 'layers,',
       c.num_key_value_heads, 'KV head of', c.head_dim, 'window', c.sliding_window, 'attn', c._attn_implementation,
       'name', c._name_or_path)
+probe = tok('The capital of France')['input_ids']
+print('tokenizer', type(tok).__name__, 'chat template', bool(tok.chat_template), 'probe ids', probe)
 ids = tok('The capital of France is', return_tensors='pt').to('$DEV')
 out = model.generate(**ids, max_new_tokens=8, do_sample=False)
 print(repr(tok.decode(out[0])))
-" || { note "FATAL: gemma3 does not load"; exit 3; }
+if probe != [2, 818, 5279, 529, 7001]:   # transformers 5.24's ids for Gemma 3 (BOS, then 4 words)
+    raise SystemExit('gemma3 tokenizer is broken here: %s (carry %s)' % (probe, 'wheels/gemma3_tokenizer.tar.xz'))
+" || { note "FATAL: gemma3 does not load, or its tokenizer is broken (load.log)"; pack; exit 3; }
 
 # The in-process driver: load_model memoised, then kvpolicy.cli.main with each argv.
 DRIVER='
