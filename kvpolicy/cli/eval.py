@@ -53,7 +53,7 @@ def variants(specs: list[str]) -> dict[str, tuple[str, dict]]:
 def main(args) -> int:
     from ..eval.report import summarize, table, write_outputs
     from ..eval.runner import check_out_dir, model_identity, run_grid
-    from ..eval.tasks import TASKS
+    from ..eval.tasks import TASKS, get_task
     from ..models import load_model
 
     tasks = args.tasks.split(",") if args.tasks else list(TASKS)
@@ -70,7 +70,9 @@ def main(args) -> int:
               "results.jsonl, summary.json and table.md are written", file=sys.stderr, flush=True)
     device = device_name(args)
     model, tokenizer = load_model(args.model, device=device)
-    warn_past_positions(model, max(options["lengths"]), "the longest --lengths")
+    # a prompt fills up to its length, then the answer is decoded after it: both need positions
+    longest, answer = max(options["lengths"]), max(get_task(name).max_new_tokens for name in tasks)
+    warn_past_positions(model, longest + answer, f"--lengths {longest} plus a {answer}-token answer")
     cells = run_grid(model, tokenizer, out_dir=args.out, model_name=model_name, add_model=args.add_model, **options)
     written = write_outputs(cells, args.out)
     print(table(summarize(cells)))

@@ -266,6 +266,22 @@ def test_a_prompt_past_max_position_embeddings_warns(tokenizer, tmp_path, monkey
     assert "exceeds the model's max_position_embeddings (64)" in err
 
 
+@pytest.mark.parametrize("positions, warned", [(LENGTH + 31, True), (LENGTH + 32, False)])
+def test_eval_warns_when_a_prompt_plus_its_answer_passes_max_position_embeddings(
+        tokenizer, tmp_path, monkeypatch, capsys, positions, warned):
+    # Gemma 3 270M's "32K" cells: a 32,768-token prompt in a model of 32,768 positions, plus the answer
+    # decoded after it (niah_single: 32 tokens), ran past the trained positions without a word
+    short = tiny_llama(tokenizer, max_position_embeddings=positions)
+    monkeypatch.setattr("kvpolicy.models.load_model", lambda *a, **k: (short, tokenizer))
+    assert TASKS["niah_single"].max_new_tokens == 32
+    assert cli.main(["eval", "--tasks", "niah_single", "--lengths", str(LENGTH), "--budgets", str(BUDGET),
+                     "--presets", "full", "--seeds", "0", "--out", str(tmp_path), "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    expected = (f"warning: --lengths {LENGTH} plus a 32-token answer ({LENGTH + 32} tokens) "
+                f"exceeds the model's max_position_embeddings ({positions})")
+    assert (expected in err) == warned, err
+
+
 @pytest.mark.parametrize("preset_name", ["louiskv", "streaming"])
 def test_kv_on_the_attention_device_never_exceeds_the_full_kv_on_a_short_prompt(
         tokenizer, model, tmp_path, monkeypatch, preset_name):
