@@ -498,7 +498,7 @@ def measure_methods(args: argparse.Namespace, select_args: tuple, select: Callab
     finally:
         for name, value in saved.items():
             setattr(module, name, value)
-    results["auto"] = {"method": module.method_for(select_args[4].shape[-1])}
+    results["auto"] = {"method": module.method_for(select_args[4].shape[0] * select_args[4].shape[1], select_args[4].shape[-1])}
     return results
 
 

@@ -407,12 +407,13 @@ def test_collision_candidates_band_bounds_are_exclusive(small_chunks, indexed, c
 # -- the fused rerank and final selection: rerank_select ----------------------------------------
 
 
-@pytest.fixture(params=["radix", "radix-level-chunk", "radix-no-preload", "split", "torch"])
+@pytest.fixture(params=["radix", "radix-level-chunk", "radix-no-preload", "row", "split", "torch"])
 def small_select(request, monkeypatch):
     """Each method at interpreter sizes: several chunks (radix: 16-32 candidates each), steps
     within a chunk, chunk blocks and finish blocks; "radix-level-chunk": the level and place
     passes on chunks larger than the score pass's; "radix-no-preload": the place pass loading
-    the chosen candidates' positions and slots only (a large call's)."""
+    the chosen candidates' positions and slots only (a large call's); "row": several steps of
+    its lists' histograms and of its buffer rows and tail."""
     from kvpolicy.kernels.triton import rerank_select
 
     monkeypatch.setattr(rerank_select, "_CHUNK", 128)
@@ -425,6 +426,8 @@ def small_select(request, monkeypatch):
     monkeypatch.setattr(rerank_select, "_RADIX_SCORE_SUB", 8)
     monkeypatch.setattr(rerank_select, "_RADIX_MIN_CHUNK", 8)
     monkeypatch.setattr(rerank_select, "_PLACE_BLOCK", 4)
+    monkeypatch.setattr(rerank_select, "_ROW_BLOCK", 16)
+    monkeypatch.setattr(rerank_select, "_ROW_FILL_BLOCK", 16)
     if request.param == "radix-level-chunk":
         monkeypatch.setattr(rerank_select, "_RADIX_LEVEL_MIN_CHUNK", 32)
     if request.param == "radix-no-preload":
@@ -517,6 +520,25 @@ def test_rerank_select_breaks_exact_ties_by_position(small_select):
     assert picked.tolist() == expect.sort().values.tolist()
 
 
+def test_rerank_select_places_keys_above_a_straddling_tie(small_select):
+    # three score levels by position (weights 3, 2, 1 in turn, one code and norm for all): the
+    # best level is taken whole, the middle one straddles the budget, so chosen keys above the
+    # threshold follow tied keys left out, and each is placed after the chosen ones before it
+    inputs = _select_inputs(5, 1, 2, 500, 32, 4, 300, [[300, 240]], 480, 3)
+    inputs[1] = inputs[1][:, :, :1].expand_as(inputs[1]).contiguous()
+    inputs[3] = torch.ones_like(inputs[3])
+    cands = inputs[4]
+    level = torch.tensor([3.0, 2.0, 1.0]).repeat(100)  # the i-th listed candidate's weight
+    inputs[2] = torch.zeros(1, 2, 500)
+    inputs[2][0, 0, cands[0, 0]] = level
+    inputs[2][0, 1, cands[0, 1, :240]] = level[:240]
+    for capacity in (153, 103):  # 150 or 100 retrieved: the middle level straddles, or the best fills exactly
+        want = reference_analytic.rerank_select(*inputs, capacity)
+        got = [t.cpu() for t in small_select(*[t.to(DEVICE) for t in inputs], capacity)]
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+
+
 def test_rerank_select_orders_negative_scores_and_zero(small_select):
     # scores of both signs and exact zeros (zero codes' dot): the key's order is the float's
     inputs = _select_inputs(9, 1, 2, 400, 32, 4, 200, [[200, 200]], 390, 2)
@@ -528,7 +550,7 @@ def test_rerank_select_orders_negative_scores_and_zero(small_select):
         _assert_selects_like_reference(got, want, inputs, capacity)
 
 
-@pytest.mark.parametrize("method", ["radix", "torch", "split"])
+@pytest.mark.parametrize("method", ["radix", "row", "torch", "split"])
 @pytest.mark.parametrize(
     "width, listed, buffered",
     [
@@ -559,13 +581,34 @@ def test_rerank_select_method_table(monkeypatch):
     from kvpolicy.kernels.triton import rerank_select
 
     monkeypatch.setattr(rerank_select, "_METHOD_BY_WIDTH", ((0, "torch"), (5000, "radix"), (50000, "split")))
-    assert [rerank_select.method_for(w) for w in (10, 4999, 5000, 49999, 60000)] == [
+    monkeypatch.setattr(rerank_select, "_ROW_MAX_WIDTH", 0)  # no call takes the row method
+    assert [rerank_select.method_for(8, w) for w in (10, 4999, 5000, 49999, 60000)] == [
         "torch", "torch", "radix", "radix", "split"]
     monkeypatch.setattr(rerank_select, "METHOD", "split")
-    assert rerank_select.method_for(10) == "split"
+    assert rerank_select.method_for(8, 10) == "split"
     monkeypatch.setattr(rerank_select, "METHOD", "bitonic")
-    with pytest.raises(ValueError, match="METHOD 'bitonic'; accepted: auto, radix, split, torch"):
-        rerank_select.method_for(10)
+    with pytest.raises(ValueError, match="METHOD 'bitonic'; accepted: auto, radix, row, split, torch"):
+        rerank_select.method_for(8, 10)
+
+
+def test_rerank_select_row_method_for_small_calls_only():
+    from kvpolicy.kernels.triton import rerank_select as rs
+
+    assert rs.METHOD == "auto"
+    assert rs.method_for(8, 6554) == "row"  # 1 x 32K: 8 rows of ~6.5K candidates
+    assert rs.method_for(32, 6554) == "row"  # 4 x 32K
+    assert rs.method_for(32, 13108) == "radix"  # 4 x 128K
+    assert rs.method_for(32, 104858) == "radix"  # 4 x 1M
+    assert rs.method_for(rs._ROW_MAX_ROWS + 1, 100) == "radix"
+
+
+def test_rerank_select_row_method_refuses_a_wide_row(monkeypatch):
+    from kvpolicy.kernels.triton import rerank_select
+
+    monkeypatch.setattr(rerank_select, "_ROW_MAX_WIDTH", 64)
+    inputs = _select_inputs(1, 1, 1, 300, 32, 4, 100, [[100]], 280, 3)
+    with pytest.raises(ValueError, match="the row method takes at most 64 candidates a row, got 100"):
+        rerank_select.rerank_select(*[t.to(DEVICE) for t in inputs], 40, method="row")
 
 
 def test_rerank_select_refuses_misshaped_inputs(small_select):
