@@ -316,6 +316,25 @@ def test_collision_candidates_int16_votes(small_chunks):
     assert torch.equal(got.cpu(), want)
 
 
+def test_collision_candidates_leaves_its_scratch_zeroed(small_chunks):
+    # the row histograms and tickets (self-clearing scratch, where the pipeline adds into them):
+    # zero after every call, so calls in a row each match the reference
+    from kvpolicy.kernels.triton import collision_candidates as cc
+
+    batch, heads, n, dim, subspaces, tiers = 1, 3, 600, 64, 16, 4
+    keys, query = _encoded(7, batch, heads, n, dim, subspaces, (1 << tiers) - 1)
+    table = reference_analytic.vote_table(query.centroids, analytic.tier_weights(tiers))
+    token_valid = torch.rand(batch, n, generator=_gen(7)) > 0.1
+    for indexed in (590, 300, 450):
+        args = (torch.tensor(indexed), 200, subspaces * tiers, 20, 0.2, ())
+        want = reference_analytic.collision_candidates(table, keys.centroids, token_valid, *args)
+        got = small_chunks(table.to(DEVICE), keys.centroids.to(DEVICE), token_valid.to(DEVICE),
+                           args[0].to(DEVICE), *args[1:])
+        assert torch.equal(got.cpu(), want)
+        row_hist, done = cc._row_scratch(DEVICE, batch * heads, 128)
+        assert not row_hist.any() and not done.any()
+
+
 def test_collision_candidates_fused_chunk_grows_with_the_call():
     from kvpolicy.kernels.triton import collision_candidates as cc
 
@@ -620,10 +639,12 @@ def test_rerank_select_refuses_misshaped_inputs(small_select):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("n, width", [(131072, 13108), (1048576, 104858)])
-def test_rerank_select_at_decode_sizes(n, width):
-    # ParisKV's shape at batch 4: 8 KV heads, head_dim 128, 16 subspaces, top-k of a 2K budget
-    batch, heads, dim, capacity = 4, 8, 128, 1980
+@pytest.mark.parametrize("method", [None, "radix"])
+@pytest.mark.parametrize("batch, n, width", [(4, 131072, 13108), (4, 1048576, 104858), (1, 32768, 6554)])
+def test_rerank_select_at_decode_sizes(method, batch, n, width):
+    # ParisKV's shape at batch 4 and 1: 8 KV heads, head_dim 128, 16 subspaces, top-k of a 2K
+    # budget; the method auto picks (1 x 32K: the row method), and the radix method
+    heads, dim, capacity = 8, 128, 1980
     gen = torch.Generator(device=DEVICE).manual_seed(n)
     rotated = torch.nn.functional.normalize(torch.randn(batch, heads, dim, generator=gen, device=DEVICE), dim=-1)
     codes = torch.randint(0, 256, (batch, heads, n + 64, dim // 2), generator=gen, device=DEVICE, dtype=torch.uint8)
@@ -636,7 +657,7 @@ def test_rerank_select_at_decode_sizes(n, width):
     inputs = [rotated, codes, weight, norms, cands, token_valid, slots, torch.tensor(n, device=DEVICE),
               torch.tensor(n + 63, device=DEVICE)]
     want = reference_analytic.rerank_select(*inputs, capacity)
-    got = dispatch.get("rerank_select", "triton", DEVICE)(*inputs, capacity)
+    got = dispatch.get("rerank_select", "triton", DEVICE)(*inputs, capacity, method=method)
     _assert_selects_like_reference(got, [t.cpu() for t in want], inputs, capacity)
 
 
@@ -708,6 +729,25 @@ def test_analytic_append_matches_reference(dim, subspaces, buffer, indexed, writ
     torch.testing.assert_close(norms[:, :, at], want[3][:, :, at], rtol=1e-6, atol=0)
     torch.testing.assert_close(weight[:, :, at], want[2][:, :, at], rtol=1e-5, atol=0)
     assert weight[0, 1, at] == 0 and norms[0, 1, at] == 0
+
+
+def test_analytic_append_moves_the_counters_once_a_call():
+    # its last program moves the counters (an atomic ticket, back at 0 after each call): appends in
+    # a row, one of them flushing the buffer, leave the reference's counters and positions
+    from kvpolicy.kernels.triton import analytic_append, scratch
+
+    want, gen = _index_tensors(3, 2, 3, 40, 32, 4, 10, 11)
+    got = [t.clone().to(DEVICE) for t in want]
+    signs = analytic.srht_signs(32, 1)
+    for step in range(4):
+        extra = (signs, 4, 3, torch.randn(2, 3, 32, generator=gen), torch.tensor([True, step % 2 == 0]),
+                 torch.tensor(100 + step))
+        reference_analytic.analytic_append(*want, *extra)
+        analytic_append.analytic_append(*got, *[t.to(DEVICE) if torch.is_tensor(t) else t for t in extra])
+        assert [int(t) for t in got[6:]] == [int(t) for t in want[6:]]  # next_position, indexed
+        assert torch.equal(got[4].cpu(), want[4]) and torch.equal(got[5].cpu(), want[5])
+        assert int(scratch.zeroed(DEVICE, "analytic_append", (1,))) == 0
+    assert [int(t) for t in want[6:]] == [15, 13]  # the flush happened (at 13, 3 past indexed 10)
 
 
 def test_analytic_append_refuses_misshaped_inputs():
