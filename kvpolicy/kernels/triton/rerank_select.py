@@ -1,5 +1,10 @@
 """Triton rerank and final selection (op ``rerank_select``): the candidates' 4-bit estimates,
-their exact top-k and the buffer-first composition of the ``Selection``, in four launches.
+their exact top-k and the buffer-first composition of the ``Selection``.
+
+Four methods (``METHOD``, ``method_for``): "radix" (a score pass, three level passes and a place
+pass of many programs each, and a memset; see the comment above ``_RADIX_BINS``), "row" (the
+radix method's score pass, then one program a row: a call of few rows, see the comment above
+``_ROW_MAX_ROWS``), "split" (below, in four launches) and "torch" (``torch.topk``).
 
 Replaces ``rerank`` (its score kernel, then ``torch.topk``, a gather, a where and a pad) and the
 selector's composition (about fifteen small torch ops). The top-k is a radix select on the
@@ -665,8 +670,8 @@ def _radix_place_kernel(
 # The digits picked, so the rows written, are the radix method's: the same keys and ties.
 
 # a call takes the row method ("auto") where it has at most _ROW_MAX_ROWS rows (one program each)
-# of at most _ROW_MAX_WIDTH candidates (keys and positions in registers: 8192 are 16 int32 and 16
-# int64 a thread at 16 warps). Unmeasured bounds (benchmarks/rerank_select_paths.py times both
+# of at most _ROW_MAX_WIDTH candidates (keys and positions in registers: 8192 of each are 16 int32
+# a thread at 16 warps). Unmeasured bounds (benchmarks/pariskv_select.py times both
 # methods): 1x32K is 8 rows of ~6.5K, 4x128K 32 rows of ~13K (the radix method)
 _ROW_MAX_ROWS = 64
 _ROW_MAX_WIDTH = 8192
@@ -712,10 +717,11 @@ def _radix_row_kernel(
     row = tl.program_id(0).to(tl.int64)
     b = row // H
     h = row % H
-    # the row's keys and candidates' positions, loaded first (neither depends on the picks)
+    # the row's keys and candidates' positions, loaded first (neither depends on the picks); the
+    # positions as int32 (under 2**31: _check), half the registers
     c = tl.arange(0, WIDTH)
     keys = tl.load(keys_ptr + row * W + c, mask=c < W, other=-2147483648)
-    position = tl.load(cand_ptr + b * cand_sb + h * cand_sh + c * cand_sc, mask=c < W, other=0).to(tl.int64)
+    position = tl.load(cand_ptr + b * cand_sb + h * cand_sh + c * cand_sc, mask=c < W, other=0).to(tl.int32)
     listed = keys != -2147483648
     # digit 0: the chunks' histograms summed
     bins = tl.arange(0, BINS)
@@ -756,6 +762,7 @@ def _radix_row_kernel(
     out_ids = ids_ptr + row * R
     out_slots = out_slots_ptr + row * R
     out_valid = valid_ptr + row * R
+    position = position.to(tl.int64)
     tl.store(out_ids + at, position, mask=chosen)
     tl.store(out_slots + at, tl.load(slots_ptr + position * slot_s, mask=chosen, other=0), mask=chosen)
     tl.store(out_valid + at, tl.full([WIDTH], 1, tl.int8), mask=chosen)
