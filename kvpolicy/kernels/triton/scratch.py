@@ -18,6 +18,12 @@ import torch
 
 @functools.cache
 def _zeroed(device: torch.device, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    # made under a capture, its zeroing would be a node of that graph only: an eager call (or
+    # another graph) before the first replay would find it unset. Made by the eager step that
+    # precedes a capture (kvpolicy.graph's first step, the benchmarks' warm-ups)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"kvpolicy scratch {name!r} {shape}: first used inside a CUDA graph capture; "
+                           f"run the step once eagerly before capturing it")
     # made outside inference mode, as the cached tables are: later steps use it in place
     with torch.inference_mode(False):
         return torch.zeros(shape, dtype=torch.int32, device=device)
