@@ -64,6 +64,9 @@ RERANK_VARIANTS = (
     ("row 32 warps", {"METHOD": "row", "_ROW_WARPS": 32}),
     ("row block 2048", {"METHOD": "row", "_ROW_BLOCK": 2048}),
     ("row block 256", {"METHOD": "row", "_ROW_BLOCK": 256}),
+    # rows past 8192 candidates (1x128K: ~13K), 32 or 64 int32 a thread for keys and positions
+    ("row to 16K", {"METHOD": "row", "_ROW_MAX_WIDTH": 16384}),
+    ("row to 16K 32 warps", {"METHOD": "row", "_ROW_MAX_WIDTH": 16384, "_ROW_WARPS": 32}),
     ("split", {"METHOD": "split"}),
     ("torch", {"METHOD": "torch"}),
     ("radix score 64x8w", {"METHOD": "radix", "_RADIX_SCORE_SUB": 64, "_RADIX_SCORE_WARPS": 8}),
@@ -116,6 +119,7 @@ QUICK_COLLISION_VARIANTS = (
 QUICK_RERANK_VARIANTS = (
     ("radix", {"METHOD": "radix"}),
     ("row", {"METHOD": "row"}),
+    ("row to 16K 32 warps", {"METHOD": "row", "_ROW_MAX_WIDTH": 16384, "_ROW_WARPS": 32}),
     ("radix level chunk 1024", {"METHOD": "radix", "_RADIX_LEVEL_MIN_CHUNK": 1024}),
     ("radix level chunk 2048", {"METHOD": "radix", "_RADIX_LEVEL_MIN_CHUNK": 2048}),
 )
