@@ -33,13 +33,14 @@ ParisKV's pipeline, file by file (the ``pariskv`` preset composes the first thre
 - ``kvpolicy/kernels/triton/query_votes.py``: op ``query_votes``, the rotated query and its vote
   table in one launch.
 - ``kvpolicy/kernels/triton/collision_candidates.py``: op ``collision_candidates``, votes, count
-  and candidate set in three launches (collision_candidates' default pipeline; two and a memset in a
-  call too small for the GPU), each centroid id read once.
+  and candidate set in three launches (collision_candidates' default pipeline; two in a call too
+  small for the GPU), each centroid id read once.
 - ``kvpolicy/kernels/triton/rerank_select.py``: op ``rerank_select``, the candidates' 4-bit
   estimates, their exact top-k (a radix select on the scores' bits) and the selection's rows
-  (the update buffer's first, then the chosen tokens by position) in five launches and a memset.
+  (the update buffer's first, then the chosen tokens by position) in five launches and a memset,
+  two in a call of few rows (its row method).
 - ``kvpolicy/kernels/triton/analytic_append.py``: op ``analytic_append``, a leaving token
-  encoded and written into the index, the flush and the counter, in two launches.
+  encoded and written into the index, the flush and the counter, in one launch.
 - ``kvpolicy/kernels/triton/collision.py``, ``candidates.py``, ``rerank.py``: ops
   ``collision_count``, ``candidate_topk`` and ``rerank`` (estimates, then ``torch.topk``), the
   composed path the selector takes where the fused ops are not bound.

@@ -175,7 +175,7 @@ class AnalyticIndex:
         ``slot``: a 0-dim device tensor; ``key``: ``(B, H, D)``; ``valid``: ``(B,)`` False for
         padding (and while the local ring is still filling). ``boundary`` and ``builder`` are
         the unit table's and unused here: tokens are units of their own. ``ops``: the bound
-        kernel table (its ``analytic_append``: two launches on the Triton backend), or None
+        kernel table (its ``analytic_append``: one launch on the Triton backend), or None
         for the reference.
         """
         self.make_room()  # a no-op after the layer's plan step (kept for direct callers)

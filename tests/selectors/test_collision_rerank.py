@@ -139,13 +139,18 @@ def test_the_fused_ops_select_what_the_composed_ops_select(monkeypatch):
 
 
 @needs_interpreter
-def test_the_fused_selection_is_ten_triton_launches_and_one_memset(monkeypatch):
-    # query_votes 1, collision_candidates 3, rerank_select 6 and a memset; nothing else computes on
-    # the device (allocations and views launch nothing), so a captured step replays exactly these
+@pytest.mark.parametrize("method", ["auto", "radix"])
+def test_the_fused_selection_launches_only_its_kernels(monkeypatch, method):
+    # query_votes 1, collision_candidates 2, rerank_select 2 (auto: the row method at a call of
+    # few rows) or 5 and a memset (the radix method); nothing else computes on the device
+    # (allocations and views launch nothing), so a captured step replays exactly these
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import triton.runtime.interpreter as interpreter
 
+    from kvpolicy.kernels.triton import rerank_select
+
+    monkeypatch.setattr(rerank_select, "METHOD", method)
     free = {"aten.empty.memory_format", "aten.view.default", "aten.view.dtype", "aten.expand.default",
             "aten.slice.Tensor", "aten.select.int", "aten.unsqueeze.default", "aten._unsafe_view.default",
             "aten.as_strided.default", "aten.alias.default", "aten.detach.default", "aten.empty_strided.default",
@@ -180,18 +185,18 @@ def test_the_fused_selection_is_ten_triton_launches_and_one_memset(monkeypatch):
     ops = dispatch.bind("triton", torch.device("cpu"))
     query = torch.randn(1, 4, 32, generator=gen)
     selector = CollisionRerank()
-    selector.select(query, index, 40, ops)  # cached tables made
+    selector.select(query, index, 40, ops)  # cached tables and scratch made
     launches.clear()
     with Record() as record:
         selection = selector.select(query, index, 40, ops)
-    # the query (1), the votes and candidates (2 and a memset: collision_candidates' default "pass"
-    # pipeline at a call too small for 2048-position chunks, its threshold folded into the
-    # compaction), then rerank_select's radix method (auto's choice): the score pass with the top
-    # digit, three digit passes, then the place pass (the last digit's pick and the counts before
-    # each chunk)
-    assert launches == ["_query_votes_sort_kernel", "_votes_kernel", "_compact_fused_kernel",
-                        "_radix_score_kernel", "_radix_level_kernel", "_radix_level_kernel", "_radix_level_kernel",
-                        "_radix_place_kernel"]
-    # the votes' row histogram, the radix passes' histogram scratch
-    assert record.ops == ["aten.zeros.default", "aten.zeros.default"]
+    # the query (1), the votes and candidates (2: collision_candidates' default "pass" pipeline at
+    # a call too small for 2048-position chunks, its threshold folded into the compaction, its row
+    # histogram self-clearing scratch), then rerank_select: the score pass and one program a row
+    # (the row method), or the score pass with the top digit, three digit passes, then the place
+    # pass (the radix method) and its histogram's memset
+    selected = (["_radix_score_kernel", "_radix_row_kernel"] if method == "auto" else
+                ["_radix_score_kernel", "_radix_level_kernel", "_radix_level_kernel", "_radix_level_kernel",
+                 "_radix_place_kernel"])
+    assert launches == ["_query_votes_sort_kernel", "_votes_kernel", "_compact_fused_kernel", *selected]
+    assert record.ops == ([] if method == "auto" else ["aten.zeros.default"])
     assert int(selection.num_units.sum()) == 2 * 40

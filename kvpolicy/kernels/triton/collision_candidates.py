@@ -2,9 +2,8 @@
 candidate set, each centroid id read once.
 
 Two pipelines, with the same output exactly. ``PIPELINE = "pass"`` (the default): the
-three launches below (votes, threshold, compact; two and a memset in a small call, see
-``folds_threshold``). ``PIPELINE = "fused"`` (session 10): two launches
-and a memset, the threshold folded into the compaction (see the comment above
+three launches below (votes, threshold, compact; two in a small call, see
+``folds_threshold``). ``PIPELINE = "fused"`` (session 10): two launches, the threshold folded into the compaction (see the comment above
 ``_votes_fused_kernel``); on an H200 its votes pass took 150 us at 128Kx4 against the pass's 46,
 and 1,178 against 314 at 1Mx4 (docs/bench/session10/final/paris/), so it is not the default.
 
@@ -36,11 +35,12 @@ threshold vote ``v*`` plus the first keys by position with exactly ``v*``:
 
 A call too small to fill the GPU with ``_CHUNK``-position programs (its chunk shrank; batch 1
 at 32K) folds step 2 into step 3 (``folds_threshold``, ``FOLD_SMALL_THRESHOLD``): the votes pass adds each chunk's
-histogram into the row's (atomics into a zeroed ``(rows, BINS)``: a memset) and writes the chunk's
+histogram into the row's (atomics into a zeroed ``(rows, BINS)``, self-clearing scratch: the
+row's last compaction program zeroes it again, so no memset precedes it) and writes the chunk's
 suffix counts (bin b: its keys with vote bin b or more), and every compaction program finds the
 row's count and threshold from the row histogram and its start from two suffix counts of each
 earlier chunk (``_compact_fused_kernel``, the fused pipeline's). One program a row walking up to
-128 chunk histograms (4.8 us at 1x32K on an H200, session 14) becomes a memset; each compaction
+128 chunk histograms (4.8 us at 1x32K on an H200, session 14) is gone; each compaction
 program waits on one more dependent load (the suffix counts, after the row's threshold).
 
 Per key and step: the ids once (``S`` bytes), the vote written and read once (2 + 2 bytes),
@@ -58,6 +58,7 @@ import triton.language as tl
 
 from .. import reference_analytic
 from ..dispatch import OPS, implement, triton_runs_on
+from . import scratch
 
 # positions per program of the votes and compaction passes; keys per step inside one
 _CHUNK = 2048
@@ -84,7 +85,7 @@ _COMPACT_WARPS = 4
 # a small call (chunk under _CHUNK, at most _MAX_CHUNKS chunks a row): the threshold pass folded
 # into the compaction (see the module docstring); False: the threshold launch at every size
 FOLD_SMALL_THRESHOLD = True
-# "pass" (votes, threshold, compact) or session 10's "fused" (two launches and a memset; 3.3x and
+# "pass" (votes, threshold, compact) or session 10's "fused" (two launches; 3.3x and
 # 3.7x slower votes at 128Kx4 and 1Mx4 on an H200, so kept for benchmarks/pariskv_select.py only)
 PIPELINE = "pass"
 # the fused pipeline: about _VOTES_PROGRAMS programs a pass (the chunk grows from _CHUNK past
@@ -311,7 +312,7 @@ def _votes_fused_kernel(
 
 @triton.jit
 def _compact_fused_kernel(
-    votes_ptr, suffix_ptr, row_hist_ptr, out_ptr,
+    votes_ptr, suffix_ptr, row_hist_ptr, done_ptr, out_ptr,
     N, CHUNKS, WIDTH, FILL, FLOOR, fraction,
     bound0, share0, bound1, share1, bound2, share2, bound3, share3,
     CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr, CHUNKS_BLOCK: tl.constexpr,
@@ -327,6 +328,13 @@ def _compact_fused_kernel(
     total = tl.load(row_hist_ptr + row * BINS + bins)
     total = tl.where(bins > 0, total, 0)
     n = tl.sum(total, axis=0)
+    # the row histogram is self-clearing scratch (scratch.zeroed): the row's last program to have
+    # read it zeroes it for the next call, and its ticket; the barrier puts this program's reads
+    # before its ticket
+    tl.debug_barrier()
+    if tl.atomic_add(done_ptr + row, 1, sem="acq_rel") == CHUNKS - 1:
+        tl.store(row_hist_ptr + row * BINS + bins, tl.zeros([BINS], dtype=tl.int32))
+        tl.store(done_ptr + row, 0)
     share = fraction
     share = tl.where(n < bound3, tl.maximum(share3, fraction), share)
     share = tl.where(n < bound2, tl.maximum(share2, fraction), share)
@@ -410,6 +418,9 @@ def collision_candidates(
         )
     if not isinstance(max_votes, int) or not 0 <= max_votes < 32766:
         raise ValueError(f"triton collision_candidates: max_votes must be an int in 0..32765 (int16 votes), got {max_votes!r}")
+    # the length rule as kernel arguments, checked before any launch: a call refused between the
+    # votes and the compaction would leave the row histograms (self-clearing scratch) dirty
+    rule = (int(floor), float(fraction), *_bands(bands))
     width = int(width)
     rows = batch * heads
     if rows == 0 or n == 0 or width == 0:
@@ -417,7 +428,7 @@ def collision_candidates(
     table = table.contiguous()
     valid = token_valid.view(torch.uint8) if token_valid.dtype == torch.bool else token_valid
     if PIPELINE == "fused":
-        return _fused(table, key_centroids, valid, indexed, width, max_votes, floor, fraction, bands)
+        return _fused(table, key_centroids, valid, indexed, width, max_votes, rule)
     if PIPELINE != "pass":
         raise ValueError(f"triton collision_candidates: PIPELINE {PIPELINE!r}; accepted: fused, pass")
     out = torch.empty(batch, heads, width, dtype=torch.long, device=key_centroids.device)
@@ -430,7 +441,7 @@ def collision_candidates(
     votes = torch.empty(batch, heads, n, dtype=torch.int16, device=device)
     hist = torch.empty(rows, chunks, bins, dtype=torch.int32, device=device)
     fold = folds_threshold(rows, n)
-    row_hist = torch.zeros(rows, bins, dtype=torch.int32, device=device) if fold else hist
+    row_hist, done = _row_scratch(device, rows, bins) if fold else (hist, None)
     words = _as_words(key_centroids)
     ids = key_centroids if words is None else words
     _votes_kernel[(rows, chunks)](
@@ -442,8 +453,8 @@ def collision_candidates(
     )
     if fold:  # hist holds suffix counts: the compaction finds the threshold itself
         _compact_fused_kernel[(rows, chunks)](
-            votes, hist, row_hist, out,
-            n, chunks, width, triton.cdiv(width, chunks), int(floor), float(fraction), *_bands(bands),
+            votes, hist, row_hist, done, out,
+            n, chunks, width, triton.cdiv(width, chunks), *rule,
             CHUNK=chunk, SUB=sub, BINS=bins, CHUNKS_BLOCK=max(2, triton.next_power_of_2(chunks)),
             num_warps=_COMPACT_WARPS,
         )
@@ -454,7 +465,7 @@ def collision_candidates(
     take = torch.empty(rows, dtype=torch.int32, device=device)
     _threshold_kernel[(rows,)](
         hist, start, ties, level, take,
-        chunks, width, int(floor), float(fraction), *_bands(bands),
+        chunks, width, *rule,
         BINS=bins, CHUNK_BLOCK=chunk_block, num_warps=8 if chunk_block > _CHUNK_BLOCK else 4,
     )
     _compact_kernel[(rows, chunks)](
@@ -462,6 +473,13 @@ def collision_candidates(
         num_warps=_COMPACT_WARPS,
     )
     return out
+
+
+def _row_scratch(device: torch.device, rows: int, bins: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row histograms ``(rows, bins)`` the votes pass adds into and the compaction's tickets
+    ``(rows,)``: zeroed scratch its compaction leaves zeroed (no fill launch)."""
+    return (scratch.zeroed(device, "collision_candidates.row_hist", (rows, bins)),
+            scratch.zeroed(device, "collision_candidates.done", (rows,)))
 
 
 def pass_chunk(rows: int, n: int) -> int:
@@ -485,7 +503,7 @@ def fused_chunk(rows: int, n: int) -> int:
     return max(_CHUNK, chunk, triton.next_power_of_2(triton.cdiv(max(1, n), _MAX_CHUNKS)))
 
 
-def _fused(table, key_centroids, valid, indexed, width, max_votes, floor, fraction, bands):
+def _fused(table, key_centroids, valid, indexed, width, max_votes, rule):
     batch, heads, n, subspaces = key_centroids.shape
     rows = batch * heads
     device = key_centroids.device
@@ -496,7 +514,7 @@ def _fused(table, key_centroids, valid, indexed, width, max_votes, floor, fracti
     # votes -1..max_votes: one byte where they fit
     votes = torch.empty(batch, heads, n, dtype=torch.int8 if max_votes <= 126 else torch.int16, device=device)
     suffix = torch.empty(rows, chunks, bins, dtype=torch.int32, device=device)
-    row_hist = torch.zeros(rows, bins, dtype=torch.int32, device=device)
+    row_hist, done = _row_scratch(device, rows, bins)
     words = _as_words(key_centroids)
     # the words path needs the row stride as a constexpr (the vector loads' alignment)
     ids = key_centroids if words is None else words
@@ -508,8 +526,8 @@ def _fused(table, key_centroids, valid, indexed, width, max_votes, floor, fracti
         WORDS=words is not None, CHUNK=chunk, SUB=min(chunk, _SUB), BINS=bins, num_warps=_VOTES_WARPS,
     )
     _compact_fused_kernel[(rows, chunks)](
-        votes, suffix, row_hist, out,
-        n, chunks, width, triton.cdiv(width, chunks), int(floor), float(fraction), *_bands(bands),
+        votes, suffix, row_hist, done, out,
+        n, chunks, width, triton.cdiv(width, chunks), *rule,
         CHUNK=chunk, SUB=min(chunk, _COMPACT_SUB), BINS=bins, CHUNKS_BLOCK=max(2, triton.next_power_of_2(chunks)),
         num_warps=_COMPACT_WARPS,
     )

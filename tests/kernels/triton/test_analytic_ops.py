@@ -316,6 +316,25 @@ def test_collision_candidates_int16_votes(small_chunks):
     assert torch.equal(got.cpu(), want)
 
 
+def test_collision_candidates_leaves_its_scratch_zeroed(small_chunks):
+    # the row histograms and tickets (self-clearing scratch, where the pipeline adds into them):
+    # zero after every call, so calls in a row each match the reference
+    from kvpolicy.kernels.triton import collision_candidates as cc
+
+    batch, heads, n, dim, subspaces, tiers = 1, 3, 600, 64, 16, 4
+    keys, query = _encoded(7, batch, heads, n, dim, subspaces, (1 << tiers) - 1)
+    table = reference_analytic.vote_table(query.centroids, analytic.tier_weights(tiers))
+    token_valid = torch.rand(batch, n, generator=_gen(7)) > 0.1
+    for indexed in (590, 300, 450):
+        args = (torch.tensor(indexed), 200, subspaces * tiers, 20, 0.2, ())
+        want = reference_analytic.collision_candidates(table, keys.centroids, token_valid, *args)
+        got = small_chunks(table.to(DEVICE), keys.centroids.to(DEVICE), token_valid.to(DEVICE),
+                           args[0].to(DEVICE), *args[1:])
+        assert torch.equal(got.cpu(), want)
+        row_hist, done = cc._row_scratch(DEVICE, batch * heads, 128)
+        assert not row_hist.any() and not done.any()
+
+
 def test_collision_candidates_fused_chunk_grows_with_the_call():
     from kvpolicy.kernels.triton import collision_candidates as cc
 
@@ -407,12 +426,13 @@ def test_collision_candidates_band_bounds_are_exclusive(small_chunks, indexed, c
 # -- the fused rerank and final selection: rerank_select ----------------------------------------
 
 
-@pytest.fixture(params=["radix", "radix-level-chunk", "radix-no-preload", "split", "torch"])
+@pytest.fixture(params=["radix", "radix-level-chunk", "radix-no-preload", "row", "split", "torch"])
 def small_select(request, monkeypatch):
     """Each method at interpreter sizes: several chunks (radix: 16-32 candidates each), steps
     within a chunk, chunk blocks and finish blocks; "radix-level-chunk": the level and place
     passes on chunks larger than the score pass's; "radix-no-preload": the place pass loading
-    the chosen candidates' positions and slots only (a large call's)."""
+    the chosen candidates' positions and slots only (a large call's); "row": several steps of
+    its lists' histograms and of its buffer rows and tail."""
     from kvpolicy.kernels.triton import rerank_select
 
     monkeypatch.setattr(rerank_select, "_CHUNK", 128)
@@ -425,6 +445,8 @@ def small_select(request, monkeypatch):
     monkeypatch.setattr(rerank_select, "_RADIX_SCORE_SUB", 8)
     monkeypatch.setattr(rerank_select, "_RADIX_MIN_CHUNK", 8)
     monkeypatch.setattr(rerank_select, "_PLACE_BLOCK", 4)
+    monkeypatch.setattr(rerank_select, "_ROW_BLOCK", 16)
+    monkeypatch.setattr(rerank_select, "_ROW_FILL_BLOCK", 16)
     if request.param == "radix-level-chunk":
         monkeypatch.setattr(rerank_select, "_RADIX_LEVEL_MIN_CHUNK", 32)
     if request.param == "radix-no-preload":
@@ -517,6 +539,25 @@ def test_rerank_select_breaks_exact_ties_by_position(small_select):
     assert picked.tolist() == expect.sort().values.tolist()
 
 
+def test_rerank_select_places_keys_above_a_straddling_tie(small_select):
+    # three score levels by position (weights 3, 2, 1 in turn, one code and norm for all): the
+    # best level is taken whole, the middle one straddles the budget, so chosen keys above the
+    # threshold follow tied keys left out, and each is placed after the chosen ones before it
+    inputs = _select_inputs(5, 1, 2, 500, 32, 4, 300, [[300, 240]], 480, 3)
+    inputs[1] = inputs[1][:, :, :1].expand_as(inputs[1]).contiguous()
+    inputs[3] = torch.ones_like(inputs[3])
+    cands = inputs[4]
+    level = torch.tensor([3.0, 2.0, 1.0]).repeat(100)  # the i-th listed candidate's weight
+    inputs[2] = torch.zeros(1, 2, 500)
+    inputs[2][0, 0, cands[0, 0]] = level
+    inputs[2][0, 1, cands[0, 1, :240]] = level[:240]
+    for capacity in (153, 103):  # 150 or 100 retrieved: the middle level straddles, or the best fills exactly
+        want = reference_analytic.rerank_select(*inputs, capacity)
+        got = [t.cpu() for t in small_select(*[t.to(DEVICE) for t in inputs], capacity)]
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+
+
 def test_rerank_select_orders_negative_scores_and_zero(small_select):
     # scores of both signs and exact zeros (zero codes' dot): the key's order is the float's
     inputs = _select_inputs(9, 1, 2, 400, 32, 4, 200, [[200, 200]], 390, 2)
@@ -528,7 +569,7 @@ def test_rerank_select_orders_negative_scores_and_zero(small_select):
         _assert_selects_like_reference(got, want, inputs, capacity)
 
 
-@pytest.mark.parametrize("method", ["radix", "torch", "split"])
+@pytest.mark.parametrize("method", ["radix", "row", "torch", "split"])
 @pytest.mark.parametrize(
     "width, listed, buffered",
     [
@@ -559,13 +600,34 @@ def test_rerank_select_method_table(monkeypatch):
     from kvpolicy.kernels.triton import rerank_select
 
     monkeypatch.setattr(rerank_select, "_METHOD_BY_WIDTH", ((0, "torch"), (5000, "radix"), (50000, "split")))
-    assert [rerank_select.method_for(w) for w in (10, 4999, 5000, 49999, 60000)] == [
+    monkeypatch.setattr(rerank_select, "_ROW_MAX_WIDTH", 0)  # no call takes the row method
+    assert [rerank_select.method_for(8, w) for w in (10, 4999, 5000, 49999, 60000)] == [
         "torch", "torch", "radix", "radix", "split"]
     monkeypatch.setattr(rerank_select, "METHOD", "split")
-    assert rerank_select.method_for(10) == "split"
+    assert rerank_select.method_for(8, 10) == "split"
     monkeypatch.setattr(rerank_select, "METHOD", "bitonic")
-    with pytest.raises(ValueError, match="METHOD 'bitonic'; accepted: auto, radix, split, torch"):
-        rerank_select.method_for(10)
+    with pytest.raises(ValueError, match="METHOD 'bitonic'; accepted: auto, radix, row, split, torch"):
+        rerank_select.method_for(8, 10)
+
+
+def test_rerank_select_row_method_for_small_calls_only():
+    from kvpolicy.kernels.triton import rerank_select as rs
+
+    assert rs.METHOD == "auto"
+    assert rs.method_for(8, 6554) == "row"  # 1 x 32K: 8 rows of ~6.5K candidates
+    assert rs.method_for(32, 6554) == "row"  # 4 x 32K
+    assert rs.method_for(32, 13108) == "radix"  # 4 x 128K
+    assert rs.method_for(32, 104858) == "radix"  # 4 x 1M
+    assert rs.method_for(rs._ROW_MAX_ROWS + 1, 100) == "radix"
+
+
+def test_rerank_select_row_method_refuses_a_wide_row(monkeypatch):
+    from kvpolicy.kernels.triton import rerank_select
+
+    monkeypatch.setattr(rerank_select, "_ROW_MAX_WIDTH", 64)
+    inputs = _select_inputs(1, 1, 1, 300, 32, 4, 100, [[100]], 280, 3)
+    with pytest.raises(ValueError, match="the row method takes at most 64 candidates a row, got 100"):
+        rerank_select.rerank_select(*[t.to(DEVICE) for t in inputs], 40, method="row")
 
 
 def test_rerank_select_refuses_misshaped_inputs(small_select):
@@ -577,10 +639,12 @@ def test_rerank_select_refuses_misshaped_inputs(small_select):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("n, width", [(131072, 13108), (1048576, 104858)])
-def test_rerank_select_at_decode_sizes(n, width):
-    # ParisKV's shape at batch 4: 8 KV heads, head_dim 128, 16 subspaces, top-k of a 2K budget
-    batch, heads, dim, capacity = 4, 8, 128, 1980
+@pytest.mark.parametrize("method", [None, "radix"])
+@pytest.mark.parametrize("batch, n, width", [(4, 131072, 13108), (4, 1048576, 104858), (1, 32768, 6554)])
+def test_rerank_select_at_decode_sizes(method, batch, n, width):
+    # ParisKV's shape at batch 4 and 1: 8 KV heads, head_dim 128, 16 subspaces, top-k of a 2K
+    # budget; the method auto picks (1 x 32K: the row method), and the radix method
+    heads, dim, capacity = 8, 128, 1980
     gen = torch.Generator(device=DEVICE).manual_seed(n)
     rotated = torch.nn.functional.normalize(torch.randn(batch, heads, dim, generator=gen, device=DEVICE), dim=-1)
     codes = torch.randint(0, 256, (batch, heads, n + 64, dim // 2), generator=gen, device=DEVICE, dtype=torch.uint8)
@@ -593,7 +657,7 @@ def test_rerank_select_at_decode_sizes(n, width):
     inputs = [rotated, codes, weight, norms, cands, token_valid, slots, torch.tensor(n, device=DEVICE),
               torch.tensor(n + 63, device=DEVICE)]
     want = reference_analytic.rerank_select(*inputs, capacity)
-    got = dispatch.get("rerank_select", "triton", DEVICE)(*inputs, capacity)
+    got = dispatch.get("rerank_select", "triton", DEVICE)(*inputs, capacity, method=method)
     _assert_selects_like_reference(got, [t.cpu() for t in want], inputs, capacity)
 
 
@@ -665,6 +729,25 @@ def test_analytic_append_matches_reference(dim, subspaces, buffer, indexed, writ
     torch.testing.assert_close(norms[:, :, at], want[3][:, :, at], rtol=1e-6, atol=0)
     torch.testing.assert_close(weight[:, :, at], want[2][:, :, at], rtol=1e-5, atol=0)
     assert weight[0, 1, at] == 0 and norms[0, 1, at] == 0
+
+
+def test_analytic_append_moves_the_counters_once_a_call():
+    # its last program moves the counters (an atomic ticket, back at 0 after each call): appends in
+    # a row, one of them flushing the buffer, leave the reference's counters and positions
+    from kvpolicy.kernels.triton import analytic_append, scratch
+
+    want, gen = _index_tensors(3, 2, 3, 40, 32, 4, 10, 11)
+    got = [t.clone().to(DEVICE) for t in want]
+    signs = analytic.srht_signs(32, 1)
+    for step in range(4):
+        extra = (signs, 4, 3, torch.randn(2, 3, 32, generator=gen), torch.tensor([True, step % 2 == 0]),
+                 torch.tensor(100 + step))
+        reference_analytic.analytic_append(*want, *extra)
+        analytic_append.analytic_append(*got, *[t.to(DEVICE) if torch.is_tensor(t) else t for t in extra])
+        assert [int(t) for t in got[6:]] == [int(t) for t in want[6:]]  # next_position, indexed
+        assert torch.equal(got[4].cpu(), want[4]) and torch.equal(got[5].cpu(), want[5])
+        assert int(scratch.zeroed(DEVICE, "analytic_append", (1,))) == 0
+    assert [int(t) for t in want[6:]] == [15, 13]  # the flush happened (at 13, 3 past indexed 10)
 
 
 def test_analytic_append_refuses_misshaped_inputs():
