@@ -8,4 +8,11 @@ step rates_128k4 260 python3 benchmarks/pinned_rates.py --context 131072 --batch
 step paris_512k1 130 $E2E --contexts 524288 --batches 1 --presets pariskv@gpu --json "$OUT/paris_512k1.json"
 step rates_512k1 190 python3 benchmarks/pinned_rates.py --context 524288 --batch 1 --stickiness 64,128 --json "$OUT/rates_512k1.json"
 ;;
+paris)  # call 2: helper-18's pariskv launches at batch 1 (the rerank's row method, self-clearing scratch, no
+# counters launch) on the GPU for the first time: tests, old against new per layer, 1x32K end to end
+step gpu_tests 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_analytic_ops.py tests/selectors/test_collision_rerank.py tests/benchmarks/test_pariskv_select.py tests/test_graph.py
+step select 120 python3 benchmarks/pariskv_select.py --quick --contexts 32768,131072 --batches 1,4 --no-gather --json "$OUT/pariskv_select.json"
+step e2e_paris_32k 90 $E2E --contexts 32768 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_paris_32k.json"
+step prof_paris_32k 70 python3 benchmarks/profile_step.py --context 32768 --batch 1 --rows 45 --preset pariskv --placement gpu --out "$OUT/prof_paris_32k.txt"
+;;
 esac
