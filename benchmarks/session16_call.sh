@@ -15,4 +15,9 @@ step select 120 python3 benchmarks/pariskv_select.py --quick --contexts 32768,13
 step e2e_paris_32k 90 $E2E --contexts 32768 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_paris_32k.json"
 step prof_paris_32k 70 python3 benchmarks/profile_step.py --context 32768 --batch 1 --rows 45 --preset pariskv --placement gpu --out "$OUT/prof_paris_32k.txt"
 ;;
+radix)  # call 3: the row method measured slower (call 2): auto back to the radix method; what the
+# self-clearing scratch and the counters folded into encode give at 1x32K on their own
+step e2e_paris_32k 90 $E2E --contexts 32768 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_paris_32k.json"
+step gpu_tests 60 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_analytic_ops.py -k "decode_sizes or method"
+;;
 esac

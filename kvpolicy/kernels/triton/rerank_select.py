@@ -3,8 +3,8 @@ their exact top-k and the buffer-first composition of the ``Selection``.
 
 Four methods (``METHOD``, ``method_for``): "radix" (a score pass, three level passes and a place
 pass of many programs each, and a memset; see the comment above ``_RADIX_BINS``), "row" (the
-radix method's score pass, then one program a row: a call of few rows, see the comment above
-``_ROW_MAX_ROWS``), "split" (below, in four launches) and "torch" (``torch.topk``).
+radix method's score pass, then one program a row; measured slower, so only when asked: see the
+comment above ``_ROW_MAX_WIDTH``), "split" (below, in four launches) and "torch" (``torch.topk``).
 
 Replaces ``rerank`` (its score kernel, then ``torch.topk``, a gather, a where and a pad) and the
 selector's composition (about fifteen small torch ops). The top-k is a radix select on the
@@ -669,11 +669,13 @@ def _radix_place_kernel(
 #
 # The digits picked, so the rows written, are the radix method's: the same keys and ties.
 
-# a call takes the row method ("auto") where it has at most _ROW_MAX_ROWS rows (one program each)
-# of at most _ROW_MAX_WIDTH candidates (keys and positions in registers: 8192 of each are 16 int32
-# a thread at 16 warps). Unmeasured bounds (benchmarks/pariskv_select.py times both
-# methods): 1x32K is 8 rows of ~6.5K, 4x128K 32 rows of ~13K (the radix method)
-_ROW_MAX_ROWS = 64
+# "auto" never takes the row method: measured slower than the radix method where it could run
+# (H200, benchmarks/pariskv_select.py, docs/bench/session16/paris/select.log: 1x32K, 8 rows of 3,960
+# candidates, 25.3 us against the radix method's levels and place, 11.2 us; 4x32K 25.6 us): one
+# program a row histograms its lists on one SM, where the level passes spread them over many. It
+# stays selectable (``METHOD``, ``method=``) as the measured alternative. It takes at most
+# _ROW_MAX_WIDTH candidates a row (keys and positions in registers: 8192 of each are 16 int32 a
+# thread at 16 warps)
 _ROW_MAX_WIDTH = 8192
 _ROW_WARPS = 16
 # list entries per histogram step, and output rows per step of the buffer's rows and the tail
@@ -771,8 +773,7 @@ def _radix_row_kernel(
     tl.store(count_ptr + row, count.to(tl.int64))
 
 
-# which method ranks a call (see the module docstring): "auto" picks the row method for a call of
-# few rows of few candidates (_ROW_MAX_ROWS, _ROW_MAX_WIDTH), else by the candidates per row from
+# which method ranks a call (see the module docstring): "auto" picks by the candidates per row from
 # _METHOD_BY_WIDTH: (the fewest candidates a row, method) pairs, ascending; the last whose bound
 # the width reaches wins. Not yet measured on a GPU: radix everywhere, an estimate
 # (benchmarks/pariskv_select.py times the methods; fill this table from its output)
@@ -788,8 +789,6 @@ def method_for(rows: int, width: int) -> str:
         if METHOD not in METHODS:
             raise ValueError(f"triton rerank_select: METHOD {METHOD!r}; accepted: auto, {', '.join(METHODS)}")
         return METHOD
-    if rows <= _ROW_MAX_ROWS and width <= _ROW_MAX_WIDTH:
-        return "row"
     chosen = _METHOD_BY_WIDTH[0][1]
     for bound, method in _METHOD_BY_WIDTH:
         if width >= bound:
