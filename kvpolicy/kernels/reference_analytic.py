@@ -146,19 +146,23 @@ def query_votes(
     signs: torch.Tensor,
     subspaces: int,
     tier_weights: Sequence[int] | torch.Tensor,
+    per_head: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The GQA group's mean query, rotated, and its vote table: ``(rotated (B, H, D) float32,
-    table (B, H, S, 256) int8)``.
+    table (B, H, S, 256) int8)``; with ``per_head``, one table per query head of the group,
+    ``(B, H, G, S, 256)`` (the rotated query is still the group's mean: the rerank's).
 
     ``query_group``: ``(B, H, G, D)`` (any float dtype), the query heads of each KV head;
     ``signs``: the layer's SRHT signs ``(D,)``; ``tier_weights``: the votes of each of the
     ``rho`` ranks (``analytic.tier_weights(tiers)``: 1 to 8 votes; each must fit int8). The same
-    as ``analytic.encode_query`` of the group's mean, then ``vote_table`` as int8: a subspace's
-    row is 256 bytes, so the collision pass's lookups of one subspace fall in two cache lines.
+    as ``analytic.encode_query`` of the group's mean (or of each head), then ``vote_table`` as
+    int8: a subspace's row is 256 bytes, so the collision pass's lookups of one subspace fall in
+    two cache lines.
     """
     weights = torch.as_tensor(tier_weights, dtype=torch.int32, device=query_group.device)
     encoded = analytic.encode_query(query_group.float().mean(2), signs, subspaces, weights.shape[0])
-    return encoded.rotated, vote_table(encoded.centroids, weights).to(torch.int8)
+    voting = analytic.encode_query(query_group.float(), signs, subspaces, weights.shape[0]) if per_head else encoded
+    return encoded.rotated, vote_table(voting.centroids, weights).to(torch.int8)
 
 
 def candidate_count(
@@ -191,8 +195,9 @@ def collision_candidates(
     """The best-voted keys of the retrieval zone, ``(B, H, width)`` long positions in
     increasing order, then -1.
 
-    ``table``: ``(B, H, S, 256)`` int8 from ``query_votes`` (or int32, ``vote_table``'s); ``key_centroids``: ``(B, H, N,
-    S)`` uint8; ``token_valid``: ``(B, N)`` bool; ``indexed``: ``()`` long, positions
+    ``table``: ``(B, H, S, 256)`` int8 from ``query_votes`` (or int32, ``vote_table``'s), or
+    ``(B, H, G, S, 256)`` (``query_votes(per_head=True)``): a key's votes are then its best
+    head's; ``key_centroids``: ``(B, H, N, S)`` uint8; ``token_valid``: ``(B, N)`` bool; ``indexed``: ``()`` long, positions
     ``[0, indexed)`` are voted on. A row keeps ``candidate_count`` of its ``n`` voted tokens
     (``floor``, ``fraction``, ``bands``), at most ``width``: the same keys as
     ``candidate_topk(collision_count(...), width)`` cut there (most votes first, ties to the
@@ -203,7 +208,14 @@ def collision_candidates(
     batch, heads, n, _ = key_centroids.shape
     position = torch.arange(n, device=key_centroids.device)
     voted = (token_valid & (position < indexed))[:, None, :].expand(batch, heads, n)
-    votes = torch.where(voted, table_votes(table, key_centroids), -1)
+    if table.dim() == 5:
+        # each query head votes on its own, a key keeps its best head's votes: the group's mean
+        # query can dilute the one head that attends a token (EVAL.md, pariskv on Gemma 3)
+        each = [table_votes(table[:, :, g], key_centroids) for g in range(table.shape[2])]
+        counted = torch.stack(each).max(0).values
+    else:
+        counted = table_votes(table, key_centroids)
+    votes = torch.where(voted, counted, -1)
     best = candidate_topk(votes, width)
     keep = candidate_count(voted.sum(-1), floor, fraction, bands)  # (B, H)
     best = torch.where(torch.arange(width, device=best.device) < keep[..., None], best, -1)

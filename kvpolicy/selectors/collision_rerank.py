@@ -23,13 +23,23 @@ def _votes_on(tiers: int, device: torch.device) -> torch.Tensor:
         return torch.tensor(analytic.tier_weights(tiers), dtype=torch.int32, device=device)
 
 
+# who votes for the candidates: the GQA group's mean query (ParisKV's), or each query head, a key
+# keeping its best head's votes
+VOTES = ("group_mean", "head_max")
+# the backends whose query_votes and collision_candidates take per-head tables
+HEAD_MAX_BACKENDS = ("reference",)
+
+
 @register("selector", "collision_rerank")
 @dataclass
 class CollisionRerank(Selector):
     """ParisKV's selection over an ``analytic`` index: collision votes, then a 4-bit rerank.
 
     Per KV head, the GQA group's queries are averaged (as ParisKV's code does), so there is
-    one selection per KV head. The query is rotated like the keys and, per subspace, its
+    one selection per KV head. ``votes="head_max"`` lets each query head of the group vote on its
+    own, a key keeping its best head's votes (the rerank still scores the mean query): where one
+    head of a group attends a token and the others do not, the mean query's votes can rank it out
+    of the candidates (EVAL.md: pariskv on Gemma 3, one KV head for four query heads). The query is rotated like the keys and, per subspace, its
     ``2**tiers - 1`` best sign-pattern centroids are ranked in ``tiers`` tiers of 1, 2, 4...
     ranks worth ``tiers``, ``tiers - 1``... votes (``tiers``: default ParisKV's 6, at most the
     subspace's dims). A key's votes over all subspaces are a coarse integer score; the
@@ -67,9 +77,12 @@ class CollisionRerank(Selector):
     candidate_fraction: float = analytic.DEFAULT_CANDIDATE_FRACTION
     min_candidates: float = 2.0
     tiers: int | None = None
+    votes: str = "group_mean"
     reads = AnalyticIndex
 
     def validate(self) -> None:
+        if self.votes not in VOTES:
+            raise ConfigError(f"collision_rerank: votes must be one of {', '.join(VOTES)}, got {self.votes!r}")
         fraction = self.candidate_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ConfigError(
@@ -153,8 +166,13 @@ class CollisionRerank(Selector):
         query_votes = getattr(ops, "query_votes", None)
         collision_candidates = getattr(ops, "collision_candidates", None)
         rerank_select = getattr(ops, "rerank_select", None)
+        per_head = self.votes == "head_max"
+        if per_head and (ops.backend not in HEAD_MAX_BACKENDS or query_votes is None):
+            raise ConfigError(f"collision_rerank: votes='head_max' runs on the {', '.join(HEAD_MAX_BACKENDS)} "
+                              f"backend only so far; this policy's is {ops.backend!r}")
         if query_votes is not None and collision_candidates is not None:
-            rotated, table = query_votes(group, index.signs, index.subspaces, votes_per_rank)
+            rotated, table = query_votes(group, index.signs, index.subspaces, votes_per_rank, **(
+                {"per_head": True} if per_head else {}))
             candidates = collision_candidates(
                 table, index.centroids, index.token_valid, index.indexed, width, max_votes, *rule
             )  # (B, H, C), by position
