@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvpolicy import analytic
+from kvpolicy.errors import ConfigError
 from kvpolicy.kernels import dispatch, reference_analytic
 from kvpolicy.selectors import CollisionRerank
 from kvpolicy.units import Analytic
@@ -200,3 +201,60 @@ def test_the_fused_selection_launches_only_its_kernels(monkeypatch, method):
     assert launches == ["_query_votes_sort_kernel", "_votes_kernel", "_compact_fused_kernel", *selected]
     assert record.ops == ([] if method == "auto" else ["aten.zeros.default"])
     assert int(selection.num_units.sum()) == 2 * 40
+
+
+def test_head_max_votes_are_each_keys_best_heads():
+    # one subspace table per query head: a key's votes are the largest of its heads' sums
+    gen = torch.Generator().manual_seed(3)
+    batch, heads, group, n, subspaces = 1, 2, 3, 50, 4
+    table = torch.randint(0, 20, (batch, heads, group, subspaces, 256), generator=gen, dtype=torch.int32)
+    ids = torch.randint(0, 256, (batch, heads, n, subspaces), generator=gen, dtype=torch.uint8)
+    valid = torch.ones(batch, n, dtype=torch.bool)
+    got = reference_analytic.collision_candidates(table, ids, valid, torch.tensor(n), n, 80, n, 1.0)
+    assert torch.equal(got, torch.arange(n).expand(batch, heads, n))  # every key kept, by position
+    per_head = torch.stack([reference_analytic.table_votes(table[:, :, g], ids) for g in range(group)])
+    best = per_head.max(0).values
+    # keep 10 of 50: exactly the 10 best of the heads' maxima (ties to the lower position)
+    got = reference_analytic.collision_candidates(table, ids, valid, torch.tensor(n), 10, 80, 10, 0.01)
+    want = reference_analytic.candidate_topk(best, 10).sort(-1).values
+    assert torch.equal(got, want)
+    mean_votes = reference_analytic.collision_candidates(table[:, :, 0], ids, valid, torch.tensor(n), 10, 80, 10, 0.01)
+    assert torch.equal(mean_votes, reference_analytic.candidate_topk(per_head[0], 10).sort(-1).values)
+
+
+def test_head_max_with_one_query_head_selects_as_the_group_mean():
+    index, gen = _index(300, dim=16, heads=2, batch=1, buffer=4)
+    query = torch.randn(1, 2, 16, generator=gen)  # one query head a KV head: its mean is itself
+    rule = dict(candidate_fraction=0.2, min_candidates=1.0)
+    mean = CollisionRerank(**rule).select(query, index, 40, "reference")
+    each = CollisionRerank(votes="head_max", **rule).select(query, index, 40, "reference")
+    assert torch.equal(each.slots, mean.slots) and torch.equal(each.slot_valid, mean.slot_valid)
+
+
+def test_head_max_keeps_a_token_that_one_head_of_the_group_wants():
+    # one of four query heads points at a key, the others away from it: the group's mean query
+    # votes it out of the candidates, head_max keeps it (the rerank then scores the mean query)
+    index, _ = _index(400, dim=64, heads=1, batch=1, buffer=4, seed=5)
+    keys = torch.randn(1, 1, 400, 64, generator=torch.Generator().manual_seed(5))
+    target = keys[0, 0, 123]
+    group = torch.stack([8 * target, -3 * target, -3 * target, -3 * target])[None, None]  # (1, 1, 4, 64)
+    tiers = CollisionRerank().tiers_for(64 // index.subspaces)
+    weights = analytic.tier_weights(tiers)
+    found = {}
+    for per_head in (False, True):
+        _, table = reference_analytic.query_votes(group, index.signs, index.subspaces, weights, per_head=per_head)
+        candidates = reference_analytic.collision_candidates(
+            table, index.centroids, index.token_valid, index.indexed, 20, index.subspaces * tiers, 20, 0.05)
+        found[per_head] = 123 in candidates[0, 0].tolist()
+    assert found == {False: False, True: True}
+
+
+def test_head_max_names_the_backends_that_have_it():
+    index, gen = _index(100, dim=16, heads=2, batch=1, buffer=4)
+    ops = dispatch.Ops("reference", torch.device("cpu"))
+    ops.backend = "triton"  # a table that claims another backend: the selector reads the name only
+    with pytest.raises(ConfigError, match="votes='head_max' runs on the reference backend only so far; this "
+                                          "policy's is 'triton'"):
+        CollisionRerank(votes="head_max").select(torch.randn(1, 4, 16, generator=gen), index, 20, ops)
+    with pytest.raises(ConfigError, match="votes must be one of group_mean, head_max, got 'max'"):
+        CollisionRerank(votes="max").validate()
