@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -26,8 +27,12 @@ def _votes_on(tiers: int, device: torch.device) -> torch.Tensor:
 # who votes for the candidates: the GQA group's mean query (ParisKV's), or each query head, a key
 # keeping its best head's votes
 VOTES = ("group_mean", "head_max")
-# the backends whose query_votes and collision_candidates take per-head tables
-HEAD_MAX_BACKENDS = ("reference",)
+
+
+def _votes_per_head(query_votes) -> bool:
+    """Whether a bound ``query_votes`` makes per-head tables (its ``collision_candidates`` then
+    takes them): every backend's op names the ``per_head`` keyword where it has them."""
+    return query_votes is not None and "per_head" in inspect.signature(query_votes).parameters
 
 
 @register("selector", "collision_rerank")
@@ -167,9 +172,10 @@ class CollisionRerank(Selector):
         collision_candidates = getattr(ops, "collision_candidates", None)
         rerank_select = getattr(ops, "rerank_select", None)
         per_head = self.votes == "head_max"
-        if per_head and (ops.backend not in HEAD_MAX_BACKENDS or query_votes is None):
-            raise ConfigError(f"collision_rerank: votes='head_max' runs on the {', '.join(HEAD_MAX_BACKENDS)} "
-                              f"backend only so far; this policy's is {ops.backend!r}")
+        if per_head and not _votes_per_head(query_votes):
+            raise ConfigError(f"collision_rerank: votes='head_max' needs query_votes with per-head tables, which the "
+                              f"reference backend has; this policy's ({ops.backend!r}) binds "
+                              f"{getattr(query_votes, '__module__', None) or 'none'}'s")
         if query_votes is not None and collision_candidates is not None:
             rotated, table = query_votes(group, index.signs, index.subspaces, votes_per_rank, **(
                 {"per_head": True} if per_head else {}))

@@ -140,10 +140,10 @@ def test_the_fused_ops_select_what_the_composed_ops_select(monkeypatch):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("method", ["auto", "radix"])
+@pytest.mark.parametrize("method", ["auto", "radix", "row"])
 def test_the_fused_selection_launches_only_its_kernels(monkeypatch, method):
-    # query_votes 1, collision_candidates 2, rerank_select 2 (auto: the row method at a call of
-    # few rows) or 5 and a memset (the radix method); nothing else computes on the device
+    # query_votes 1, collision_candidates 2, rerank_select 5 and a memset (the radix method, which
+    # auto takes) or 2 (the row method); nothing else computes on the device
     # (allocations and views launch nothing), so a captured step replays exactly these
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -195,11 +195,11 @@ def test_the_fused_selection_launches_only_its_kernels(monkeypatch, method):
     # histogram self-clearing scratch), then rerank_select: the score pass and one program a row
     # (the row method), or the score pass with the top digit, three digit passes, then the place
     # pass (the radix method) and its histogram's memset
-    selected = (["_radix_score_kernel", "_radix_row_kernel"] if method == "auto" else
+    selected = (["_radix_score_kernel", "_radix_row_kernel"] if method == "row" else
                 ["_radix_score_kernel", "_radix_level_kernel", "_radix_level_kernel", "_radix_level_kernel",
                  "_radix_place_kernel"])
     assert launches == ["_query_votes_sort_kernel", "_votes_kernel", "_compact_fused_kernel", *selected]
-    assert record.ops == ([] if method == "auto" else ["aten.zeros.default"])
+    assert record.ops == ([] if method == "row" else ["aten.zeros.default"])
     assert int(selection.num_units.sum()) == 2 * 40
 
 
@@ -249,12 +249,16 @@ def test_head_max_keeps_a_token_that_one_head_of_the_group_wants():
     assert found == {False: False, True: True}
 
 
-def test_head_max_names_the_backends_that_have_it():
+def test_head_max_refuses_ops_without_per_head_tables(monkeypatch):
     index, gen = _index(100, dim=16, heads=2, batch=1, buffer=4)
-    ops = dispatch.Ops("reference", torch.device("cpu"))
-    ops.backend = "triton"  # a table that claims another backend: the selector reads the name only
-    with pytest.raises(ConfigError, match="votes='head_max' runs on the reference backend only so far; this "
-                                          "policy's is 'triton'"):
+    ops = dispatch.Ops("reference", torch.device("cpu"))  # a table of its own, changed below
+
+    def group_mean_only(query_group, signs, subspaces, tier_weights):
+        return reference_analytic.query_votes(query_group, signs, subspaces, tier_weights)
+
+    monkeypatch.setattr(ops, "query_votes", group_mean_only)
+    with pytest.raises(ConfigError, match="votes='head_max' needs query_votes with per-head tables, which the "
+                                          "reference backend has; this policy's \\('reference'\\) binds"):
         CollisionRerank(votes="head_max").select(torch.randn(1, 4, 16, generator=gen), index, 20, ops)
     with pytest.raises(ConfigError, match="votes must be one of group_mean, head_max, got 'max'"):
         CollisionRerank(votes="max").validate()
