@@ -234,6 +234,39 @@ def test_query_votes_names_a_bad_ranks_setting(monkeypatch):
         query_votes.query_votes(torch.zeros(1, 1, 2, 16, device=DEVICE), torch.ones(16, device=DEVICE), 4, [2, 1])
 
 
+@pytest.mark.parametrize("batch,heads,group,dim,subspaces,tiers", [(1, 2, 3, 64, 8, 6), (1, 1, 4, 32, 8, 2), (2, 1, 1, 16, 4, 2)])
+def test_query_votes_per_head_matches_reference(batch, heads, group, dim, subspaces, tiers):
+    # one table per query head (8-dim subspaces: 256 centroids; 4 and 2 dims: ids past them 0),
+    # the rotated query still the group mean's
+    from kvpolicy.kernels.triton import query_votes
+
+    gen = _gen(dim + group + 1)
+    signs = analytic.srht_signs(dim, 4)
+    weights = torch.tensor(analytic.tier_weights(tiers), dtype=torch.int32)
+    query = torch.randn(batch, heads, group, dim, generator=gen).to(torch.bfloat16)
+    want_rotated, want_table = reference_analytic.query_votes(query, signs, subspaces, weights, per_head=True)
+    rotated, table = query_votes.query_votes(query.to(DEVICE), signs.to(DEVICE), subspaces, weights.to(DEVICE),
+                                             per_head=True)
+    assert table.dtype == torch.int8 and table.shape == (batch, heads, group, subspaces, 256)
+    assert torch.equal(table.cpu(), want_table)
+    torch.testing.assert_close(rotated.cpu(), want_rotated, rtol=0, atol=1e-6)
+    mean_table = reference_analytic.query_votes(query, signs, subspaces, weights)[1]
+    if group > 1:  # the heads rank apart from each other and from their mean
+        assert not torch.equal(want_table[:, :, 0], want_table[:, :, 1])
+        assert not torch.equal(want_table[:, :, 0], mean_table)
+    else:  # one head is its own mean
+        assert torch.equal(want_table[:, :, 0], mean_table)
+
+
+def test_query_votes_per_head_takes_the_sort_ranks_only(monkeypatch):
+    from kvpolicy.kernels.triton import query_votes
+
+    monkeypatch.setattr(query_votes, "RANKS", "count")
+    with pytest.raises(ValueError, match="per-head tables take RANKS 'sort', not 'count'"):
+        query_votes.query_votes(torch.zeros(1, 1, 2, 16, device=DEVICE), torch.ones(16, device=DEVICE), 4, [2, 1],
+                                per_head=True)
+
+
 def test_query_votes_refuses_misshaped_inputs():
     from kvpolicy.kernels.triton import query_votes
 
