@@ -108,11 +108,16 @@ def _query_votes_kernel(
 
 
 @triton.jit
-def _subspace_rotation(query, signs, parity, in_j, inv_sqrt_d):
-    """A query's rotated coordinates in one subspace: l2-normalised, the SRHT signs, then the
-    Hadamard rows ``parity`` picks (0 where ``in_j`` is not)."""
+def _signed_unit(query, signs):
+    """A query l2-normalised, times the SRHT signs: what the Hadamard rows rotate."""
     norm = tl.sqrt(tl.sum(query * query, axis=0))
-    unit = query / tl.maximum(norm, 1e-12) * signs
+    return query / tl.maximum(norm, 1e-12) * signs
+
+
+@triton.jit
+def _subspace_rotation(unit, parity, in_j, inv_sqrt_d):
+    """The rotated coordinates of one subspace: the Hadamard rows ``parity`` picks (0 where
+    ``in_j`` is not)."""
     part = tl.sum(tl.where(parity == 0, unit[None, :], -unit[None, :]), axis=1) * inv_sqrt_d
     return tl.where(in_j, part, 0.0)
 
@@ -146,6 +151,7 @@ def _query_votes_sort_kernel(
     rank = tl.arange(0, CENTROIDS)
     votes = tl.load(weights_ptr + rank, mask=rank < RHO, other=0)
     mean = tl.sum(heads, axis=0) / G
+    unit = _signed_unit(mean, signs)
     j = tl.arange(0, BLOCK_DIMS)
     in_j = j < DIMS
     i = sub * DIMS + j
@@ -153,18 +159,16 @@ def _query_votes_sort_kernel(
     parity = tl.zeros([BLOCK_DIMS, D], dtype=tl.int32)
     for bit in tl.static_range(LOG_D):
         parity ^= (both >> bit) & 1
-    part = _subspace_rotation(mean, signs, parity, in_j, inv_sqrt_d)
+    part = _subspace_rotation(unit, parity, in_j, inv_sqrt_d)
     if PER_HEAD:
         voter = tl.program_id(2)
         if voter == 0:  # the rerank's query is still the group's mean: one program of the group writes it
             tl.store(rotated_ptr + row * D + i, part, mask=in_j)
         # the voting head's query, as the reference encodes each head: its own unit vector, rotated
         head = tl.sum(tl.where((g == voter)[:, None], heads, 0.0), axis=0)
-        part = _subspace_rotation(head, signs, parity, in_j, inv_sqrt_d)
-        table_row = table_ptr + ((row * G + voter) * S + sub) * IDS
+        part = _subspace_rotation(_signed_unit(head, signs), parity, in_j, inv_sqrt_d)
     else:
         tl.store(rotated_ptr + row * D + i, part, mask=in_j)
-        table_row = table_ptr + (row * S + sub) * IDS
     # the scores by the counting kernel's elementwise steps (the same floats)
     c = tl.arange(0, CENTROIDS)
     score = tl.zeros([CENTROIDS], dtype=tl.float32)
@@ -180,6 +184,10 @@ def _query_votes_sort_kernel(
     key = (ordered.to(tl.int64) << 8) | (255 - c).to(tl.int64)
     ranked = tl.sort(key, 0, True)
     centroid = 255 - (ranked & 255)
+    if PER_HEAD:
+        table_row = table_ptr + ((row * G + voter) * S + sub) * IDS
+    else:
+        table_row = table_ptr + (row * S + sub) * IDS
     tl.store(table_row + centroid, votes.to(tl.int8))
     if CENTROIDS < IDS:  # ids past the subspace's centroids get no votes
         rest = tl.arange(0, IDS)
