@@ -28,6 +28,14 @@ The index is random (ids, codes, weights): timing only, no accuracy. Usage (GPU,
     python3 benchmarks/pariskv_select.py --json pariskv_select.json
     python3 benchmarks/pariskv_select.py --contexts 131072 --batches 4 --no-gather
 
+``--votes group_mean,head_max`` times the selection with each of ``CollisionRerank``'s votes, side
+by side (``head_max``: every query head votes, per-head tables; the fused path only, without
+session 10's before rows, the rerank methods and the old rerank, which do not depend on the
+votes), and prints head_max's time over group_mean's per size:
+
+    python3 benchmarks/pariskv_select.py --contexts 32768 --batches 1 --votes group_mean,head_max --quick --no-gather
+    python3 benchmarks/pariskv_select.py --contexts 131072 --batches 4 --votes group_mean,head_max --quick --no-gather
+
 ``--device cpu`` runs the same code eagerly at toy sizes (wall clock, reference backend unless
 ``--backend triton`` under ``TRITON_INTERPRET=1``) to check that it runs; its figures mean
 nothing. ``--smoke`` is that check with the Triton kernels at a tiny size (needs
@@ -50,6 +58,7 @@ from kvpolicy import analytic
 from kvpolicy.bench.timing import time_ms, time_replay_ms
 from kvpolicy.kernels import dispatch, reference_analytic
 from kvpolicy.selectors import CollisionRerank
+from kvpolicy.selectors.collision_rerank import VOTES
 from kvpolicy.units.analytic_index import AnalyticIndex
 
 FUSED_OPS = ("query_votes", "collision_candidates", "rerank_select")
@@ -140,6 +149,13 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _votes(text: str) -> list[str]:
+    values = [part.strip() for part in text.split(",") if part.strip()]
+    if not values or any(v not in VOTES for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated votes of {', '.join(VOTES)}, got {text!r}")
+    return values
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=_ints, default=[131072, 1048576], help="tokens per sequence (retrieval zone)")
@@ -155,6 +171,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-gather", action="store_true", help="skip the pinned gather")
     parser.add_argument("--quick", action="store_true",
                         help="the fused path only, with session 10's before/after rows and few variants (~1 min at 128K+1M)")
+    parser.add_argument("--votes", type=_votes, default=["group_mean"],
+                        help="CollisionRerank's votes, each timed (comma-separated: group_mean, head_max)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny CPU run of the Triton kernels under TRITON_INTERPRET=1 (checks that it runs)")
@@ -305,13 +323,17 @@ def measure_append(args: argparse.Namespace, batch: int, device: torch.device, o
 
 
 @torch.inference_mode()
-def measure_selection(args: argparse.Namespace, batch: int, context: int, device: torch.device) -> list[dict]:
-    """Per path, the whole selection's and its parts' ms per layer."""
+def measure_selection(args: argparse.Namespace, batch: int, context: int, device: torch.device,
+                      vote_mode: str = "group_mean") -> list[dict]:
+    """Per path, the whole selection's and its parts' ms per layer, with ``vote_mode`` (head_max: the
+    fused path only, no before rows, rerank methods or old rerank)."""
     retrieval = args.budget - 4 - 64
     index = random_index(batch, args.kv_heads, context, args.head_dim, args.update_buffer - 1, device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     query = torch.randn(batch, args.q_heads, args.head_dim, device=device, dtype=dtype)
-    selector = CollisionRerank()
+    selector = CollisionRerank(votes=vote_mode)
+    mean_only = vote_mode == "group_mean"  # the rows that do not depend on the votes
+    per_head = {} if mean_only else {"per_head": True}
     tiers = selector.tiers_for(args.head_dim // index.subspaces)
     votes_per_rank = torch.tensor(analytic.tier_weights(tiers), dtype=torch.int32, device=device)
     width = selector.candidates_for(index.capacity, retrieval)
@@ -321,15 +343,16 @@ def measure_selection(args: argparse.Namespace, batch: int, context: int, device
     timed = _timer(device, args.repeats)
     id_bytes = index.centroids.numel()
     rows = []
-    for fused in ((True,) if args.quick else (True, False)):
+    for fused in ((True,) if args.quick or not mean_only else (True, False)):
         ops = bound_ops(args.backend, device, fused)
         total = timed(lambda: selector.select(query, index, retrieval, ops))
         before = {}
         kernels = count_kernels(lambda: selector.select(query, index, retrieval, ops), device)
         parts: dict[str, float] = {}
         if fused:
-            rotated, table = ops.query_votes(group, index.signs, index.subspaces, votes_per_rank)
-            parts["query_votes"] = timed(lambda: ops.query_votes(group, index.signs, index.subspaces, votes_per_rank))
+            rotated, table = ops.query_votes(group, index.signs, index.subspaces, votes_per_rank, **per_head)
+            parts["query_votes"] = timed(lambda: ops.query_votes(group, index.signs, index.subspaces, votes_per_rank,
+                                                                 **per_head))
             candidates = ops.collision_candidates(table, index.centroids, index.token_valid, index.indexed, width,
                                                   max_votes, *rule)
             parts["collision_candidates"] = timed(lambda: ops.collision_candidates(
@@ -359,10 +382,10 @@ def measure_selection(args: argparse.Namespace, batch: int, context: int, device
                            index.slots, index.indexed, index.next_position, retrieval)
             parts["rerank_select"] = timed(lambda: ops.rerank_select(*select_args))
             profile = kernel_times(lambda: selector.select(query, index, retrieval, ops), device, args.repeats)
-            if args.backend == "triton":
+            if args.backend == "triton" and mean_only:
                 before = measure_before(lambda: selector.select(query, index, retrieval, ops), device, args.repeats,
                                         group, index, votes_per_rank, ops.rerank_select, select_args)
-            if args.backend == "triton":
+            if args.backend == "triton" and mean_only:
                 methods = measure_methods(args, select_args, lambda: selector.select(query, index, retrieval, ops),
                                           device)
         else:
@@ -370,7 +393,7 @@ def measure_selection(args: argparse.Namespace, batch: int, context: int, device
                                                        retrieval))
         parts["rest"] = total - sum(parts.values())
         old_kernels = None
-        if fused and not args.quick:  # the old rerank (scores + torch.topk, best first) on the same candidates, beside it
+        if fused and not args.quick and mean_only:  # the old rerank (scores + torch.topk, best first) on the same candidates, beside it
             parts["old_rerank"] = timed(lambda: ops.rerank(rotated, index.codes, index.weight, index.norms, candidates,
                                                            retrieval))
             old_kernels = kernel_times(lambda: ops.rerank(rotated, index.codes, index.weight, index.norms, candidates,
@@ -378,7 +401,8 @@ def measure_selection(args: argparse.Namespace, batch: int, context: int, device
         votes_ms = parts["collision_candidates" if fused else "collision_count"]
         listed = int((candidates >= 0).sum())
         rows.append({
-            "kind": "selection", "path": "fused" if fused else "composed", "backend": args.backend, "batch": batch,
+            "kind": "selection", "path": "fused" if fused else "composed", "votes": vote_mode, "backend": args.backend,
+            "batch": batch,
             "context": context, "kv_heads": args.kv_heads, "q_heads": args.q_heads, "head_dim": args.head_dim,
             "subspaces": index.subspaces, "tiers": tiers, "retrieval": retrieval, "candidates_per_row": listed
             // (batch * args.kv_heads), "ms": total, "parts_ms": parts, "kernels": kernels,
@@ -575,16 +599,34 @@ def print_table(results: dict) -> None:
     for row in results["selection"]:
         parts = "  ".join(f"{name} {ms:.3f}" for name, ms in row["parts_ms"].items())
         launches = "" if row.get("kernels") is None else f", {row['kernels']} kernels"
-        print(f"  {_label(row['context']):>5s} x{row['batch']} {row['path']:>8s}: {row['ms']:.3f} ms{launches} "
+        print(f"  {_label(row['context']):>5s} x{row['batch']} {_path(row):>17s}: {row['ms']:.3f} ms{launches} "
               f"({row['candidates_per_row']} candidates/row; ids at {row['id_gbps']:.0f} GB/s, "
               f"{row['votes_part_id_gbps']:.0f} in the votes part)  [{parts}]; "
               f"append {row['append_ms']:.3f} ms")
+    print_votes_ratios(results["selection"])
     for row in results["selection"]:
         print_kernels(row, results["device_type"] == "cuda")
     for row in results["gather"]:
         print(f"  gather {_label(row['context']):>5s} x{row['batch']} {row['order']:>9s} rows: {row['gbps']:.1f} GB/s "
               f"({row['bytes'] / 1e6:.1f} MB in {row['ms']:.3f} ms); plain H2D copy of the same bytes "
               f"{row['copy_gbps']:.1f} GB/s ({row['gbps'] / row['copy_gbps']:.2f}x)")
+
+
+def _path(row: dict) -> str:
+    return row["path"] if row["votes"] == "group_mean" else f"{row['path']} {row['votes']}"
+
+
+def print_votes_ratios(rows: list[dict]) -> None:
+    """head_max's fused selection and its parts over group_mean's, per size where both ran."""
+    mean = {(r["batch"], r["context"]): r for r in rows if r["path"] == "fused" and r["votes"] == "group_mean"}
+    for row in rows:
+        base = mean.get((row["batch"], row["context"]))
+        if row["path"] != "fused" or row["votes"] != "head_max" or base is None:
+            continue
+        parts = "  ".join(f"{name} {1e3 * row['parts_ms'][name]:.1f} us ({row['parts_ms'][name] / base['parts_ms'][name]:.2f}x)"
+                          for name in FUSED_OPS)
+        print(f"  {_label(row['context']):>5s} x{row['batch']} head_max / group_mean: whole selection "
+              f"{1e3 * row['ms']:.1f} us against {1e3 * base['ms']:.1f} ({row['ms'] / base['ms']:.2f}x)  [{parts}]")
 
 
 # kernels printed a list (all go to --json)
@@ -597,7 +639,7 @@ def print_kernels(row: dict, cuda: bool) -> None:
         return
     what = "us of device time" if cuda else "us of CPU ops (toy run: the figures mean nothing)"
     print(f"  {_label(row['context'])} x{row['batch']}, {row['candidates_per_row']} candidates/row, "
-          f"R {row['retrieval']}: kernels of the whole selection (fused, rerank_select auto), {what} "
+          f"R {row['retrieval']}: kernels of the whole selection ({_path(row)}, rerank_select auto), {what} "
           f"(median of the repeats)")
     if row["kernels_us"] is None:
         print("    (not profiled: the calls launched different kernels)")
@@ -666,8 +708,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     }
     for batch in args.batches:
         for context in args.contexts:
-            results["selection"] += measure_selection(args, batch, context, device)
-            print_table({**results, "selection": results["selection"][-2:], "gather": []})
+            rows = [row for mode in args.votes for row in measure_selection(args, batch, context, device, mode)]
+            results["selection"] += rows
+            print_table({**results, "selection": rows, "gather": []})
     if not args.no_gather:
         batch, context = max(args.batches), max(args.contexts)
         results["gather"] = measure_gather(args, batch, context, device)

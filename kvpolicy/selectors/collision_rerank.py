@@ -174,7 +174,7 @@ class CollisionRerank(Selector):
         per_head = self.votes == "head_max"
         if per_head and not _votes_per_head(query_votes):
             raise ConfigError(f"collision_rerank: votes='head_max' needs query_votes with per-head tables, which the "
-                              f"reference backend has; this policy's ({ops.backend!r}) binds "
+                              f"reference and triton backends have; this policy's ({ops.backend!r}) binds "
                               f"{getattr(query_votes, '__module__', None) or 'none'}'s")
         if query_votes is not None and collision_candidates is not None:
             rotated, table = query_votes(group, index.signs, index.subspaces, votes_per_rank, **(

@@ -49,6 +49,7 @@ def test_a_toy_run_writes_both_paths_and_the_gather(bench, tmp_path):
         (["--q-heads", "30"], "must be a multiple of --kv-heads 8"),
         (["--budget", "100"], "leaves no room to retrieve"),
         (["--head-dim", "96"], "power of two"),
+        (["--votes", "group_mean,max"], "comma-separated votes of group_mean, head_max"),
     ],
 )
 def test_bad_arguments_are_named(bench, argv, message, capsys):
@@ -77,6 +78,21 @@ def test_kernel_times_groups_the_kth_kernel_of_every_call(bench):
     assert [name for name, _ in times] == ["aten::ones", "aten::add_", "aten::sum"]
     assert bench._short("void at::native::(anonymous namespace)::sort<float>(int, float*)") == "sort"
     assert bench._short("_radix_level_kernel") == "_radix_level_kernel"
+
+
+def test_votes_time_head_max_beside_group_mean(bench, tmp_path, capsys):
+    out = tmp_path / "votes.json"
+    bench.main(["--device", "cpu", "--contexts", "900", "--batches", "1", "--kv-heads", "2", "--q-heads", "8",
+                "--head-dim", "32", "--budget", "160", "--update-buffer", "8", "--repeats", "1",
+                "--votes", "group_mean,head_max", "--no-gather", "--json", str(out)])
+    rows = json.loads(out.read_text())["selection"]
+    assert [(row["path"], row["votes"]) for row in rows] == [
+        ("fused", "group_mean"), ("composed", "group_mean"), ("fused", "head_max")]
+    head_max = rows[-1]
+    # the fused path only, without the rows that do not depend on the votes
+    assert head_max["parts_ms"].keys() == {"query_votes", "collision_candidates", "rerank_select", "rest"}
+    assert head_max["before"] == {} and head_max["methods"] == {}
+    assert "900 x1 head_max / group_mean: whole selection" in capsys.readouterr().out
 
 
 def test_quick_runs_the_fused_path_only(bench, tmp_path):

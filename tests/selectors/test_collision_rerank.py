@@ -140,10 +140,11 @@ def test_the_fused_ops_select_what_the_composed_ops_select(monkeypatch):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("method", ["auto", "radix", "row"])
-def test_the_fused_selection_launches_only_its_kernels(monkeypatch, method):
+@pytest.mark.parametrize("method, votes", [("auto", "group_mean"), ("radix", "group_mean"), ("row", "group_mean"),
+                                           ("auto", "head_max")])
+def test_the_fused_selection_launches_only_its_kernels(monkeypatch, method, votes):
     # query_votes 1, collision_candidates 2, rerank_select 5 and a memset (the radix method, which
-    # auto takes) or 2 (the row method); nothing else computes on the device
+    # auto takes) or 2 (the row method), with either votes; nothing else computes on the device
     # (allocations and views launch nothing), so a captured step replays exactly these
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -185,7 +186,7 @@ def test_the_fused_selection_launches_only_its_kernels(monkeypatch, method):
                                    torch.ones(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool))
     ops = dispatch.bind("triton", torch.device("cpu"))
     query = torch.randn(1, 4, 32, generator=gen)
-    selector = CollisionRerank()
+    selector = CollisionRerank(votes=votes)
     selector.select(query, index, 40, ops)  # cached tables and scratch made
     launches.clear()
     with Record() as record:
@@ -201,6 +202,31 @@ def test_the_fused_selection_launches_only_its_kernels(monkeypatch, method):
     assert launches == ["_query_votes_sort_kernel", "_votes_kernel", "_compact_fused_kernel", *selected]
     assert record.ops == ([] if method == "row" else ["aten.zeros.default"])
     assert int(selection.num_units.sum()) == 2 * 40
+
+
+@needs_interpreter
+def test_head_max_selects_on_triton_what_it_selects_on_the_reference(monkeypatch):
+    # GQA 4, several chunks of the votes pass, a flush and a partly filled buffer
+    from kvpolicy.kernels.triton import collision_candidates
+
+    monkeypatch.setattr(collision_candidates, "_CHUNK", 256)
+    monkeypatch.setattr(collision_candidates, "_SUB", 64)
+    index, gen = _index(700, dim=32, heads=2, batch=1, buffer=5, drop=0.1, seed=2)
+    for slot in range(8):
+        index.append_leaving_token(torch.tensor(700 + slot), torch.randn(1, 2, 32, generator=gen),
+                                   torch.ones(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool))
+    query = torch.randn(1, 8, 32, generator=gen)
+    rule = dict(min_candidates=1.0, candidate_fraction=0.1)
+    selector = CollisionRerank(votes="head_max", **rule)
+    want = selector.select(query, index, 60, "reference")
+    got = selector.select(query, index, 60, dispatch.bind("triton", torch.device("cpu")))
+    assert int(want.slot_valid.sum()) == 2 * 60
+    assert torch.equal(got.slot_valid, want.slot_valid) and torch.equal(got.num_units, want.num_units)
+    assert torch.equal(got.slots.sort(-1).values, want.slots.sort(-1).values)
+    assert torch.equal(got.unit_ids[..., :3], want.unit_ids[..., :3])  # 3 buffered tokens first
+    # the group's mean query selects other tokens here: the votes compared are the heads' own
+    mean = CollisionRerank(**rule).select(query, index, 60, "reference")
+    assert not torch.equal(mean.slots.sort(-1).values, want.slots.sort(-1).values)
 
 
 def test_head_max_votes_are_each_keys_best_heads():
@@ -258,7 +284,7 @@ def test_head_max_refuses_ops_without_per_head_tables(monkeypatch):
 
     monkeypatch.setattr(ops, "query_votes", group_mean_only)
     with pytest.raises(ConfigError, match="votes='head_max' needs query_votes with per-head tables, which the "
-                                          "reference backend has; this policy's \\('reference'\\) binds"):
+                                          "reference and triton backends have; this policy's \\('reference'\\) binds"):
         CollisionRerank(votes="head_max").select(torch.randn(1, 4, 16, generator=gen), index, 20, ops)
     with pytest.raises(ConfigError, match="votes must be one of group_mean, head_max, got 'max'"):
         CollisionRerank(votes="max").validate()

@@ -43,6 +43,13 @@ earlier chunk (``_compact_fused_kernel``, the fused pipeline's). One program a r
 128 chunk histograms (4.8 us at 1x32K on an H200, session 14) is gone; each compaction
 program waits on one more dependent load (the suffix counts, after the row's threshold).
 
+Per-head tables (``query_votes(per_head=True)``: ``(B, H, G, S, 256)``, ParisKV's
+``votes="head_max"``): both votes kernels take them under the constexpr ``HEADS`` (0: the
+group's one table, the code above unchanged). A key's ids are still read once; each id is looked
+up in every head's row (``(G, keys)`` lookups, ``G x 4 KB`` of int8 tables a row), the G sums
+kept apart and the key's votes their max. The threshold and the compaction read the votes only,
+so they do not change.
+
 Per key and step: the ids once (``S`` bytes), the vote written and read once (2 + 2 bytes),
 ``token_valid`` once (1 byte per sequence, shared by its heads through the cache). The output
 is the same set as the reference (exact: integer arithmetic, the count in float32 as there).
@@ -107,6 +114,13 @@ def _suffix_and_row_hist(hist, bins, suffix_at, row_hist_at):
 
 
 @triton.jit
+def _head_rows(HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, S: tl.constexpr, IDS: tl.constexpr):
+    """Where each query head's table starts in a row's ``(HEADS, S, IDS)`` tables, ``(BLOCK_HEADS,
+    1)``: the padding heads past ``HEADS`` read the last head's again, so they never win the max."""
+    return (tl.minimum(tl.arange(0, BLOCK_HEADS), HEADS - 1) * (S * IDS))[:, None]
+
+
+@triton.jit
 def _votes_kernel(
     table_ptr, keys_ptr, valid_ptr, indexed_ptr, votes_ptr, hist_ptr, row_hist_ptr,
     H, N, CHUNKS,
@@ -114,13 +128,20 @@ def _votes_kernel(
     valid_sb, valid_sn,
     S: tl.constexpr, IDS: tl.constexpr, WORDS: tl.constexpr,
     CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr, ROW_HIST: tl.constexpr,
+    HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr,
 ):
+    # HEADS: 0, one table a row (the group's mean query); else the row's HEADS query heads' tables,
+    # each key's ids looked up in every one and its votes the best head's sum
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = row // H
     h = row % H
     indexed = tl.load(indexed_ptr)
-    table_row = table_ptr + row * S * IDS
+    if HEADS:
+        table_row = table_ptr + row * HEADS * S * IDS
+        head_rows = _head_rows(HEADS, BLOCK_HEADS, S, IDS)
+    else:
+        table_row = table_ptr + row * S * IDS
     bins = tl.arange(0, BINS)
     hist = tl.zeros([BINS], dtype=tl.int32)
     for s0 in range(0, CHUNK, SUB):
@@ -132,17 +153,30 @@ def _votes_kernel(
         key_row = keys_ptr + b * key_sb + h * key_sh + n * key_sn
         # one subspace at a time across the keys: a warp's lookups then fall in one subspace's
         # 256-entry row (two cache lines of int8 votes), not across the whole table
-        total = tl.zeros([SUB], dtype=tl.int32)
+        if HEADS:
+            total = tl.zeros([BLOCK_HEADS, SUB], dtype=tl.int32)
+        else:
+            total = tl.zeros([SUB], dtype=tl.int32)
         if WORDS:  # the ids as int32 words, four subspaces each (keys_ptr is the int32 view)
             for w in tl.static_range(S // 4):
                 word = tl.load(key_row + w * key_ss, mask=in_n, other=0)
                 for j in tl.static_range(4):
                     ids = (word >> (8 * j)) & 255
-                    total += tl.load(table_row + (4 * w + j) * IDS + ids, mask=in_n, other=0).to(tl.int32)
+                    if HEADS:
+                        total += tl.load(table_row + head_rows + (4 * w + j) * IDS + ids[None, :], mask=in_n[None, :],
+                                         other=0).to(tl.int32)
+                    else:
+                        total += tl.load(table_row + (4 * w + j) * IDS + ids, mask=in_n, other=0).to(tl.int32)
         else:
             for sub in tl.static_range(S):
                 ids = tl.load(key_row + sub * key_ss, mask=in_n, other=0).to(tl.int32)
-                total += tl.load(table_row + sub * IDS + ids, mask=in_n, other=0).to(tl.int32)
+                if HEADS:
+                    total += tl.load(table_row + head_rows + sub * IDS + ids[None, :], mask=in_n[None, :],
+                                     other=0).to(tl.int32)
+                else:
+                    total += tl.load(table_row + sub * IDS + ids, mask=in_n, other=0).to(tl.int32)
+        if HEADS:  # the key's best head
+            total = tl.max(total, axis=0)
         # (not next to the flags' load: there ptxas placed the compare before the ids' loads, so
         # the ids waited on the indexed count's load)
         voted = in_n & (valid != 0) & (n < indexed)
@@ -275,19 +309,28 @@ def _votes_fused_kernel(
     valid_sb, valid_sn,
     KEY_SN: tl.constexpr, S: tl.constexpr, IDS: tl.constexpr, WORDS: tl.constexpr,
     CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr,
+    HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr,
 ):
+    # HEADS: as _votes_kernel's (0: one table a row; else each query head's, the best head's votes)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = row // H
     h = row % H
     indexed = tl.load(indexed_ptr)
-    table_row = table_ptr + row * S * IDS
+    if HEADS:
+        table_row = table_ptr + row * HEADS * S * IDS
+        head_rows = _head_rows(HEADS, BLOCK_HEADS, S, IDS)
+    else:
+        table_row = table_ptr + row * S * IDS
     bins = tl.arange(0, BINS)
     hist = tl.zeros([BINS], dtype=tl.int32)
     for s0 in range(0, CHUNK, SUB):
         n = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
         in_n = n < N
-        total = tl.zeros([SUB], dtype=tl.int32)
+        if HEADS:
+            total = tl.zeros([BLOCK_HEADS, SUB], dtype=tl.int32)
+        else:
+            total = tl.zeros([SUB], dtype=tl.int32)
         if WORDS:  # keys_ptr is the int32 view: S / 4 words a key, contiguous (one vector load)
             key_row = keys_ptr + b * key_sb + h * key_sh + n * KEY_SN
             w = tl.arange(0, S // 4)
@@ -296,13 +339,23 @@ def _votes_fused_kernel(
                 word = tl.sum(tl.where(w[None, :] == k, tile, 0), axis=1)  # a key's words sit in one thread
                 for j in tl.static_range(4):
                     ids = (word >> (8 * j)) & 255
-                    total += tl.load(table_row + (4 * k + j) * IDS + ids, mask=in_n, other=0,
-                                     eviction_policy="evict_last").to(tl.int32)
+                    if HEADS:
+                        total += tl.load(table_row + head_rows + (4 * k + j) * IDS + ids[None, :], mask=in_n[None, :],
+                                         other=0, eviction_policy="evict_last").to(tl.int32)
+                    else:
+                        total += tl.load(table_row + (4 * k + j) * IDS + ids, mask=in_n, other=0,
+                                         eviction_policy="evict_last").to(tl.int32)
         else:  # the uint8 ids, a byte at a time (a layout the words cannot read)
             key_row = keys_ptr + b * key_sb + h * key_sh + n * key_sn
             for sub in tl.static_range(S):
                 ids = tl.load(key_row + sub * key_ss, mask=in_n, other=0).to(tl.int32)
-                total += tl.load(table_row + sub * IDS + ids, mask=in_n, other=0).to(tl.int32)
+                if HEADS:
+                    total += tl.load(table_row + head_rows + sub * IDS + ids[None, :], mask=in_n[None, :],
+                                     other=0).to(tl.int32)
+                else:
+                    total += tl.load(table_row + sub * IDS + ids, mask=in_n, other=0).to(tl.int32)
+        if HEADS:  # the key's best head
+            total = tl.max(total, axis=0)
         valid = tl.load(valid_ptr + b * valid_sb + n * valid_sn, mask=in_n, other=0)
         voted = in_n & (valid != 0) & (n < indexed)
         tl.store(votes_ptr + row * N + n, tl.where(voted, total, -1).to(votes_ptr.dtype.element_ty), mask=in_n)
@@ -406,15 +459,20 @@ def collision_candidates(
     fraction: float,
     bands: Sequence[tuple[int, float]] = (),
 ) -> torch.Tensor:
-    """Candidates ``(B, H, width)`` long, by position, -1 tail; see ``reference_analytic.collision_candidates``."""
+    """Candidates ``(B, H, width)`` long, by position, -1 tail; see ``reference_analytic.collision_candidates``
+    (a ``(B, H, G, S, 256)`` table: each query head's, a key's votes its best head's)."""
     batch, heads, n, subspaces = key_centroids.shape
-    if (tuple(table.shape) != (batch, heads, subspaces, reference_analytic.NUM_IDS)
+    # query heads with a table each (query_votes(per_head=True)); 0: one table a row
+    voters = table.shape[2] if table.dim() == 5 else 0
+    per_row = (voters,) if voters else ()
+    if (tuple(table.shape) != (batch, heads, *per_row, subspaces, reference_analytic.NUM_IDS)
             or table.dtype not in (torch.int8, torch.int32)
             or tuple(token_valid.shape) != (batch, n) or indexed.numel() != 1):
         raise ValueError(
             f"triton collision_candidates: table {tuple(table.shape)} {table.dtype}, token_valid "
             f"{tuple(token_valid.shape)} or indexed {tuple(indexed.shape)} do not fit key centroids "
-            f"{tuple(key_centroids.shape)} (want an int8 or int32 (B, H, S, 256) table, (B, N) token_valid, one indexed)"
+            f"{tuple(key_centroids.shape)} (want an int8 or int32 (B, H, S, 256) or (B, H, G, S, 256) table, "
+            f"(B, N) token_valid, one indexed)"
         )
     if not isinstance(max_votes, int) or not 0 <= max_votes < 32766:
         raise ValueError(f"triton collision_candidates: max_votes must be an int in 0..32765 (int16 votes), got {max_votes!r}")
@@ -427,8 +485,9 @@ def collision_candidates(
         return torch.full((batch, heads, width), -1, dtype=torch.long, device=key_centroids.device)
     table = table.contiguous()
     valid = token_valid.view(torch.uint8) if token_valid.dtype == torch.bool else token_valid
+    voting = dict(HEADS=voters, BLOCK_HEADS=triton.next_power_of_2(max(1, voters)))
     if PIPELINE == "fused":
-        return _fused(table, key_centroids, valid, indexed, width, max_votes, rule)
+        return _fused(table, key_centroids, valid, indexed, width, max_votes, rule, voting)
     if PIPELINE != "pass":
         raise ValueError(f"triton collision_candidates: PIPELINE {PIPELINE!r}; accepted: fused, pass")
     out = torch.empty(batch, heads, width, dtype=torch.long, device=key_centroids.device)
@@ -449,7 +508,7 @@ def collision_candidates(
         heads, n, chunks,
         *ids.stride(), *valid.stride(),
         S=subspaces, IDS=reference_analytic.NUM_IDS, WORDS=words is not None,
-        CHUNK=chunk, SUB=sub, BINS=bins, ROW_HIST=fold, num_warps=_VOTES_WARPS,
+        CHUNK=chunk, SUB=sub, BINS=bins, ROW_HIST=fold, **voting, num_warps=_VOTES_WARPS,
     )
     if fold:  # hist holds suffix counts: the compaction finds the threshold itself
         _compact_fused_kernel[(rows, chunks)](
@@ -503,7 +562,7 @@ def fused_chunk(rows: int, n: int) -> int:
     return max(_CHUNK, chunk, triton.next_power_of_2(triton.cdiv(max(1, n), _MAX_CHUNKS)))
 
 
-def _fused(table, key_centroids, valid, indexed, width, max_votes, rule):
+def _fused(table, key_centroids, valid, indexed, width, max_votes, rule, voting):
     batch, heads, n, subspaces = key_centroids.shape
     rows = batch * heads
     device = key_centroids.device
@@ -523,7 +582,7 @@ def _fused(table, key_centroids, valid, indexed, width, max_votes, rule):
         heads, n, chunks,
         *ids.stride(), *valid.stride(),
         KEY_SN=ids.stride(2) if words is not None else 0, S=subspaces, IDS=reference_analytic.NUM_IDS,
-        WORDS=words is not None, CHUNK=chunk, SUB=min(chunk, _SUB), BINS=bins, num_warps=_VOTES_WARPS,
+        WORDS=words is not None, CHUNK=chunk, SUB=min(chunk, _SUB), BINS=bins, **voting, num_warps=_VOTES_WARPS,
     )
     _compact_fused_kernel[(rows, chunks)](
         votes, suffix, row_hist, done, out,

@@ -15,6 +15,11 @@ launches). One program per (sequence, KV head, subspace) (``RANKS = "sort"``):
   writes the table row (int8): the rank-``r`` centroid gets ``tier_weights[r]`` votes, ranks
   past ``rho`` 0.
 
+With ``per_head`` (``votes="head_max"``), one program per (sequence, KV head, subspace, query
+head): each ranks its own head's unit query into that head's table, ``(B, H, G, S, 256)``; the
+programs of head 0 write the group mean's rotated coordinates (the rerank's query). ``G`` times
+the programs, each rotating two queries (the mean, its head).
+
 Before session 10 (``RANKS = "count"``, kept for the benchmark's before/after rows): one program
 per block of 32 centroids, each ranking its block by counting the centroids ahead of it
 (``32 x 256`` comparisons) and repeating the prologue and all 256 scores, 8 programs per
@@ -103,6 +108,21 @@ def _query_votes_kernel(
 
 
 @triton.jit
+def _signed_unit(query, signs):
+    """A query l2-normalised, times the SRHT signs: what the Hadamard rows rotate."""
+    norm = tl.sqrt(tl.sum(query * query, axis=0))
+    return query / tl.maximum(norm, 1e-12) * signs
+
+
+@triton.jit
+def _subspace_rotation(unit, parity, in_j, inv_sqrt_d):
+    """The rotated coordinates of one subspace: the Hadamard rows ``parity`` picks (0 where
+    ``in_j`` is not)."""
+    part = tl.sum(tl.where(parity == 0, unit[None, :], -unit[None, :]), axis=1) * inv_sqrt_d
+    return tl.where(in_j, part, 0.0)
+
+
+@triton.jit
 def _query_votes_sort_kernel(
     query_ptr, signs_ptr, weights_ptr, rotated_ptr, table_ptr,
     H, G, RHO,
@@ -110,10 +130,12 @@ def _query_votes_sort_kernel(
     inv_sqrt_d, inv_sqrt_dims,
     D: tl.constexpr, LOG_D: tl.constexpr, BLOCK_G: tl.constexpr,
     S: tl.constexpr, DIMS: tl.constexpr, BLOCK_DIMS: tl.constexpr, CENTROIDS: tl.constexpr, IDS: tl.constexpr,
+    PER_HEAD: tl.constexpr,
 ):
     # one program per (row, subspace): the prologue and the scores once, then the ranks by one
     # sort of the subspace's centroids (CENTROIDS x log^2 compare-swaps, where counting took
-    # CENTROIDS^2 comparisons and repeated the prologue per block of 32)
+    # CENTROIDS^2 comparisons and repeated the prologue per block of 32). PER_HEAD: one program
+    # per (row, subspace, query head), each ranking its own head's query into the head's table
     row = tl.program_id(0).to(tl.int64)
     sub = tl.program_id(1)
     b = row // H
@@ -129,8 +151,7 @@ def _query_votes_sort_kernel(
     rank = tl.arange(0, CENTROIDS)
     votes = tl.load(weights_ptr + rank, mask=rank < RHO, other=0)
     mean = tl.sum(heads, axis=0) / G
-    norm = tl.sqrt(tl.sum(mean * mean, axis=0))
-    unit = mean / tl.maximum(norm, 1e-12) * signs
+    unit = _signed_unit(mean, signs)
     j = tl.arange(0, BLOCK_DIMS)
     in_j = j < DIMS
     i = sub * DIMS + j
@@ -138,9 +159,16 @@ def _query_votes_sort_kernel(
     parity = tl.zeros([BLOCK_DIMS, D], dtype=tl.int32)
     for bit in tl.static_range(LOG_D):
         parity ^= (both >> bit) & 1
-    part = tl.sum(tl.where(parity == 0, unit[None, :], -unit[None, :]), axis=1) * inv_sqrt_d
-    part = tl.where(in_j, part, 0.0)
-    tl.store(rotated_ptr + row * D + i, part, mask=in_j)
+    part = _subspace_rotation(unit, parity, in_j, inv_sqrt_d)
+    if PER_HEAD:
+        voter = tl.program_id(2)
+        if voter == 0:  # the rerank's query is still the group's mean: one program of the group writes it
+            tl.store(rotated_ptr + row * D + i, part, mask=in_j)
+        # the voting head's query, as the reference encodes each head: its own unit vector, rotated
+        head = tl.sum(tl.where((g == voter)[:, None], heads, 0.0), axis=0)
+        part = _subspace_rotation(_signed_unit(head, signs), parity, in_j, inv_sqrt_d)
+    else:
+        tl.store(rotated_ptr + row * D + i, part, mask=in_j)
     # the scores by the counting kernel's elementwise steps (the same floats)
     c = tl.arange(0, CENTROIDS)
     score = tl.zeros([CENTROIDS], dtype=tl.float32)
@@ -156,7 +184,10 @@ def _query_votes_sort_kernel(
     key = (ordered.to(tl.int64) << 8) | (255 - c).to(tl.int64)
     ranked = tl.sort(key, 0, True)
     centroid = 255 - (ranked & 255)
-    table_row = table_ptr + (row * S + sub) * IDS
+    if PER_HEAD:
+        table_row = table_ptr + ((row * G + voter) * S + sub) * IDS
+    else:
+        table_row = table_ptr + (row * S + sub) * IDS
     tl.store(table_row + centroid, votes.to(tl.int8))
     if CENTROIDS < IDS:  # ids past the subspace's centroids get no votes
         rest = tl.arange(0, IDS)
@@ -178,8 +209,10 @@ def query_votes(
     signs: torch.Tensor,
     subspaces: int,
     tier_weights: Sequence[int] | torch.Tensor,
+    per_head: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rotated (B, H, D) float32, table (B, H, S, 256) int8)``; see ``reference_analytic.query_votes``."""
+    """``(rotated (B, H, D) float32, table (B, H, S, 256) int8)``, with ``per_head`` one table per
+    query head ``(B, H, G, S, 256)``; see ``reference_analytic.query_votes``."""
     batch, heads, group, dim = query_group.shape
     weights = torch.as_tensor(tier_weights, dtype=torch.int32, device=query_group.device)
     dims = dim // subspaces if subspaces else 0
@@ -189,9 +222,12 @@ def query_votes(
             f"triton query_votes: query {tuple(query_group.shape)} (a power-of-two D), signs {tuple(signs.shape)}, "
             f"{subspaces} subspaces (at most 8 dims each) or {tuple(weights.shape)} tier weights do not fit"
         )
+    if per_head and RANKS != "sort":
+        raise ValueError(f"triton query_votes: per-head tables take RANKS 'sort', not {RANKS!r}")
     device = query_group.device
     rotated = torch.empty(batch, heads, dim, dtype=torch.float32, device=device)
-    table = torch.empty(batch, heads, subspaces, reference_analytic.NUM_IDS, dtype=torch.int8, device=device)
+    voters = (group,) if per_head else ()
+    table = torch.empty(batch, heads, *voters, subspaces, reference_analytic.NUM_IDS, dtype=torch.int8, device=device)
     if batch * heads == 0:
         return rotated, table
     common = (query_group, signs.float().contiguous(), weights.contiguous(), rotated, table,
@@ -199,7 +235,8 @@ def query_votes(
     shape = dict(D=dim, LOG_D=dim.bit_length() - 1, BLOCK_G=triton.next_power_of_2(group),
                  S=subspaces, DIMS=dims, BLOCK_DIMS=max(2, dims), CENTROIDS=1 << dims, IDS=reference_analytic.NUM_IDS)
     if RANKS == "sort":
-        _query_votes_sort_kernel[(batch * heads, subspaces)](*common, **shape, num_warps=_SORT_WARPS)
+        _query_votes_sort_kernel[(batch * heads, subspaces, *voters)](*common, **shape, PER_HEAD=per_head,
+                                                                      num_warps=_SORT_WARPS)
     elif RANKS == "count":
         block_c = min(32, 1 << dims)
         _query_votes_kernel[(batch * heads, subspaces, (1 << dims) // block_c)](*common, **shape, BLOCK_C=block_c)

@@ -234,6 +234,39 @@ def test_query_votes_names_a_bad_ranks_setting(monkeypatch):
         query_votes.query_votes(torch.zeros(1, 1, 2, 16, device=DEVICE), torch.ones(16, device=DEVICE), 4, [2, 1])
 
 
+@pytest.mark.parametrize("batch,heads,group,dim,subspaces,tiers", [(1, 2, 3, 64, 8, 6), (1, 1, 4, 32, 8, 2), (2, 1, 1, 16, 4, 2)])
+def test_query_votes_per_head_matches_reference(batch, heads, group, dim, subspaces, tiers):
+    # one table per query head (8-dim subspaces: 256 centroids; 4 and 2 dims: ids past them 0),
+    # the rotated query still the group mean's
+    from kvpolicy.kernels.triton import query_votes
+
+    gen = _gen(dim + group + 1)
+    signs = analytic.srht_signs(dim, 4)
+    weights = torch.tensor(analytic.tier_weights(tiers), dtype=torch.int32)
+    query = torch.randn(batch, heads, group, dim, generator=gen).to(torch.bfloat16)
+    want_rotated, want_table = reference_analytic.query_votes(query, signs, subspaces, weights, per_head=True)
+    rotated, table = query_votes.query_votes(query.to(DEVICE), signs.to(DEVICE), subspaces, weights.to(DEVICE),
+                                             per_head=True)
+    assert table.dtype == torch.int8 and table.shape == (batch, heads, group, subspaces, 256)
+    assert torch.equal(table.cpu(), want_table)
+    torch.testing.assert_close(rotated.cpu(), want_rotated, rtol=0, atol=1e-6)
+    mean_table = reference_analytic.query_votes(query, signs, subspaces, weights)[1]
+    if group > 1:  # the heads rank apart from each other and from their mean
+        assert not torch.equal(want_table[:, :, 0], want_table[:, :, 1])
+        assert not torch.equal(want_table[:, :, 0], mean_table)
+    else:  # one head is its own mean
+        assert torch.equal(want_table[:, :, 0], mean_table)
+
+
+def test_query_votes_per_head_takes_the_sort_ranks_only(monkeypatch):
+    from kvpolicy.kernels.triton import query_votes
+
+    monkeypatch.setattr(query_votes, "RANKS", "count")
+    with pytest.raises(ValueError, match="per-head tables take RANKS 'sort', not 'count'"):
+        query_votes.query_votes(torch.zeros(1, 1, 2, 16, device=DEVICE), torch.ones(16, device=DEVICE), 4, [2, 1],
+                                per_head=True)
+
+
 def test_query_votes_refuses_misshaped_inputs():
     from kvpolicy.kernels.triton import query_votes
 
@@ -393,6 +426,77 @@ def test_collision_candidates_reads_an_int8_table_and_ids_bytewise(small_chunks,
     assert torch.equal(want, reference_analytic.collision_candidates(table.int(), ids, token_valid, *args))
 
 
+@pytest.mark.parametrize(
+    "group, tiers, ids_layout, table_dtype, width, floor, fraction",
+    [
+        (4, 4, "words", torch.int8, 300, 20, 0.2),  # GQA 4: query_votes' table, ids as int32 words
+        (3, 1, "strided", torch.int32, 500, 90, 0.05),  # votes 0..16: ties everywhere; ids a byte at a time
+        (1, 4, "words", torch.int8, 120, 10, 0.5),  # one query head: the group mean's candidates
+    ],
+)
+def test_collision_candidates_per_head_matches_reference(small_chunks, group, tiers, ids_layout, table_dtype, width,
+                                                         floor, fraction):
+    # a (B, H, G, S, 256) table: a key's votes are its best head's; the second sequence has 7
+    # valid tokens only (fewer than the floor: all of them, then -1)
+    batch, heads, n, dim, subspaces = 2, 2, 700, 64, 16
+    keys, _ = _encoded(group + tiers, batch, heads, n, dim, subspaces, 1)
+    gen = _gen(group)
+    query = torch.randn(batch, heads, group, dim, generator=gen)
+    signs = analytic.srht_signs(dim, group + tiers)
+    weights = analytic.tier_weights(tiers)
+    table = reference_analytic.query_votes(query, signs, subspaces, weights, per_head=True)[1].to(table_dtype)
+    ids = keys.centroids
+    if ids_layout == "strided":
+        ids = torch.zeros(batch, heads, n, 2 * subspaces, dtype=torch.uint8)[..., ::2]
+        ids.copy_(keys.centroids)
+    token_valid = torch.rand(batch, n, generator=gen) > 0.2
+    token_valid[1] = False
+    token_valid[1, torch.randperm(600, generator=gen)[:7]] = True
+    args = (torch.tensor(650), width, subspaces * tiers, floor, fraction, ((300, 0.5),))
+    want = reference_analytic.collision_candidates(table, ids, token_valid, *args)
+    got = small_chunks(table.to(DEVICE), ids.to(DEVICE), token_valid.to(DEVICE), args[0].to(DEVICE), *args[1:])
+    assert got.dtype == torch.long and torch.equal(got.cpu(), want)
+    assert (want[1] >= 0).sum(-1).tolist() == [7, 7]
+    each = torch.stack([reference_analytic.table_votes(table[:, :, g], keys.centroids) for g in range(group)])
+    if group > 1:  # the best head differs from key to key: no one head's votes are the max
+        assert all(not torch.equal(each[g], each.max(0).values) for g in range(group))
+        mean_table = reference_analytic.query_votes(query, signs, subspaces, weights)[1]
+        assert not torch.equal(want, reference_analytic.collision_candidates(mean_table, ids, token_valid, *args))
+    else:
+        assert torch.equal(want, reference_analytic.collision_candidates(table[:, :, 0], ids, token_valid, *args))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("pipeline", ["pass", "fused"])
+@pytest.mark.parametrize("batch, n", [(1, 32768), (4, 131072)])
+def test_head_max_votes_at_decode_sizes(monkeypatch, pipeline, batch, n):
+    # ParisKV's shape with GQA 4 (8 KV heads of 4 query heads, head_dim 128, 16 subspaces, 6
+    # tiers): per-head tables, then the candidates at 1x32K (the pass pipeline's small call: its
+    # chunk shrunk, the threshold folded) and 4x128K (the threshold launched), and the fused pipeline
+    from kvpolicy.kernels.triton import collision_candidates, query_votes
+
+    monkeypatch.setattr(collision_candidates, "PIPELINE", pipeline)
+    heads, group, dim, subspaces, tiers = 8, 4, 128, 16, 6
+    gen = torch.Generator(device=DEVICE).manual_seed(n + batch)
+    query = torch.randn(batch, heads, group, dim, generator=gen, device=DEVICE).to(torch.bfloat16)
+    signs = analytic.srht_signs(dim, 0, DEVICE)
+    weights = torch.tensor(analytic.tier_weights(tiers), dtype=torch.int32, device=DEVICE)
+    want_rotated, want_table = reference_analytic.query_votes(query, signs, subspaces, weights, per_head=True)
+    rotated, table = query_votes.query_votes(query, signs, subspaces, weights, per_head=True)
+    assert torch.equal(table, want_table)
+    torch.testing.assert_close(rotated, want_rotated, rtol=0, atol=1e-6)
+    ids = torch.randint(0, 256, (batch, heads, n + 64, subspaces), generator=gen, device=DEVICE, dtype=torch.uint8)
+    token_valid = torch.rand(batch, n + 64, generator=gen, device=DEVICE) > 0.01
+    token_valid[0, 1000:] = False  # a sequence of 1,000 valid tokens, fewer than the floor: every one
+    # the length rule of a 2K budget (1,980 retrieved: a floor of 3,960), a width that holds it
+    args = (torch.tensor(n, device=DEVICE), max(n // 10, 3960) + 64, subspaces * tiers, 3960, 0.1,
+            analytic.CANDIDATE_BANDS)
+    assert collision_candidates.folds_threshold(batch * heads, n + 64) == (batch == 1)
+    want = reference_analytic.collision_candidates(want_table, ids, token_valid, *args)
+    got = collision_candidates.collision_candidates(want_table, ids, token_valid, *args)
+    assert torch.equal(got, want)
+
+
 def test_collision_candidates_refuses_misshaped_inputs():
     from kvpolicy.kernels.triton import collision_candidates
 
@@ -402,6 +506,9 @@ def test_collision_candidates_refuses_misshaped_inputs():
     indexed = torch.tensor(10, device=DEVICE)
     with pytest.raises(ValueError, match=r"table \(1, 2, 4, 256\) torch.int64"):
         collision_candidates.collision_candidates(table.long(), keys, valid, indexed, 5, 16, 1, 0.1)
+    with pytest.raises(ValueError, match=r"table \(1, 2, 3, 5, 256\) torch.int8"):  # per-head tables of 5 subspaces
+        collision_candidates.collision_candidates(torch.zeros(1, 2, 3, 5, 256, dtype=torch.int8, device=DEVICE), keys,
+                                                  valid, indexed, 5, 16, 1, 0.1)
     with pytest.raises(ValueError, match=r"token_valid \(1, 9\)"):
         collision_candidates.collision_candidates(table, keys, valid[:, :9], indexed, 5, 16, 1, 0.1)
     with pytest.raises(ValueError, match="max_votes must be an int"):
