@@ -20,4 +20,10 @@ radix)  # call 3: the row method measured slower (call 2): auto back to the radi
 step e2e_paris_32k 90 $E2E --contexts 32768 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_paris_32k.json"
 step gpu_tests 60 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_analytic_ops.py -k "decode_sizes or method"
 ;;
+headmax)  # call 4: pariskv's per-head votes (helper-20's kernels) on the GPU for the first time: tests,
+# then group_mean against head_max per layer at 1x32K and 4x128K
+step gpu_tests 120 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_analytic_ops.py -k "head_max_votes_at_decode_sizes or per_head"
+step hm_1x32k 90 python3 benchmarks/pariskv_select.py --contexts 32768 --batches 1 --votes group_mean,head_max --quick --no-gather --json "$OUT/hm_1x32k.json"
+step hm_4x128k 110 python3 benchmarks/pariskv_select.py --contexts 131072 --batches 4 --votes group_mean,head_max --quick --no-gather --json "$OUT/hm_4x128k.json"
+;;
 esac
