@@ -128,11 +128,27 @@ LOUISKV_PROMPT_UNITS = {"name": "kmeans", "tokens_per_cluster": 16}
 FAST_PROMPT_UNITS = {"name": "kmeans", "tokens_per_cluster": 16, "iters": 3, "init": "spaced", "precision": "bf16"}
 
 
-def _pariskv(**options: Any) -> Policy:
+# pariskv's collision votes for the models kvpolicy ships with where ParisKV's group-mean votes lose
+# what one head attends: each query head votes, a key keeps its best head's votes (EVAL.md, "pariskv's
+# per-head votes": Gemma 3 270M's 4K needles 0.0 with the group's mean, 50.0 with each head's, as
+# full attention; SmolLM2 75.0 either way, so it keeps ParisKV's cheaper votes)
+BUILTIN_PARISKV_VOTES: dict[str, str] = {"gemma-3-270m": "head_max"}
+
+
+def pariskv_votes(model: Any = None) -> str:
+    """The pariskv preset's collision votes for ``model`` (a model or its id): ``BUILTIN_PARISKV_VOTES``'s
+    entry, else ParisKV's ``group_mean``."""
+    if model is None:
+        return "group_mean"
+    return BUILTIN_PARISKV_VOTES.get(model_id(model), "group_mean")
+
+
+def _pariskv(model: Any = None, **options: Any) -> Policy:
     """ParisKV: every token indexed by data-independent sign-pattern centroids of an SRHT-rotated
     key (16 subspaces: 8 dims, 256 centroids each at head_dim 128; 4 dims, 16 centroids at 64)
     and a 4-bit code; every step, tiered collision votes of the GQA group's mean query (6 tiers,
-    63 ranked centroids per subspace; 4 tiers, 15 at 4 dims) pick candidates by zone length as
+    63 ranked centroids per subspace; 4 tiers, 15 at 4 dims; for Gemma 3 each query head's votes,
+    a key keeping its best head's: ``pariskv_votes``) pick candidates by zone length as
     ParisKV's code does (``kvpolicy.analytic.CANDIDATE_BANDS``: 0.5 of the zone below 5K tokens,
     0.25 to 10K, 0.2 to 30K, 0.1 beyond), at least twice the retrieval budget, and their 4-bit
     estimates of q.k the final ones; the pipeline's files are listed in ``kvpolicy.analytic``'s
@@ -144,7 +160,9 @@ def _pariskv(**options: Any) -> Policy:
     budget = options.get("budget", DEFAULT_BUDGET)
     sink, local = options.get("sink", DEFAULT_SINK), options.get("local", DEFAULT_LOCAL)
     units = {"name": "analytic", "update_buffer": _update_buffer(budget, sink, local)}
-    return _retrieval("pariskv", "every_step", units, units, "collision_rerank", options)
+    votes = pariskv_votes(model)
+    selector = "collision_rerank" if votes == "group_mean" else {"name": "collision_rerank", "votes": votes}
+    return _retrieval("pariskv", "every_step", units, units, selector, options)
 
 
 def _update_buffer(budget: Any, sink: Any, local: Any) -> int:
@@ -195,13 +213,13 @@ PRESETS: dict[str, Callable[..., Policy]] = {
 def preset(name: str, *, model: Any = None, **options: Any) -> Policy:
     """The named preset, with any Policy field overridden (``budget=1024``, ``placement="gpu"``...).
 
-    ``model`` (a model or its id) picks per-model calibrated defaults (LouisKV's tau).
+    ``model`` (a model or its id) picks per-model defaults (louiskv's trigger, pariskv's votes).
     """
     try:
         factory = PRESETS[name]
     except KeyError:
         raise UnknownNameError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None
-    if name == "louiskv":
+    if name in ("louiskv", "pariskv"):
         return factory(model=model, **options)
     return factory(**options)
 

@@ -288,3 +288,13 @@ def test_head_max_refuses_ops_without_per_head_tables(monkeypatch):
         CollisionRerank(votes="head_max").select(torch.randn(1, 4, 16, generator=gen), index, 20, ops)
     with pytest.raises(ConfigError, match="votes must be one of group_mean, head_max, got 'max'"):
         CollisionRerank(votes="max").validate()
+
+
+def test_pariskv_votes_per_head_for_gemma_only():
+    # the preset's per-model default (presets.BUILTIN_PARISKV_VOTES); an explicit selector wins
+    from kvpolicy import preset
+
+    assert preset("pariskv", model="gemma-3-270m").selector.votes == "head_max"
+    assert preset("pariskv", model="smollm2").selector.votes == "group_mean"
+    assert preset("pariskv").selector.votes == "group_mean"
+    assert preset("pariskv", model="gemma-3-270m", selector="collision_rerank").selector.votes == "group_mean"
