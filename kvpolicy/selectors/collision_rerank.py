@@ -44,7 +44,9 @@ class CollisionRerank(Selector):
     one selection per KV head. ``votes="head_max"`` lets each query head of the group vote on its
     own, a key keeping its best head's votes (the rerank still scores the mean query): where one
     head of a group attends a token and the others do not, the mean query's votes can rank it out
-    of the candidates (EVAL.md: pariskv on Gemma 3, one KV head for four query heads). The query is rotated like the keys and, per subspace, its
+    of the candidates (EVAL.md: pariskv on Gemma 3, one KV head for four query heads; the pariskv
+    preset's default there, ``presets.BUILTIN_PARISKV_VOTES``). It costs G table lookups a key
+    and subspace where the mean costs one. The query is rotated like the keys and, per subspace, its
     ``2**tiers - 1`` best sign-pattern centroids are ranked in ``tiers`` tiers of 1, 2, 4...
     ranks worth ``tiers``, ``tiers - 1``... votes (``tiers``: default ParisKV's 6, at most the
     subspace's dims). A key's votes over all subspaces are a coarse integer score; the
@@ -73,8 +75,8 @@ class CollisionRerank(Selector):
     The kernels (``kvpolicy.analytic``'s module docstring maps the pipeline's files): with ops
     ``query_votes``, ``collision_candidates`` and ``rerank_select`` bound (every backend has
     them), one launch for the query, three for the votes and the candidates (two in a call too
-    small for the GPU), five and a memset for the rerank, its top-k and the selection's rows (two
-    in a call of few rows); the retrieved tokens are then
+    small for the GPU), five and a memset for the rerank, its top-k and the selection's rows; the
+    retrieved tokens are then
     listed by position (the pool read in address order), after the buffer's. Otherwise ``collision_count`` and
     ``candidate_topk``, then ``rerank`` (best first) and the composition in PyTorch.
     """
