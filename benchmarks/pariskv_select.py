@@ -67,7 +67,7 @@ RERANK_METHODS = ("radix", "row", "split", "torch")
 # kvpolicy/kernels/triton/rerank_select.py) around their defaults: each timed alone
 RERANK_VARIANTS = (
     ("radix", {"METHOD": "radix"}),
-    # session 16's row method (auto for a small call; it refuses rows over _ROW_MAX_WIDTH)
+    # session 16's row method (only when asked: measured slower; it refuses rows over _ROW_MAX_WIDTH)
     ("row", {"METHOD": "row"}),
     ("row 8 warps", {"METHOD": "row", "_ROW_WARPS": 8}),
     ("row 32 warps", {"METHOD": "row", "_ROW_WARPS": 32}),

@@ -651,10 +651,9 @@ def _radix_place_kernel(
 
 # -- the row method: the score pass, then one program per row (a small call) --------------------
 #
-# At batch 1 the radix method's level and place passes are latency-bound: 8 rows make four
-# launches of a few hundred programs, each a dependent chain (the row histogram's pick, a step of
-# keys, atomics), and a zeroed histogram (a fill launch). Where a call has few rows of at most
-# _ROW_MAX_WIDTH candidates, the row method runs the score pass (each chunk's histogram of the
+# Built on the expectation that at batch 1 the radix method's level and place passes, four
+# latency-bound launches and a zeroed histogram, cost more than one program a row (measured not
+# to: see below). For rows of at most _ROW_MAX_WIDTH candidates, the row method runs the score pass (each chunk's histogram of the
 # top digit written whole: nothing to zero, no atomics), then ``_radix_row_kernel``, one program
 # per row, with the row's keys in registers:
 #
