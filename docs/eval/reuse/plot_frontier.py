@@ -1,6 +1,9 @@
 """Needle score against re-selection share, one line per trigger design (EVAL.md's frontier plot).
 
-    python docs/eval/reuse/plot_frontier.py RESULTS.jsonl OUT.png [LENGTH]
+    python docs/eval/reuse/plot_frontier.py RESULTS.jsonl OUT.png [LENGTH] [TITLE]
+
+TITLE: the plot's title (default: SmolLM2's CPU cells). Every-step references found in RESULTS
+(clusterkv, quest, arkvale, oracle, pariskv, pariskv-head_max, full) are drawn as markers.
 """
 import collections
 import json
@@ -13,6 +16,7 @@ import matplotlib.pyplot as plt
 
 path, out = sys.argv[1], sys.argv[2]
 length = int(sys.argv[3]) if len(sys.argv) > 3 else 4096
+title = sys.argv[4] if len(sys.argv) > 4 else f"SmolLM2-135M, {length // 1024}K needles, budget 512 (CPU)"
 latest = {}
 for line in open(path):
     if line.strip():
@@ -46,7 +50,8 @@ for label, member in families.items():
         ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], marker="o", label=label)
         for x, y, p in pts:
             ax.annotate(p.split("-", 1)[1], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-for name, style in (("clusterkv", "s"), ("full", "*")):
+for name, style in (("clusterkv", "s"), ("quest", "^"), ("arkvale", "v"), ("oracle", "D"), ("pariskv", "x"),
+                    ("pariskv-head_max", "P"), ("full", "*")):
     if name in by:
         x, y = point(by[name])
         ax.scatter([100 if x is None else x], [y], marker=style, s=80, label=f"{name} (every step)" if x else name,
@@ -54,7 +59,7 @@ for name, style in (("clusterkv", "s"), ("full", "*")):
 ax.axvline(25, color="grey", ls=":", lw=1)
 ax.set_xlabel("re-selecting (% of (layer, step) pairs)")
 ax.set_ylabel("needle score (4 tasks x 2 seeds)")
-ax.set_title(f"SmolLM2-135M, {length // 1024}K needles, budget 512 (CPU)")
+ax.set_title(title)
 ax.legend(fontsize=8, loc="lower right")
 fig.tight_layout()
 fig.savefig(out, dpi=120)
