@@ -18,7 +18,7 @@ Per layer (Qwen3-8B shape by default: 8 KV heads, 32 query heads, head_dim 128, 
   of the largest context, in GB/s, against a plain pinned host-to-device copy of the same
   bytes measured in the same run.
 
-Also, on the fused path, each of ``rerank_select``'s methods (``radix``, ``row``, ``split``, ``torch``;
+Also, on the fused path, each of ``rerank_select``'s methods (``radix``, ``split``, ``torch``;
 ``kvpolicy/kernels/triton/rerank_select.py``) alone and as the whole selection's last op, and
 the device time of every kernel the selection launches (``torch.profiler``, median over the
 repeats, in launch order), printed as one table per size.
@@ -62,20 +62,11 @@ from kvpolicy.selectors.collision_rerank import VOTES
 from kvpolicy.units.analytic_index import AnalyticIndex
 
 FUSED_OPS = ("query_votes", "collision_candidates", "rerank_select")
-RERANK_METHODS = ("radix", "row", "split", "torch")
+RERANK_METHODS = ("radix", "split", "torch")
 # rerank_select's methods, then the radix method's tunables (module constants of
 # kvpolicy/kernels/triton/rerank_select.py) around their defaults: each timed alone
 RERANK_VARIANTS = (
     ("radix", {"METHOD": "radix"}),
-    # session 16's row method (only when asked: measured slower; it refuses rows over _ROW_MAX_WIDTH)
-    ("row", {"METHOD": "row"}),
-    ("row 8 warps", {"METHOD": "row", "_ROW_WARPS": 8}),
-    ("row 32 warps", {"METHOD": "row", "_ROW_WARPS": 32}),
-    ("row block 2048", {"METHOD": "row", "_ROW_BLOCK": 2048}),
-    ("row block 256", {"METHOD": "row", "_ROW_BLOCK": 256}),
-    # rows past 8192 candidates (1x128K: ~13K), 32 or 64 int32 a thread for keys and positions
-    ("row to 16K", {"METHOD": "row", "_ROW_MAX_WIDTH": 16384}),
-    ("row to 16K 32 warps", {"METHOD": "row", "_ROW_MAX_WIDTH": 16384, "_ROW_WARPS": 32}),
     ("split", {"METHOD": "split"}),
     ("torch", {"METHOD": "torch"}),
     ("radix score 64x8w", {"METHOD": "radix", "_RADIX_SCORE_SUB": 64, "_RADIX_SCORE_WARPS": 8}),
@@ -127,8 +118,6 @@ QUICK_COLLISION_VARIANTS = (
 )
 QUICK_RERANK_VARIANTS = (
     ("radix", {"METHOD": "radix"}),
-    ("row", {"METHOD": "row"}),
-    ("row to 16K 32 warps", {"METHOD": "row", "_ROW_MAX_WIDTH": 16384, "_ROW_WARPS": 32}),
     ("radix level chunk 1024", {"METHOD": "radix", "_RADIX_LEVEL_MIN_CHUNK": 1024}),
     ("radix level chunk 2048", {"METHOD": "radix", "_RADIX_LEVEL_MIN_CHUNK": 2048}),
 )
@@ -515,13 +504,7 @@ def measure_methods(args: argparse.Namespace, select_args: tuple, select: Callab
         for label, settings in variants:
             for name, value in settings.items():
                 setattr(module, name, value)
-            try:
-                out = module.rerank_select(*select_args)
-            except ValueError as refused:  # a method that cannot take this call (the row method's width)
-                results[label] = {"settings": settings, "refused": str(refused)}
-                for name, value in saved.items():
-                    setattr(module, name, value)
-                continue
+            out = module.rerank_select(*select_args)
             same = None
             if first is None:
                 first = out
@@ -539,7 +522,7 @@ def measure_methods(args: argparse.Namespace, select_args: tuple, select: Callab
     finally:
         for name, value in saved.items():
             setattr(module, name, value)
-    results["auto"] = {"method": module.method_for(select_args[4].shape[0] * select_args[4].shape[1], select_args[4].shape[-1])}
+    results["auto"] = {"method": module.method_for(select_args[4].shape[-1])}
     return results
 
 
@@ -675,9 +658,6 @@ def print_kernels(row: dict, cuda: bool) -> None:
     print(f"    rerank_select by method (auto picks {auto}): replay us alone | whole selection | "
           f"sum of its kernels | equal to radix's rows")
     for method, m in methods.items():
-        if "refused" in m:
-            print(f"      {method:<22s} (refused: {m['refused']})")
-            continue
         kernels = m["kernels_us"]
         total = "-" if kernels is None else f"{sum(us for _, us in kernels):.1f}"
         same = "-" if m["equals_radix"] is None else str(m["equals_radix"])
@@ -686,7 +666,7 @@ def print_kernels(row: dict, cuda: bool) -> None:
         text = ", ".join(f"{_short(name)} {us:.1f}" for name, us in row["old_rerank_kernels_us"][:_LISTED])
         print(f"      old rerank (scores + torch.topk) kernels: {text}")
     for method, m in methods.items():
-        if m.get("kernels_us") is not None:
+        if m["kernels_us"] is not None:
             text = ", ".join(f"{_short(name)} {us:.1f}" for name, us in m["kernels_us"][:_LISTED])
             more = len(m["kernels_us"]) - _LISTED
             print(f"      {method} kernels: {text}{f', ... {more} more' if more > 0 else ''}")

@@ -37,8 +37,7 @@ ParisKV's pipeline, file by file (the ``pariskv`` preset composes the first thre
   small for the GPU), each centroid id read once.
 - ``kvpolicy/kernels/triton/rerank_select.py``: op ``rerank_select``, the candidates' 4-bit
   estimates, their exact top-k (a radix select on the scores' bits) and the selection's rows
-  (the update buffer's first, then the chosen tokens by position) in five launches and a memset
-  (its radix method; the row method, two launches, measured slower and runs only when asked).
+  (the update buffer's first, then the chosen tokens by position) in five launches and a memset.
 - ``kvpolicy/kernels/triton/analytic_append.py``: op ``analytic_append``, a leaving token
   encoded and written into the index, the flush and the counter, in one launch.
 - ``kvpolicy/kernels/triton/collision.py``, ``candidates.py``, ``rerank.py``: ops

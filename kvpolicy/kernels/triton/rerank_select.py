@@ -1,10 +1,5 @@
 """Triton rerank and final selection (op ``rerank_select``): the candidates' 4-bit estimates,
-their exact top-k and the buffer-first composition of the ``Selection``.
-
-Four methods (``METHOD``, ``method_for``): "radix" (a score pass, three level passes and a place
-pass of many programs each, and a memset; see the comment above ``_RADIX_BINS``), "row" (the
-radix method's score pass, then one program a row; measured slower, so only when asked: see the
-comment above ``_ROW_MAX_WIDTH``), "split" (below, in four launches) and "torch" (``torch.topk``).
+their exact top-k and the buffer-first composition of the ``Selection``, in four launches.
 
 Replaces ``rerank`` (its score kernel, then ``torch.topk``, a gather, a where and a pad) and the
 selector's composition (about fifteen small torch ops). The top-k is a radix select on the
@@ -207,28 +202,6 @@ def _highest(hist, bins, need, NBINS: tl.constexpr):
 
 
 @triton.jit
-def _buffer_rows_and_tail(token_valid_ptr, slots_ptr, out_ids, out_slots, out_valid, b, indexed, buffered, filled,
-                          R, N, valid_sb, valid_sn, slot_s, BLOCK: tl.constexpr):
-    """A row's update buffer rows ``[0, buffered)`` and its empty tail ``[filled, R)``; the
-    buffer's valid rows."""
-    lanes = tl.arange(0, BLOCK)
-    count = 0
-    for r0 in range(0, R, BLOCK):
-        r = r0 + lanes
-        in_buffer = r < buffered
-        empty = (r >= filled) & (r < R)
-        position = tl.minimum(indexed + r, N - 1)
-        valid = tl.load(token_valid_ptr + b * valid_sb + position * valid_sn, mask=in_buffer, other=0) != 0
-        position = tl.where(in_buffer, position, 0)
-        write = in_buffer | empty
-        tl.store(out_ids + r, tl.where(valid, position, -1), mask=write)
-        tl.store(out_slots + r, tl.load(slots_ptr + position * slot_s, mask=write, other=0), mask=write)
-        tl.store(out_valid + r, valid.to(tl.int8), mask=write)
-        count += tl.sum(valid.to(tl.int32), axis=0)
-    return count
-
-
-@triton.jit
 def _finish_kernel(
     row_ptr, above_ptr, tied_ptr, token_valid_ptr, slots_ptr, indexed_ptr, next_ptr,
     ids_ptr, out_slots_ptr, valid_ptr, count_ptr,
@@ -305,8 +278,20 @@ def _finish_kernel(
         tl.store(out_slots + at, tl.load(slots_ptr + position * slot_s, mask=in_a, other=0), mask=in_a)
         tl.store(out_valid + at, tl.full([BLOCK], 1, tl.int8), mask=in_a)
     # the update buffer's rows first, the chosen ones (written above), then an empty tail
-    count = take + _buffer_rows_and_tail(token_valid_ptr, slots_ptr, out_ids, out_slots, out_valid, b, indexed,
-                                         buffered, buffered + take, R, N, valid_sb, valid_sn, slot_s, BLOCK)
+    count = take
+    filled = buffered + take
+    for r0 in range(0, R, BLOCK):
+        r = r0 + lanes
+        in_buffer = r < buffered
+        empty = (r >= filled) & (r < R)
+        position = tl.minimum(indexed + r, N - 1)
+        valid = tl.load(token_valid_ptr + b * valid_sb + position * valid_sn, mask=in_buffer, other=0) != 0
+        position = tl.where(in_buffer, position, 0)
+        write = in_buffer | empty
+        tl.store(out_ids + r, tl.where(valid, position, -1), mask=write)
+        tl.store(out_slots + r, tl.load(slots_ptr + position * slot_s, mask=write, other=0), mask=write)
+        tl.store(out_valid + r, valid.to(tl.int8), mask=write)
+        count += tl.sum(valid.to(tl.int32), axis=0)
     tl.store(count_ptr + row, count.to(tl.int64))
 
 
@@ -408,7 +393,7 @@ def _radix_score_kernel(
     cand_sb, cand_sh, cand_sc,
     values_ptr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-    BINS: tl.constexpr, LEVELS: tl.constexpr, WIDE: tl.constexpr, WORDS: tl.constexpr, CHUNK_HIST: tl.constexpr,
+    BINS: tl.constexpr, LEVELS: tl.constexpr, WIDE: tl.constexpr, WORDS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -477,9 +462,7 @@ def _radix_score_kernel(
             hist += tl.histogram(tl.where(ok, _key_digit(key, 0), 0), BINS)
             # the unlisted and the padding went to bin 0: take them out
             hist -= tl.where(bins == 0, SUB - tl.sum(ok.to(tl.int32), axis=0), 0)
-    if CHUNK_HIST:  # the row method: every chunk's histogram written whole (no zeroed scratch, no atomics)
-        tl.store(row_hist_ptr + (row * tl.num_programs(1) + chunk) * BINS + bins, hist)
-    elif not WIDE:
+    if not WIDE:
         tl.atomic_add(row_hist_ptr + row * LEVELS * BINS + bins, hist, mask=hist != 0, sem="relaxed")
 
 
@@ -649,141 +632,17 @@ def _radix_place_kernel(
         tl.store(count_ptr + row, count.to(tl.int64))
 
 
-# -- the row method: the score pass, then one program per row (a small call) --------------------
-#
-# Built on the expectation that at batch 1 the radix method's level and place passes, four
-# latency-bound launches and a zeroed histogram, cost more than one program a row (measured not
-# to: see below). For rows of at most _ROW_MAX_WIDTH candidates, the row method runs the score pass (each chunk's histogram of the
-# top digit written whole: nothing to zero, no atomics), then ``_radix_row_kernel``, one program
-# per row, with the row's keys in registers:
-#
-# - digit 0 from the sum of the row's chunk histograms;
-# - digit 1: the keys with digit 0 written in a scratch list (one scan of the registers), then
-#   histogrammed from it; digit 2: the keys with digits 0-1 listed alike (typically a few dozen)
-#   and histogrammed; digit 3 from that list's keys with digits 0-2. tl.histogram costs every
-#   element it is given (a ballot per bit), so the whole row is never histogrammed, only lists;
-# - the chosen keys (above the threshold key, or equal to it and among the first by position
-#   that are taken) placed by one scan of the registers; then the buffer's rows, the -1 tail and
-#   the row's count.
-#
-# The digits picked, so the rows written, are the radix method's: the same keys and ties.
-
-# "auto" never takes the row method: measured slower than the radix method where it could run
-# (H200, benchmarks/pariskv_select.py, docs/bench/session16/paris/select.log: 1x32K, 8 rows of 3,960
-# candidates, 25.3 us against the radix method's levels and place, 11.2 us; 4x32K 25.6 us): one
-# program a row histograms its lists on one SM, where the level passes spread them over many. It
-# stays selectable (``METHOD``, ``method=``) as the measured alternative. It takes at most
-# _ROW_MAX_WIDTH candidates a row (keys and positions in registers: 8192 of each are 16 int32 a
-# thread at 16 warps)
-_ROW_MAX_WIDTH = 8192
-_ROW_WARPS = 16
-# list entries per histogram step, and output rows per step of the buffer's rows and the tail
-_ROW_BLOCK = 1024
-_ROW_FILL_BLOCK = 2048
-
-
-@triton.jit
-def _list_matching(keys, match, list_row):
-    """Writes the keys where ``match`` at the start of ``list_row``, in index order; their count."""
-    match = match.to(tl.int32)
-    tl.store(list_row + tl.cumsum(match, axis=0) - match, keys, mask=match != 0)
-    return tl.sum(match, axis=0)
-
-
-@triton.jit
-def _list_histogram(list_row, count, prefix, LEVEL: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr):
-    """The histogram of digit ``LEVEL`` of the first ``count`` keys at ``list_row`` whose
-    digits above it are ``prefix``'s."""
-    high = -(1 << (32 - 8 * LEVEL))  # the bits of the digits above
-    bins = tl.arange(0, BINS)
-    hist = tl.zeros([BINS], dtype=tl.int32)
-    for t0 in range(0, count, BLOCK):
-        t = t0 + tl.arange(0, BLOCK)
-        key = tl.load(list_row + t, mask=t < count, other=0)
-        match = (t < count) & ((key & high) == prefix)
-        hist += tl.histogram(tl.where(match, _key_digit(key, LEVEL), 0), BINS)
-        hist -= tl.where(bins == 0, BLOCK - tl.sum(match.to(tl.int32), axis=0), 0)  # the others went to bin 0
-    return hist
-
-
-@triton.jit
-def _radix_row_kernel(
-    keys_ptr, chunk_hist_ptr, list_ptr, cand_ptr, token_valid_ptr, slots_ptr, indexed_ptr, next_ptr,
-    ids_ptr, out_slots_ptr, valid_ptr, count_ptr,
-    H, W, CHUNKS, R, N,
-    cand_sb, cand_sh, cand_sc, valid_sb, valid_sn, slot_s,
-    WIDTH: tl.constexpr, CHUNKS_BLOCK: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr,
-    FILL_BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    b = row // H
-    h = row % H
-    # the row's keys and candidates' positions, loaded first (neither depends on the picks); the
-    # positions as int32 (under 2**31: _check), half the registers
-    c = tl.arange(0, WIDTH)
-    keys = tl.load(keys_ptr + row * W + c, mask=c < W, other=-2147483648)
-    position = tl.load(cand_ptr + b * cand_sb + h * cand_sh + c * cand_sc, mask=c < W, other=0).to(tl.int32)
-    listed = keys != -2147483648
-    # digit 0: the chunks' histograms summed
-    bins = tl.arange(0, BINS)
-    others = tl.arange(0, CHUNKS_BLOCK)
-    hist = tl.sum(tl.load(chunk_hist_ptr + (row * CHUNKS + others[:, None]) * BINS + bins[None, :],
-                          mask=(others < CHUNKS)[:, None], other=0), axis=0)
-    indexed = tl.load(indexed_ptr)
-    buffered = tl.minimum(tl.maximum(tl.load(next_ptr) - indexed, 0), R).to(tl.int32)
-    take = tl.minimum(R - buffered, tl.sum(hist, axis=0))
-    digit, above = _pick(hist, bins, take)
-    prefix = (digit ^ 128) << 24
-    need = take - above
-    # digit 1 over the keys with digit 0; digits 2 and 3 over those with digits 0-1
-    list_a = list_ptr + row * 2 * W
-    list_b = list_a + W
-    count = _list_matching(keys, listed & ((keys & -(1 << 24)) == prefix), list_a)
-    tl.debug_barrier()  # the list is read below by other threads
-    digit, above = _pick(_list_histogram(list_a, count, prefix, 1, BINS, BLOCK), bins, need)
-    prefix = prefix | (digit << 16)
-    need = need - above
-    count = _list_matching(keys, listed & ((keys & -(1 << 16)) == prefix), list_b)
-    tl.debug_barrier()
-    digit, above = _pick(_list_histogram(list_b, count, prefix, 2, BINS, BLOCK), bins, need)
-    prefix = prefix | (digit << 8)
-    need = need - above
-    digit, above = _pick(_list_histogram(list_b, count, prefix, 3, BINS, BLOCK), bins, need)
-    threshold = prefix | digit
-    need_equal = need - above  # keys equal to the threshold taken: the first by position
-    # the chosen ones at their places in position order: one scan counts the keys above the
-    # threshold (high 16 bits) and those equal to it (low 16; W < 65536) before each
-    over = (listed & (keys > threshold)).to(tl.int32)
-    equal = (listed & (keys == threshold)).to(tl.int32)
-    packed = (over << 16) | equal
-    before = tl.cumsum(packed, axis=0) - packed
-    equal_before = before & 0xFFFF
-    chosen = (over != 0) | ((equal != 0) & (equal_before < need_equal))
-    at = buffered + (before >> 16) + tl.minimum(equal_before, need_equal)
-    out_ids = ids_ptr + row * R
-    out_slots = out_slots_ptr + row * R
-    out_valid = valid_ptr + row * R
-    position = position.to(tl.int64)
-    tl.store(out_ids + at, position, mask=chosen)
-    tl.store(out_slots + at, tl.load(slots_ptr + position * slot_s, mask=chosen, other=0), mask=chosen)
-    tl.store(out_valid + at, tl.full([WIDTH], 1, tl.int8), mask=chosen)
-    count = take + _buffer_rows_and_tail(token_valid_ptr, slots_ptr, out_ids, out_slots, out_valid, b, indexed,
-                                         buffered, buffered + take, R, N, valid_sb, valid_sn, slot_s, FILL_BLOCK)
-    tl.store(count_ptr + row, count.to(tl.int64))
-
-
-# which method ranks a call (see the module docstring): "auto" picks by the candidates per row from
-# _METHOD_BY_WIDTH: (the fewest candidates a row, method) pairs, ascending; the last whose bound
-# the width reaches wins. Not yet measured on a GPU: radix everywhere, an estimate
-# (benchmarks/pariskv_select.py times the methods; fill this table from its output)
+# which method ranks a call (see the module docstring): "auto" picks by the candidates per row,
+# from _METHOD_BY_WIDTH: (the fewest candidates a row, method) pairs, ascending; the last whose
+# bound the width reaches wins. Not yet measured on a GPU: radix everywhere, an estimate
+# (benchmarks/pariskv_select.py times all three; fill this table from its output)
 METHOD = "auto"
-METHODS = ("radix", "row", "split", "torch")
+METHODS = ("radix", "split", "torch")
 _METHOD_BY_WIDTH = ((0, "radix"),)
 
 
-def method_for(rows: int, width: int) -> str:
-    """The method ``METHOD`` names for ``rows`` rows of ``width`` candidates (sizes known when
-    the call is planned, so a captured step always takes the same one)."""
+def method_for(width: int) -> str:
+    """The method ``METHOD`` names for ``width`` candidates a row ("auto": ``_METHOD_BY_WIDTH``)."""
     if METHOD != "auto":
         if METHOD not in METHODS:
             raise ValueError(f"triton rerank_select: METHOD {METHOD!r}; accepted: auto, {', '.join(METHODS)}")
@@ -826,19 +685,13 @@ def rerank_select(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(unit_ids, num_units, slots, valid)``; see ``reference_analytic.rerank_select``.
 
-    ``method``: "radix", "row", "split" or "torch" (the module docstring); None: ``method_for``'s.
+    ``method``: "radix", "split" or "torch" (the module docstring); None: ``method_for(width)``.
     """
     args = (query_rotated, codes, weight, norms, candidates, token_valid, slots, indexed, next_position)
     _check(*args)
-    batch, heads, width = candidates.shape
-    method = method or method_for(batch * heads, width)
+    method = method or method_for(candidates.shape[-1])
     if method == "radix":
         return _radix(*args, int(capacity))
-    if method == "row":
-        if width > _ROW_MAX_WIDTH:  # its keys and positions are held in registers
-            raise ValueError(f"triton rerank_select: the row method takes at most {_ROW_MAX_WIDTH} candidates a row, "
-                             f"got {width}")
-        return _row(*args, int(capacity))
     if method == "split":
         return _split(*args, int(capacity))
     if method == "torch":
@@ -863,8 +716,7 @@ def _code_words(codes: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _score_launch(query_rotated, codes, weight, norms, candidates, keys, row_hist, chunk, chunks, wide,
-                  chunk_hist=False):
+def _score_launch(query_rotated, codes, weight, norms, candidates, keys, row_hist, chunk, chunks, wide):
     batch, heads, n, half = codes.shape
     width = candidates.shape[-1]
     values = nibble_values(2 * half, codes.device)  # cached on the device
@@ -877,7 +729,6 @@ def _score_launch(query_rotated, codes, weight, norms, candidates, keys, row_his
         values,
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half if words is None else half // 4), CHUNK=chunk,
         SUB=min(chunk, _RADIX_SCORE_SUB), BINS=_RADIX_BINS, LEVELS=_RADIX_LEVELS, WIDE=wide, WORDS=words is not None,
-        CHUNK_HIST=chunk_hist,
         num_warps=_RADIX_SCORE_WARPS,
     )
 
@@ -930,35 +781,6 @@ def _radix(query_rotated, codes, weight, norms, candidates, token_valid, slots, 
         *candidates.stride(), *token_bytes.stride(), slots.stride(0),
         CHUNK=chunk, SUB=sub, CHUNKS_BLOCK=max(2, triton.next_power_of_2(chunks)), LEVELS=_RADIX_LEVELS,
         BINS=_RADIX_BINS, PRELOAD=rows * width <= _PRELOAD_CANDIDATES, BLOCK=min(_PLACE_BLOCK, triton.next_power_of_2(triton.cdiv(capacity, chunks))),
-    )
-    return ids, count, out_slots, valid
-
-
-def _row(query_rotated, codes, weight, norms, candidates, token_valid, slots, indexed, next_position, capacity):
-    batch, heads, n, half = codes.shape
-    width = candidates.shape[-1]
-    device = codes.device
-    rows = batch * heads
-    ids, out_slots, valid, count = _outputs(batch, heads, capacity, device)
-    if rows == 0 or capacity == 0:
-        return ids, count.zero_(), out_slots, valid
-    chunk = radix_chunk(rows, width)
-    chunks = max(1, triton.cdiv(width, chunk))
-    keys = torch.empty(rows, max(1, width), dtype=torch.int32, device=device)
-    chunk_hist = torch.empty(rows, chunks, _RADIX_BINS, dtype=torch.int32, device=device)
-    lists = torch.empty(rows, 2, max(1, width), dtype=torch.int32, device=device)  # two lists a row
-    _score_launch(query_rotated, codes, weight, norms, candidates, keys, chunk_hist, chunk, chunks, False,
-                  chunk_hist=True)
-    valid_bytes = valid.view(torch.int8)
-    token_bytes = token_valid.view(torch.uint8) if token_valid.dtype == torch.bool else token_valid
-    _radix_row_kernel[(rows,)](
-        keys, chunk_hist, lists, candidates, token_bytes, slots, indexed, next_position,
-        ids, out_slots, valid_bytes, count,
-        heads, width, chunks, capacity, n,
-        *candidates.stride(), *token_bytes.stride(), slots.stride(0),
-        WIDTH=triton.next_power_of_2(max(1, width)), CHUNKS_BLOCK=max(2, triton.next_power_of_2(chunks)),
-        BINS=_RADIX_BINS, BLOCK=_ROW_BLOCK, FILL_BLOCK=min(_ROW_FILL_BLOCK, triton.next_power_of_2(capacity)),
-        num_warps=_ROW_WARPS,
     )
     return ids, count, out_slots, valid
 

@@ -533,13 +533,12 @@ def test_collision_candidates_band_bounds_are_exclusive(small_chunks, indexed, c
 # -- the fused rerank and final selection: rerank_select ----------------------------------------
 
 
-@pytest.fixture(params=["radix", "radix-level-chunk", "radix-no-preload", "row", "split", "torch"])
+@pytest.fixture(params=["radix", "radix-level-chunk", "radix-no-preload", "split", "torch"])
 def small_select(request, monkeypatch):
     """Each method at interpreter sizes: several chunks (radix: 16-32 candidates each), steps
     within a chunk, chunk blocks and finish blocks; "radix-level-chunk": the level and place
     passes on chunks larger than the score pass's; "radix-no-preload": the place pass loading
-    the chosen candidates' positions and slots only (a large call's); "row": several steps of
-    its lists' histograms and of its buffer rows and tail."""
+    the chosen candidates' positions and slots only (a large call's)."""
     from kvpolicy.kernels.triton import rerank_select
 
     monkeypatch.setattr(rerank_select, "_CHUNK", 128)
@@ -552,8 +551,6 @@ def small_select(request, monkeypatch):
     monkeypatch.setattr(rerank_select, "_RADIX_SCORE_SUB", 8)
     monkeypatch.setattr(rerank_select, "_RADIX_MIN_CHUNK", 8)
     monkeypatch.setattr(rerank_select, "_PLACE_BLOCK", 4)
-    monkeypatch.setattr(rerank_select, "_ROW_BLOCK", 16)
-    monkeypatch.setattr(rerank_select, "_ROW_FILL_BLOCK", 16)
     if request.param == "radix-level-chunk":
         monkeypatch.setattr(rerank_select, "_RADIX_LEVEL_MIN_CHUNK", 32)
     if request.param == "radix-no-preload":
@@ -676,7 +673,7 @@ def test_rerank_select_orders_negative_scores_and_zero(small_select):
         _assert_selects_like_reference(got, want, inputs, capacity)
 
 
-@pytest.mark.parametrize("method", ["radix", "row", "torch", "split"])
+@pytest.mark.parametrize("method", ["radix", "torch", "split"])
 @pytest.mark.parametrize(
     "width, listed, buffered",
     [
@@ -707,33 +704,23 @@ def test_rerank_select_method_table(monkeypatch):
     from kvpolicy.kernels.triton import rerank_select
 
     monkeypatch.setattr(rerank_select, "_METHOD_BY_WIDTH", ((0, "torch"), (5000, "radix"), (50000, "split")))
-    assert [rerank_select.method_for(8, w) for w in (10, 4999, 5000, 49999, 60000)] == [
+    assert [rerank_select.method_for(w) for w in (10, 4999, 5000, 49999, 60000)] == [
         "torch", "torch", "radix", "radix", "split"]
     monkeypatch.setattr(rerank_select, "METHOD", "split")
-    assert rerank_select.method_for(8, 10) == "split"
+    assert rerank_select.method_for(10) == "split"
     monkeypatch.setattr(rerank_select, "METHOD", "bitonic")
-    with pytest.raises(ValueError, match="METHOD 'bitonic'; accepted: auto, radix, row, split, torch"):
-        rerank_select.method_for(8, 10)
+    with pytest.raises(ValueError, match="METHOD 'bitonic'; accepted: auto, radix, split, torch"):
+        rerank_select.method_for(10)
 
 
 def test_rerank_select_auto_is_radix_at_decode_sizes():
-    # the row method measured slower at batch 1 (rerank_select.py): auto never takes it
     from kvpolicy.kernels.triton import rerank_select as rs
 
     assert rs.METHOD == "auto"
-    assert rs.method_for(8, 3960) == "radix"  # 1 x 32K: 8 rows of 3,960 candidates
-    assert rs.method_for(32, 6554) == "radix"  # 4 x 32K
-    assert rs.method_for(32, 13108) == "radix"  # 4 x 128K
-    assert rs.method_for(32, 104858) == "radix"  # 4 x 1M
-
-
-def test_rerank_select_row_method_refuses_a_wide_row(monkeypatch):
-    from kvpolicy.kernels.triton import rerank_select
-
-    monkeypatch.setattr(rerank_select, "_ROW_MAX_WIDTH", 64)
-    inputs = _select_inputs(1, 1, 1, 300, 32, 4, 100, [[100]], 280, 3)
-    with pytest.raises(ValueError, match="the row method takes at most 64 candidates a row, got 100"):
-        rerank_select.rerank_select(*[t.to(DEVICE) for t in inputs], 40, method="row")
+    assert rs.method_for(3960) == "radix"  # 1 x 32K: 3,960 candidates a row
+    assert rs.method_for(6554) == "radix"  # 4 x 32K
+    assert rs.method_for(13108) == "radix"  # 4 x 128K
+    assert rs.method_for(104858) == "radix"  # 4 x 1M
 
 
 def test_rerank_select_refuses_misshaped_inputs(small_select):
@@ -745,13 +732,11 @@ def test_rerank_select_refuses_misshaped_inputs(small_select):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("method", [None, "radix", "row"])
+@pytest.mark.parametrize("method", [None, "radix"])
 @pytest.mark.parametrize("batch, n, width", [(4, 131072, 13108), (4, 1048576, 104858), (1, 32768, 6554)])
 def test_rerank_select_at_decode_sizes(method, batch, n, width):
     # ParisKV's shape at batch 4 and 1: 8 KV heads, head_dim 128, 16 subspaces, top-k of a 2K
-    # budget; the method auto picks, and the radix and row methods (the row method: 1 x 32K only)
-    if method == "row" and width > 8192:
-        pytest.skip("the row method takes at most 8192 candidates a row")
+    # budget; the method auto picks, and the radix method
     heads, dim, capacity = 8, 128, 1980
     gen = torch.Generator(device=DEVICE).manual_seed(n)
     rotated = torch.nn.functional.normalize(torch.randn(batch, heads, dim, generator=gen, device=DEVICE), dim=-1)
