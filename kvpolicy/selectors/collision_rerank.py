@@ -29,9 +29,11 @@ def _votes_on(tiers: int, device: torch.device) -> torch.Tensor:
 VOTES = ("group_mean", "head_max")
 
 
+@functools.cache
 def _votes_per_head(query_votes) -> bool:
     """Whether a bound ``query_votes`` makes per-head tables (its ``collision_candidates`` then
-    takes them): every backend's op names the ``per_head`` keyword where it has them."""
+    takes them): every backend's op names the ``per_head`` keyword where it has them. Cached: a
+    head_max selection asks at every eager step."""
     return query_votes is not None and "per_head" in inspect.signature(query_votes).parameters
 
 
