@@ -1,6 +1,6 @@
 """Where louiskv's (and pariskv's) time to first token goes, and what cheaper K-means buys.
 
-Four parts, on one GPU (Qwen3-8B shape: 8 KV heads, head_dim 128, 36 layers, batch 1, bf16):
+Five parts, on one GPU (Qwen3-8B shape: 8 KV heads, head_dim 128, 36 layers, batch 1, bf16):
 
 1. ``kmeans`` alone, per layer, at each context (C = n / 16 clusters), for each K-means variant
    ``INIT/ITERS/PRECISION`` (``kvpolicy/units/kmeans.py``: init "spaced" or "pages", precision
@@ -21,6 +21,11 @@ Four parts, on one GPU (Qwen3-8B shape: 8 KV heads, head_dim 128, 36 layers, bat
    swaps those modules' ``torch.tensor`` for ``torch.full((), value)`` (a fill kernel, no sync)
    for the duration of the rows; it changes no file. If it helps, the owners of those files
    make the same change.
+5. ``profile``: device time by kernel over one prefill of ``--census-length`` tokens for full
+   attention and each louiskv row of part 3, so a policy's time over full attention's is named.
+
+A variant ``INIT/ITERS/PRECISION/SEGMENT`` clusters runs of at most SEGMENT tokens on their own
+(``KMeans(segment_tokens=SEGMENT)``).
 
 Usage (GPU, about 5-8 minutes with the defaults)::
 
@@ -51,17 +56,27 @@ from kvpolicy.bench.ttft import qwen3_8b_config, random_model, time_first_token
 from kvpolicy.kernels import dispatch
 from kvpolicy.layer import PolicyLayerState
 from kvpolicy.presets import preset
+from kvpolicy.units import KMeans
 
 DEFAULT_VARIANTS = "spaced/8/split,spaced/8/bf16,pages/3/split,pages/2/split,pages/2/bf16,pages/1/bf16"
 DEFAULT_TTFT_VARIANTS = "spaced/8/split,pages/2/split,pages/2/bf16"
 
 
 def parse_variant(text: str) -> dict:
+    """``INIT/ITERS/PRECISION[/SEGMENT]``: KMeans' options (``segment_tokens`` when SEGMENT is given)."""
     parts = text.split("/")
-    if len(parts) != 3:
-        raise SystemExit(f"a K-means variant is INIT/ITERS/PRECISION (e.g. pages/2/bf16), got {text!r}")
-    init, iters, precision = parts
-    return {"init": init, "iters": int(iters), "precision": precision}
+    if len(parts) not in (3, 4):
+        raise SystemExit(f"a K-means variant is INIT/ITERS/PRECISION[/SEGMENT] (e.g. pages/2/bf16, "
+                         f"spaced/8/split/8192), got {text!r}")
+    variant = {"init": parts[0], "iters": int(parts[1]), "precision": parts[2]}
+    if len(parts) == 4:
+        variant["segment_tokens"] = int(parts[3])
+    return variant
+
+
+def variant_labels(variant: dict, keys, valid, ops):
+    """The variant's prompt labels, as the louiskv preset's KMeans builder makes them."""
+    return KMeans(tokens_per_cluster=16, **variant).build_labels(keys, valid, ops)
 
 
 def _ints(text: str) -> list[int]:
@@ -76,13 +91,16 @@ def _sync(device: torch.device) -> None:
 # ---------------------------------------------------------------------------------------- part 1
 
 
-def assignment_flop(n: int, clusters: int, heads: int, dim: int, iters: int, precision: str) -> float:
+def assignment_flop(n: int, clusters: int, heads: int, dim: int, iters: int, precision: str,
+                    segment_tokens: int | None = None) -> float:
     dots = 1 if precision == "bf16" else 2  # bf16 keys: x.hi (+ x.lo with "split")
+    if segment_tokens is not None and n > segment_tokens:
+        clusters = -(-clusters // -(-n // segment_tokens))  # each token meets only its segment's clusters
     return 2.0 * n * clusters * dim * heads * dots * iters
 
 
 def kernel_times(device, backend, contexts, variants, heads, dim, layers, repeats) -> list[dict]:
-    op = dispatch.get("kmeans", backend, device)
+    ops = dispatch.bind(backend, device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
     print(f"\n== 1. kmeans per layer ({heads} KV heads x {dim} dims, {dtype}, C = n/16), backend {backend}")
@@ -97,9 +115,8 @@ def kernel_times(device, backend, contexts, variants, heads, dim, layers, repeat
         first = None
         for name in variants:
             v = parse_variant(name)
-            options = {k: v[k] for k in ("init", "precision")}
-            ms = time_ms(lambda: op(keys, valid, clusters, v["iters"], **options), device, repeats=repeats, warmup=1)
-            flop = assignment_flop(n, clusters, heads, dim, v["iters"], v["precision"])
+            ms = time_ms(lambda: variant_labels(v, keys, valid, ops), device, repeats=repeats, warmup=1)
+            flop = assignment_flop(n, clusters, heads, dim, v["iters"], v["precision"], v.get("segment_tokens"))
             first = ms if first is None else first
             rows.append({"n": n, "variant": name, "ms_per_layer": ms, "ms_all_layers": ms * layers,
                          "assign_flop": flop, "tflops": flop / ms / 1e9 if ms > 0 else None})
@@ -124,14 +141,13 @@ def kernel_breakdown(device, backend, n, variants, heads, dim) -> list[dict]:
         return []
     from torch.profiler import ProfilerActivity, profile
 
-    op = dispatch.get("kmeans", backend, device)
+    ops = dispatch.bind(backend, device)
     keys = torch.randn(1, heads, n, dim, device=device, dtype=torch.bfloat16)
     valid = torch.ones(1, n, dtype=torch.bool, device=device)
-    clusters = -(-n // 16)
     rows = []
     for name in variants:
         v = parse_variant(name)
-        call = lambda: op(keys, valid, clusters, v["iters"], init=v["init"], precision=v["precision"])  # noqa: E731
+        call = lambda: variant_labels(v, keys, valid, ops)  # noqa: E731
         call()
         _sync(device)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -233,6 +249,51 @@ def sync_census(model, policies: dict, length: int, nosync: bool) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------- part 5
+
+
+def prefill_profile(model, policies: dict, length: int, top: int = 15) -> list[dict]:
+    """Device time by kernel over one prefill of ``length`` tokens (after a warm-up), per policy:
+    where a policy's TTFT goes beyond full attention's."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        print("\n(prefill profile: CUDA only, skipped)")
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvpolicy.integrations.transformers import PolicyCache, cache_argument_name
+
+    ids = torch.randint(0, model.config.vocab_size, (1, length), device=device)
+    mask = torch.ones_like(ids)
+    rows = []
+    print(f"\n== 5. device time by kernel over one prefill of {length} tokens (units ready)")
+    for label, policy in policies.items():
+        with torch.inference_mode(), policy.apply(model) as session:
+            def prefill():
+                cache = session.new_cache()
+                model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1,
+                      **{cache_argument_name(model): cache})
+                if isinstance(cache, PolicyCache):
+                    for state in cache.policy_layers():
+                        state.wait_for_units()
+                _sync(device)
+
+            prefill()
+            started = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                prefill()
+            wall = 1e3 * (time.perf_counter() - started)
+        events = [e for e in prof.key_averages() if _device_us(e) > 0 and e.device_type.name == "CUDA"]
+        table = sorted(((e.key, _device_us(e), e.count) for e in events), key=lambda r: -r[1])
+        total = sum(us for _, us, _ in table) / 1e3
+        print(f"-- {label}: {total:.1f} ms of kernel time, {wall:.1f} ms wall (under the profiler)")
+        for key, us, count in table[:top]:
+            print(f"  {us / 1e3:8.2f} ms  x{count:<5d} {key[:90]}")
+            rows.append({"policy": label, "length": length, "kernel": key, "ms": us / 1e3, "count": count})
+        rows.append({"policy": label, "length": length, "kernel": "(total)", "ms": total, "wall_ms": wall})
+    return rows
+
+
 # ---------------------------------------------------------------------------------------- part 3
 
 
@@ -309,7 +370,7 @@ def smoke_model(device):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default="kernel,syncs,ttft", help="comma-separated: kernel, syncs, ttft")
+    p.add_argument("--parts", default="kernel,syncs,ttft", help="comma-separated: kernel, syncs, ttft, profile")
     p.add_argument("--contexts", default="2048,8192,32768,65536", help="kernel and TTFT contexts")
     p.add_argument("--ttft-contexts", default=None, help="TTFT contexts (default: --contexts)")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="part 1: K-means variants INIT/ITERS/PRECISION")
@@ -332,7 +393,7 @@ def main(argv=None) -> int:
     if args.smoke:
         device = torch.device("cpu")
         args.contexts, args.layers, args.repeats, args.kernel_repeats = "256", 2, 1, 1
-        args.variants, args.ttft_variants, args.budget, args.census_length = "spaced/2/split,pages/1/bf16", "pages/1/bf16", 128, 256
+        args.variants, args.ttft_variants, args.budget, args.census_length = "spaced/2/split,pages/1/bf16/128", "pages/1/bf16/128", 128, 256
         args.placements = "cpu"
     dispatch.check(args.backend, device)
     if device.type != "cuda":
@@ -358,7 +419,7 @@ def main(argv=None) -> int:
                                      args.kernel_repeats)
         out["kernel_breakdown"] = kernel_breakdown(device, args.backend, max(contexts), [variants[0], variants[-1]],
                                                    heads, dim)
-    if parts & {"syncs", "ttft"}:
+    if parts & {"syncs", "ttft", "profile"}:
         model = smoke_model(device) if args.smoke else random_model(qwen3_8b_config(layers=args.layers), device)
         if "syncs" in parts:
             census = {"full": preset("full")}
@@ -372,6 +433,11 @@ def main(argv=None) -> int:
                                         nosync=True)
         if "ttft" in parts:
             out["ttft"] = ttft_rows(model, args, ttft_contexts, nosync_modes)
+        if "profile" in parts:
+            profiled = {"full": preset("full")}
+            profiled.update({k: v for k, v in ttft_policies(args, args.placements.split(",")[0]).items()
+                             if k != "pariskv"})
+            out["profile"] = prefill_profile(model, profiled, args.census_length)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1, default=str)

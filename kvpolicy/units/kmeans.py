@@ -2,6 +2,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
+
 from ..errors import ConfigError
 from ..kernels import dispatch
 from ..kernels.reference import KMEANS_INITS, KMEANS_PRECISIONS
@@ -27,12 +30,19 @@ class KMeans(UnitBuilder):
     - ``precision``: "split" (default) measures distances to the float32 centroid (two bf16
       dots); "bf16" to the centroid rounded to bfloat16 (one dot, half the FLOPs; labels move
       only near ties).
+    - ``segment_tokens``: None (default) clusters the whole prompt at once, whose cost grows with
+      the square of its length. A number cuts a longer prompt into equal runs of at most that many
+      consecutive tokens and clusters each run on its own (RetroInfer's segmented clustering): a
+      cluster then never spans two runs, and the cost grows linearly, ``n * segment_tokens``
+      instead of ``n * n``. A prompt no longer than ``segment_tokens`` is clustered exactly as
+      with None.
     """
 
     tokens_per_cluster: int = 16
     iters: int = 8
     init: str = "spaced"
     precision: str = "split"
+    segment_tokens: int | None = None
     builds_prompt = True
 
     def validate(self) -> None:
@@ -52,10 +62,16 @@ class KMeans(UnitBuilder):
                 f"kmeans: iters must be an integer >= {lowest} with init={self.init!r}"
                 f"{' (0: the pages themselves)' if lowest == 0 else ' (init=pages accepts 0)'}, got {self.iters!r}"
             )
+        segment = self.segment_tokens
+        if segment is not None and (not isinstance(segment, int) or isinstance(segment, bool)
+                                    or segment < self.tokens_per_cluster):
+            raise ConfigError(
+                f"kmeans: segment_tokens must be None (the whole prompt) or an integer >= tokens_per_cluster "
+                f"({self.tokens_per_cluster}), got {segment!r}"
+            )
 
     def build_labels(self, keys, token_valid, ops):
         n = keys.shape[2]
-        num_clusters = max(1, -(-n // self.tokens_per_cluster))
         kmeans = dispatch.as_ops(ops, keys.device).kmeans
         # the defaults go unnamed, so a plugin backend's kmeans(keys, valid, clusters, iters) still serves them
         options = {}
@@ -63,5 +79,28 @@ class KMeans(UnitBuilder):
             options["init"] = self.init
         if self.precision != "split":
             options["precision"] = self.precision
-        labels, _ = kmeans(keys, token_valid, num_clusters, self.iters, **options)
-        return labels, num_clusters
+        segments = 1 if self.segment_tokens is None else -(-n // self.segment_tokens)
+        if segments <= 1:
+            num_clusters = max(1, -(-n // self.tokens_per_cluster))
+            labels, _ = kmeans(keys, token_valid, num_clusters, self.iters, **options)
+            return labels, num_clusters
+        return cluster_by_segment(kmeans, keys, token_valid, segments, self.tokens_per_cluster, self.iters, options)
+
+
+def cluster_by_segment(kmeans, keys: torch.Tensor, valid: torch.Tensor, segments: int, tokens_per_cluster: int,
+                       iters: int, options: dict) -> tuple[torch.Tensor, int]:
+    """K-means of ``segments`` equal runs of consecutive tokens, each on its own, in one call of
+    ``kmeans`` (the runs become the batch). Run ``r``'s clusters are labels ``[r * C, (r + 1) * C)``
+    with ``C = ceil(run / tokens_per_cluster)``; the last run is padded with invalid tokens."""
+    batch, heads, n, dim = keys.shape
+    run = -(-n // segments)
+    pad = run * segments - n
+    if pad:
+        keys = F.pad(keys, (0, 0, 0, pad))
+        valid = F.pad(valid, (0, pad), value=False)
+    per_run = max(1, -(-run // tokens_per_cluster))
+    run_keys = keys.view(batch, heads, segments, run, dim).transpose(1, 2).reshape(batch * segments, heads, run, dim)
+    labels, _ = kmeans(run_keys, valid.reshape(batch * segments, run), per_run, iters, **options)
+    first_label = torch.arange(segments, device=keys.device) * per_run
+    labels = labels.view(batch, segments, heads, run) + first_label[None, :, None, None]
+    return labels.transpose(1, 2).reshape(batch, heads, segments * run)[..., :n].contiguous(), segments * per_run

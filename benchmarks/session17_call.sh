@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Session 17's GPU calls. Usage: bash benchmarks/session17_call.sh OUTDIR TAR MODE
+source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
+TTFT="python3 benchmarks/kmeans_ttft.py"
+case ${3:?} in
+ttft)  # call 1: K-means by segment (linear in the prompt) against the whole-prompt default: per layer, then
+# TTFT from 8K to 64K, then where an 8K prefill's time goes (full against louiskv's rows) by kernel
+step kernel 120 $TTFT --parts kernel --contexts 8192,32768,65536 --variants spaced/8/split,spaced/8/split/8192,spaced/8/split/4096,spaced/3/bf16,spaced/3/bf16/8192 --json "$OUT/kernel.json"
+step ttft 330 $TTFT --parts ttft,profile --contexts 8192,32768,65536 --ttft-variants spaced/8/split,spaced/8/split/8192,spaced/8/split/4096 --nosync off --no-pariskv --census-length 8192 --json "$OUT/ttft.json"
+;;
+esac
