@@ -28,7 +28,7 @@ OPS = (
     "sparse_decode_attention", "collision_count", "candidate_topk", "rerank", "append_to_unit", "admit_row",
     "append_token", "note_decision", "query_cosine_fire", "interval_fire", "commit_selection", "append_leaving_by_rule",
     "fetch_whole", "query_votes", "collision_candidates", "rerank_select", "analytic_append", "score_gap_fire",
-    "score_gap_selected", "number_misses",
+    "score_gap_selected", "number_misses", "unit_stats",
 )
 # ParisKV's ops and the decode step's bookkeeping have their reference in their own files
 _REFERENCE_MODULE = {

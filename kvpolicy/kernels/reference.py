@@ -179,6 +179,27 @@ def mean_key_scores(query_group: torch.Tensor, key_mean: torch.Tensor) -> torch.
 HALF_MAX = 65504.0
 
 
+def unit_stats(keys: torch.Tensor, labels: torch.Tensor, order: torch.Tensor, start: torch.Tensor,
+               size: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The key statistics of a prompt's units: float32 ``(sum, min, max)``, each ``(B, H, U, D)``.
+
+    ``keys (B, H, n, D)``; ``labels (B, H, n)`` each token's unit in ``[0, U)``; ``order (B, H, n)``
+    the token indices sorted by unit, ascending within a unit, and ``start``/``size (B, H, U)`` each
+    unit's run of ``order`` (the same grouping as ``labels``: a fast backend reads whichever it
+    needs). An empty unit has sum 0, min +inf, max -inf. Each sum adds its tokens in ascending
+    order from 0, one float32 rounding per addition."""
+    batch, heads, n, dim = keys.shape
+    units = start.shape[-1]
+    k = keys.float()
+    index = labels.unsqueeze(-1).expand(batch, heads, n, dim)
+    key_sum = torch.zeros(batch, heads, units, dim, device=keys.device).scatter_add_(2, index, k)
+    key_min = torch.full((batch, heads, units, dim), float("inf"), device=keys.device)
+    key_min.scatter_reduce_(2, index, k, reduce="amin", include_self=True)
+    key_max = torch.full((batch, heads, units, dim), float("-inf"), device=keys.device)
+    key_max.scatter_reduce_(2, index, k, reduce="amax", include_self=True)
+    return key_sum, key_min, key_max
+
+
 def half_mean(key_sum: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
     """The float16 means a unit table keeps for scoring: ``key_sum / max(size, 1)`` in float32,
     clamped to float16's range, rounded to nearest even. Scoring reads them rather than the float32

@@ -61,7 +61,7 @@ class UnitBuilder:
         else:
             labels, num_units = torch.zeros(batch, heads, 0, dtype=torch.long, device=zone_keys.device), 0
         slots = torch.arange(zone, device=zone_keys.device)
-        return UnitTable.from_prompt(zone_keys, slots, retrievable, labels, num_units)
+        return UnitTable.from_prompt(zone_keys, slots, retrievable, labels, num_units, ops)
 
     def build_labels(self, keys: torch.Tensor, token_valid: torch.Tensor, ops) -> tuple[torch.Tensor, int]:
         """Group the prompt's retrieval zone.

@@ -93,12 +93,15 @@ class UnitTable:
         token_valid: torch.Tensor,
         labels: torch.Tensor,
         num_units: int,
+        ops=None,
     ) -> "UnitTable":
         """Build the table from a prefill builder's labels.
 
         ``keys``: ``(B, H, n, D)`` the zone's keys; ``slots``: ``(n,)`` their slots;
         ``token_valid``: ``(B, n)``; ``labels``: ``(B, H, n)`` in ``[0, num_units)``.
         Invalid tokens go to one extra, never-selectable unit so every slot has a place.
+        ``ops``: the kernel ops (or a backend name) that sum the units' keys; the reference's
+        by default.
         """
         batch, heads, n, dim = keys.shape
         device = keys.device
@@ -112,13 +115,8 @@ class UnitTable:
         size = torch.zeros(batch, heads, units, dtype=torch.long, device=device)
         size.scatter_add_(2, labels, torch.ones_like(labels))
         start = torch.cumsum(size, dim=-1) - size
-        k = keys.float()
-        index = labels.unsqueeze(-1).expand(batch, heads, n, dim)
-        key_sum = torch.zeros(batch, heads, units, dim, device=device).scatter_add_(2, index, k)
-        key_min = torch.full((batch, heads, units, dim), float("inf"), device=device)
-        key_min.scatter_reduce_(2, index, k, reduce="amin", include_self=True)
-        key_max = torch.full((batch, heads, units, dim), float("-inf"), device=device)
-        key_max.scatter_reduce_(2, index, k, reduce="amax", include_self=True)
+        stats = reference.unit_stats if ops is None else dispatch.as_ops(ops, device).unit_stats
+        key_sum, key_min, key_max = stats(keys, labels, perm, start, size)
         selectable = size > 0
         selectable[:, :, dead] = False
         return cls(
