@@ -22,7 +22,7 @@ Five parts, on one GPU (Qwen3-8B shape: 8 KV heads, head_dim 128, 36 layers, bat
    for the duration of the rows; it changes no file. If it helps, the owners of those files
    make the same change.
 5. ``profile``: device time by kernel over one prefill of ``--census-length`` tokens for full
-   attention and each louiskv row of part 3, so a policy's time over full attention's is named.
+   attention and each row of part 3, so a policy's time over full attention's is named.
 
 A variant ``INIT/ITERS/PRECISION/SEGMENT`` clusters runs of at most SEGMENT tokens on their own
 (``KMeans(segment_tokens=SEGMENT)``).
@@ -435,8 +435,7 @@ def main(argv=None) -> int:
             out["ttft"] = ttft_rows(model, args, ttft_contexts, nosync_modes)
         if "profile" in parts:
             profiled = {"full": preset("full")}
-            profiled.update({k: v for k, v in ttft_policies(args, args.placements.split(",")[0]).items()
-                             if k != "pariskv"})
+            profiled.update(ttft_policies(args, args.placements.split(",")[0]))
             out["profile"] = prefill_profile(model, profiled, args.census_length)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -8,4 +8,9 @@ ttft)  # call 1: K-means by segment (linear in the prompt) against the whole-pro
 step kernel 120 $TTFT --parts kernel --contexts 8192,32768,65536 --variants spaced/8/split,spaced/8/split/8192,spaced/8/split/4096,spaced/3/bf16,spaced/3/bf16/8192 --json "$OUT/kernel.json"
 step ttft 330 $TTFT --parts ttft,profile --contexts 8192,32768,65536 --ttft-variants spaced/8/split,spaced/8/split/8192,spaced/8/split/4096 --nosync off --no-pariskv --census-length 8192 --json "$OUT/ttft.json"
 ;;
+stats)  # call 2: the prompt's unit statistics in one Triton pass (unit_stats) on the GPU: tests, then TTFT
+# again with it (and pariskv's rows), and where an 8K prefill's time goes now
+step gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_unit_stats.py tests/kernels/triton/test_kmeans.py tests/units
+step ttft 360 $TTFT --parts ttft,profile --contexts 8192,32768,65536 --ttft-variants spaced/8/split,spaced/8/split/8192 --nosync off --census-length 8192 --json "$OUT/ttft.json"
+;;
 esac

@@ -65,3 +65,15 @@ def test_a_prompt_table_is_the_same_through_either_backend():
         assert torch.equal(_bits(getattr(fast, field)), _bits(getattr(ref, field))), field
     assert torch.equal(fast.key_mean.cpu(), ref.key_mean)
     assert torch.equal(fast.size.cpu(), ref.size) and torch.equal(fast.selectable.cpu(), ref.selectable)
+
+
+@pytest.mark.skipif(not CUDA, reason="a prefill-sized grouping is a GPU test")
+def test_triton_unit_stats_at_prefill_size_match_the_cpu_reference():
+    # 8K tokens of 8 KV heads in ~16-token clusters, as louiskv's K-means groups a prompt
+    gen = torch.Generator().manual_seed(8192)
+    keys = torch.randn(1, 8, 8192, 128, generator=gen).to(torch.bfloat16)
+    labels, order, start, size = _grouping(1, 8, 8192, 513, gen)
+    expected = reference.unit_stats(keys, labels, order, start, size)
+    got = dispatch.get("unit_stats", "triton", DEVICE)(*(t.to(DEVICE) for t in (keys, labels, order, start, size)))
+    for name, want, have in zip(("sum", "min", "max"), expected, got):
+        assert torch.equal(_bits(have), _bits(want)), name
