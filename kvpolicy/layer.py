@@ -180,7 +180,7 @@ class PolicyLayerState:
             # the decode builder's cut rule bounds the units a reserve must make room for
             self.units.decode_builder = self.policy.decode_units
         # a unit table lays the pool out unit by unit; an index of single tokens keeps slot order
-        self.store.lay_out_zone(keys, values, self.units.zone_order())
+        self.store.lay_out_zone(keys, values, self.units.zone_order(), self.ops)
 
     def wait_for_units(self) -> None:
         """Make the current stream wait for the prompt's units (built on a side stream)."""

@@ -312,13 +312,15 @@ class TieredStore:
             read_whole=pool_keys.device == device and device.type == "cuda",
         )
 
-    def lay_out_zone(self, keys: torch.Tensor, values: torch.Tensor, order: torch.Tensor | None) -> None:
+    def lay_out_zone(self, keys: torch.Tensor, values: torch.Tensor, order: torch.Tensor | None, ops=None) -> None:
         """Write the prompt's retrieval zone into the pool in ``order`` (``(B, H, zone_end)``, a
         permutation of the zone's slots per head, units contiguous): pool row ``i`` of head
         ``(b, h)`` holds slot ``order[b, h, i]``; ``None``: row = slot (an index of single
         tokens has no runs to keep together). ``keys``/``values``: the prompt's ``(B, H, P, D)``.
         A unit order also tells the store that its index is a unit table, whose units hold only
-        retrievable tokens, so the retrieved tier grows by the tighter rule (``retrievable``)."""
+        retrievable tokens, so the retrieved tier grows by the tighter rule (``retrievable``).
+        ``ops``: the kernel ops (or a backend name) whose ``gather_rows`` reorders the rows; the
+        reference's by default."""
         zone = self.zone_end
         self.unit_table = order is not None
         if zone == 0:
@@ -329,9 +331,10 @@ class TieredStore:
             _copy_prompt(pool.values, values[:, :, :zone])
             return
         order = order[..., :zone]
-        index = order.unsqueeze(-1).expand(*order.shape, keys.shape[-1])
-        _copy_prompt(pool.keys, keys[:, :, :zone].gather(2, index))
-        _copy_prompt(pool.values, values[:, :, :zone].gather(2, index))
+        # a row gather reads one index a row; torch.gather with an expanded index reads one an element
+        gather = reference.gather_rows if ops is None else dispatch.as_ops(ops, keys.device).gather_rows
+        _copy_prompt(pool.keys, gather(keys[:, :, :zone], order, keys.device))
+        _copy_prompt(pool.values, gather(values[:, :, :zone], order, keys.device))
         # int32: the table is held per layer for the whole generation (4 x 128K: 16 MB a layer)
         rows = torch.empty(order.shape, dtype=torch.int32, device=order.device)
         rows.scatter_(2, order, torch.arange(zone, dtype=torch.int32, device=order.device).expand_as(order))

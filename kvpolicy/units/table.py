@@ -107,7 +107,8 @@ class UnitTable:
         device = keys.device
         dead = num_units
         labels = torch.where(token_valid[:, None, :], labels, torch.full_like(labels, dead))
-        perm = torch.sort(labels, dim=-1, stable=True).indices
+        # int32 keys: half the radix passes of a long sort, the same stable order
+        perm = torch.sort(labels.to(torch.int32), dim=-1, stable=True).indices
         # spare room so decode tokens can be appended without growing at once
         order = grow_along(slots.to(device)[perm], 2, n + 16, 0)
         # no decode unit yet: the first step's plan (``make_room``) makes room for 16
