@@ -28,13 +28,13 @@ OPS = (
     "sparse_decode_attention", "collision_count", "candidate_topk", "rerank", "append_to_unit", "admit_row",
     "append_token", "note_decision", "query_cosine_fire", "interval_fire", "commit_selection", "append_leaving_by_rule",
     "fetch_whole", "query_votes", "collision_candidates", "rerank_select", "analytic_append", "score_gap_fire",
-    "score_gap_selected", "number_misses", "unit_stats",
+    "score_gap_selected", "number_misses", "unit_stats", "analytic_encode",
 )
 # ParisKV's ops and the decode step's bookkeeping have their reference in their own files
 _REFERENCE_MODULE = {
     "collision_count": reference_analytic, "candidate_topk": reference_analytic, "rerank": reference_analytic,
     "query_votes": reference_analytic, "collision_candidates": reference_analytic, "rerank_select": reference_analytic,
-    "analytic_append": reference_analytic,
+    "analytic_append": reference_analytic, "analytic_encode": reference_analytic,
     **{op: reference_step for op in ("append_token", "note_decision", "query_cosine_fire", "interval_fire",
                                      "commit_selection", "append_leaving_by_rule", "fetch_whole",
                                      "score_gap_fire", "score_gap_selected")},

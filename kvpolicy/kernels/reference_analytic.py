@@ -329,3 +329,26 @@ def analytic_append(
     token_valid.index_copy_(1, position, valid.view(-1, 1))
     slots.index_copy_(0, position, slot.view(1))
     next_position.add_(1)
+
+
+# -- the prompt's encoding into a fresh index (op analytic_encode) ----------------------------
+
+
+def analytic_encode(
+    keys: torch.Tensor,
+    signs: torch.Tensor,
+    subspaces: int,
+    centroids: torch.Tensor,
+    codes: torch.Tensor,
+    weight: torch.Tensor,
+    norms: torch.Tensor,
+) -> None:
+    """The prompt's keys ``(B, H, n, D)`` encoded (``analytic.encode_keys``) into positions
+    ``[0, n)`` of an ``AnalyticIndex``'s tensors, in place: ``centroids (B, H, capacity, S)``
+    uint8, ``codes (B, H, capacity, D // 2)`` uint8, ``weight`` and ``norms (B, H, capacity)``
+    float32, ``capacity >= n``; positions from ``n`` on are left as they are.
+    """
+    n = keys.shape[2]
+    encoded = analytic.encode_keys(keys, signs, subspaces)
+    for out, value in zip((centroids, codes, weight, norms), encoded):
+        out[:, :, :n] = value

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 
 # each module registers its op with ``dispatch.implement("triton", ...)``
-_MODULES = ("admit", "analytic_append", "attention", "candidates", "collision", "collision_candidates", "fetch", "gather", "kmeans", "query_votes",
+_MODULES = ("admit", "analytic_append", "analytic_encode", "attention", "candidates", "collision", "collision_candidates", "fetch", "gather", "kmeans", "query_votes",
             "refresh", "rerank", "rerank_select", "score_gap", "select", "step", "unit_append", "unit_stats", "write")
 
 
