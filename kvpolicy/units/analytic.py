@@ -82,7 +82,7 @@ class Analytic(UnitBuilder):
         subspaces = subspaces_for(head_dim, self.subspaces)
         analytic.check_subspaces(head_dim, subspaces)
         signs = analytic.srht_signs(head_dim, self.seed + layer_idx, zone_keys.device)
-        return AnalyticIndex.from_prompt(zone_keys, retrievable, signs, subspaces, self.update_buffer)
+        return AnalyticIndex.from_prompt(zone_keys, retrievable, signs, subspaces, self.update_buffer, ops)
 
     def starts_new_unit(self, boundary, open_size):
         raise NotImplementedError("analytic units are single tokens filed by AnalyticIndex")

@@ -40,13 +40,17 @@ def _spare(capacity: int) -> int:
     return max(256, capacity // 4)
 
 
-def weight_and_norms(batch: int, heads: int, capacity: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed ``weight`` and ``norms`` ``(B, H, capacity)`` float32, interleaved in one buffer
-    (views ``[..., 0]`` and ``[..., 1]`` of a ``(B, H, capacity, 2)`` tensor): the rerank reads
+def weight_and_norms(
+    batch: int, heads: int, capacity: int, device, zero_from: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` and ``norms`` ``(B, H, capacity)`` float32, interleaved in one buffer (views
+    ``[..., 0]`` and ``[..., 1]`` of a ``(B, H, capacity, 2)`` tensor), zeroed from position
+    ``zero_from`` on (the positions before it left for the caller to write): the rerank reads
     both for each of its scattered candidates, and interleaved they share a 32-byte sector, so
     a candidate costs one sector for them, not two (about a quarter of the rerank's reads at
     64-byte codes)."""
-    pair = torch.zeros(batch, heads, capacity, 2, device=device)
+    pair = torch.empty(batch, heads, capacity, 2, device=device)
+    pair[:, :, zero_from:].zero_()
     return pair[..., 0], pair[..., 1]
 
 
@@ -87,23 +91,39 @@ class AnalyticIndex:
         signs: torch.Tensor,
         subspaces: int,
         update_buffer: int,
+        ops=None,
     ) -> "AnalyticIndex":
         """Encode the prompt's retrieval zone (``zone_keys (B, H, n, D)``; ``retrievable (B, n)``).
 
         Every zone token is in the retrieval zone at once (ParisKV indexes the prompt at prefill);
-        the update buffer starts empty.
+        the update buffer starts empty. ``ops``: the kernel ops (or a backend name) whose
+        ``analytic_encode`` encodes the zone (one launch on the Triton backend); the reference's
+        by default.
         """
         batch, heads, n, dim = zone_keys.shape
         device = zone_keys.device
         analytic.check_subspaces(dim, subspaces)
         capacity = n + _spare(n)
-        encoded = analytic.encode_keys(zone_keys, signs, subspaces)
-        index = cls(
-            centroids=torch.zeros(batch, heads, capacity, subspaces, dtype=torch.uint8, device=device),
-            codes=torch.zeros(batch, heads, capacity, dim // 2, dtype=torch.uint8, device=device),
-            **dict(zip(("weight", "norms"), weight_and_norms(batch, heads, capacity, device))),
-            token_valid=torch.zeros(batch, capacity, dtype=torch.bool, device=device),
-            slots=torch.zeros(capacity, dtype=torch.long, device=device),
+        encode = reference_analytic.analytic_encode if ops is None else dispatch.as_ops(ops, device).analytic_encode
+        # positions [0, n) are written by the encode, straight into the index: only the spare
+        # room past them is zeroed (a full-size fill first would be a pass over the whole index)
+        centroids = torch.empty(batch, heads, capacity, subspaces, dtype=torch.uint8, device=device)
+        codes = torch.empty(batch, heads, capacity, dim // 2, dtype=torch.uint8, device=device)
+        centroids[:, :, n:].zero_()
+        codes[:, :, n:].zero_()
+        weight, norms = weight_and_norms(batch, heads, capacity, device, zero_from=n)
+        encode(zone_keys, signs, subspaces, centroids, codes, weight, norms)
+        token_valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
+        token_valid[:, :n] = retrievable
+        slots = torch.arange(capacity, device=device)  # position i is slot i; the spare room 0
+        slots[n:] = 0
+        return cls(
+            centroids=centroids,
+            codes=codes,
+            weight=weight,
+            norms=norms,
+            token_valid=token_valid,
+            slots=slots,
             next_position=torch.full((), n, dtype=torch.long, device=device),  # fills: no host sync
             indexed=torch.full((), n, dtype=torch.long, device=device),
             signs=signs,
@@ -112,13 +132,6 @@ class AnalyticIndex:
             num_prompt_units=n,
             length=n,
         )
-        index.centroids[:, :, :n] = encoded.centroids
-        index.codes[:, :, :n] = encoded.codes
-        index.weight[:, :, :n] = encoded.weight
-        index.norms[:, :, :n] = encoded.norms
-        index.token_valid[:, :n] = retrievable
-        index.slots[:n] = torch.arange(n, device=device)
-        return index
 
     def zone_order(self) -> None:
         """None: single tokens have no runs to keep together, so the pool keeps slot order."""
