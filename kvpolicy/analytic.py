@@ -40,6 +40,9 @@ ParisKV's pipeline, file by file (the ``pariskv`` preset composes the first thre
   (the update buffer's first, then the chosen tokens by position) in five launches and a memset.
 - ``kvpolicy/kernels/triton/analytic_append.py``: op ``analytic_append``, a leaving token
   encoded and written into the index, the flush and the counter, in one launch.
+- ``kvpolicy/kernels/triton/analytic_encode.py``: op ``analytic_encode``, the prompt's keys encoded
+  into a fresh index in one launch (``AnalyticIndex.from_prompt``); both encode a key with
+  ``analytic_encoding.py``'s shared Triton helper, so prompt and decode keys get the same bits.
 - ``kvpolicy/kernels/triton/collision.py``, ``candidates.py``, ``rerank.py``: ops
   ``collision_count``, ``candidate_topk`` and ``rerank`` (estimates, then ``torch.topk``), the
   composed path the selector takes where the fused ops are not bound.
@@ -51,7 +54,7 @@ ParisKV's pipeline, file by file (the ``pariskv`` preset composes the first thre
 - ``kvpolicy/units/nearest_centroid.py``: the stale-centroid baseline ParisKV is compared with.
 
 Tests: ``tests/test_analytic.py`` (encoding, reference ops), ``tests/kernels/triton/test_analytic_ops.py``
-(each Triton op against its reference), ``tests/units/test_analytic_index.py`` (index, selections, config),
+(each Triton op against its reference; the prompt's encode in ``test_analytic_encode.py``), ``tests/units/test_analytic_index.py`` (index, selections, config),
 ``tests/selectors/test_collision_rerank.py`` (length rule, fused path against the composed one). Speed:
 ``benchmarks/pariskv_select.py`` (selection per layer, the pinned gather), ``benchmarks/candidate_topk.py``.
 """
