@@ -13,4 +13,10 @@ stats)  # call 2: the prompt's unit statistics in one Triton pass (unit_stats) o
 step gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_unit_stats.py tests/kernels/triton/test_kmeans.py tests/units
 step ttft 360 $TTFT --parts ttft,profile --contexts 8192,32768,65536 --ttft-variants spaced/8/split,spaced/8/split/8192 --nosync off --census-length 8192 --json "$OUT/ttft.json"
 ;;
+final)  # call 3: with pariskv's prompt encoded in one launch a layer (analytic_encode) and the pool laid out by
+# row gathers: GPU tests, TTFT side by side for every row, the 8K profile, and pariskv's decode step unchanged
+step gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_unit_stats.py tests/kernels/triton/test_analytic_ops.py tests/kernels/triton/test_analytic_encode.py tests/kernels/triton/test_fetch.py tests/units
+step ttft 330 $TTFT --parts ttft,profile --contexts 8192,32768,65536 --ttft-variants spaced/8/split,spaced/8/split/8192,spaced/3/bf16 --nosync off --census-length 8192 --json "$OUT/ttft.json"
+step e2e_paris_32k 100 $E2E --contexts 32768 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_paris_32k.json"
+;;
 esac
