@@ -40,7 +40,13 @@ def _assert_encoded_like_reference(got, want, keys, signs, subspaces) -> tuple[i
     bits_differ = _bits(got[0], dims) != _bits(want[0], dims)
     assert not (bits_differ & ~near).any()
     torch.testing.assert_close(got[3], want[3], rtol=1e-6, atol=0)
-    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=0)
+    # weight = 1 / <rotated, dequantized code>: a token with a flipped code has the weight of its
+    # own code (0.6% apart on the H200 at 8K), every other token the reference's
+    flipped = codes_differ.any(-1)
+    torch.testing.assert_close(got[2][~flipped], want[2][~flipped], rtol=1e-5, atol=0)
+    alignment = (rotated * analytic.dequantize(got[1])).sum(-1)
+    own = torch.where(alignment > 0, 1 / alignment.clamp(min=1e-30), 0.0)
+    torch.testing.assert_close(got[2][flipped], own[flipped], rtol=1e-5, atol=0)
     return int(bits_differ.sum()), int(codes_differ.sum())
 
 
