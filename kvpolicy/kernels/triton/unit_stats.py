@@ -69,6 +69,8 @@ def unit_stats(keys: torch.Tensor, labels: torch.Tensor, order: torch.Tensor, st
     if tuple(order.shape) != (batch, heads, n) or tuple(size.shape) != tuple(start.shape) or start.shape[:2] != (batch, heads):
         raise ValueError(f"triton unit_stats: order {tuple(order.shape)}, start {tuple(start.shape)} and size "
                          f"{tuple(size.shape)} do not fit keys {tuple(keys.shape)}")
+    if batch * heads > 65535:  # the grid's second axis
+        raise ValueError(f"triton unit_stats: {batch} x {heads} (sequence, head) rows, at most 65,535")
     start, size = start.contiguous(), size.contiguous()  # one set of strides serves both
     key_sum = torch.empty(batch, heads, units, dim, dtype=torch.float32, device=keys.device)
     key_min, key_max = torch.empty_like(key_sum), torch.empty_like(key_sum)

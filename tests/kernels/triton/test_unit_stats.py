@@ -77,3 +77,11 @@ def test_triton_unit_stats_at_prefill_size_match_the_cpu_reference():
     got = dispatch.get("unit_stats", "triton", DEVICE)(*(t.to(DEVICE) for t in (keys, labels, order, start, size)))
     for name, want, have in zip(("sum", "min", "max"), expected, got):
         assert torch.equal(_bits(have), _bits(want)), name
+
+
+def test_triton_unit_stats_refuse_an_order_that_does_not_fit_the_keys():
+    keys = torch.zeros(1, 2, 10, 8, device=DEVICE)
+    labels = torch.zeros(1, 2, 10, dtype=torch.long, device=DEVICE)
+    start = torch.zeros(1, 2, 3, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match=r"triton unit_stats: order \(1, 2, 9\), start \(1, 2, 3\)"):
+        dispatch.get("unit_stats", "triton", DEVICE)(keys, labels, labels[..., :9], start, start)
