@@ -99,7 +99,7 @@ def cluster_by_segment(kmeans, keys: torch.Tensor, valid: torch.Tensor, segments
         keys = F.pad(keys, (0, 0, 0, pad))
         valid = F.pad(valid, (0, pad), value=False)
     per_run = max(1, -(-run // tokens_per_cluster))
-    run_keys = keys.view(batch, heads, segments, run, dim).transpose(1, 2).reshape(batch * segments, heads, run, dim)
+    run_keys = keys.reshape(batch, heads, segments, run, dim).transpose(1, 2).reshape(batch * segments, heads, run, dim)
     labels, _ = kmeans(run_keys, valid.reshape(batch * segments, run), per_run, iters, **options)
     first_label = torch.arange(segments, device=keys.device) * per_run
     labels = labels.view(batch, segments, heads, run) + first_label[None, :, None, None]

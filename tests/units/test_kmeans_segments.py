@@ -65,3 +65,12 @@ def test_segment_tokens_travels_in_the_policy_spec():
                     selector="top_budget", budget=256)
     assert policy.to_dict()["prefill_units"]["segment_tokens"] == 4096
     assert Policy.from_dict(policy.to_dict()) == policy
+
+
+def test_a_zone_sliced_from_the_prompt_is_clustered_as_its_copy():
+    # build_index hands the builder keys[:, :, :zone], a view of the prompt's keys
+    prompt, valid = _keys(n=100), torch.ones(1, 96, dtype=torch.bool)
+    builder = KMeans(tokens_per_cluster=8, iters=2, segment_tokens=32)
+    sliced, count = builder.build_labels(prompt[:, :, :96], valid, "reference")
+    copied, _ = builder.build_labels(prompt[:, :, :96].contiguous(), valid, "reference")
+    assert count == 3 * 4 and torch.equal(sliced, copied)
