@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..integrations.transformers import PolicyCache, cache_argument_name
+from ..integrations.transformers import PolicyCache, cache_argument_name, last_logits_only
 from ..policy import Policy
 
 
@@ -53,7 +53,7 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Pre
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
+    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **last_logits_only(model),
                 **{cache_argument_name(model): cache})
     keys = [getattr(layer, "keys", None) for layer in cache.layers]
     values = [getattr(layer, "values", None) for layer in cache.layers]

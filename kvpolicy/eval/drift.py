@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..errors import ConfigError
-from ..integrations.transformers import PolicyCache, cache_argument_name
+from ..integrations.transformers import PolicyCache, cache_argument_name, last_logits_only
 from ..presets import PRESETS, preset
 from . import decode as decoding
 from .defaults import DRIFT_POLICIES
@@ -141,7 +141,7 @@ def write_continuation(model, input_ids: torch.Tensor, new_tokens: int, *, tempe
 
     cache = DynamicCache(config=model.config)
     name = cache_argument_name(model)
-    out = model(input_ids=input_ids, use_cache=True, **{name: cache})
+    out = model(input_ids=input_ids, use_cache=True, **last_logits_only(model), **{name: cache})
     generator = torch.Generator().manual_seed(seed)
     banned = torch.tensor(sorted(set(banned)), dtype=torch.long)
     tokens = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -48,3 +50,25 @@ def test_graph_decode_teacher_forced_and_stopped(shared, single_thread):
     stopped_eager = decoding.decode(model, prefilled, policy, 16, stop_ids=stop, graph=False)
     stopped_replay = decoding.decode(model, prefilled, policy, 16, stop_ids=stop, graph="emulate")
     assert stopped_replay.tokens == stopped_eager.tokens == free.tokens[: first + 1]
+
+
+def test_the_eval_prefill_projects_only_the_last_position_to_the_vocabulary():
+    # full-vocabulary logits of every prompt position cost 1 MB a token on Gemma 3 (a 16K CPU eval
+    # was killed for memory); the prefill asks for the last position's alone, with the same values
+    model = build_model("llama", max_position_embeddings=512)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    seen = []
+    forward = model.forward
+
+    @functools.wraps(forward)  # keeps the signature the prefill reads
+    def spy(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        seen.append((kwargs.get("logits_to_keep"), tuple(out.logits.shape)))
+        return out
+
+    model.forward = spy
+    prefilled = decoding.prefill(model, ids, torch.ones_like(ids))
+    assert seen == [(1, (1, 1, model.config.vocab_size))]
+    with torch.inference_mode():
+        whole = forward(input_ids=ids).logits[:, -1].float()
+    torch.testing.assert_close(prefilled.last_logits, whole, rtol=1e-5, atol=1e-5)
