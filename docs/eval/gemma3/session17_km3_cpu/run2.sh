@@ -1,0 +1,1 @@
+OMP_NUM_THREADS=2 kvpolicy eval --model gemma3 --device cpu --tasks niah_single,niah_multikey,niah_multivalue,niah_multiquery --lengths 16384 --budgets 512 --seeds 0,1 --presets clusterkv,clusterkv-km3 --variant 'clusterkv-km3=clusterkv:{"prefill_units": {"name": "kmeans", "tokens_per_cluster": 16, "iters": 3, "init": "spaced", "precision": "bf16"}}' --out /tmp/g16km3
