@@ -332,7 +332,7 @@ class TieredStore:
             return
         order = order[..., :zone]
         # a row gather reads one index a row; torch.gather with an expanded index reads one an element
-        gather = reference.gather_rows if ops is None else dispatch.as_ops(ops, keys.device).gather_rows
+        gather = dispatch.as_ops(ops, keys.device).gather_rows
         _copy_prompt(pool.keys, gather(keys[:, :, :zone], order, keys.device))
         _copy_prompt(pool.values, gather(values[:, :, :zone], order, keys.device))
         # int32: the table is held per layer for the whole generation (4 x 128K: 16 MB a layer)

@@ -172,9 +172,10 @@ def bind(backend: str, device: torch.device) -> Ops:
     return _BOUND[key]
 
 
-def as_ops(ops_or_backend: "Ops | str", device: torch.device) -> Ops:
+def as_ops(ops_or_backend: "Ops | str | None", device: torch.device) -> Ops:
     """``ops_or_backend`` if it is an ops table, else ``bind(ops_or_backend, device)`` (for
-    callers outside the decode step, tests and benchmarks, that name a backend)."""
+    callers outside the decode step, tests and benchmarks, that name a backend); None binds the
+    reference (the default of the structures' ``ops=None`` arguments)."""
     if isinstance(ops_or_backend, Ops):
         return ops_or_backend
-    return bind(ops_or_backend, device)
+    return bind("reference" if ops_or_backend is None else ops_or_backend, device)

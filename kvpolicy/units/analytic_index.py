@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import analytic
-from ..kernels import dispatch, reference_analytic
+from ..kernels import dispatch
 from .table import grow_along
 
 
@@ -104,7 +104,7 @@ class AnalyticIndex:
         device = zone_keys.device
         analytic.check_subspaces(dim, subspaces)
         capacity = n + _spare(n)
-        encode = reference_analytic.analytic_encode if ops is None else dispatch.as_ops(ops, device).analytic_encode
+        encode = dispatch.as_ops(ops, device).analytic_encode
         # positions [0, n) are written by the encode, straight into the index: only the spare
         # room past them is zeroed (a full-size fill first would be a pass over the whole index)
         centroids = torch.empty(batch, heads, capacity, subspaces, dtype=torch.uint8, device=device)
@@ -194,7 +194,7 @@ class AnalyticIndex:
         self.make_room()  # a no-op after the layer's plan step (kept for direct callers)
         # in place throughout (op analytic_append): a captured step must update the tensors it
         # was captured with; the reference where no ops table is given
-        append = reference_analytic.analytic_append if ops is None else dispatch.as_ops(ops, key.device).analytic_append
+        append = dispatch.as_ops(ops, key.device).analytic_append
         append(
             self.centroids, self.codes, self.weight, self.norms, self.token_valid, self.slots, self.next_position,
             self.indexed, self.signs, self.subspaces, self.update_buffer, key, valid, slot,

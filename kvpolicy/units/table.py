@@ -116,8 +116,7 @@ class UnitTable:
         size = torch.zeros(batch, heads, units, dtype=torch.long, device=device)
         size.scatter_add_(2, labels, torch.ones_like(labels))
         start = torch.cumsum(size, dim=-1) - size
-        stats = reference.unit_stats if ops is None else dispatch.as_ops(ops, device).unit_stats
-        key_sum, key_min, key_max = stats(keys, labels, perm, start, size)
+        key_sum, key_min, key_max = dispatch.as_ops(ops, device).unit_stats(keys, labels, perm, start, size)
         selectable = size > 0
         selectable[:, :, dead] = False
         return cls(

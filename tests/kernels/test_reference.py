@@ -79,3 +79,10 @@ def test_dispatch_reference_always_available_and_errors_are_clear(monkeypatch):
         dispatch.check("triton", cpu)
     with pytest.raises(ConfigError, match="accepted: auto, reference, triton"):
         dispatch.check("cuda-magic", cpu)
+
+
+def test_no_ops_binds_the_reference():
+    # the structures' ops=None (UnitTable.from_prompt, lay_out_zone, AnalyticIndex) mean the reference
+    ops = dispatch.as_ops(None, torch.device("cpu"))
+    assert ops.backend == "reference" and ops.unit_stats is reference.unit_stats
+    assert dispatch.as_ops(ops, torch.device("cpu")) is ops
