@@ -25,7 +25,9 @@ Five parts, on one GPU (Qwen3-8B shape: 8 KV heads, head_dim 128, 36 layers, bat
    attention and each row of part 3, so a policy's time over full attention's is named.
 
 A variant ``INIT/ITERS/PRECISION/SEGMENT`` clusters runs of at most SEGMENT tokens on their own
-(``KMeans(segment_tokens=SEGMENT)``).
+(``KMeans(segment_tokens=SEGMENT)``). Run settings may follow a variant: ``@p-1`` builds the units on
+a side stream of high CUDA priority, ``+fuse`` fuses K-means' update into its assignment (e.g.
+``spaced/8/split@p-1+fuse``).
 
 Usage (GPU, about 5-8 minutes with the defaults)::
 
@@ -62,8 +64,48 @@ DEFAULT_VARIANTS = "spaced/8/split,spaced/8/bf16,pages/3/split,pages/2/split,pag
 DEFAULT_TTFT_VARIANTS = "spaced/8/split,pages/2/split,pages/2/bf16"
 
 
+def split_settings(text: str) -> tuple[str, dict]:
+    """A variant's run settings, written after it: ``+fuse`` (the Triton K-means adds the keys
+    into the sums inside its assignment, ``FUSE_UPDATE``) and ``@pN`` (the side stream that builds
+    the prompt's units at CUDA priority N, ``layer.SIDE_STREAM_PRIORITY``; -1 is high). Returns the
+    variant without them, and the settings."""
+    settings = {}
+    if "@p" in text:
+        text, priority = text.split("@p", 1)
+        fuse = priority.endswith("+fuse")
+        settings["priority"] = int(priority.removesuffix("+fuse"))
+        text += "+fuse" if fuse else ""
+    if text.endswith("+fuse"):
+        text, settings["fuse"] = text.removesuffix("+fuse"), True
+    return text, settings
+
+
+@contextlib.contextmanager
+def applied(settings: dict):
+    """Run under a variant's settings (``split_settings``), restored after."""
+    from kvpolicy import layer
+    from kvpolicy.kernels.triton import kmeans as triton_kmeans
+
+    saved = layer.SIDE_STREAM_PRIORITY, triton_kmeans.FUSE_UPDATE
+    layer.SIDE_STREAM_PRIORITY = settings.get("priority", saved[0])
+    triton_kmeans.FUSE_UPDATE = settings.get("fuse", saved[1])
+    try:
+        yield
+    finally:
+        layer.SIDE_STREAM_PRIORITY, triton_kmeans.FUSE_UPDATE = saved
+
+
+def label_settings(label: str) -> dict:
+    """The run settings of a row labelled ``louiskv[VARIANT]`` (none for other rows)."""
+    if not label.startswith("louiskv[") or not label.endswith("]"):
+        return {}
+    return split_settings(label[len("louiskv["):-1])[1]
+
+
 def parse_variant(text: str) -> dict:
-    """``INIT/ITERS/PRECISION[/SEGMENT]``: KMeans' options (``segment_tokens`` when SEGMENT is given)."""
+    """``INIT/ITERS/PRECISION[/SEGMENT]``: KMeans' options (``segment_tokens`` when SEGMENT is given);
+    run settings after it (``split_settings``) are left out."""
+    text, _ = split_settings(text)
     parts = text.split("/")
     if len(parts) not in (3, 4):
         raise SystemExit(f"a K-means variant is INIT/ITERS/PRECISION[/SEGMENT] (e.g. pages/2/bf16, "
@@ -115,7 +157,8 @@ def kernel_times(device, backend, contexts, variants, heads, dim, layers, repeat
         first = None
         for name in variants:
             v = parse_variant(name)
-            ms = time_ms(lambda: variant_labels(v, keys, valid, ops), device, repeats=repeats, warmup=1)
+            with applied(split_settings(name)[1]):
+                ms = time_ms(lambda: variant_labels(v, keys, valid, ops), device, repeats=repeats, warmup=1)
             flop = assignment_flop(n, clusters, heads, dim, v["iters"], v["precision"], v.get("segment_tokens"))
             first = ms if first is None else first
             rows.append({"n": n, "variant": name, "ms_per_layer": ms, "ms_all_layers": ms * layers,
@@ -268,7 +311,7 @@ def prefill_profile(model, policies: dict, length: int, top: int = 15) -> list[d
     rows = []
     print(f"\n== 5. device time by kernel over one prefill of {length} tokens (units ready)")
     for label, policy in policies.items():
-        with torch.inference_mode(), policy.apply(model) as session:
+        with torch.inference_mode(), applied(label_settings(label)), policy.apply(model) as session:
             def prefill():
                 cache = session.new_cache()
                 model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1,
@@ -289,9 +332,24 @@ def prefill_profile(model, policies: dict, length: int, top: int = 15) -> list[d
         print(f"-- {label}: {total:.1f} ms of kernel time, {wall:.1f} ms wall (under the profiler)")
         for key, us, count in table[:top]:
             print(f"  {us / 1e3:8.2f} ms  x{count:<5d} {key[:90]}")
-            rows.append({"policy": label, "length": length, "kernel": key, "ms": us / 1e3, "count": count})
+        rows += [{"policy": label, "length": length, "kernel": key, "ms": us / 1e3, "count": count}
+                 for key, us, count in table]
         rows.append({"policy": label, "length": length, "kernel": "(total)", "ms": total, "wall_ms": wall})
+    print_beyond_full(rows, top)
     return rows
+
+
+def print_beyond_full(rows: list[dict], top: int) -> None:
+    """Per policy, the kernels whose device time most exceeds full attention's (by kernel name)."""
+    full = {r["kernel"]: r for r in rows if r["policy"] == "full" and r["kernel"] != "(total)"}
+    for label in dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"):
+        mine = [r for r in rows if r["policy"] == label and r["kernel"] != "(total)"]
+        extra = sorted(((r["ms"] - full.get(r["kernel"], {}).get("ms", 0.0), r) for r in mine), key=lambda e: -e[0])
+        print(f"-- {label}: kernels beyond full attention's (ms more, calls here / in full)")
+        for more, r in extra[:top]:
+            if more <= 0:
+                break
+            print(f"  {more:8.2f} ms  x{r['count']:<5d}/{full.get(r['kernel'], {}).get('count', 0):<5d} {r['kernel'][:90]}")
 
 
 # ---------------------------------------------------------------------------------------- part 3
@@ -343,7 +401,7 @@ def ttft_rows(model, args, contexts, nosync_modes) -> list[dict]:
         for placement in args.placements.split(","):
             for nosync in nosync_modes:
                 for label, policy in ttft_policies(args, placement).items():
-                    with no_scalar_sync(nosync), prefill_host_clock() as spent:
+                    with no_scalar_sync(nosync), applied(label_settings(label)), prefill_host_clock() as spent:
                         r = time_first_token(model, policy, 1, length, repeats=args.repeats)
                     host_ms = 1e3 * spent[0] / (args.repeats + 1)  # per prefill (the warm-up included)
                     ready = r.units_ready_ms if r.units_ready_ms is not None else r.ttft_ms

@@ -33,7 +33,12 @@ if TYPE_CHECKING:
     from .policy import Policy
 
 
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_SIDE_STREAMS: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+# the side stream's CUDA priority (lower is higher; 0 is the default, -1 the usual highest): the
+# prompt's units compete with the next layers' prefill kernels for the GPU's blocks, and at normal
+# priority much of their work waited until the prefill was done (an 8K prompt's units were ready
+# 1.106x full attention's TTFT against 1.089x at -1; H200, session 18, BENCHMARKS.md)
+SIDE_STREAM_PRIORITY = -1
 
 
 def _builds_on_side_stream(device: torch.device) -> bool:
@@ -42,10 +47,11 @@ def _builds_on_side_stream(device: torch.device) -> bool:
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for building prompt units (shared by all layers)."""
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
+    """One side stream per device (and priority) for building prompt units (shared by all layers)."""
+    key = (device, SIDE_STREAM_PRIORITY)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device, priority=SIDE_STREAM_PRIORITY)
+    return _SIDE_STREAMS[key]
 
 
 # each layer's unit cache may take this share of the device memory free when its prompt arrives,

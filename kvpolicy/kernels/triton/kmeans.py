@@ -12,6 +12,8 @@ Same contract and initialisation as ``reference.kmeans`` (``init`` "spaced" or "
 - ``_finalize``: divides, keeps the old centroid of an emptied cluster, prepares the next
   assignment's operands (below) and zeroes the buffers. It also prepares the initial ones.
 
+With ``FUSE_UPDATE`` the assignment does ``_accumulate``'s work itself: two launches an iteration.
+
 Precision. A plain fp32 ``tl.dot`` runs in TF32 on the GPU (inputs rounded to 11 bits),
 which flips labels well away from exact ties; IEEE fp32 would leave the tensor cores. So
 each centroid is split into two bfloat16 halves, ``c ~= hi + lo`` (about 16 bits kept),
@@ -36,6 +38,13 @@ import triton.language as tl
 from .. import reference
 from ..dispatch import implement, triton_runs_on
 
+# True: each assignment adds its keys into the cluster sums itself (the key tile is already in
+# its registers), so an iteration is two launches (assign, finalize) instead of three, and the
+# keys are read once; the same float32 atomics as ``_accumulate``, in another order. On an H200
+# (8 heads, D=128, bf16) a layer's K-means took 1.25 ms against 1.44 at 8K, 5.0 against 5.1 at 32K
+# and 5.4 against 6.1 ms at 64K in segments of 16K (session 18)
+FUSE_UPDATE = True
+
 
 @triton.jit
 def _round_bf16(x):
@@ -49,10 +58,11 @@ def _round_bf16(x):
 
 @triton.jit
 def _assign(
-    keys_ptr, hi_ptr, lo_ptr, norm_ptr, labels_ptr,
+    keys_ptr, hi_ptr, lo_ptr, norm_ptr, labels_ptr, valid_ptr, sums_ptr, counts_ptr,
     n, C, D, H,
     stride_b, stride_h, stride_n, stride_d,
-    SPLIT_X: tl.constexpr, ONE_DOT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT_X: tl.constexpr, ONE_DOT: tl.constexpr, UPCAST: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # int64: offsets below reach past 2**31 on long prompts
@@ -110,6 +120,12 @@ def _assign(
         best_idx = tl.where(better, block_arg + c0, best_idx)
 
     tl.store(labels_ptr + bh * n + tokens, best_idx.to(tl.int64), mask=token_ok)
+    if ACCUMULATE:  # _accumulate's atomics from the key tile already in registers (FUSE_UPDATE)
+        use = token_ok & (tl.load(valid_ptr + b * n + tokens, mask=token_ok, other=0) != 0)
+        mask = use[:, None] & dim_ok[None, :]
+        tl.atomic_add(sums_ptr + (bh * C + best_idx)[:, None] * D + dims[None, :], x.to(tl.float32), mask=mask,
+                      sem="relaxed")
+        tl.atomic_add(counts_ptr + bh * C + best_idx, tl.full([BLOCK_N], 1.0, tl.float32), mask=use, sem="relaxed")
 
 
 @triton.jit
@@ -247,11 +263,16 @@ def kmeans(
         # with zero counts this only prepares the split centroids and norms of the initial ones
         _finalize[finalize_grid](centroids, sums, counts, c_hi, c_lo, norms, C, dim, HI_NORM=one_dot,
                                  BLOCK_C=block_cf, BLOCK_D=block_d)
+    fused = FUSE_UPDATE
     for _ in range(iters):
         _assign[(triton.cdiv(n, block_n), bh)](
-            keys, c_hi, c_lo, norms, labels, n, C, dim, heads, *strides,
-            SPLIT_X=split_x, ONE_DOT=one_dot, UPCAST=not keys.is_cuda, BLOCK_N=block_n, BLOCK_C=block_c,
-            BLOCK_D=block_d, num_warps=warps, num_stages=stages,
+            keys, c_hi, c_lo, norms, labels, valid8, sums, counts, n, C, dim, heads, *strides,
+            SPLIT_X=split_x, ONE_DOT=one_dot, UPCAST=not keys.is_cuda, ACCUMULATE=fused, BLOCK_N=block_n,
+            BLOCK_C=block_c, BLOCK_D=block_d, num_warps=warps, num_stages=stages,
         )
-        update()
+        if fused:
+            _finalize[finalize_grid](centroids, sums, counts, c_hi, c_lo, norms, C, dim, HI_NORM=one_dot,
+                                     BLOCK_C=block_cf, BLOCK_D=block_d)
+        else:
+            update()
     return labels, centroids

@@ -328,3 +328,47 @@ def test_precision_decides_labels_and_each_backend_honours_it():
     assert torch.equal(labels.cpu(), rounded)
     labels, _ = triton_kmeans()(keys.to(DEVICE), valid.to(DEVICE), 256, 1)
     assert torch.equal(labels.cpu(), split)
+
+
+@pytest.fixture(params=[True, False], ids=["fused", "apart"])
+def fused_update(request, monkeypatch):
+    """The assignment adds its keys into the cluster sums itself (``FUSE_UPDATE``, the default), or
+    ``_accumulate`` does after it."""
+    from kvpolicy.kernels.triton import kmeans as module
+
+    monkeypatch.setattr(module, "FUSE_UPDATE", request.param)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_update_separated_clusters_match_exactly(fused_update, dtype):
+    gen = torch.Generator().manual_seed(31)
+    valid = left_padded(2, 96, [0, 13])
+    keys = clustered_keys(gen, valid, 2, 64, clusters=12).to(dtype)
+    assert_matches_reference(keys, valid, 12, iters=4, exact=True)
+
+
+@pytest.mark.parametrize("init,precision", [("spaced", "split"), ("pages", "split"), ("spaced", "bf16")])
+def test_fused_update_random_keys_agree_up_to_near_ties(fused_update, init, precision):
+    gen = torch.Generator().manual_seed(32)
+    keys = torch.randn(2, 3, 150, 40, generator=gen).to(torch.bfloat16)
+    valid = left_padded(2, 150, [0, 22])
+    assert_matches_reference(keys, valid, 20, iters=3, init=init, precision=precision)
+
+
+def test_fused_update_invalid_tokens_move_no_centroid(fused_update):
+    gen = torch.Generator().manual_seed(33)
+    keys = torch.randn(1, 2, 64, 64, generator=gen)
+    valid = left_padded(1, 64, [20])
+    _, centroids = triton_kmeans()(keys.to(DEVICE), valid.to(DEVICE), 6, 2)
+    poisoned = keys.clone()
+    poisoned[:, :, :20] = 1e4  # the padding's keys: never added
+    _, again = triton_kmeans()(poisoned.to(DEVICE), valid.to(DEVICE), 6, 2)
+    torch.testing.assert_close(again, centroids)
+
+
+@needs_cuda
+def test_fused_update_cuda_realistic_size(fused_update):
+    gen = torch.Generator().manual_seed(34)
+    valid = left_padded(1, 32768, [1000])
+    keys = clustered_keys(gen, valid, 8, 128, clusters=2048, spread=0.02)
+    assert_matches_reference(keys.to(torch.bfloat16), valid, 2048, iters=3, exact=True)

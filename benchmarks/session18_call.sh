@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Session 18's GPU calls. Usage: bash benchmarks/session18_call.sh OUTDIR TAR MODE
+source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
+TTFT="python3 benchmarks/kmeans_ttft.py"
+case ${3:?} in
+ttft)  # call 1: K-means' update fused into its assignment (+fuse), the units' side stream at high priority
+# (@p-1) and segments of 16,384 tokens: tests, per-layer K-means, TTFT 8K-64K, where an 8K prefill's time goes
+step gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_kmeans.py tests/units
+step kernel 100 $TTFT --parts kernel --contexts 8192,32768,65536 --variants spaced/8/split,spaced/8/split+fuse,spaced/8/split/16384,spaced/8/split/16384+fuse --json "$OUT/kernel.json"
+step ttft 360 $TTFT --parts ttft,profile --contexts 8192,32768,65536 --ttft-variants spaced/8/split,spaced/8/split@p-1,spaced/8/split+fuse,spaced/8/split@p-1+fuse,spaced/8/split/16384,spaced/8/split/16384@p-1+fuse --nosync off --census-length 8192 --json "$OUT/ttft.json"
+;;
+esac
