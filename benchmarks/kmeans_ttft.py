@@ -103,16 +103,16 @@ def label_settings(label: str) -> dict:
 
 
 def parse_variant(text: str) -> dict:
-    """``INIT/ITERS/PRECISION[/SEGMENT]``: KMeans' options (``segment_tokens`` when SEGMENT is given);
-    run settings after it (``split_settings``) are left out."""
+    """``INIT/ITERS/PRECISION[/SEGMENT]``: KMeans' options (``segment_tokens`` when SEGMENT is given,
+    None for ``whole``; else KMeans' default); run settings after it (``split_settings``) are left out."""
     text, _ = split_settings(text)
     parts = text.split("/")
     if len(parts) not in (3, 4):
         raise SystemExit(f"a K-means variant is INIT/ITERS/PRECISION[/SEGMENT] (e.g. pages/2/bf16, "
                          f"spaced/8/split/8192), got {text!r}")
     variant = {"init": parts[0], "iters": int(parts[1]), "precision": parts[2]}
-    if len(parts) == 4:
-        variant["segment_tokens"] = int(parts[3])
+    if len(parts) == 4:  # "whole": the whole prompt at once (segment_tokens None)
+        variant["segment_tokens"] = None if parts[3] == "whole" else int(parts[3])
     return variant
 
 

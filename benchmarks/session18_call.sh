@@ -9,4 +9,14 @@ step gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/tri
 step kernel 100 $TTFT --parts kernel --contexts 8192,32768,65536 --variants spaced/8/split,spaced/8/split+fuse,spaced/8/split/16384,spaced/8/split/16384+fuse --json "$OUT/kernel.json"
 step ttft 360 $TTFT --parts ttft,profile --contexts 8192,32768,65536 --ttft-variants spaced/8/split,spaced/8/split@p-1,spaced/8/split+fuse,spaced/8/split@p-1+fuse,spaced/8/split/16384,spaced/8/split/16384@p-1+fuse --nosync off --census-length 8192 --json "$OUT/ttft.json"
 ;;
+final)  # call 3: the new defaults (side stream at priority -1, fused update, segments of 16,384): tests, ParisKV's
+# prompt encode by (tokens a program, warps), then TTFT 8K-64K side by side with the whole prompt's K-means
+step gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_kmeans.py tests/kernels/triton/test_analytic_encode.py tests/units
+step encode 60 python3 benchmarks/encode_tuning.py --contexts 8192,32768 --tokens 1,2,8 --warps 1,2,4
+step ttft 330 $TTFT --parts ttft,profile --contexts 8192,32768,65536 --ttft-variants spaced/8/split,spaced/8/split/whole --nosync off --census-length 8192 --json "$OUT/ttft.json"
+;;
+encode)  # call 4: ParisKV's prompt encode at one warp a program: its tests, then TTFT 8K-64K again
+step gpu_tests 120 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_analytic_encode.py tests/kernels/triton/test_analytic_ops.py
+step ttft 300 $TTFT --parts ttft --contexts 8192,32768,65536 --ttft-variants spaced/8/split --repeats 3 --nosync off --json "$OUT/ttft.json"
+;;
 esac

@@ -30,19 +30,21 @@ class KMeans(UnitBuilder):
     - ``precision``: "split" (default) measures distances to the float32 centroid (two bf16
       dots); "bf16" to the centroid rounded to bfloat16 (one dot, half the FLOPs; labels move
       only near ties).
-    - ``segment_tokens``: None (default) clusters the whole prompt at once, whose cost grows with
-      the square of its length. A number cuts a longer prompt into equal runs of at most that many
+    - ``segment_tokens``: 16384 (default) cuts a longer prompt into equal runs of at most that many
       consecutive tokens and clusters each run on its own (RetroInfer's segmented clustering): a
       cluster then never spans two runs, and the cost grows linearly, ``n * segment_tokens``
       instead of ``n * n``. A prompt no longer than ``segment_tokens`` is clustered exactly as
-      with None.
+      with None, which clusters the whole prompt at once whatever its length. 16384 keeps
+      every prompt of the embedded models' needle suites up to 16K clustered whole, and brings the
+      prompt's units within 10% of full attention's TTFT at 32K and 64K (H200, BENCHMARKS.md session
+      18); on Gemma 3 at 32K it was within session 15's noise rule of the whole prompt (EVAL.md).
     """
 
     tokens_per_cluster: int = 16
     iters: int = 8
     init: str = "spaced"
     precision: str = "split"
-    segment_tokens: int | None = None
+    segment_tokens: int | None = 16384
     builds_prompt = True
 
     def validate(self) -> None:

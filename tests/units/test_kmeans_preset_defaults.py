@@ -24,7 +24,7 @@ def test_the_fast_prompt_units_are_three_bf16_iterations_and_the_preset_does_not
     fast = kvpolicy.preset("louiskv", prefill_units=FAST_PROMPT_UNITS)
     assert fast.prefill_units == KMeans(tokens_per_cluster=16, iters=3, init="spaced", precision="bf16")
     spec = fast.to_dict()["prefill_units"]
-    assert {k: spec[k] for k in FAST_PROMPT_UNITS} == FAST_PROMPT_UNITS and spec["segment_tokens"] is None
+    assert {k: spec[k] for k in FAST_PROMPT_UNITS} == FAST_PROMPT_UNITS and spec["segment_tokens"] == 16384
     # a caller mutating the spec it got back changes no later preset
     kvpolicy.preset("louiskv").to_dict()["prefill_units"]["iters"] = 1
     fast.to_dict()["prefill_units"]["iters"] = 1
