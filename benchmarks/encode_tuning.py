@@ -31,9 +31,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     device = torch.device("cuda")
     heads, dim, subspaces = 8, 128, 16
-    shipped = (module.TOKENS, module.WARPS)
+    shipped = (module.TOKENS, module.ENCODE_WARPS)
     print(f"analytic_encode per layer ({heads} KV heads x {dim}, {subspaces} subspaces, bf16), shipped "
-          f"TOKENS={shipped[0]} WARPS={shipped[1]}; {torch.cuda.get_device_name(device)}")
+          f"TOKENS={shipped[0]} ENCODE_WARPS={shipped[1]}; {torch.cuda.get_device_name(device)}")
     print(f"{'n':>7s} {'tokens':>6s} {'warps':>5s} {'ms':>8s} {'vs shipped':>10s} same")
     for n in args.contexts:
         keys = torch.randn(1, heads, n, dim, device=device).to(torch.bfloat16)
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         first_ms, first_out = None, None
         try:
             for tokens, warps in settings:
-                module.TOKENS, module.WARPS = tokens, warps
+                module.TOKENS, module.ENCODE_WARPS = tokens, warps
                 out = outputs()
                 module.analytic_encode(keys, signs, subspaces, *out)
                 same = "-" if first_out is None else str(all(torch.equal(a, b) for a, b in zip(out, first_out)))
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
                 first_ms, first_out = (ms, out) if first_ms is None else (first_ms, first_out)
                 print(f"{n:7d} {tokens:6d} {warps:5d} {ms:8.3f} {ms / first_ms:10.3f} {same}", flush=True)
         finally:
-            module.TOKENS, module.WARPS = shipped
+            module.TOKENS, module.ENCODE_WARPS = shipped
     return 0
 
 

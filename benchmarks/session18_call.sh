@@ -19,4 +19,10 @@ encode)  # call 4: ParisKV's prompt encode at one warp a program: its tests, the
 step gpu_tests 120 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_analytic_encode.py tests/kernels/triton/test_analytic_ops.py
 step ttft 300 $TTFT --parts ttft --contexts 8192,32768,65536 --ttft-variants spaced/8/split --repeats 3 --nosync off --json "$OUT/ttft.json"
 ;;
+decode)  # call 5: both encodes at one warp (the decode's must match the prompt's bits): tests, pariskv's decode
+# step at 1x32K, and TTFT at 8K with more repeats (its louiskv row sat at 1.089-1.111 in calls 1, 3 and 4)
+step gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_analytic_encode.py tests/kernels/triton/test_analytic_ops.py tests/kernels/triton/test_kmeans.py
+step e2e_paris_32k 120 $E2E --contexts 32768 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_paris_32k.json"
+step ttft 150 $TTFT --parts ttft --contexts 8192 --ttft-variants spaced/8/split --repeats 7 --nosync off --json "$OUT/ttft.json"
+;;
 esac

@@ -23,16 +23,11 @@ import triton.language as tl
 
 from ... import analytic
 from ..dispatch import OPS, implement, triton_runs_on
-from .analytic_encoding import encode_key_into, key_tile, load_levels, rotation_factors
+from .analytic_encoding import ENCODE_WARPS, encode_key_into, key_tile, load_levels, rotation_factors
 
 # tokens a program encodes one after another: the signs' and levels' loads amortised, and still
 # 8,192 programs at 8K tokens x 8 KV heads (enough to fill an H200)
 TOKENS = 8
-# warps a program: a token's encode is a chain of dependent reductions over D coordinates, so more
-# programs resident per SM (fewer warps each) hide more of its latency: on an H200 (8 KV heads,
-# D=128, bf16) one warp took 0.235 ms a layer at 8K against 0.610 with four, 0.80 against 2.28 at 32K
-# (benchmarks/encode_tuning.py, session 18; 1 or 2 tokens a program were within 5% of 8)
-WARPS = 1
 
 
 @triton.jit
@@ -114,7 +109,7 @@ def analytic_encode(
         heads, n,
         *keys.stride(), *centroids.stride(), *codes.stride(), *weight.stride(), *norms.stride(),
         1.0 / math.sqrt(dim),
-        S=subspaces, DIMS=dims, LEVELS=levels.shape[0], TOKENS=TOKENS, **rotation_factors(dim), num_warps=WARPS,
+        S=subspaces, DIMS=dims, LEVELS=levels.shape[0], TOKENS=TOKENS, **rotation_factors(dim), num_warps=ENCODE_WARPS,
     )
 
 

@@ -21,6 +21,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# warps a program of both encode launches. One: a key's encode is a chain of dependent reductions over
+# its D coordinates, so more programs resident per SM hide more of its latency (the prompt's encode on
+# an H200, 8 KV heads, D=128, bf16: 0.235 ms a layer at 8K against 0.610 with four warps, 0.80 against
+# 2.28 at 32K; benchmarks/encode_tuning.py, session 18). Both launches use the same: the warps decide
+# the reductions' order, and a decode step's key must get the prompt's bits exactly
+ENCODE_WARPS = 1
+
 
 @triton.jit
 def key_tile(HI: tl.constexpr, LO: tl.constexpr):
