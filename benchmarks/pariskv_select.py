@@ -102,6 +102,11 @@ COLLISION_VARIANTS = (
     ("small chunk 256", {"_PASS_PROGRAMS": 2048, "_MIN_CHUNK": 256}),
     ("small chunk 128", {"_PASS_PROGRAMS": 4096, "_MIN_CHUNK": 128}),
     ("small chunk 256 votes 2w", {"_PASS_PROGRAMS": 2048, "_MIN_CHUNK": 256, "_VOTES_WARPS": 2}),
+    # a large call's threshold folded into the compaction too (session 18)
+    ("fold at every size", {"FOLD_LARGE_THRESHOLD": True}),
+    ("fold at every size, sub 512", {"FOLD_LARGE_THRESHOLD": True, "_SUB": 512}),
+    ("fold at every size, compact 8 warps", {"FOLD_LARGE_THRESHOLD": True, "_COMPACT_WARPS": 8}),
+    ("fold at every size, chunk 4096", {"FOLD_LARGE_THRESHOLD": True, "_CHUNK": 4096}),
 )
 
 # --quick (session 10's before/after): collision_candidates' pipelines and two fused tunables,
@@ -115,6 +120,11 @@ QUICK_COLLISION_VARIANTS = (
     ("fused pipeline", {"PIPELINE": "fused"}),
     ("votes 8 warps", {"_VOTES_WARPS": 8}),
     ("fused pipeline, compact sub 2048", {"PIPELINE": "fused", "_COMPACT_SUB": 2048}),
+    # a large call's threshold folded into the compaction too (session 18)
+    ("fold at every size", {"FOLD_LARGE_THRESHOLD": True}),
+    ("fold at every size, sub 512", {"FOLD_LARGE_THRESHOLD": True, "_SUB": 512}),
+    ("fold at every size, compact 8 warps", {"FOLD_LARGE_THRESHOLD": True, "_COMPACT_WARPS": 8}),
+    ("fold at every size, chunk 4096", {"FOLD_LARGE_THRESHOLD": True, "_CHUNK": 4096}),
 )
 QUICK_RERANK_VARIANTS = (
     ("radix", {"METHOD": "radix"}),

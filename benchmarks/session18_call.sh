@@ -25,4 +25,12 @@ step gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/tri
 step e2e_paris_32k 120 $E2E --contexts 32768 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_paris_32k.json"
 step ttft 150 $TTFT --parts ttft --contexts 8192 --ttft-variants spaced/8/split --repeats 7 --nosync off --json "$OUT/ttft.json"
 ;;
+fold)  # call 6: ParisKV's collision candidates with a large call's threshold folded into the compaction:
+# the analytic ops' GPU tests, the selection per layer with the fold variants (1Mx4, 128Kx4, 512Kx1),
+# then pariskv at 1x512K end to end with the fold on
+step gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_analytic_ops.py
+step select 150 python3 benchmarks/pariskv_select.py --quick --no-gather --repeats 10 --contexts 131072,1048576 --batches 4 --json "$OUT/select_4.json"
+step select_512k 60 python3 benchmarks/pariskv_select.py --quick --no-gather --repeats 10 --contexts 524288 --batches 1 --json "$OUT/select_512k.json"
+step e2e_512k_fold 150 python3 -c "import sys; import kvpolicy.kernels.triton.collision_candidates as c; c.FOLD_LARGE_THRESHOLD = True; from kvpolicy.cli import main; sys.exit(main(sys.argv[1:]))" bench e2e --full-kinds full-graph --budget 2048 --steps 18 --compiled-layers --contexts 524288 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_512k_fold.json"
+;;
 esac

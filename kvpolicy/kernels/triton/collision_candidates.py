@@ -92,6 +92,11 @@ _COMPACT_WARPS = 4
 # a small call (chunk under _CHUNK, at most _MAX_CHUNKS chunks a row): the threshold pass folded
 # into the compaction (see the module docstring); False: the threshold launch at every size
 FOLD_SMALL_THRESHOLD = True
+# with FOLD_SMALL_THRESHOLD, a large call (chunks of _CHUNK) folded too, as long as a row has at most
+# _MAX_CHUNKS chunks: its threshold pass is one program a row walking every chunk's histogram twice
+# (49 us at 1Mx4 on an H200, session 15), where each folded compaction program reads two counts of
+# each earlier chunk from L2
+FOLD_LARGE_THRESHOLD = False
 # "pass" (votes, threshold, compact) or session 10's "fused" (two launches; 3.3x and
 # 3.7x slower votes at 128Kx4 and 1Mx4 on an H200, so kept for benchmarks/pariskv_select.py only)
 PIPELINE = "pass"
@@ -550,9 +555,11 @@ def pass_chunk(rows: int, n: int) -> int:
 
 def folds_threshold(rows: int, n: int) -> bool:
     """Whether the pass pipeline folds its threshold pass into the compaction: where
-    ``FOLD_SMALL_THRESHOLD`` and the chunk shrank below ``_CHUNK`` (at most ``_MAX_CHUNKS`` a row)."""
+    ``FOLD_SMALL_THRESHOLD`` and the chunk shrank below ``_CHUNK`` (or at any chunk with
+    ``FOLD_LARGE_THRESHOLD``), at most ``_MAX_CHUNKS`` chunks a row."""
     chunk = pass_chunk(rows, n)
-    return FOLD_SMALL_THRESHOLD and chunk < _CHUNK and triton.cdiv(n, chunk) <= _MAX_CHUNKS
+    return (FOLD_SMALL_THRESHOLD and (chunk < _CHUNK or FOLD_LARGE_THRESHOLD)
+            and triton.cdiv(n, chunk) <= _MAX_CHUNKS)
 
 
 def fused_chunk(rows: int, n: int) -> int:

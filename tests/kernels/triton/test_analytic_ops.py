@@ -276,17 +276,19 @@ def test_query_votes_refuses_misshaped_inputs():
         query_votes.query_votes(torch.zeros(1, 1, 2, 16, device=DEVICE), torch.ones(16, device=DEVICE), 4, [1] * 20)
 
 
-@pytest.fixture(params=["fused", "pass", "pass-small-call", "pass-small-call-threshold-launch"])
+@pytest.fixture(params=["fused", "pass", "pass-large-fold", "pass-small-call", "pass-small-call-threshold-launch"])
 def small_chunks(monkeypatch, request):
     """Several chunks, steps and chunk blocks at interpreter sizes; each pipeline (session 10's
-    two launches, and the three before it); "pass-small-call": the pass pipeline's chunk shrunk
-    for a call with few programs (one step a chunk, the threshold folded into the compaction);
-    "-threshold-launch": the same chunks with the threshold pass launched (reading a row's
-    chunks in one step)."""
+    two launches, and the three before it); "pass-large-fold": the pass pipeline's full-size chunks
+    with the threshold folded into the compaction (``FOLD_LARGE_THRESHOLD``); "pass-small-call": the
+    pass pipeline's chunk shrunk for a call with few programs (one step a chunk, the threshold folded
+    into the compaction); "-threshold-launch": the same chunks with the threshold pass launched
+    (reading a row's chunks in one step)."""
     from kvpolicy.kernels.triton import collision_candidates
 
     monkeypatch.setattr(collision_candidates, "PIPELINE", request.param.split("-")[0])
     monkeypatch.setattr(collision_candidates, "FOLD_SMALL_THRESHOLD", not request.param.endswith("-threshold-launch"))
+    monkeypatch.setattr(collision_candidates, "FOLD_LARGE_THRESHOLD", request.param == "pass-large-fold")
     monkeypatch.setattr(collision_candidates, "_CHUNK", 256)
     monkeypatch.setattr(collision_candidates, "_SUB", 64)
     monkeypatch.setattr(collision_candidates, "_COMPACT_SUB", 64)
@@ -393,6 +395,10 @@ def test_collision_candidates_folds_the_threshold_of_small_calls_only(monkeypatc
     assert cc.folds_threshold(1, 1 << 20)  # one row of 1M: 1,024 chunks of 1024
     assert not cc.folds_threshold(32, 163840)  # 128K x 4: chunks of _CHUNK, the threshold launched
     assert not cc.folds_threshold(32, 1310720)  # 1M x 4
+    monkeypatch.setattr(cc, "FOLD_LARGE_THRESHOLD", True)
+    assert cc.folds_threshold(32, 1310720)  # 1M x 4: 640 chunks of _CHUNK a row
+    assert not cc.folds_threshold(1, 4 << 20)  # one row of 4M: 2,048 chunks of _CHUNK, over _MAX_CHUNKS
+    monkeypatch.setattr(cc, "FOLD_LARGE_THRESHOLD", False)
     monkeypatch.setattr(cc, "_PASS_PROGRAMS", 1 << 20)
     assert not cc.folds_threshold(1, 1 << 20)  # more than _MAX_CHUNKS chunks a row
     monkeypatch.setattr(cc, "FOLD_SMALL_THRESHOLD", False)
