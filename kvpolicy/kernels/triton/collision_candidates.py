@@ -34,7 +34,8 @@ threshold vote ``v*`` plus the first keys by position with exactly ``v*``:
    row's -1 tail (so no fill launch precedes the three).
 
 A call too small to fill the GPU with ``_CHUNK``-position programs (its chunk shrank; batch 1
-at 32K) folds step 2 into step 3 (``folds_threshold``, ``FOLD_SMALL_THRESHOLD``): the votes pass adds each chunk's
+at 32K), and since session 18 a large one too (``FOLD_LARGE_THRESHOLD``), folds step 2 into step 3
+(``folds_threshold``, ``FOLD_SMALL_THRESHOLD``): the votes pass adds each chunk's
 histogram into the row's (atomics into a zeroed ``(rows, BINS)``, self-clearing scratch: the
 row's last compaction program zeroes it again, so no memset precedes it) and writes the chunk's
 suffix counts (bin b: its keys with vote bin b or more), and every compaction program finds the
@@ -67,8 +68,10 @@ from .. import reference_analytic
 from ..dispatch import OPS, implement, triton_runs_on
 from . import scratch
 
-# positions per program of the votes and compaction passes; keys per step inside one
-_CHUNK = 2048
+# positions per program of the votes and compaction passes; keys per step inside one. 4096 with the
+# large calls' fold (below): at 2048 a folded 1Mx4 call's compaction programs each read the counts of
+# up to 640 earlier chunks (208 us, H200, session 18), at 4096 half as many (130 us)
+_CHUNK = 4096
 _SUB = 256
 # a small call (batch 1 at 32K: 8 rows of ~40K positions, 160 programs of 8 steps at _CHUNK)
 # runs a loop of dependent steps on too few programs: the chunk shrinks, down to _MIN_CHUNK,
@@ -94,16 +97,19 @@ _COMPACT_WARPS = 4
 FOLD_SMALL_THRESHOLD = True
 # with FOLD_SMALL_THRESHOLD, a large call (chunks of _CHUNK) folded too, as long as a row has at most
 # _MAX_CHUNKS chunks: its threshold pass is one program a row walking every chunk's histogram twice
-# (49 us at 1Mx4 on an H200, session 15), where each folded compaction program reads two counts of
-# each earlier chunk from L2
-FOLD_LARGE_THRESHOLD = False
+# (49 us at 1Mx4 on an H200), where each folded compaction program reads two counts of each earlier
+# chunk from L2. The whole op on an H200 (session 18, benchmarks/pariskv_select.py, same candidates):
+# 1Mx4 464.5 us against 529.8 unfolded at chunks of 2048, 128Kx4 78.4 against 83.6, 512Kx1 78.6
+# against 96.9
+FOLD_LARGE_THRESHOLD = True
 # "pass" (votes, threshold, compact) or session 10's "fused" (two launches; 3.3x and
 # 3.7x slower votes at 128Kx4 and 1Mx4 on an H200, so kept for benchmarks/pariskv_select.py only)
 PIPELINE = "pass"
-# the fused pipeline: about _VOTES_PROGRAMS programs a pass (the chunk grows from _CHUNK past
+# the fused pipeline: about _VOTES_PROGRAMS programs a pass (the chunk grows from _FUSED_MIN_CHUNK past
 # that, so a row has fewer chunks: 64 at 128Kx4, 128 at 1Mx4), at most _MAX_CHUNKS chunks a row
 # (the compaction reads two counts of each), keys per step of its compaction
 _VOTES_PROGRAMS = 4096
+_FUSED_MIN_CHUNK = 2048
 _MAX_CHUNKS = 1024
 _COMPACT_SUB = 1024
 
@@ -563,10 +569,10 @@ def folds_threshold(rows: int, n: int) -> bool:
 
 
 def fused_chunk(rows: int, n: int) -> int:
-    """Positions per program of the fused pipeline: ``_CHUNK``, or more where about
+    """Positions per program of the fused pipeline: ``_FUSED_MIN_CHUNK``, or more where about
     ``_VOTES_PROGRAMS`` programs (or ``_MAX_CHUNKS`` chunks a row) would leave fewer."""
     chunk = triton.next_power_of_2(triton.cdiv(max(1, rows * n), _VOTES_PROGRAMS))
-    return max(_CHUNK, chunk, triton.next_power_of_2(triton.cdiv(max(1, n), _MAX_CHUNKS)))
+    return max(_FUSED_MIN_CHUNK, chunk, triton.next_power_of_2(triton.cdiv(max(1, n), _MAX_CHUNKS)))
 
 
 def _fused(table, key_centroids, valid, indexed, width, max_votes, rule, voting):

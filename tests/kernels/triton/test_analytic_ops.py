@@ -376,7 +376,7 @@ def test_collision_candidates_fused_chunk_grows_with_the_call():
     assert cc.fused_chunk(32, 131072) == 2048  # 64 chunks a row, 2048 programs
     assert cc.fused_chunk(32, 1 << 20) == 8192  # 128 chunks a row, 4096 programs
     assert cc.fused_chunk(1, 1 << 24) == 16384  # at most _MAX_CHUNKS chunks a row
-    assert cc.fused_chunk(1, 100) == cc._CHUNK
+    assert cc.fused_chunk(1, 100) == cc._FUSED_MIN_CHUNK
 
 
 def test_collision_candidates_pass_chunk_shrinks_for_a_small_call():
@@ -384,21 +384,22 @@ def test_collision_candidates_pass_chunk_shrinks_for_a_small_call():
 
     assert cc.pass_chunk(8, 40960) == 512  # batch 1 at 32K: 640 programs of one step
     assert cc.pass_chunk(8, 81920) == 1024
-    assert cc.pass_chunk(32, 163840) == cc._CHUNK  # 128K x 4: 2,560 programs as before
+    assert cc.pass_chunk(32, 163840) == cc._CHUNK  # 128K x 4: 1,280 programs of _CHUNK
     assert cc.pass_chunk(1, 100) == cc._MIN_CHUNK
 
 
-def test_collision_candidates_folds_the_threshold_of_small_calls_only(monkeypatch):
+def test_collision_candidates_folds_the_threshold_where_its_flags_say(monkeypatch):
     from kvpolicy.kernels.triton import collision_candidates as cc
 
     assert cc.folds_threshold(8, 40960)  # batch 1 at 32K: 80 chunks of 512 a row
     assert cc.folds_threshold(1, 1 << 20)  # one row of 1M: 1,024 chunks of 1024
-    assert not cc.folds_threshold(32, 163840)  # 128K x 4: chunks of _CHUNK, the threshold launched
+    assert cc.folds_threshold(32, 163840)  # 128K x 4: chunks of _CHUNK (FOLD_LARGE_THRESHOLD)
+    assert cc.folds_threshold(32, 1310720)  # 1M x 4: 320 chunks of _CHUNK a row
+    assert not cc.folds_threshold(1, 8 << 20)  # one row of 8M: 2,048 chunks of _CHUNK, over _MAX_CHUNKS
+    monkeypatch.setattr(cc, "FOLD_LARGE_THRESHOLD", False)  # small calls only
+    assert cc.folds_threshold(8, 40960)
+    assert not cc.folds_threshold(32, 163840)  # 128K x 4: the threshold launched
     assert not cc.folds_threshold(32, 1310720)  # 1M x 4
-    monkeypatch.setattr(cc, "FOLD_LARGE_THRESHOLD", True)
-    assert cc.folds_threshold(32, 1310720)  # 1M x 4: 640 chunks of _CHUNK a row
-    assert not cc.folds_threshold(1, 4 << 20)  # one row of 4M: 2,048 chunks of _CHUNK, over _MAX_CHUNKS
-    monkeypatch.setattr(cc, "FOLD_LARGE_THRESHOLD", False)
     monkeypatch.setattr(cc, "_PASS_PROGRAMS", 1 << 20)
     assert not cc.folds_threshold(1, 1 << 20)  # more than _MAX_CHUNKS chunks a row
     monkeypatch.setattr(cc, "FOLD_SMALL_THRESHOLD", False)
@@ -473,15 +474,17 @@ def test_collision_candidates_per_head_matches_reference(small_chunks, group, ti
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("pipeline", ["pass", "fused"])
+@pytest.mark.parametrize("pipeline", ["pass", "pass-threshold-launch", "fused"])
 @pytest.mark.parametrize("batch, n", [(1, 32768), (4, 131072)])
 def test_head_max_votes_at_decode_sizes(monkeypatch, pipeline, batch, n):
     # ParisKV's shape with GQA 4 (8 KV heads of 4 query heads, head_dim 128, 16 subspaces, 6
     # tiers): per-head tables, then the candidates at 1x32K (the pass pipeline's small call: its
-    # chunk shrunk, the threshold folded) and 4x128K (the threshold launched), and the fused pipeline
+    # chunk shrunk, the threshold folded) and 4x128K (folded, or with the large calls' fold off the
+    # threshold launched), and the fused pipeline
     from kvpolicy.kernels.triton import collision_candidates, query_votes
 
-    monkeypatch.setattr(collision_candidates, "PIPELINE", pipeline)
+    monkeypatch.setattr(collision_candidates, "PIPELINE", pipeline.split("-")[0])
+    monkeypatch.setattr(collision_candidates, "FOLD_LARGE_THRESHOLD", pipeline != "pass-threshold-launch")
     heads, group, dim, subspaces, tiers = 8, 4, 128, 16, 6
     gen = torch.Generator(device=DEVICE).manual_seed(n + batch)
     query = torch.randn(batch, heads, group, dim, generator=gen, device=DEVICE).to(torch.bfloat16)
@@ -497,7 +500,7 @@ def test_head_max_votes_at_decode_sizes(monkeypatch, pipeline, batch, n):
     # the length rule of a 2K budget (1,980 retrieved: a floor of 3,960), a width that holds it
     args = (torch.tensor(n, device=DEVICE), max(n // 10, 3960) + 64, subspaces * tiers, 3960, 0.1,
             analytic.CANDIDATE_BANDS)
-    assert collision_candidates.folds_threshold(batch * heads, n + 64) == (batch == 1)
+    assert collision_candidates.folds_threshold(batch * heads, n + 64) == (batch == 1 or pipeline == "pass")
     want = reference_analytic.collision_candidates(want_table, ids, token_valid, *args)
     got = collision_candidates.collision_candidates(want_table, ids, token_valid, *args)
     assert torch.equal(got, want)
