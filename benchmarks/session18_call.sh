@@ -33,7 +33,7 @@ step select 150 python3 benchmarks/pariskv_select.py --quick --no-gather --repea
 step select_512k 60 python3 benchmarks/pariskv_select.py --quick --no-gather --repeats 10 --contexts 524288 --batches 1 --json "$OUT/select_512k.json"
 step e2e_512k_fold 150 python3 -c "import sys; import kvpolicy.kernels.triton.collision_candidates as c; c.FOLD_LARGE_THRESHOLD = True; from kvpolicy.cli import main; sys.exit(main(sys.argv[1:]))" bench e2e --full-kinds full-graph --budget 2048 --steps 18 --compiled-layers --contexts 524288 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_512k_fold.json"
 ;;
-last)  # call 7: the large call's fold and chunks of 4,096 as the defaults: the collision tests at decode sizes
+last)  # call 7 (not run: the session's device time ran out): the large call's fold and chunks of 4,096 as the defaults: the collision tests at decode sizes
 # on the GPU, then pariskv at 1x512K end to end
 step gpu_tests 70 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_analytic_ops.py -k "decode_sizes or collision_candidates"
 step e2e_512k 110 $E2E --contexts 524288 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_512k.json"
