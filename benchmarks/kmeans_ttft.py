@@ -25,9 +25,10 @@ Five parts, on one GPU (Qwen3-8B shape: 8 KV heads, head_dim 128, 36 layers, bat
    attention and each row of part 3, so a policy's time over full attention's is named.
 
 A variant ``INIT/ITERS/PRECISION/SEGMENT`` clusters runs of at most SEGMENT tokens on their own
-(``KMeans(segment_tokens=SEGMENT)``). Run settings may follow a variant: ``@p-1`` builds the units on
-a side stream of high CUDA priority, ``+fuse`` fuses K-means' update into its assignment (e.g.
-``spaced/8/split@p-1+fuse``).
+(``KMeans(segment_tokens=SEGMENT)``). Run settings may follow a variant: ``@pN`` builds the units on
+a side stream of CUDA priority N (-1, the default since session 18; ``@p0`` the CUDA default), ``+fuse``
+/ ``-fuse`` K-means' update inside its assignment (the default) or in a launch of its own (e.g.
+``spaced/8/split@p0-fuse``: session 17's settings); SEGMENT ``whole`` clusters the whole prompt.
 
 Usage (GPU, about 5-8 minutes with the defaults)::
 
@@ -65,18 +66,18 @@ DEFAULT_TTFT_VARIANTS = "spaced/8/split,pages/2/split,pages/2/bf16"
 
 
 def split_settings(text: str) -> tuple[str, dict]:
-    """A variant's run settings, written after it: ``+fuse`` (the Triton K-means adds the keys
-    into the sums inside its assignment, ``FUSE_UPDATE``) and ``@pN`` (the side stream that builds
-    the prompt's units at CUDA priority N, ``layer.SIDE_STREAM_PRIORITY``; -1 is high). Returns the
-    variant without them, and the settings."""
+    """A variant's run settings, written after it: ``+fuse`` / ``-fuse`` (the Triton K-means adds
+    the keys into the sums inside its assignment or in a launch of its own, ``FUSE_UPDATE``, on by
+    default) and ``@pN`` (the side stream that builds the prompt's units at CUDA priority N,
+    ``layer.SIDE_STREAM_PRIORITY``; -1 by default, 0 the CUDA default). Returns the variant without
+    them, and the settings."""
     settings = {}
+    for flag, fuse in (("+fuse", True), ("-fuse", False)):
+        if flag in text:
+            text, settings["fuse"] = text.replace(flag, ""), fuse
     if "@p" in text:
         text, priority = text.split("@p", 1)
-        fuse = priority.endswith("+fuse")
-        settings["priority"] = int(priority.removesuffix("+fuse"))
-        text += "+fuse" if fuse else ""
-    if text.endswith("+fuse"):
-        text, settings["fuse"] = text.removesuffix("+fuse"), True
+        settings["priority"] = int(priority)
     return text, settings
 
 
@@ -159,7 +160,8 @@ def kernel_times(device, backend, contexts, variants, heads, dim, layers, repeat
             v = parse_variant(name)
             with applied(split_settings(name)[1]):
                 ms = time_ms(lambda: variant_labels(v, keys, valid, ops), device, repeats=repeats, warmup=1)
-            flop = assignment_flop(n, clusters, heads, dim, v["iters"], v["precision"], v.get("segment_tokens"))
+            flop = assignment_flop(n, clusters, heads, dim, v["iters"], v["precision"],
+                                   v.get("segment_tokens", KMeans.segment_tokens))
             first = ms if first is None else first
             rows.append({"n": n, "variant": name, "ms_per_layer": ms, "ms_all_layers": ms * layers,
                          "assign_flop": flop, "tflops": flop / ms / 1e9 if ms > 0 else None})
@@ -191,11 +193,12 @@ def kernel_breakdown(device, backend, n, variants, heads, dim) -> list[dict]:
     for name in variants:
         v = parse_variant(name)
         call = lambda: variant_labels(v, keys, valid, ops)  # noqa: E731
-        call()
-        _sync(device)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with applied(split_settings(name)[1]):
             call()
             _sync(device)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                call()
+                _sync(device)
         table = sorted(((e.key, _device_us(e), e.count) for e in prof.key_averages()), key=lambda r: -r[1])
         print(f"\n-- device time by kernel, n={n}, {name} (one call, one layer)")
         for key, us, count in table[:12]:

@@ -85,12 +85,14 @@ RERANK_VARIANTS = (
 # shipped setting): positions a program, keys a step, warps of the votes and compaction passes
 COLLISION_VARIANTS = (
     ("shipped", {}),
-    # as before the small-call chunks: 2048 positions at every size, the threshold pass in steps of 32
-    ("before: chunk 2048 always", {"_MIN_CHUNK": 2048, "_WHOLE_ROW_CHUNKS": 0}),
-    # as before the small call's threshold fold: the threshold pass launched (whole rows in one step)
-    ("before: threshold launch", {"FOLD_SMALL_THRESHOLD": False}),
-    ("chunk 4096", {"_CHUNK": 4096}),
-    ("chunk 1024", {"_CHUNK": 1024}),
+    # as before session 18: chunks of 2048, a large call's threshold pass launched
+    ("before session 18", {"_CHUNK": 2048, "FOLD_LARGE_THRESHOLD": False}),
+    # as before the small-call chunks: _CHUNK positions at every size, the threshold pass in steps of 32
+    ("before: small calls' chunk at _CHUNK", {"_MIN_CHUNK": 4096, "_WHOLE_ROW_CHUNKS": 0, "FOLD_LARGE_THRESHOLD": False}),
+    # the threshold pass launched at every size (whole rows in one step)
+    ("threshold launch", {"FOLD_SMALL_THRESHOLD": False}),
+    ("chunk 2048", {"_CHUNK": 2048}),
+    ("chunk 8192", {"_CHUNK": 8192}),
     ("sub 512", {"_SUB": 512}),
     ("sub 128", {"_SUB": 128}),
     ("votes 8 warps", {"_VOTES_WARPS": 8}),
@@ -102,29 +104,21 @@ COLLISION_VARIANTS = (
     ("small chunk 256", {"_PASS_PROGRAMS": 2048, "_MIN_CHUNK": 256}),
     ("small chunk 128", {"_PASS_PROGRAMS": 4096, "_MIN_CHUNK": 128}),
     ("small chunk 256 votes 2w", {"_PASS_PROGRAMS": 2048, "_MIN_CHUNK": 256, "_VOTES_WARPS": 2}),
-    # a large call's threshold folded into the compaction too (session 18)
-    ("fold at every size", {"FOLD_LARGE_THRESHOLD": True}),
-    ("fold at every size, sub 512", {"FOLD_LARGE_THRESHOLD": True, "_SUB": 512}),
-    ("fold at every size, compact 8 warps", {"FOLD_LARGE_THRESHOLD": True, "_COMPACT_WARPS": 8}),
-    ("fold at every size, chunk 4096", {"FOLD_LARGE_THRESHOLD": True, "_CHUNK": 4096}),
 )
 
 # --quick (session 10's before/after): collision_candidates' pipelines and two fused tunables,
 # rerank_select's radix method alone, no composed path
 QUICK_COLLISION_VARIANTS = (
     ("shipped", {}),
-    # as before the small-call chunks: 2048 positions at every size, the threshold pass in steps of 32
-    ("before: chunk 2048 always", {"_MIN_CHUNK": 2048, "_WHOLE_ROW_CHUNKS": 0}),
-    ("before: threshold launch", {"FOLD_SMALL_THRESHOLD": False}),
+    # as before session 18: chunks of 2048, a large call's threshold pass launched
+    ("before session 18", {"_CHUNK": 2048, "FOLD_LARGE_THRESHOLD": False}),
+    ("threshold launch", {"FOLD_SMALL_THRESHOLD": False}),
     # the shipped pipeline is "pass"; the fused one (votes and suffix counts in one pass) beside it
     ("fused pipeline", {"PIPELINE": "fused"}),
     ("votes 8 warps", {"_VOTES_WARPS": 8}),
     ("fused pipeline, compact sub 2048", {"PIPELINE": "fused", "_COMPACT_SUB": 2048}),
-    # a large call's threshold folded into the compaction too (session 18)
-    ("fold at every size", {"FOLD_LARGE_THRESHOLD": True}),
-    ("fold at every size, sub 512", {"FOLD_LARGE_THRESHOLD": True, "_SUB": 512}),
-    ("fold at every size, compact 8 warps", {"FOLD_LARGE_THRESHOLD": True, "_COMPACT_WARPS": 8}),
-    ("fold at every size, chunk 4096", {"FOLD_LARGE_THRESHOLD": True, "_CHUNK": 4096}),
+    ("chunk 2048", {"_CHUNK": 2048}),
+    ("sub 512", {"_SUB": 512}),
 )
 QUICK_RERANK_VARIANTS = (
     ("radix", {"METHOD": "radix"}),

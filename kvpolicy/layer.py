@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 _SIDE_STREAMS: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
-# the side stream's CUDA priority (lower is higher; 0 is the default, -1 the usual highest): the
+# the side stream's CUDA priority (lower is higher; 0 is the default, -1 above it): the
 # prompt's units compete with the next layers' prefill kernels for the GPU's blocks, and at normal
 # priority much of their work waited until the prefill was done (an 8K prompt's units were ready
 # 1.106x full attention's TTFT against 1.089x at -1; H200, session 18, BENCHMARKS.md)
@@ -123,13 +123,13 @@ class PolicyLayerState:
             self.plan.place_prompt(keys), defer_zone=selects,
         )
         self.plan.settle()
+        side = _side_stream(device) if selects and _builds_on_side_stream(device) else None
         if selects:
             zone = self.store.zone_end
             retrievable = token_valid[:, :zone] & ~self.store.sink_slot_mask()
-            if _builds_on_side_stream(device):
+            if side is not None:
                 # cluster and lay out the pool on a side stream so the next layers' prefill runs
                 # meanwhile; the first decode step waits for it
-                side = _side_stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
                 for tensor in (keys, values, retrievable):
                     tensor.record_stream(side)
@@ -148,8 +148,8 @@ class PolicyLayerState:
         if self.units_ready is not None:
             # the trigger reads the prompt's units (score_gap gathers the table's sizes at its open
             # unit): attach on the side stream, after the units are written, not on this stream
-            # while they are still being built (a read of unwritten memory: an index out of bounds)
-            side = _side_stream(device)
+            # while they are still being built (a read of unwritten memory: an index out of bounds);
+            # the same stream as the build's, whatever SIDE_STREAM_PRIORITY says by now
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 policy.trigger.attach(self.trigger_state, self)

@@ -20,6 +20,16 @@ DEFAULT_SINK = 4
 DEFAULT_LOCAL = 64
 # ``model="smollm2"`` (kvpolicy.models.EMBEDDED_MODEL) is the embedded model, loaded from a copy named EMBEDDED_ID
 EMBEDDED_NAME, EMBEDDED_ID = "smollm2", "smollm2-135m-instruct"
+# the names the CLI takes for the embedded models -> the ids their loaded copies report (``model_id``)
+EMBEDDED_IDS = {EMBEDDED_NAME: EMBEDDED_ID, "gemma3": "gemma-3-270m"}
+
+
+def _embedded_id(model: Any) -> Any:
+    """``model``, or the id of the embedded model it names (``"smollm2"``, ``"gemma3"``), so a preset
+    asked for by name gets what it gets for the loaded model."""
+    if isinstance(model, str):
+        return EMBEDDED_IDS.get(model.strip().lower(), model)
+    return model
 
 
 def _full(**options: Any) -> Policy:
@@ -61,6 +71,9 @@ BUILTIN_TRIGGER: dict[str, dict] = {
     # the selection is kept do not fire (leaving="ignored": firing on them cost 14 points of share on
     # the 4K needles and changed no answer)
     "smollm2-135m-instruct": {"name": "score_gap", "measure": "mass", "margin": -2.5, "leaving": "ignored"},
+    # 16 prompts of 2,048 tokens, 16 teacher-forced steps each (EVAL.md, "Calibrating score_gap on Gemma 3",
+    # session 18): margin -2.5 re-selects 23.8% at 0.8 points under every-step selection's top-1 agreement
+    "gemma-3-270m": {"name": "score_gap", "measure": "mass", "margin": -2.5, "leaving": "ignored"},
 }
 
 
@@ -82,9 +95,7 @@ def louiskv_trigger(model: Any = None) -> dict:
     the paper's ``query_cosine`` at the model's calibrated tau (0.7 without a model or calibration)."""
     if model is None:
         return {"name": "query_cosine", "tau": DEFAULT_TAU}
-    if isinstance(model, str) and model.strip().lower() == EMBEDDED_NAME:
-        model = EMBEDDED_ID  # the name the CLI takes for the embedded model, as its loaded copy is named
-    key = model_id(model)
+    key = model_id(_embedded_id(model))
     found = _stored_trigger(key) or BUILTIN_TRIGGER.get(key)
     if found is not None:
         return dict(found)
@@ -95,13 +106,12 @@ def _louiskv(model: Any = None, **options: Any) -> Policy:
     """LouisKV: K-means clusters of ~16 prompt tokens (LOUISKV_PROMPT_UNITS; FAST_PROMPT_UNITS is the
     faster prefill), generated tokens in segments cut where the
     trigger fired, group-consistent top_budget selection, reused until the trigger fires. The
-    trigger is the model's calibrated one when a model is given: for the embedded SmolLM2
+    trigger is the model's calibrated one when a model is given: for the embedded SmolLM2 and Gemma 3
     score_gap (re-select when an unselected unit would carry e^-2.5 of the held units' estimated
     attention mass; tokens leaving the window while the selection is kept do not fire); else the paper's query_cosine (mean query cosine < tau) at the model's
     calibrated tau, 0.7 (LouisKV's for Qwen3-8B) without one. trigger="query_cosine" names the
     paper's trigger at the model's calibrated tau (0.95 for SmolLM2)."""
-    if isinstance(model, str) and model.strip().lower() == EMBEDDED_NAME:
-        model = EMBEDDED_ID  # the name the CLI takes for the embedded model, as its loaded copy is named
+    model = _embedded_id(model)
     trigger = options.pop("trigger", None)
     if trigger is None:
         trigger = louiskv_trigger(model)
@@ -117,11 +127,11 @@ def _louiskv(model: Any = None, **options: Any) -> Policy:
 
 
 # The louiskv preset's prompt units: K-means of ~16 tokens a cluster, KMeans' own defaults (8 Lloyd
-# iterations from evenly spaced tokens, "split" precision).
+# iterations from evenly spaced tokens, "split" precision, runs of at most 16,384 tokens).
 LOUISKV_PROMPT_UNITS = {"name": "kmeans", "tokens_per_cluster": 16}
 # A faster prefill: 3 iterations with bf16 distances, ``preset("louiskv", prefill_units=FAST_PROMPT_UNITS)``.
-# On the H200 it meets issue 12's TTFT target (+10% over full prefill from 8K to 64K) where the
-# default misses (BENCHMARKS.md, session 9). Accuracy (EVAL.md, "Fewer K-means iterations for the
+# On the H200 its units are ready within 5% of full attention's TTFT from 8K to 64K, where the
+# default's are 10% / 7% / 5% over at 8K / 32K / 64K (BENCHMARKS.md, sessions 17 and 18). Accuracy (EVAL.md, "Fewer K-means iterations for the
 # prompt's units"): 40.6 against 39.1 on SmolLM2's 4K needles (16 samples), but 68.8 against 75.0 on
 # CI's 2K slice (tests/integration/test_eval_slice.py: 4 cells, one multi-value value), under that
 # test's bound, so it is not the default (session 11).
@@ -140,7 +150,7 @@ def pariskv_votes(model: Any = None) -> str:
     entry, else ParisKV's ``group_mean``."""
     if model is None:
         return "group_mean"
-    return BUILTIN_PARISKV_VOTES.get(model_id(model), "group_mean")
+    return BUILTIN_PARISKV_VOTES.get(model_id(_embedded_id(model)), "group_mean")
 
 
 def _pariskv(model: Any = None, **options: Any) -> Policy:

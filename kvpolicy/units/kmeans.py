@@ -12,6 +12,10 @@ from ..registry import register
 from .base import UnitBuilder
 
 
+# KMeans' runs of prompt tokens clustered on their own (see its docstring)
+DEFAULT_SEGMENT_TOKENS = 16384
+
+
 @register("units", "kmeans")
 @dataclass
 class KMeans(UnitBuilder):
@@ -20,9 +24,10 @@ class KMeans(UnitBuilder):
     About ``tokens_per_cluster`` tokens per cluster on average; ``iters`` Lloyd iterations on
     the keys, so a cluster's mean key is its centroid and top_budget scores it directly.
 
-    The prompt's units are on the critical path of the first token, and an assignment costs
-    ``4 * n * n / tokens_per_cluster * head_dim`` FLOP per KV head (two bf16 dots; one with
-    ``precision="bf16"``), so the cost is about ``iters`` times that:
+    The prompt's units are on the critical path of the first token, and an assignment of ``n``
+    tokens at once costs ``4 * n * n / tokens_per_cluster * head_dim`` FLOP per KV head (two bf16
+    dots; one with ``precision="bf16"``), so the cost is about ``iters`` times that, with ``n`` at
+    most ``segment_tokens`` a run (below):
 
     - ``init``: "spaced" (default) starts from evenly spaced tokens; "pages" from the mean keys
       of runs of ``tokens_per_cluster`` consecutive tokens (what ``pages`` units would be), which
@@ -44,7 +49,7 @@ class KMeans(UnitBuilder):
     iters: int = 8
     init: str = "spaced"
     precision: str = "split"
-    segment_tokens: int | None = 16384
+    segment_tokens: int | None = DEFAULT_SEGMENT_TOKENS
     builds_prompt = True
 
     def validate(self) -> None:
@@ -67,9 +72,10 @@ class KMeans(UnitBuilder):
         segment = self.segment_tokens
         if segment is not None and (not isinstance(segment, int) or isinstance(segment, bool)
                                     or segment < self.tokens_per_cluster):
+            default = " (its default; pass segment_tokens=None or a larger run)" if segment == DEFAULT_SEGMENT_TOKENS else ""
             raise ConfigError(
                 f"kmeans: segment_tokens must be None (the whole prompt) or an integer >= tokens_per_cluster "
-                f"({self.tokens_per_cluster}), got {segment!r}"
+                f"({self.tokens_per_cluster}), got {segment!r}{default}"
             )
 
     def build_labels(self, keys, token_valid, ops):

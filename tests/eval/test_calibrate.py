@@ -159,6 +159,11 @@ def test_the_embedded_models_default_is_the_best_trigger_and_the_papers_keeps_it
     assert builtin.pop("name") == "score_gap" and trigger == ScoreGap(**builtin)
     paper = kvpolicy.preset("louiskv", model="smollm2", trigger="query_cosine").trigger
     assert isinstance(paper, QueryCosine) and paper.tau == BUILTIN_TAU["smollm2-135m-instruct"]
+    # Gemma 3 by its CLI name or its id: its own calibration's choice, the same form
+    for name in ("gemma3", "gemma-3-270m"):
+        gemma = dict(BUILTIN_TRIGGER["gemma-3-270m"])
+        assert gemma.pop("name") == "score_gap"
+        assert kvpolicy.preset("louiskv", model=name).trigger == ScoreGap(**gemma)
     # a model nobody calibrated keeps the paper's trigger at its published tau
     unknown = kvpolicy.preset("louiskv", model="some-other-model").trigger
     assert isinstance(unknown, QueryCosine) and unknown.tau == 0.7

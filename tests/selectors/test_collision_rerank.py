@@ -292,6 +292,7 @@ def test_pariskv_votes_per_head_for_gemma_only():
     from kvpolicy import preset
 
     assert preset("pariskv", model="gemma-3-270m").selector.votes == "head_max"
+    assert preset("pariskv", model="gemma3").selector.votes == "head_max"  # the CLI's name for it
     assert preset("pariskv", model="smollm2").selector.votes == "group_mean"
     assert preset("pariskv").selector.votes == "group_mean"
     assert preset("pariskv", model="gemma-3-270m", selector="collision_rerank").selector.votes == "group_mean"

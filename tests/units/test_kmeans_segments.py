@@ -21,7 +21,7 @@ def _keys(batch=1, heads=2, n=100, dim=16, seed=0):
 def test_a_prompt_within_one_segment_is_clustered_as_without_segments(n):
     keys, valid = _keys(n=n), torch.ones(1, n, dtype=torch.bool)
     valid[:, :3] = False
-    whole, whole_count = KMeans(tokens_per_cluster=8).build_labels(keys, valid, "reference")
+    whole, whole_count = KMeans(tokens_per_cluster=8, segment_tokens=None).build_labels(keys, valid, "reference")
     segmented, count = KMeans(tokens_per_cluster=8, segment_tokens=64).build_labels(keys, valid, "reference")
     assert count == whole_count == -(-n // 8)
     assert torch.equal(segmented, whole)
@@ -74,3 +74,12 @@ def test_a_zone_sliced_from_the_prompt_is_clustered_as_its_copy():
     sliced, count = builder.build_labels(prompt[:, :, :96], valid, "reference")
     copied, _ = builder.build_labels(prompt[:, :, :96].contiguous(), valid, "reference")
     assert count == 3 * 4 and torch.equal(sliced, copied)
+
+
+def test_the_default_runs_are_16384_tokens_and_a_cluster_larger_than_them_is_refused_naming_the_default():
+    assert KMeans().segment_tokens == 16384
+    with pytest.raises(ConfigError, match=r"got 16384 \(its default; pass segment_tokens=None or a larger run\)"):
+        Policy(trigger="every_step", prefill_units={"name": "kmeans", "tokens_per_cluster": 20000}, decode_units="pages",
+               selector="top_budget", budget=256)
+    Policy(trigger="every_step", prefill_units={"name": "kmeans", "tokens_per_cluster": 20000, "segment_tokens": None},
+           decode_units="pages", selector="top_budget", budget=256)

@@ -31,7 +31,8 @@ import triton.language as tl
 from ... import analytic
 from ..dispatch import OPS, implement, triton_runs_on
 from . import scratch
-from .analytic_encoding import ENCODE_WARPS, encode_key_into, key_tile, load_levels, rotation_factors
+from . import analytic_encoding
+from .analytic_encoding import encode_key_into, key_tile, load_levels, rotation_factors
 
 
 @triton.jit
@@ -127,7 +128,7 @@ def analytic_append(
         *key.stride(), *centroids.stride(), *codes.stride(), *weight.stride(), *norms.stride(),
         *token_bytes.stride(), slots.stride(0),
         1.0 / math.sqrt(dim),
-        S=subspaces, DIMS=dims, LEVELS=levels.shape[0], **rotation_factors(dim), num_warps=ENCODE_WARPS,
+        S=subspaces, DIMS=dims, LEVELS=levels.shape[0], **rotation_factors(dim), num_warps=analytic_encoding.ENCODE_WARPS,
     )
 
 

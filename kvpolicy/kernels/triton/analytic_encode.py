@@ -23,7 +23,8 @@ import triton.language as tl
 
 from ... import analytic
 from ..dispatch import OPS, implement, triton_runs_on
-from .analytic_encoding import ENCODE_WARPS, encode_key_into, key_tile, load_levels, rotation_factors
+from . import analytic_encoding
+from .analytic_encoding import encode_key_into, key_tile, load_levels, rotation_factors
 
 # tokens a program encodes one after another: the signs' and levels' loads amortised, and still
 # 8,192 programs at 8K tokens x 8 KV heads (enough to fill an H200)
@@ -109,7 +110,7 @@ def analytic_encode(
         heads, n,
         *keys.stride(), *centroids.stride(), *codes.stride(), *weight.stride(), *norms.stride(),
         1.0 / math.sqrt(dim),
-        S=subspaces, DIMS=dims, LEVELS=levels.shape[0], TOKENS=TOKENS, **rotation_factors(dim), num_warps=ENCODE_WARPS,
+        S=subspaces, DIMS=dims, LEVELS=levels.shape[0], TOKENS=TOKENS, **rotation_factors(dim), num_warps=analytic_encoding.ENCODE_WARPS,
     )
 
 

@@ -25,7 +25,8 @@ import triton.language as tl
 # its D coordinates, so more programs resident per SM hide more of its latency (the prompt's encode on
 # an H200, 8 KV heads, D=128, bf16: 0.235 ms a layer at 8K against 0.610 with four warps, 0.80 against
 # 2.28 at 32K; benchmarks/encode_tuning.py, session 18). Both launches use the same: the warps decide
-# the reductions' order, and a decode step's key must get the prompt's bits exactly
+# the reductions' order, and a decode step's key must get the prompt's bits exactly (both launches read
+# this attribute when they run, so setting it moves both)
 ENCODE_WARPS = 1
 
 

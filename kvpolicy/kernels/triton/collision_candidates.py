@@ -13,7 +13,7 @@ count and the cut). Votes are small integers (at most ``max_votes``: 96 for 16 s
 tiers), so the ``keep`` best-voted keys of a row are every key with more votes than a
 threshold vote ``v*`` plus the first keys by position with exactly ``v*``:
 
-1. ``_votes_kernel``, one program per (row, chunk of ``pass_chunk`` positions: 2048, fewer in
+1. ``_votes_kernel``, one program per (row, chunk of ``pass_chunk`` positions: 4096, fewer in
    a call too small to fill the GPU with programs of that size): reads the chunk's
    centroid ids (``S`` bytes per key, the only pass over them; as int32 words of four where
    the layout allows), looks each up in the row's vote table (``(S, 256)``, int8 from
@@ -73,11 +73,11 @@ from . import scratch
 # up to 640 earlier chunks (208 us, H200, session 18), at 4096 half as many (130 us)
 _CHUNK = 4096
 _SUB = 256
-# a small call (batch 1 at 32K: 8 rows of ~40K positions, 160 programs of 8 steps at _CHUNK)
+# a small call (batch 1 at 32K: 8 rows of ~40K positions, 80 programs of 16 steps at _CHUNK)
 # runs a loop of dependent steps on too few programs: the chunk shrinks, down to _MIN_CHUNK,
 # until the grid has about _PASS_PROGRAMS programs (an H200 holds ~2,000 4-warp programs at
 # once); a chunk of at most _ONE_STEP_CHUNK positions is read in one step (its loads all
-# independent). Larger calls keep _CHUNK and _SUB (128K x 4: 2,560 programs)
+# independent). Larger calls keep _CHUNK and _SUB (128K x 4: 1,280 programs)
 _PASS_PROGRAMS = 1024
 _MIN_CHUNK = 512
 _ONE_STEP_CHUNK = 512

@@ -2,7 +2,8 @@
 
 Same contract and initialisation as ``reference.kmeans`` (``init`` "spaced" or "pages",
 ``precision`` "split" or "bf16"). "pages" starts with one update (``_accumulate`` +
-``_finalize``) from the page labels. Per iteration three launches:
+``_finalize``) from the page labels. Per iteration three launches (two with ``FUSE_UPDATE``, the
+default: the assignment does the accumulation):
 
 - ``_assign``: one program per (token block, sequence x head); the key tile stays in
   registers while the program walks all centroids in blocks, scoring ``||c||^2 - 2 x.c``
@@ -11,8 +12,6 @@ Same contract and initialisation as ``reference.kmeans`` (``init`` "spaced" or "
   per-cluster buffers.
 - ``_finalize``: divides, keeps the old centroid of an emptied cluster, prepares the next
   assignment's operands (below) and zeroes the buffers. It also prepares the initial ones.
-
-With ``FUSE_UPDATE`` the assignment does ``_accumulate``'s work itself: two launches an iteration.
 
 Precision. A plain fp32 ``tl.dot`` runs in TF32 on the GPU (inputs rounded to 11 bits),
 which flips labels well away from exact ties; IEEE fp32 would leave the tensor cores. So
@@ -43,7 +42,8 @@ from ..dispatch import implement, triton_runs_on
 # keys are read once; the same float32 atomics as ``_accumulate``, in another order. On an H200
 # (8 heads, D=128, bf16; session 18) an 8K prefill's K-means kernels took 15.4 ms against 16.5
 # (assign + accumulate, 36 layers), and a layer's K-means 5.0 ms against 5.1 at 32K and 5.4 against
-# 6.1 at 64K in segments of 16K
+# 6.1 at 64K in segments of 16K; measured with bf16 keys only (fp16 and fp32 keys keep their raw
+# tile live through the centroid loop too, which may cost registers)
 FUSE_UPDATE = True
 
 
