@@ -165,6 +165,13 @@ _EMBEDDED_MODELS: dict[str, _Embedded] = {
 EMBEDDED_MODELS: tuple[str, ...] = tuple(_EMBEDDED_MODELS)
 
 
+def embedded_model_id(name: str) -> str | None:
+    """The id (``calibration.model_id``) of the loaded embedded model ``name`` names (``"smollm2"``,
+    ``"gemma3"``), or None where it names none."""
+    found = _EMBEDDED_MODELS.get(name.strip().lower())
+    return None if found is None else found.cache_name
+
+
 def _embedded(name: str) -> _Embedded:
     key = name.strip().lower()
     if key not in _EMBEDDED_MODELS:

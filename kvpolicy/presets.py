@@ -12,6 +12,7 @@ import json
 
 from .calibration import DEFAULT_TAU, calibrated_tau, calibration_file, model_id
 from .errors import UnknownNameError
+from .models import embedded_model_id
 from .policy import Policy
 from .units.analytic import DEFAULT_UPDATE_BUFFER
 
@@ -20,15 +21,13 @@ DEFAULT_SINK = 4
 DEFAULT_LOCAL = 64
 # ``model="smollm2"`` (kvpolicy.models.EMBEDDED_MODEL) is the embedded model, loaded from a copy named EMBEDDED_ID
 EMBEDDED_NAME, EMBEDDED_ID = "smollm2", "smollm2-135m-instruct"
-# the names the CLI takes for the embedded models -> the ids their loaded copies report (``model_id``)
-EMBEDDED_IDS = {EMBEDDED_NAME: EMBEDDED_ID, "gemma3": "gemma-3-270m"}
 
 
 def _embedded_id(model: Any) -> Any:
     """``model``, or the id of the embedded model it names (``"smollm2"``, ``"gemma3"``), so a preset
     asked for by name gets what it gets for the loaded model."""
     if isinstance(model, str):
-        return EMBEDDED_IDS.get(model.strip().lower(), model)
+        return embedded_model_id(model) or model
     return model
 
 

@@ -250,20 +250,20 @@ def kmeans(
     finalize_grid = (triton.cdiv(C, block_cf), bh)
     one_dot = precision == "bf16"
 
-    def update() -> None:
+    def accumulate() -> None:
         _accumulate[(triton.cdiv(n, block_na), bh)](
             keys, valid8, labels, sums, counts, n, C, dim, heads, *strides,
             BLOCK_N=block_na, BLOCK_D=block_d,
         )
+
+    def finalize() -> None:
         _finalize[finalize_grid](centroids, sums, counts, c_hi, c_lo, norms, C, dim, HI_NORM=one_dot,
                                  BLOCK_C=block_cf, BLOCK_D=block_d)
 
     if init == "pages":
-        update()  # the pages' mean keys; an empty page keeps its spaced token
-    else:
-        # with zero counts this only prepares the split centroids and norms of the initial ones
-        _finalize[finalize_grid](centroids, sums, counts, c_hi, c_lo, norms, C, dim, HI_NORM=one_dot,
-                                 BLOCK_C=block_cf, BLOCK_D=block_d)
+        accumulate()  # the pages' mean keys; an empty page keeps its spaced token
+    # (with zero counts, finalize only prepares the split centroids and norms of the initial ones)
+    finalize()
     fused = FUSE_UPDATE
     for _ in range(iters):
         _assign[(triton.cdiv(n, block_n), bh)](
@@ -271,9 +271,7 @@ def kmeans(
             SPLIT_X=split_x, ONE_DOT=one_dot, UPCAST=not keys.is_cuda, ACCUMULATE=fused, BLOCK_N=block_n,
             BLOCK_C=block_c, BLOCK_D=block_d, num_warps=warps, num_stages=stages,
         )
-        if fused:
-            _finalize[finalize_grid](centroids, sums, counts, c_hi, c_lo, norms, C, dim, HI_NORM=one_dot,
-                                     BLOCK_C=block_cf, BLOCK_D=block_d)
-        else:
-            update()
+        if not fused:  # the assignment did not add the keys into the sums itself
+            accumulate()
+        finalize()
     return labels, centroids
