@@ -119,9 +119,15 @@ QUICK_COLLISION_VARIANTS = (
     ("fused pipeline, compact sub 2048", {"PIPELINE": "fused", "_COMPACT_SUB": 2048}),
     ("chunk 2048", {"_CHUNK": 2048}),
     ("sub 512", {"_SUB": 512}),
+    # session 19: the votes' lookups through tl.gather (the row's table held by the program)
+    ("gather lookups", {"VOTES_LOOKUP": "gather"}),
+    ("gather lookups sub 128", {"VOTES_LOOKUP": "gather", "_SUB": 128}),
+    ("gather lookups 8 warps", {"VOTES_LOOKUP": "gather", "_VOTES_WARPS": 8}),
 )
 QUICK_RERANK_VARIANTS = (
     ("radix", {"METHOD": "radix"}),
+    # session 19: the score pass's nibble values by selects among the magnitudes, not table loads
+    ("radix select nibbles", {"METHOD": "radix", "NIBBLES": "select"}),
     ("radix level chunk 1024", {"METHOD": "radix", "_RADIX_LEVEL_MIN_CHUNK": 1024}),
     ("radix level chunk 2048", {"METHOD": "radix", "_RADIX_LEVEL_MIN_CHUNK": 2048}),
 )

@@ -102,6 +102,10 @@ FOLD_SMALL_THRESHOLD = True
 # 1Mx4 464.5 us against 529.8 unfolded at chunks of 2048, 128Kx4 78.4 against 83.6, 512Kx1 78.6
 # against 96.9
 FOLD_LARGE_THRESHOLD = True
+# how the pass pipeline's votes look a key's ids up in its row's table: "load" (a global load a
+# subspace, served from L1) or "gather" (the program holds the row's table, tl.gather through shared
+# memory; one table a row only, per-head tables always load)
+VOTES_LOOKUP = "load"
 # "pass" (votes, threshold, compact) or session 10's "fused" (two launches; 3.3x and
 # 3.7x slower votes at 128Kx4 and 1Mx4 on an H200, so kept for benchmarks/pariskv_select.py only)
 PIPELINE = "pass"
@@ -139,10 +143,11 @@ def _votes_kernel(
     valid_sb, valid_sn,
     S: tl.constexpr, IDS: tl.constexpr, WORDS: tl.constexpr,
     CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr, ROW_HIST: tl.constexpr,
-    HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+    HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, GATHER: tl.constexpr,
 ):
     # HEADS: 0, one table a row (the group's mean query); else the row's HEADS query heads' tables,
-    # each key's ids looked up in every one and its votes the best head's sum
+    # each key's ids looked up in every one and its votes the best head's sum. GATHER (HEADS 0 only):
+    # the program holds its row's table and looks the ids up with tl.gather (through shared memory)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = row // H
@@ -153,6 +158,9 @@ def _votes_kernel(
         head_rows = _head_rows(HEADS, BLOCK_HEADS, S, IDS)
     else:
         table_row = table_ptr + row * S * IDS
+    if GATHER:
+        subs = tl.arange(0, S)
+        table = tl.load(table_row + subs[:, None] * IDS + tl.arange(0, IDS)[None, :])
     bins = tl.arange(0, BINS)
     hist = tl.zeros([BINS], dtype=tl.int32)
     for s0 in range(0, CHUNK, SUB):
@@ -168,7 +176,10 @@ def _votes_kernel(
             total = tl.zeros([BLOCK_HEADS, SUB], dtype=tl.int32)
         else:
             total = tl.zeros([SUB], dtype=tl.int32)
-        if WORDS:  # the ids as int32 words, four subspaces each (keys_ptr is the int32 view)
+        if GATHER:  # a (S, SUB) tile of the uint8 ids, every subspace's lookups at once
+            ids = tl.load(key_row[None, :] + subs[:, None] * key_ss, mask=in_n[None, :], other=0).to(tl.int32)
+            total += tl.sum(tl.gather(table, ids, axis=1).to(tl.int32), axis=0)
+        elif WORDS:  # the ids as int32 words, four subspaces each (keys_ptr is the int32 view)
             for w in tl.static_range(S // 4):
                 word = tl.load(key_row + w * key_ss, mask=in_n, other=0)
                 for j in tl.static_range(4):
@@ -512,14 +523,15 @@ def collision_candidates(
     hist = torch.empty(rows, chunks, bins, dtype=torch.int32, device=device)
     fold = folds_threshold(rows, n)
     row_hist, done = _row_scratch(device, rows, bins) if fold else (hist, None)
-    words = _as_words(key_centroids)
+    gather = gathers_votes(voters, subspaces)
+    words = None if gather else _as_words(key_centroids)
     ids = key_centroids if words is None else words
     _votes_kernel[(rows, chunks)](
         table, ids, valid, indexed, votes, hist, row_hist,
         heads, n, chunks,
         *ids.stride(), *valid.stride(),
         S=subspaces, IDS=reference_analytic.NUM_IDS, WORDS=words is not None,
-        CHUNK=chunk, SUB=sub, BINS=bins, ROW_HIST=fold, **voting, num_warps=_VOTES_WARPS,
+        CHUNK=chunk, SUB=sub, BINS=bins, ROW_HIST=fold, **voting, GATHER=gather, num_warps=_VOTES_WARPS,
     )
     if fold:  # hist holds suffix counts: the compaction finds the threshold itself
         _compact_fused_kernel[(rows, chunks)](
@@ -543,6 +555,14 @@ def collision_candidates(
         num_warps=_COMPACT_WARPS,
     )
     return out
+
+
+def gathers_votes(voters: int, subspaces: int) -> bool:
+    """Whether the pass pipeline's votes look their ids up with ``tl.gather`` (``VOTES_LOOKUP``):
+    one table a row (``voters`` 0) of a power-of-two number of subspaces."""
+    if VOTES_LOOKUP not in ("load", "gather"):
+        raise ValueError(f"triton collision_candidates: VOTES_LOOKUP {VOTES_LOOKUP!r}; accepted: gather, load")
+    return VOTES_LOOKUP == "gather" and voters == 0 and subspaces == triton.next_power_of_2(subspaces)
 
 
 def _row_scratch(device: torch.device, rows: int, bins: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -362,6 +362,9 @@ _RADIX_LEVEL_MIN_CHUNK = 0
 # slot read each, where ~65K are chosen)
 _PRELOAD_CANDIDATES = 1 << 16
 SCORE_WORDS = False
+# how the radix score pass turns a 4-bit code into its value: "load" (nibble_values' 16-float table,
+# a load a nibble served from L1) or "select" (selects among the 8 magnitudes by the code's bits)
+NIBBLES = "load"
 
 
 @triton.jit
@@ -383,6 +386,22 @@ def _pick(hist, bins, need):
 
 
 @triton.jit
+def _nibble_value(code, values_ptr, l0, l1, l2, l3, l4, l5, l6, l7, SELECT: tl.constexpr):
+    # a 4-bit code's value: nibble_values' table entry (a load, served from L1), or (SELECT) the
+    # same float picked among the 8 magnitudes by the code's bits and negated where its sign bit is
+    # set, as the table's entries 8-15 are the negations of 0-7 (exact either way)
+    if SELECT:
+        odd = (code & 1) != 0
+        two = (code & 2) != 0
+        low = tl.where(two, tl.where(odd, l3, l2), tl.where(odd, l1, l0))
+        high = tl.where(two, tl.where(odd, l7, l6), tl.where(odd, l5, l4))
+        magnitude = tl.where((code & 4) != 0, high, low)
+        return tl.where((code & 8) != 0, -magnitude, magnitude)
+    else:
+        return tl.load(values_ptr + code)
+
+
+@triton.jit
 def _radix_score_kernel(
     query_ptr, codes_ptr, weight_ptr, norms_ptr, cand_ptr, keys_ptr, row_hist_ptr,
     H, W,
@@ -393,13 +412,22 @@ def _radix_score_kernel(
     cand_sb, cand_sh, cand_sc,
     values_ptr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-    BINS: tl.constexpr, LEVELS: tl.constexpr, WIDE: tl.constexpr, WORDS: tl.constexpr,
+    BINS: tl.constexpr, LEVELS: tl.constexpr, WIDE: tl.constexpr, WORDS: tl.constexpr, SELECT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = row // H
     h = row % H
     q_base = query_ptr + b * q_sb + h * q_sh
+    # the magnitudes of codes 0-7 (SELECT: a nibble's value by selects among them, not a table load)
+    l0 = tl.load(values_ptr)
+    l1 = tl.load(values_ptr + 1)
+    l2 = tl.load(values_ptr + 2)
+    l3 = tl.load(values_ptr + 3)
+    l4 = tl.load(values_ptr + 4)
+    l5 = tl.load(values_ptr + 5)
+    l6 = tl.load(values_ptr + 6)
+    l7 = tl.load(values_ptr + 7)
     if WORDS:
         # codes as int32 words (codes_ptr is the int32 view): nibble j of word w is coordinate
         # 8w + j, so a candidate's D / 2 bytes are D / 8 words (vector loads, and a quarter of the
@@ -439,10 +467,11 @@ def _radix_score_kernel(
             terms = tl.zeros([SUB, BLOCK_HALF], dtype=tl.float32)
             for j in tl.static_range(8):
                 q_j = tl.load(q_base + (8 * i + j) * q_sd, mask=in_i, other=0.0).to(tl.float32)
-                terms += tl.load(values_ptr + ((packed >> (4 * j)) & 15)) * q_j[None, :]
+                code = (packed >> (4 * j)) & 15
+                terms += _nibble_value(code, values_ptr, l0, l1, l2, l3, l4, l5, l6, l7, SELECT) * q_j[None, :]
         else:
-            low_val = tl.load(values_ptr + (packed & 15))
-            high_val = tl.load(values_ptr + (packed >> 4))
+            low_val = _nibble_value(packed & 15, values_ptr, l0, l1, l2, l3, l4, l5, l6, l7, SELECT)
+            high_val = _nibble_value(packed >> 4, values_ptr, l0, l1, l2, l3, l4, l5, l6, l7, SELECT)
             terms = low_val * q_even[None, :] + high_val * q_odd[None, :]
         dot = tl.sum(tl.where(rows, terms, 0.0), axis=1)
         weight = tl.load(weight_ptr + b * weight_sb + h * weight_sh + token * weight_sn, mask=listed, other=0.0)
@@ -729,8 +758,14 @@ def _score_launch(query_rotated, codes, weight, norms, candidates, keys, row_his
         values,
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half if words is None else half // 4), CHUNK=chunk,
         SUB=min(chunk, _RADIX_SCORE_SUB), BINS=_RADIX_BINS, LEVELS=_RADIX_LEVELS, WIDE=wide, WORDS=words is not None,
-        num_warps=_RADIX_SCORE_WARPS,
+        SELECT=_selects_nibbles(), num_warps=_RADIX_SCORE_WARPS,
     )
+
+
+def _selects_nibbles() -> bool:
+    if NIBBLES not in ("load", "select"):
+        raise ValueError(f"triton rerank_select: NIBBLES {NIBBLES!r}; accepted: load, select")
+    return NIBBLES == "select"
 
 
 def radix_chunk(rows: int, width: int) -> int:

@@ -276,17 +276,20 @@ def test_query_votes_refuses_misshaped_inputs():
         query_votes.query_votes(torch.zeros(1, 1, 2, 16, device=DEVICE), torch.ones(16, device=DEVICE), 4, [1] * 20)
 
 
-@pytest.fixture(params=["fused", "pass", "pass-large-fold", "pass-small-call", "pass-small-call-threshold-launch"])
+@pytest.fixture(params=["fused", "pass", "pass-gather", "pass-large-fold", "pass-small-call",
+                        "pass-small-call-threshold-launch"])
 def small_chunks(monkeypatch, request):
     """Several chunks, steps and chunk blocks at interpreter sizes; each pipeline (session 10's
-    two launches, and the three before it); "pass-large-fold": the pass pipeline's full-size chunks
-    with the threshold folded into the compaction (``FOLD_LARGE_THRESHOLD``); "pass-small-call": the
-    pass pipeline's chunk shrunk for a call with few programs (one step a chunk, the threshold folded
-    into the compaction); "-threshold-launch": the same chunks with the threshold pass launched
-    (reading a row's chunks in one step)."""
+    two launches, and the three before it); "pass-gather": the pass pipeline's votes looked up with
+    tl.gather (``VOTES_LOOKUP``; one table a row only); "pass-large-fold": the pass pipeline's
+    full-size chunks with the threshold folded into the compaction (``FOLD_LARGE_THRESHOLD``);
+    "pass-small-call": the pass pipeline's chunk shrunk for a call with few programs (one step a
+    chunk, the threshold folded into the compaction); "-threshold-launch": the same chunks with the
+    threshold pass launched (reading a row's chunks in one step)."""
     from kvpolicy.kernels.triton import collision_candidates
 
     monkeypatch.setattr(collision_candidates, "PIPELINE", request.param.split("-")[0])
+    monkeypatch.setattr(collision_candidates, "VOTES_LOOKUP", "gather" if request.param == "pass-gather" else "load")
     monkeypatch.setattr(collision_candidates, "FOLD_SMALL_THRESHOLD", not request.param.endswith("-threshold-launch"))
     monkeypatch.setattr(collision_candidates, "FOLD_LARGE_THRESHOLD", request.param == "pass-large-fold")
     monkeypatch.setattr(collision_candidates, "_CHUNK", 256)
@@ -506,6 +509,46 @@ def test_head_max_votes_at_decode_sizes(monkeypatch, pipeline, batch, n):
     assert torch.equal(got, want)
 
 
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("lookup", ["load", "gather"])
+@pytest.mark.parametrize("batch, n", [(1, 32768), (4, 131072), (1, 524288)])
+def test_group_mean_votes_at_decode_sizes(monkeypatch, lookup, batch, n):
+    # ParisKV's Qwen3 shape (8 KV heads, head_dim 128, 16 subspaces, 6 tiers), one table a row (the
+    # group's mean query), each way the votes look ids up, through the shipped pipeline
+    from kvpolicy.kernels.triton import collision_candidates, query_votes
+
+    monkeypatch.setattr(collision_candidates, "VOTES_LOOKUP", lookup)
+    heads, group, dim, subspaces, tiers = 8, 4, 128, 16, 6
+    gen = torch.Generator(device=DEVICE).manual_seed(n + batch + 1)
+    query = torch.randn(batch, heads, group, dim, generator=gen, device=DEVICE).to(torch.bfloat16)
+    signs = analytic.srht_signs(dim, 0, DEVICE)
+    weights = torch.tensor(analytic.tier_weights(tiers), dtype=torch.int32, device=DEVICE)
+    table = query_votes.query_votes(query, signs, subspaces, weights)[1]
+    ids = torch.randint(0, 256, (batch, heads, n + 64, subspaces), generator=gen, device=DEVICE, dtype=torch.uint8)
+    token_valid = torch.rand(batch, n + 64, generator=gen, device=DEVICE) > 0.01
+    args = (torch.tensor(n, device=DEVICE), max(n // 10, 3960) + 64, subspaces * tiers, 3960, 0.1,
+            analytic.CANDIDATE_BANDS)
+    assert collision_candidates.gathers_votes(0, subspaces) == (lookup == "gather")
+    want = reference_analytic.collision_candidates(table, ids, token_valid, *args)
+    assert torch.equal(collision_candidates.collision_candidates(table, ids, token_valid, *args), want)
+
+
+def test_collision_candidates_names_a_bad_lookup(monkeypatch):
+    from kvpolicy.kernels.triton import collision_candidates
+
+    monkeypatch.setattr(collision_candidates, "VOTES_LOOKUP", "shared")
+    with pytest.raises(ValueError, match="VOTES_LOOKUP 'shared'; accepted: gather, load"):
+        collision_candidates.gathers_votes(0, 16)
+
+
+def test_rerank_select_names_a_bad_nibbles_setting(monkeypatch):
+    from kvpolicy.kernels.triton import rerank_select
+
+    monkeypatch.setattr(rerank_select, "NIBBLES", "table")
+    with pytest.raises(ValueError, match="NIBBLES 'table'; accepted: load, select"):
+        rerank_select._selects_nibbles()
+
+
 def test_collision_candidates_refuses_misshaped_inputs():
     from kvpolicy.kernels.triton import collision_candidates
 
@@ -542,13 +585,16 @@ def test_collision_candidates_band_bounds_are_exclusive(small_chunks, indexed, c
 # -- the fused rerank and final selection: rerank_select ----------------------------------------
 
 
-@pytest.fixture(params=["radix", "radix-level-chunk", "radix-no-preload", "split", "torch"])
+@pytest.fixture(params=["radix", "radix-level-chunk", "radix-no-preload", "radix-select", "split", "torch"])
 def small_select(request, monkeypatch):
     """Each method at interpreter sizes: several chunks (radix: 16-32 candidates each), steps
     within a chunk, chunk blocks and finish blocks; "radix-level-chunk": the level and place
     passes on chunks larger than the score pass's; "radix-no-preload": the place pass loading
-    the chosen candidates' positions and slots only (a large call's)."""
+    the chosen candidates' positions and slots only (a large call's); "radix-select": the score
+    pass's nibble values by selects (``NIBBLES``)."""
     from kvpolicy.kernels.triton import rerank_select
+
+    monkeypatch.setattr(rerank_select, "NIBBLES", "select" if request.param == "radix-select" else "load")
 
     monkeypatch.setattr(rerank_select, "_CHUNK", 128)
     monkeypatch.setattr(rerank_select, "_SCORE_SUB", 32 if request.param == "split" else 16)
@@ -741,11 +787,15 @@ def test_rerank_select_refuses_misshaped_inputs(small_select):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("method", [None, "radix"])
+@pytest.mark.parametrize("method", [None, "radix", "radix-select"])
 @pytest.mark.parametrize("batch, n, width", [(4, 131072, 13108), (4, 1048576, 104858), (1, 32768, 6554)])
-def test_rerank_select_at_decode_sizes(method, batch, n, width):
+def test_rerank_select_at_decode_sizes(monkeypatch, method, batch, n, width):
     # ParisKV's shape at batch 4 and 1: 8 KV heads, head_dim 128, 16 subspaces, top-k of a 2K
-    # budget; the method auto picks, and the radix method
+    # budget; the method auto picks, and the radix method with each way to a nibble's value
+    from kvpolicy.kernels.triton import rerank_select
+
+    monkeypatch.setattr(rerank_select, "NIBBLES", "select" if method == "radix-select" else "load")
+    method = method and method.split("-")[0]
     heads, dim, capacity = 8, 128, 1980
     gen = torch.Generator(device=DEVICE).manual_seed(n)
     rotated = torch.nn.functional.normalize(torch.randn(batch, heads, dim, generator=gen, device=DEVICE), dim=-1)
