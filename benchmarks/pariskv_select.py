@@ -119,15 +119,18 @@ QUICK_COLLISION_VARIANTS = (
     ("fused pipeline, compact sub 2048", {"PIPELINE": "fused", "_COMPACT_SUB": 2048}),
     ("chunk 2048", {"_CHUNK": 2048}),
     ("sub 512", {"_SUB": 512}),
-    # session 19: the votes' lookups through tl.gather (the row's table held by the program)
-    ("gather lookups", {"VOTES_LOOKUP": "gather"}),
-    ("gather lookups sub 128", {"VOTES_LOOKUP": "gather", "_SUB": 128}),
-    ("gather lookups 8 warps", {"VOTES_LOOKUP": "gather", "_VOTES_WARPS": 8}),
+    # session 19: each step's ids loaded a step ahead
+    ("ids ahead", {"VOTES_AHEAD": True}),
+    ("ids ahead sub 128", {"VOTES_AHEAD": True, "_SUB": 128}),
+    ("ids ahead sub 512", {"VOTES_AHEAD": True, "_SUB": 512}),
+    ("ids ahead 8 warps", {"VOTES_AHEAD": True, "_VOTES_WARPS": 8}),
 )
 QUICK_RERANK_VARIANTS = (
     ("radix", {"METHOD": "radix"}),
-    # session 19: the score pass's nibble values by selects among the magnitudes, not table loads
-    ("radix select nibbles", {"METHOD": "radix", "NIBBLES": "select"}),
+    # session 19: the score pass's codes loaded a step ahead (its candidates two)
+    ("radix codes ahead", {"METHOD": "radix", "CODES_AHEAD": True}),
+    ("radix codes ahead sub 64", {"METHOD": "radix", "CODES_AHEAD": True, "_RADIX_SCORE_SUB": 64}),
+    ("radix codes ahead 8 warps", {"METHOD": "radix", "CODES_AHEAD": True, "_RADIX_SCORE_WARPS": 8}),
     ("radix level chunk 1024", {"METHOD": "radix", "_RADIX_LEVEL_MIN_CHUNK": 1024}),
     ("radix level chunk 2048", {"METHOD": "radix", "_RADIX_LEVEL_MIN_CHUNK": 2048}),
 )

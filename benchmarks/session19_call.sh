@@ -3,13 +3,16 @@
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 SELECT="python3 benchmarks/pariskv_select.py --quick --no-gather --repeats 10"
 case ${3:?} in
-lookups)  # call 1: ParisKV's lookups without L1 table loads: the votes through tl.gather (VOTES_LOOKUP) and
-# the rerank's nibble values by selects (NIBBLES), first on the GPU: the analytic ops' decode-size tests
-# (also the large calls' fold and chunks of 4,096, the session-18 defaults never tested there), then the
-# selection per layer with both variants beside the shipped rows at 128Kx4, 1Mx4, 512Kx1 and 32Kx1
-step gpu_tests 220 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_analytic_ops.py -k "decode_sizes or collision_candidates or lookup or nibbles"
+lookups|ahead)  # call 1 (lookups, commit da5a07a): ParisKV's lookups without L1 table loads, the
+# votes through tl.gather (VOTES_LOOKUP) and the rerank's nibble values by selects (NIBBLES); both slower,
+# both removed. Call 2 (ahead): the votes' ids and the rerank's codes loaded a step ahead (VOTES_AHEAD,
+# CODES_AHEAD). Each: the analytic ops' decode-size tests (also the large calls' fold and chunks of 4,096,
+# the session-18 defaults never tested there), then the selection per layer with the variants beside the
+# shipped rows at 128Kx4, 1Mx4, 512Kx1 and 32Kx1
+step gpu_tests 220 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_analytic_ops.py -k "decode_sizes or collision_candidates or ahead"
 step select_4 170 $SELECT --contexts 131072,1048576 --batches 4 --json "$OUT/select_4.json"
 step select_512k 70 $SELECT --contexts 524288 --batches 1 --json "$OUT/select_512k.json"
 step select_32k 50 $SELECT --contexts 32768 --batches 1 --json "$OUT/select_32k.json"
+[ "$3" = ahead ] && step e2e_512k 130 $E2E --contexts 524288 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_512k.json"
 ;;
 esac

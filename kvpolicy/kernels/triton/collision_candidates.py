@@ -102,10 +102,10 @@ FOLD_SMALL_THRESHOLD = True
 # 1Mx4 464.5 us against 529.8 unfolded at chunks of 2048, 128Kx4 78.4 against 83.6, 512Kx1 78.6
 # against 96.9
 FOLD_LARGE_THRESHOLD = True
-# how the pass pipeline's votes look a key's ids up in its row's table: "load" (a global load a
-# subspace, served from L1) or "gather" (the program holds the row's table, tl.gather through shared
-# memory; one table a row only, per-head tables always load)
-VOTES_LOOKUP = "load"
+# the pass pipeline's votes load each step's ids a step ahead (the words layout), so a step's
+# lookups overlap the next step's HBM reads. (Session 19 measured tl.gather from a table the program
+# holds, through shared memory, instead of the lookups' L1 loads: 6.7x slower at 1Mx4 on an H200)
+VOTES_AHEAD = False
 # "pass" (votes, threshold, compact) or session 10's "fused" (two launches; 3.3x and
 # 3.7x slower votes at 128Kx4 and 1Mx4 on an H200, so kept for benchmarks/pariskv_select.py only)
 PIPELINE = "pass"
@@ -143,11 +143,11 @@ def _votes_kernel(
     valid_sb, valid_sn,
     S: tl.constexpr, IDS: tl.constexpr, WORDS: tl.constexpr,
     CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr, ROW_HIST: tl.constexpr,
-    HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, GATHER: tl.constexpr,
+    HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, AHEAD: tl.constexpr,
 ):
     # HEADS: 0, one table a row (the group's mean query); else the row's HEADS query heads' tables,
-    # each key's ids looked up in every one and its votes the best head's sum. GATHER (HEADS 0 only):
-    # the program holds its row's table and looks the ids up with tl.gather (through shared memory)
+    # each key's ids looked up in every one and its votes the best head's sum. AHEAD (WORDS only):
+    # each step's ids are loaded a step ahead, as one (SUB, S / 4) tile of words
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = row // H
@@ -158,14 +158,22 @@ def _votes_kernel(
         head_rows = _head_rows(HEADS, BLOCK_HEADS, S, IDS)
     else:
         table_row = table_ptr + row * S * IDS
-    if GATHER:
-        subs = tl.arange(0, S)
-        table = tl.load(table_row + subs[:, None] * IDS + tl.arange(0, IDS)[None, :])
+    if AHEAD:
+        word_index = tl.arange(0, S // 4)[None, :]
+        words_at = word_index * key_ss
+        n = chunk * CHUNK + tl.arange(0, SUB).to(tl.int64)
+        tile_next = tl.load(keys_ptr + b * key_sb + h * key_sh + n[:, None] * key_sn + words_at,
+                            mask=(n < N)[:, None], other=0)
     bins = tl.arange(0, BINS)
     hist = tl.zeros([BINS], dtype=tl.int32)
     for s0 in range(0, CHUNK, SUB):
         n = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
         in_n = n < N
+        if AHEAD:  # this step's ids arrived during the last; the next step's are asked for now
+            tile = tile_next
+            ahead = n + SUB
+            tile_next = tl.load(keys_ptr + b * key_sb + h * key_sh + ahead[:, None] * key_sn + words_at,
+                                mask=((ahead < N) & (s0 + SUB < CHUNK))[:, None], other=0)
         # the positions' flags first: loaded after the lookups (in source order), ptxas issued
         # them after the lookups had returned, a dependent load more before the stores
         valid = tl.load(valid_ptr + b * valid_sb + n * valid_sn, mask=in_n, other=0)
@@ -176,12 +184,12 @@ def _votes_kernel(
             total = tl.zeros([BLOCK_HEADS, SUB], dtype=tl.int32)
         else:
             total = tl.zeros([SUB], dtype=tl.int32)
-        if GATHER:  # a (S, SUB) tile of the uint8 ids, every subspace's lookups at once
-            ids = tl.load(key_row[None, :] + subs[:, None] * key_ss, mask=in_n[None, :], other=0).to(tl.int32)
-            total += tl.sum(tl.gather(table, ids, axis=1).to(tl.int32), axis=0)
-        elif WORDS:  # the ids as int32 words, four subspaces each (keys_ptr is the int32 view)
+        if WORDS:  # the ids as int32 words, four subspaces each (keys_ptr is the int32 view)
             for w in tl.static_range(S // 4):
-                word = tl.load(key_row + w * key_ss, mask=in_n, other=0)
+                if AHEAD:  # a key's words sit in one thread: a select, no data movement
+                    word = tl.sum(tl.where(word_index == w, tile, 0), axis=1)
+                else:
+                    word = tl.load(key_row + w * key_ss, mask=in_n, other=0)
                 for j in tl.static_range(4):
                     ids = (word >> (8 * j)) & 255
                     if HEADS:
@@ -523,15 +531,14 @@ def collision_candidates(
     hist = torch.empty(rows, chunks, bins, dtype=torch.int32, device=device)
     fold = folds_threshold(rows, n)
     row_hist, done = _row_scratch(device, rows, bins) if fold else (hist, None)
-    gather = gathers_votes(voters, subspaces)
-    words = None if gather else _as_words(key_centroids)
+    words = _as_words(key_centroids)
     ids = key_centroids if words is None else words
     _votes_kernel[(rows, chunks)](
         table, ids, valid, indexed, votes, hist, row_hist,
         heads, n, chunks,
         *ids.stride(), *valid.stride(),
         S=subspaces, IDS=reference_analytic.NUM_IDS, WORDS=words is not None,
-        CHUNK=chunk, SUB=sub, BINS=bins, ROW_HIST=fold, **voting, GATHER=gather, num_warps=_VOTES_WARPS,
+        CHUNK=chunk, SUB=sub, BINS=bins, ROW_HIST=fold, **voting, AHEAD=_votes_ahead(words is not None), num_warps=_VOTES_WARPS,
     )
     if fold:  # hist holds suffix counts: the compaction finds the threshold itself
         _compact_fused_kernel[(rows, chunks)](
@@ -557,12 +564,12 @@ def collision_candidates(
     return out
 
 
-def gathers_votes(voters: int, subspaces: int) -> bool:
-    """Whether the pass pipeline's votes look their ids up with ``tl.gather`` (``VOTES_LOOKUP``):
-    one table a row (``voters`` 0) of a power-of-two number of subspaces."""
-    if VOTES_LOOKUP not in ("load", "gather"):
-        raise ValueError(f"triton collision_candidates: VOTES_LOOKUP {VOTES_LOOKUP!r}; accepted: gather, load")
-    return VOTES_LOOKUP == "gather" and voters == 0 and subspaces == triton.next_power_of_2(subspaces)
+def _votes_ahead(words: bool) -> bool:
+    """Whether the pass pipeline's votes load each step's ids a step ahead (``VOTES_AHEAD``; the
+    words layout only)."""
+    if not isinstance(VOTES_AHEAD, bool):
+        raise ValueError(f"triton collision_candidates: VOTES_AHEAD must be True or False, got {VOTES_AHEAD!r}")
+    return VOTES_AHEAD and words
 
 
 def _row_scratch(device: torch.device, rows: int, bins: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -362,9 +362,10 @@ _RADIX_LEVEL_MIN_CHUNK = 0
 # slot read each, where ~65K are chosen)
 _PRELOAD_CANDIDATES = 1 << 16
 SCORE_WORDS = False
-# how the radix score pass turns a 4-bit code into its value: "load" (nibble_values' 16-float table,
-# a load a nibble served from L1) or "select" (selects among the 8 magnitudes by the code's bits)
-NIBBLES = "load"
+# the radix score pass loads each step's codes a step ahead (its candidates two ahead), so a step's
+# arithmetic overlaps the next step's scattered code reads (the byte layout). (Session 19 measured a
+# nibble's value picked by selects among the 8 magnitudes instead of a table load: 1.4x slower, H200)
+CODES_AHEAD = False
 
 
 @triton.jit
@@ -386,22 +387,6 @@ def _pick(hist, bins, need):
 
 
 @triton.jit
-def _nibble_value(code, values_ptr, l0, l1, l2, l3, l4, l5, l6, l7, SELECT: tl.constexpr):
-    # a 4-bit code's value: nibble_values' table entry (a load, served from L1), or (SELECT) the
-    # same float picked among the 8 magnitudes by the code's bits and negated where its sign bit is
-    # set, as the table's entries 8-15 are the negations of 0-7 (exact either way)
-    if SELECT:
-        odd = (code & 1) != 0
-        two = (code & 2) != 0
-        low = tl.where(two, tl.where(odd, l3, l2), tl.where(odd, l1, l0))
-        high = tl.where(two, tl.where(odd, l7, l6), tl.where(odd, l5, l4))
-        magnitude = tl.where((code & 4) != 0, high, low)
-        return tl.where((code & 8) != 0, -magnitude, magnitude)
-    else:
-        return tl.load(values_ptr + code)
-
-
-@triton.jit
 def _radix_score_kernel(
     query_ptr, codes_ptr, weight_ptr, norms_ptr, cand_ptr, keys_ptr, row_hist_ptr,
     H, W,
@@ -412,22 +397,13 @@ def _radix_score_kernel(
     cand_sb, cand_sh, cand_sc,
     values_ptr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-    BINS: tl.constexpr, LEVELS: tl.constexpr, WIDE: tl.constexpr, WORDS: tl.constexpr, SELECT: tl.constexpr,
+    BINS: tl.constexpr, LEVELS: tl.constexpr, WIDE: tl.constexpr, WORDS: tl.constexpr, AHEAD: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = row // H
     h = row % H
     q_base = query_ptr + b * q_sb + h * q_sh
-    # the magnitudes of codes 0-7 (SELECT: a nibble's value by selects among them, not a table load)
-    l0 = tl.load(values_ptr)
-    l1 = tl.load(values_ptr + 1)
-    l2 = tl.load(values_ptr + 2)
-    l3 = tl.load(values_ptr + 3)
-    l4 = tl.load(values_ptr + 4)
-    l5 = tl.load(values_ptr + 5)
-    l6 = tl.load(values_ptr + 6)
-    l7 = tl.load(values_ptr + 7)
     if WORDS:
         # codes as int32 words (codes_ptr is the int32 view): nibble j of word w is coordinate
         # 8w + j, so a candidate's D / 2 bytes are D / 8 words (vector loads, and a quarter of the
@@ -450,28 +426,39 @@ def _radix_score_kernel(
     # codes), not two (the candidates, then their codes)
     c = chunk * CHUNK + tl.arange(0, SUB).to(tl.int64)
     cand_next = tl.load(cand_row + c * cand_sc, mask=c < W, other=-1).to(tl.int64)
+    code_row = codes_ptr + b * code_sb + h * code_sh
+    if AHEAD:  # step 0's codes, and step 1's candidates
+        packed_next = tl.load(code_row + tl.maximum(cand_next, 0)[:, None] * code_sn + i[None, :] * code_sd,
+                              mask=(cand_next >= 0)[:, None] & in_i[None, :], other=0)
+        cand_after = tl.load(cand_row + (c + SUB) * cand_sc, mask=(c + SUB < W) & (SUB < CHUNK), other=-1).to(tl.int64)
     for s0 in range(0, CHUNK, SUB):
         c = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
         in_c = c < W
         cand = cand_next
-        ahead = c + SUB
-        cand_next = tl.load(cand_row + ahead * cand_sc, mask=(ahead < W) & (s0 + SUB < CHUNK), other=-1).to(tl.int64)
         listed = cand >= 0
         token = tl.maximum(cand, 0)  # (a where here trips Triton 3.6's layouts with the carried load)
         rows = listed[:, None] & in_i[None, :]
-        packed = tl.load(
-            codes_ptr + b * code_sb + h * code_sh + token[:, None] * code_sn + i[None, :] * code_sd,
-            mask=rows, other=0,
-        ).to(tl.int32)
+        if AHEAD:  # this step's codes arrived during the last; the next step's are asked for now
+            packed = packed_next.to(tl.int32)
+            cand_next = cand_after
+            packed_next = tl.load(code_row + tl.maximum(cand_next, 0)[:, None] * code_sn + i[None, :] * code_sd,
+                                  mask=(cand_next >= 0)[:, None] & in_i[None, :], other=0)
+            after = c + 2 * SUB
+            cand_after = tl.load(cand_row + after * cand_sc, mask=(after < W) & (s0 + 2 * SUB < CHUNK),
+                                 other=-1).to(tl.int64)
+        else:
+            ahead = c + SUB
+            cand_next = tl.load(cand_row + ahead * cand_sc, mask=(ahead < W) & (s0 + SUB < CHUNK),
+                                other=-1).to(tl.int64)
+            packed = tl.load(code_row + token[:, None] * code_sn + i[None, :] * code_sd, mask=rows, other=0).to(tl.int32)
         if WORDS:
             terms = tl.zeros([SUB, BLOCK_HALF], dtype=tl.float32)
             for j in tl.static_range(8):
                 q_j = tl.load(q_base + (8 * i + j) * q_sd, mask=in_i, other=0.0).to(tl.float32)
-                code = (packed >> (4 * j)) & 15
-                terms += _nibble_value(code, values_ptr, l0, l1, l2, l3, l4, l5, l6, l7, SELECT) * q_j[None, :]
+                terms += tl.load(values_ptr + ((packed >> (4 * j)) & 15)) * q_j[None, :]
         else:
-            low_val = _nibble_value(packed & 15, values_ptr, l0, l1, l2, l3, l4, l5, l6, l7, SELECT)
-            high_val = _nibble_value(packed >> 4, values_ptr, l0, l1, l2, l3, l4, l5, l6, l7, SELECT)
+            low_val = tl.load(values_ptr + (packed & 15))
+            high_val = tl.load(values_ptr + (packed >> 4))
             terms = low_val * q_even[None, :] + high_val * q_odd[None, :]
         dot = tl.sum(tl.where(rows, terms, 0.0), axis=1)
         weight = tl.load(weight_ptr + b * weight_sb + h * weight_sh + token * weight_sn, mask=listed, other=0.0)
@@ -758,14 +745,15 @@ def _score_launch(query_rotated, codes, weight, norms, candidates, keys, row_his
         values,
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half if words is None else half // 4), CHUNK=chunk,
         SUB=min(chunk, _RADIX_SCORE_SUB), BINS=_RADIX_BINS, LEVELS=_RADIX_LEVELS, WIDE=wide, WORDS=words is not None,
-        SELECT=_selects_nibbles(), num_warps=_RADIX_SCORE_WARPS,
+        AHEAD=_codes_ahead(words is not None), num_warps=_RADIX_SCORE_WARPS,
     )
 
 
-def _selects_nibbles() -> bool:
-    if NIBBLES not in ("load", "select"):
-        raise ValueError(f"triton rerank_select: NIBBLES {NIBBLES!r}; accepted: load, select")
-    return NIBBLES == "select"
+def _codes_ahead(words: bool) -> bool:
+    """Whether the radix score pass loads each step's codes a step ahead (``CODES_AHEAD``; the byte layout only)."""
+    if not isinstance(CODES_AHEAD, bool):
+        raise ValueError(f"triton rerank_select: CODES_AHEAD must be True or False, got {CODES_AHEAD!r}")
+    return CODES_AHEAD and not words
 
 
 def radix_chunk(rows: int, width: int) -> int:

@@ -276,12 +276,12 @@ def test_query_votes_refuses_misshaped_inputs():
         query_votes.query_votes(torch.zeros(1, 1, 2, 16, device=DEVICE), torch.ones(16, device=DEVICE), 4, [1] * 20)
 
 
-@pytest.fixture(params=["fused", "pass", "pass-gather", "pass-large-fold", "pass-small-call",
+@pytest.fixture(params=["fused", "pass", "pass-ahead", "pass-large-fold", "pass-small-call",
                         "pass-small-call-threshold-launch"])
 def small_chunks(monkeypatch, request):
     """Several chunks, steps and chunk blocks at interpreter sizes; each pipeline (session 10's
-    two launches, and the three before it); "pass-gather": the pass pipeline's votes looked up with
-    tl.gather (``VOTES_LOOKUP``; one table a row only); "pass-large-fold": the pass pipeline's
+    two launches, and the three before it); "pass-ahead": the pass pipeline's votes loading each
+    step's ids a step ahead (``VOTES_AHEAD``); "pass-large-fold": the pass pipeline's
     full-size chunks with the threshold folded into the compaction (``FOLD_LARGE_THRESHOLD``);
     "pass-small-call": the pass pipeline's chunk shrunk for a call with few programs (one step a
     chunk, the threshold folded into the compaction); "-threshold-launch": the same chunks with the
@@ -289,7 +289,7 @@ def small_chunks(monkeypatch, request):
     from kvpolicy.kernels.triton import collision_candidates
 
     monkeypatch.setattr(collision_candidates, "PIPELINE", request.param.split("-")[0])
-    monkeypatch.setattr(collision_candidates, "VOTES_LOOKUP", "gather" if request.param == "pass-gather" else "load")
+    monkeypatch.setattr(collision_candidates, "VOTES_AHEAD", request.param == "pass-ahead")
     monkeypatch.setattr(collision_candidates, "FOLD_SMALL_THRESHOLD", not request.param.endswith("-threshold-launch"))
     monkeypatch.setattr(collision_candidates, "FOLD_LARGE_THRESHOLD", request.param == "pass-large-fold")
     monkeypatch.setattr(collision_candidates, "_CHUNK", 256)
@@ -510,14 +510,14 @@ def test_head_max_votes_at_decode_sizes(monkeypatch, pipeline, batch, n):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("lookup", ["load", "gather"])
+@pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("batch, n", [(1, 32768), (4, 131072), (1, 524288)])
-def test_group_mean_votes_at_decode_sizes(monkeypatch, lookup, batch, n):
+def test_group_mean_votes_at_decode_sizes(monkeypatch, ahead, batch, n):
     # ParisKV's Qwen3 shape (8 KV heads, head_dim 128, 16 subspaces, 6 tiers), one table a row (the
-    # group's mean query), each way the votes look ids up, through the shipped pipeline
+    # group's mean query), through the shipped pipeline, its ids loaded a step ahead or not
     from kvpolicy.kernels.triton import collision_candidates, query_votes
 
-    monkeypatch.setattr(collision_candidates, "VOTES_LOOKUP", lookup)
+    monkeypatch.setattr(collision_candidates, "VOTES_AHEAD", ahead)
     heads, group, dim, subspaces, tiers = 8, 4, 128, 16, 6
     gen = torch.Generator(device=DEVICE).manual_seed(n + batch + 1)
     query = torch.randn(batch, heads, group, dim, generator=gen, device=DEVICE).to(torch.bfloat16)
@@ -528,25 +528,24 @@ def test_group_mean_votes_at_decode_sizes(monkeypatch, lookup, batch, n):
     token_valid = torch.rand(batch, n + 64, generator=gen, device=DEVICE) > 0.01
     args = (torch.tensor(n, device=DEVICE), max(n // 10, 3960) + 64, subspaces * tiers, 3960, 0.1,
             analytic.CANDIDATE_BANDS)
-    assert collision_candidates.gathers_votes(0, subspaces) == (lookup == "gather")
     want = reference_analytic.collision_candidates(table, ids, token_valid, *args)
     assert torch.equal(collision_candidates.collision_candidates(table, ids, token_valid, *args), want)
 
 
-def test_collision_candidates_names_a_bad_lookup(monkeypatch):
+def test_collision_candidates_names_a_bad_ahead_setting(monkeypatch):
     from kvpolicy.kernels.triton import collision_candidates
 
-    monkeypatch.setattr(collision_candidates, "VOTES_LOOKUP", "shared")
-    with pytest.raises(ValueError, match="VOTES_LOOKUP 'shared'; accepted: gather, load"):
-        collision_candidates.gathers_votes(0, 16)
+    monkeypatch.setattr(collision_candidates, "VOTES_AHEAD", "yes")
+    with pytest.raises(ValueError, match="VOTES_AHEAD must be True or False, got 'yes'"):
+        collision_candidates._votes_ahead(True)
 
 
-def test_rerank_select_names_a_bad_nibbles_setting(monkeypatch):
+def test_rerank_select_names_a_bad_ahead_setting(monkeypatch):
     from kvpolicy.kernels.triton import rerank_select
 
-    monkeypatch.setattr(rerank_select, "NIBBLES", "table")
-    with pytest.raises(ValueError, match="NIBBLES 'table'; accepted: load, select"):
-        rerank_select._selects_nibbles()
+    monkeypatch.setattr(rerank_select, "CODES_AHEAD", 1)
+    with pytest.raises(ValueError, match="CODES_AHEAD must be True or False, got 1"):
+        rerank_select._codes_ahead(False)
 
 
 def test_collision_candidates_refuses_misshaped_inputs():
@@ -585,16 +584,16 @@ def test_collision_candidates_band_bounds_are_exclusive(small_chunks, indexed, c
 # -- the fused rerank and final selection: rerank_select ----------------------------------------
 
 
-@pytest.fixture(params=["radix", "radix-level-chunk", "radix-no-preload", "radix-select", "split", "torch"])
+@pytest.fixture(params=["radix", "radix-level-chunk", "radix-no-preload", "radix-ahead", "split", "torch"])
 def small_select(request, monkeypatch):
     """Each method at interpreter sizes: several chunks (radix: 16-32 candidates each), steps
     within a chunk, chunk blocks and finish blocks; "radix-level-chunk": the level and place
     passes on chunks larger than the score pass's; "radix-no-preload": the place pass loading
-    the chosen candidates' positions and slots only (a large call's); "radix-select": the score
-    pass's nibble values by selects (``NIBBLES``)."""
+    the chosen candidates' positions and slots only (a large call's); "radix-ahead": the score
+    pass loading each step's codes a step ahead (``CODES_AHEAD``)."""
     from kvpolicy.kernels.triton import rerank_select
 
-    monkeypatch.setattr(rerank_select, "NIBBLES", "select" if request.param == "radix-select" else "load")
+    monkeypatch.setattr(rerank_select, "CODES_AHEAD", request.param == "radix-ahead")
 
     monkeypatch.setattr(rerank_select, "_CHUNK", 128)
     monkeypatch.setattr(rerank_select, "_SCORE_SUB", 32 if request.param == "split" else 16)
@@ -787,14 +786,14 @@ def test_rerank_select_refuses_misshaped_inputs(small_select):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("method", [None, "radix", "radix-select"])
+@pytest.mark.parametrize("method", [None, "radix", "radix-ahead"])
 @pytest.mark.parametrize("batch, n, width", [(4, 131072, 13108), (4, 1048576, 104858), (1, 32768, 6554)])
 def test_rerank_select_at_decode_sizes(monkeypatch, method, batch, n, width):
     # ParisKV's shape at batch 4 and 1: 8 KV heads, head_dim 128, 16 subspaces, top-k of a 2K
-    # budget; the method auto picks, and the radix method with each way to a nibble's value
+    # budget; the method auto picks, and the radix method with its codes loaded a step ahead or not
     from kvpolicy.kernels.triton import rerank_select
 
-    monkeypatch.setattr(rerank_select, "NIBBLES", "select" if method == "radix-select" else "load")
+    monkeypatch.setattr(rerank_select, "CODES_AHEAD", method == "radix-ahead")
     method = method and method.split("-")[0]
     heads, dim, capacity = 8, 128, 1980
     gen = torch.Generator(device=DEVICE).manual_seed(n)
