@@ -119,19 +119,16 @@ QUICK_COLLISION_VARIANTS = (
     ("fused pipeline, compact sub 2048", {"PIPELINE": "fused", "_COMPACT_SUB": 2048}),
     ("chunk 2048", {"_CHUNK": 2048}),
     ("sub 512", {"_SUB": 512}),
-    # session 19: each step's ids loaded a step ahead
-    ("ids ahead", {"VOTES_AHEAD": True}),
-    ("ids ahead sub 128", {"VOTES_AHEAD": True, "_SUB": 128}),
-    ("ids ahead sub 512", {"VOTES_AHEAD": True, "_SUB": 512}),
-    ("ids ahead 8 warps", {"VOTES_AHEAD": True, "_VOTES_WARPS": 8}),
+    # session 19: a table of two 4-bit votes a byte (a subspace's lookups in one 128-byte line)
+    ("packed votes", {"VOTES_PACKED": True}),
+    ("packed votes 8 warps", {"VOTES_PACKED": True, "_VOTES_WARPS": 8}),
+    ("packed votes sub 512", {"VOTES_PACKED": True, "_SUB": 512}),
 )
 QUICK_RERANK_VARIANTS = (
     ("radix", {"METHOD": "radix"}),
-    # session 19: the score pass's codes loaded a step ahead (its candidates two)
-    ("radix codes ahead", {"METHOD": "radix", "CODES_AHEAD": True}),
-    ("radix codes ahead sub 64", {"METHOD": "radix", "CODES_AHEAD": True, "_RADIX_SCORE_SUB": 64}),
-    ("radix codes ahead 8 warps", {"METHOD": "radix", "CODES_AHEAD": True, "_RADIX_SCORE_WARPS": 8}),
-    ("radix level chunk 1024", {"METHOD": "radix", "_RADIX_LEVEL_MIN_CHUNK": 1024}),
+    # before session 19: the level and place passes on the score pass's chunks at every size
+    ("radix level chunk of the score pass", {"METHOD": "radix", "_RADIX_LEVEL_LARGE_CALL": 1 << 62}),
+    ("radix level chunk 1024 at every size", {"METHOD": "radix", "_RADIX_LEVEL_LARGE_CALL": 0}),
     ("radix level chunk 2048", {"METHOD": "radix", "_RADIX_LEVEL_MIN_CHUNK": 2048}),
 )
 # the whole selection as it ran before session 10 (module, constant, value)

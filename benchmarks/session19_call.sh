@@ -15,4 +15,13 @@ step select_512k 70 $SELECT --contexts 524288 --batches 1 --json "$OUT/select_51
 step select_32k 50 $SELECT --contexts 32768 --batches 1 --json "$OUT/select_32k.json"
 [ "$3" = ahead ] && step e2e_512k 130 $E2E --contexts 524288 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_512k.json"
 ;;
+packed)  # call 3: both step-ahead loads slower (call 2), removed; the votes from a table of two 4-bit votes a
+# byte (VOTES_PACKED), and the radix level and place passes on chunks of at least 1,024 in large calls (the
+# default now): tests, the selection per layer at the four sizes, then pariskv at 1x512K with the packed table
+step gpu_tests 220 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_analytic_ops.py -k "decode_sizes or collision_candidates or packed"
+step select_4 170 $SELECT --contexts 131072,1048576 --batches 4 --json "$OUT/select_4.json"
+step select_512k 70 $SELECT --contexts 524288 --batches 1 --json "$OUT/select_512k.json"
+step select_32k 50 $SELECT --contexts 32768 --batches 1 --json "$OUT/select_32k.json"
+step e2e_512k_packed 130 python3 benchmarks/with_settings.py kvpolicy.kernels.triton.collision_candidates.VOTES_PACKED=True -- ${E2E#python3 } --contexts 524288 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_512k_packed.json"
+;;
 esac

@@ -352,20 +352,23 @@ _RADIX_MIN_CHUNK = 256
 # 32K: 8 rows of 6K candidates, 192 programs at 256) takes chunks of one score step instead, so
 # no program waits on two rounds of code loads (at 1x32K: 8 x 47 = 376 programs); unmeasured
 _RADIX_MIN_CHUNK_PROGRAMS = 1024
-# the fewest candidates a program of the level and place passes takes (0: the score pass's
-# chunk). Their programs are latency-bound (a row histogram's pick, one step of keys, 256
-# atomics), so fewer may be faster; unmeasured, so 0 (pariskv_select.py --quick times 1024, 2048)
-_RADIX_LEVEL_MIN_CHUNK = 0
+# the fewest candidates a program of the level and place passes takes in a call of at least
+# _RADIX_LEVEL_LARGE_CALL candidates (else the score pass's chunk). Their programs are latency-bound
+# (a row histogram's pick, one step of keys, 256 atomics), so a large call is faster with fewer:
+# session 19, H200 (benchmarks/pariskv_select.py --quick, two calls), the whole selection a layer with
+# 1024 against the score pass's chunk: 512Kx1 150.1-157.7 us against 164.0-167.9, 128Kx4 161.0 against
+# 167.3, 1Mx4 819.1-822.4 against 819.8-841.9; at 1x32K (32K candidates) slower, 44.0-49.1 against 42.0-42.6
+_RADIX_LEVEL_MIN_CHUNK = 1024
+_RADIX_LEVEL_LARGE_CALL = 1 << 18
 # the place pass loads every listed candidate's position and slot ahead of the pick (two dependent
 # loads off its chain) in a call of at most this many candidates (1x32K: 8 x 6K); a larger call
 # loads the chosen ones' only (at 1Mx4, 3.4M candidates: ~27 MB of positions and a scattered
 # slot read each, where ~65K are chosen)
 _PRELOAD_CANDIDATES = 1 << 16
 SCORE_WORDS = False
-# the radix score pass loads each step's codes a step ahead (its candidates two ahead), so a step's
-# arithmetic overlaps the next step's scattered code reads (the byte layout). (Session 19 measured a
-# nibble's value picked by selects among the 8 magnitudes instead of a table load: 1.4x slower, H200)
-CODES_AHEAD = False
+# (Session 19 measured two other score passes on an H200, both slower and removed: a nibble's value
+# picked by selects among the 8 magnitudes instead of a table load, 1.4x at 1Mx4; each step's codes
+# loaded a step ahead, its candidates two ahead, 1.06x)
 
 
 @triton.jit
@@ -397,7 +400,7 @@ def _radix_score_kernel(
     cand_sb, cand_sh, cand_sc,
     values_ptr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-    BINS: tl.constexpr, LEVELS: tl.constexpr, WIDE: tl.constexpr, WORDS: tl.constexpr, AHEAD: tl.constexpr,
+    BINS: tl.constexpr, LEVELS: tl.constexpr, WIDE: tl.constexpr, WORDS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -427,10 +430,6 @@ def _radix_score_kernel(
     c = chunk * CHUNK + tl.arange(0, SUB).to(tl.int64)
     cand_next = tl.load(cand_row + c * cand_sc, mask=c < W, other=-1).to(tl.int64)
     code_row = codes_ptr + b * code_sb + h * code_sh
-    if AHEAD:  # step 0's codes, and step 1's candidates
-        packed_next = tl.load(code_row + tl.maximum(cand_next, 0)[:, None] * code_sn + i[None, :] * code_sd,
-                              mask=(cand_next >= 0)[:, None] & in_i[None, :], other=0)
-        cand_after = tl.load(cand_row + (c + SUB) * cand_sc, mask=(c + SUB < W) & (SUB < CHUNK), other=-1).to(tl.int64)
     for s0 in range(0, CHUNK, SUB):
         c = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
         in_c = c < W
@@ -438,19 +437,9 @@ def _radix_score_kernel(
         listed = cand >= 0
         token = tl.maximum(cand, 0)  # (a where here trips Triton 3.6's layouts with the carried load)
         rows = listed[:, None] & in_i[None, :]
-        if AHEAD:  # this step's codes arrived during the last; the next step's are asked for now
-            packed = packed_next.to(tl.int32)
-            cand_next = cand_after
-            packed_next = tl.load(code_row + tl.maximum(cand_next, 0)[:, None] * code_sn + i[None, :] * code_sd,
-                                  mask=(cand_next >= 0)[:, None] & in_i[None, :], other=0)
-            after = c + 2 * SUB
-            cand_after = tl.load(cand_row + after * cand_sc, mask=(after < W) & (s0 + 2 * SUB < CHUNK),
-                                 other=-1).to(tl.int64)
-        else:
-            ahead = c + SUB
-            cand_next = tl.load(cand_row + ahead * cand_sc, mask=(ahead < W) & (s0 + SUB < CHUNK),
-                                other=-1).to(tl.int64)
-            packed = tl.load(code_row + token[:, None] * code_sn + i[None, :] * code_sd, mask=rows, other=0).to(tl.int32)
+        ahead = c + SUB
+        cand_next = tl.load(cand_row + ahead * cand_sc, mask=(ahead < W) & (s0 + SUB < CHUNK), other=-1).to(tl.int64)
+        packed = tl.load(code_row + token[:, None] * code_sn + i[None, :] * code_sd, mask=rows, other=0).to(tl.int32)
         if WORDS:
             terms = tl.zeros([SUB, BLOCK_HALF], dtype=tl.float32)
             for j in tl.static_range(8):
@@ -745,15 +734,8 @@ def _score_launch(query_rotated, codes, weight, norms, candidates, keys, row_his
         values,
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half if words is None else half // 4), CHUNK=chunk,
         SUB=min(chunk, _RADIX_SCORE_SUB), BINS=_RADIX_BINS, LEVELS=_RADIX_LEVELS, WIDE=wide, WORDS=words is not None,
-        AHEAD=_codes_ahead(words is not None), num_warps=_RADIX_SCORE_WARPS,
+        num_warps=_RADIX_SCORE_WARPS,
     )
-
-
-def _codes_ahead(words: bool) -> bool:
-    """Whether the radix score pass loads each step's codes a step ahead (``CODES_AHEAD``; the byte layout only)."""
-    if not isinstance(CODES_AHEAD, bool):
-        raise ValueError(f"triton rerank_select: CODES_AHEAD must be True or False, got {CODES_AHEAD!r}")
-    return CODES_AHEAD and not words
 
 
 def radix_chunk(rows: int, width: int) -> int:
@@ -784,7 +766,8 @@ def _radix(query_rotated, codes, weight, norms, candidates, token_valid, slots, 
                   max(1, triton.cdiv(width, chunk)), False)
     # the level and place passes' chunk: the score pass's, or larger (_RADIX_LEVEL_MIN_CHUNK; the
     # score pass's histogram goes to the row's whatever its chunks)
-    chunk = max(chunk, min(_RADIX_LEVEL_MIN_CHUNK, triton.next_power_of_2(max(1, width))))
+    if rows * width >= _RADIX_LEVEL_LARGE_CALL:
+        chunk = max(chunk, min(_RADIX_LEVEL_MIN_CHUNK, triton.next_power_of_2(max(1, width))))
     chunks = max(1, triton.cdiv(width, chunk))
     # level 3's suffix counts of the last digit, per chunk (see the comment above _RADIX_BINS)
     counts = torch.empty(rows, chunks, _RADIX_BINS + 1, dtype=torch.int32, device=device)

@@ -276,12 +276,12 @@ def test_query_votes_refuses_misshaped_inputs():
         query_votes.query_votes(torch.zeros(1, 1, 2, 16, device=DEVICE), torch.ones(16, device=DEVICE), 4, [1] * 20)
 
 
-@pytest.fixture(params=["fused", "pass", "pass-ahead", "pass-large-fold", "pass-small-call",
+@pytest.fixture(params=["fused", "pass", "pass-packed", "pass-large-fold", "pass-small-call",
                         "pass-small-call-threshold-launch"])
 def small_chunks(monkeypatch, request):
     """Several chunks, steps and chunk blocks at interpreter sizes; each pipeline (session 10's
-    two launches, and the three before it); "pass-ahead": the pass pipeline's votes loading each
-    step's ids a step ahead (``VOTES_AHEAD``); "pass-large-fold": the pass pipeline's
+    two launches, and the three before it); "pass-packed": the pass pipeline's votes reading a
+    table of two 4-bit votes a byte (``VOTES_PACKED``); "pass-large-fold": the pass pipeline's
     full-size chunks with the threshold folded into the compaction (``FOLD_LARGE_THRESHOLD``);
     "pass-small-call": the pass pipeline's chunk shrunk for a call with few programs (one step a
     chunk, the threshold folded into the compaction); "-threshold-launch": the same chunks with the
@@ -289,7 +289,7 @@ def small_chunks(monkeypatch, request):
     from kvpolicy.kernels.triton import collision_candidates
 
     monkeypatch.setattr(collision_candidates, "PIPELINE", request.param.split("-")[0])
-    monkeypatch.setattr(collision_candidates, "VOTES_AHEAD", request.param == "pass-ahead")
+    monkeypatch.setattr(collision_candidates, "VOTES_PACKED", request.param == "pass-packed")
     monkeypatch.setattr(collision_candidates, "FOLD_SMALL_THRESHOLD", not request.param.endswith("-threshold-launch"))
     monkeypatch.setattr(collision_candidates, "FOLD_LARGE_THRESHOLD", request.param == "pass-large-fold")
     monkeypatch.setattr(collision_candidates, "_CHUNK", 256)
@@ -510,14 +510,14 @@ def test_head_max_votes_at_decode_sizes(monkeypatch, pipeline, batch, n):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("batch, n", [(1, 32768), (4, 131072), (1, 524288)])
-def test_group_mean_votes_at_decode_sizes(monkeypatch, ahead, batch, n):
+def test_group_mean_votes_at_decode_sizes(monkeypatch, packed, batch, n):
     # ParisKV's Qwen3 shape (8 KV heads, head_dim 128, 16 subspaces, 6 tiers), one table a row (the
-    # group's mean query), through the shipped pipeline, its ids loaded a step ahead or not
+    # group's mean query), through the shipped pipeline, its table packed or not
     from kvpolicy.kernels.triton import collision_candidates, query_votes
 
-    monkeypatch.setattr(collision_candidates, "VOTES_AHEAD", ahead)
+    monkeypatch.setattr(collision_candidates, "VOTES_PACKED", packed)
     heads, group, dim, subspaces, tiers = 8, 4, 128, 16, 6
     gen = torch.Generator(device=DEVICE).manual_seed(n + batch + 1)
     query = torch.randn(batch, heads, group, dim, generator=gen, device=DEVICE).to(torch.bfloat16)
@@ -532,20 +532,12 @@ def test_group_mean_votes_at_decode_sizes(monkeypatch, ahead, batch, n):
     assert torch.equal(collision_candidates.collision_candidates(table, ids, token_valid, *args), want)
 
 
-def test_collision_candidates_names_a_bad_ahead_setting(monkeypatch):
+def test_collision_candidates_names_a_bad_packed_setting(monkeypatch):
     from kvpolicy.kernels.triton import collision_candidates
 
-    monkeypatch.setattr(collision_candidates, "VOTES_AHEAD", "yes")
-    with pytest.raises(ValueError, match="VOTES_AHEAD must be True or False, got 'yes'"):
-        collision_candidates._votes_ahead(True)
-
-
-def test_rerank_select_names_a_bad_ahead_setting(monkeypatch):
-    from kvpolicy.kernels.triton import rerank_select
-
-    monkeypatch.setattr(rerank_select, "CODES_AHEAD", 1)
-    with pytest.raises(ValueError, match="CODES_AHEAD must be True or False, got 1"):
-        rerank_select._codes_ahead(False)
+    monkeypatch.setattr(collision_candidates, "VOTES_PACKED", "yes")
+    with pytest.raises(ValueError, match="VOTES_PACKED must be True or False, got 'yes'"):
+        collision_candidates._packs_votes(16, 96)
 
 
 def test_collision_candidates_refuses_misshaped_inputs():
@@ -584,16 +576,14 @@ def test_collision_candidates_band_bounds_are_exclusive(small_chunks, indexed, c
 # -- the fused rerank and final selection: rerank_select ----------------------------------------
 
 
-@pytest.fixture(params=["radix", "radix-level-chunk", "radix-no-preload", "radix-ahead", "split", "torch"])
+@pytest.fixture(params=["radix", "radix-level-chunk", "radix-no-preload", "split", "torch"])
 def small_select(request, monkeypatch):
     """Each method at interpreter sizes: several chunks (radix: 16-32 candidates each), steps
     within a chunk, chunk blocks and finish blocks; "radix-level-chunk": the level and place
     passes on chunks larger than the score pass's; "radix-no-preload": the place pass loading
-    the chosen candidates' positions and slots only (a large call's); "radix-ahead": the score
-    pass loading each step's codes a step ahead (``CODES_AHEAD``)."""
+    the chosen candidates' positions and slots only (a large call's)."""
     from kvpolicy.kernels.triton import rerank_select
 
-    monkeypatch.setattr(rerank_select, "CODES_AHEAD", request.param == "radix-ahead")
 
     monkeypatch.setattr(rerank_select, "_CHUNK", 128)
     monkeypatch.setattr(rerank_select, "_SCORE_SUB", 32 if request.param == "split" else 16)
@@ -607,6 +597,7 @@ def small_select(request, monkeypatch):
     monkeypatch.setattr(rerank_select, "_PLACE_BLOCK", 4)
     if request.param == "radix-level-chunk":
         monkeypatch.setattr(rerank_select, "_RADIX_LEVEL_MIN_CHUNK", 32)
+        monkeypatch.setattr(rerank_select, "_RADIX_LEVEL_LARGE_CALL", 0)
     if request.param == "radix-no-preload":
         monkeypatch.setattr(rerank_select, "_PRELOAD_CANDIDATES", 0)
     monkeypatch.setattr(rerank_select, "METHOD", request.param.split("-")[0])
@@ -786,14 +777,16 @@ def test_rerank_select_refuses_misshaped_inputs(small_select):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("method", [None, "radix", "radix-ahead"])
+@pytest.mark.parametrize("method", [None, "radix", "radix-level-chunk-every-size"])
 @pytest.mark.parametrize("batch, n, width", [(4, 131072, 13108), (4, 1048576, 104858), (1, 32768, 6554)])
 def test_rerank_select_at_decode_sizes(monkeypatch, method, batch, n, width):
     # ParisKV's shape at batch 4 and 1: 8 KV heads, head_dim 128, 16 subspaces, top-k of a 2K
-    # budget; the method auto picks, and the radix method with its codes loaded a step ahead or not
+    # budget; the method auto picks, and the radix method (also with the level passes' larger chunk at
+    # every size, not only in large calls)
     from kvpolicy.kernels.triton import rerank_select
 
-    monkeypatch.setattr(rerank_select, "CODES_AHEAD", method == "radix-ahead")
+    if method == "radix-level-chunk-every-size":
+        monkeypatch.setattr(rerank_select, "_RADIX_LEVEL_LARGE_CALL", 0)
     method = method and method.split("-")[0]
     heads, dim, capacity = 8, 128, 1980
     gen = torch.Generator(device=DEVICE).manual_seed(n)
