@@ -231,7 +231,13 @@ class Policy:
         def component(value: Any) -> Any:
             if value is None:
                 return None
-            return {"name": value.registered_name, **dataclasses.asdict(value)}
+            fields = dataclasses.asdict(value)
+            # options added later are named only away from their defaults, so that the specs (and the
+            # eval's cell keys, which hash them) of components at the old behaviour stay as they were
+            for name, default in getattr(value, "SPEC_OMITS_AT_DEFAULT", {}).items():
+                if fields.get(name) == default:
+                    del fields[name]
+            return {"name": value.registered_name, **fields}
 
         spec = {
             "trigger": component(self.trigger),

@@ -170,17 +170,44 @@ def score_gap(scores: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
                        best_unheld - weakest_held)
 
 
-def mass_gap(scores: torch.Tensor, held: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
+def mass_gap(scores: torch.Tensor, held: torch.Tensor, size: torch.Tensor,
+             peak: torch.Tensor | None = None) -> torch.Tensor:
     """``(B, H)``: log of the best unheld unit's estimated attention mass over the held units' mass.
 
     A unit's mass is estimated as ``size * exp(score)`` (its tokens at its mean key's logit), so
     ``log(size) + score``; ``-inf`` where nothing is unheld, ``+inf`` where nothing is held.
+    ``peak`` (optional, ``(B, H, U)`` logits): an unheld unit's mass is estimated as at least
+    ``exp(peak)`` (one token at its key bound), so a unit whose mean hides one spiking token counts
+    by that token; the held side stays at the mean estimate.
     """
     finite = scores > float("-inf")
     log_mass = scores + torch.log(size.clamp(min=1).float())
-    best_unheld = log_mass.masked_fill(held | ~finite, float("-inf")).amax(-1)
+    unheld_mass = log_mass if peak is None else torch.maximum(log_mass, peak)
+    best_unheld = unheld_mass.masked_fill(held | ~finite, float("-inf")).amax(-1)
     held_mass = torch.logsumexp(log_mass.masked_fill(~held | ~finite, float("-inf")), dim=-1)
     return best_unheld - held_mass
+
+
+def rank_gap(scores: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """``(B, H)`` float: how many unheld units outscore the held units' mean score (units the
+    selector would now rank in the upper part of the selection); ``+inf`` where nothing is held
+    but something could be, 0 where nothing is unheld."""
+    finite = scores > float("-inf")
+    counted = held & finite
+    middle = scores.masked_fill(~counted, 0.0).sum(-1, keepdim=True) / counted.sum(-1, keepdim=True).clamp(min=1)
+    count = (~held & finite & (scores > middle)).sum(-1).float()
+    nothing_held = ~(held & finite).any(-1)
+    return torch.where(nothing_held & (~held & finite).any(-1), float("inf"), count)
+
+
+def total_gap(scores: torch.Tensor, held: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
+    """``(B, H)``: log of all unheld units' summed estimated mass over the held units' (each unit at
+    ``size * exp(score)``); ``-inf`` where nothing is unheld, ``+inf`` where nothing is held."""
+    finite = scores > float("-inf")
+    log_mass = scores + torch.log(size.clamp(min=1).float())
+    unheld = torch.logsumexp(log_mass.masked_fill(held | ~finite, float("-inf")), dim=-1)
+    held_mass = torch.logsumexp(log_mass.masked_fill(~held | ~finite, float("-inf")), dim=-1)
+    return unheld - held_mass
 
 
 def follow_leaving_token(state, leaving_unheld: bool, evict: bool) -> None:
@@ -216,31 +243,64 @@ def follow_leaving_token(state, leaving_unheld: bool, evict: bool) -> None:
     state.seen_admitted.copy_(admitted_now)
 
 
-def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float) -> torch.Tensor:
+def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float,
+                   bound: torch.Tensor | None = None) -> torch.Tensor:
     """The score-gap trigger's step (``triggers/score_gap.py``): follow the leaving token, then fire
     ``(B,)`` where, in any KV head, the gap (``trigger.measure``) of ``scores * scale`` (the
     selector's ``(B, H, U)`` unit scores, ``-inf`` where not selectable) exceeds ``trigger.margin``,
     or ``state`` has no selection yet (with ``trigger.follow``: the margin is lowered by it where
-    the layer above re-selected). ``state.gap`` gets the largest gap, clamped to +-1e4."""
+    the layer above re-selected; with ``trigger.cap``: also where the selection has been kept for
+    ``cap`` steps). ``bound``: ``(B, H, U)`` the units' key-bound scores (Quest's upper bound on a
+    token's score), read where ``trigger.estimate == "bound"`` (measure ``mass``: an unheld unit's
+    log mass is at least its best token's bound). ``state.gap`` gets the largest gap, clamped to
+    +-1e4."""
     layer = state.layer
     follow_leaving_token(state, trigger.leaving == "unheld", layer.policy.admit == "evict")
     now = scores * scale
     held = held_units_mask(state.held, layer.units.capacity)
+    size = layer.units.size
+    each = scores.dim() == 4  # (B, H, G, U): each query head's scores (``trigger.group == "each"``)
+    if each:
+        held, size = held.unsqueeze(2), size.unsqueeze(2)
     if trigger.leaving == "ignored":
         # units opened since the selection that the buffer did not admit are no candidates
         first_new = layer.units.num_prompt_units + state.units_at_selection  # (B,)
         ids = torch.arange(now.shape[-1], device=now.device)
         opened = ids.view(1, 1, -1) >= first_new.view(-1, 1, 1)
+        if each:
+            opened = opened.unsqueeze(2)
         now = now.masked_fill(opened & ~held, float("-inf"))
     if trigger.measure == "weakest":
         gap = score_gap(now, held)
+    elif trigger.measure == "rank":
+        gap = rank_gap(now, held)
     else:
-        gap = mass_gap(now, held, layer.units.size)
-    gap = gap.amax(-1)  # (B,): the worst KV head decides
+        peak = None
+        if getattr(trigger, "estimate", "mean") == "bound":
+            peak = (bound * scale).masked_fill(now == float("-inf"), float("-inf"))
+        gap = mass_gap(now, held, size, peak)
+    if each:
+        gap = gap.flatten(1)  # (B, H * G): every query head
+    gap = gap.amax(-1)  # (B,): the worst KV head (or query head) decides
     fire = (gap > trigger.margin) | ~state.has_selection
     if trigger.follow > 0 and state.above is not None:
         # the layer above decided this step already (its ``reselect``, on the device)
         fire = fire | (state.above.reselect & (gap > trigger.margin - trigger.follow))
+    drift = getattr(trigger, "drift", 0.0)
+    if drift > 0:
+        # the held units' share of the whole estimated mass, against what it was at the first step
+        # after the selection: fire where the unheld units' summed mass over the held units' grew
+        # by more than ``drift`` (log); a loss spread over many units, which no single unit shows
+        total = total_gap(now, held, size).flatten(1).amax(-1)  # (B,)
+        fresh = state.age == 0  # the selection was made at the last step: this is its baseline
+        state.baseline.copy_(torch.where(fresh, total, state.baseline))
+        fire = fire | (~fresh & (total - state.baseline > drift))
+    cap = getattr(trigger, "cap", 0)
+    if cap > 0 or drift > 0:
+        # steps since the last selection, this one included: a selection is kept at most ``cap`` steps
+        state.age.add_(1)
+        if cap > 0:
+            fire = fire | (state.age >= cap)
     state.gap.copy_(gap.clamp(min=-1e4, max=1e4))
     return fire
 
@@ -268,5 +328,6 @@ def score_gap_selected(state, unit_ids: torch.Tensor, reselect: torch.Tensor) ->
     ends = torch.cumsum(sizes, dim=-1).clamp(max=store.retrieval_capacity)
     state.held_end.copy_(torch.where(rows.unsqueeze(-1), ends.masked_fill(ids < 0, 0), state.held_end))
     state.units_at_selection.copy_(torch.where(reselect, units.decode_units, state.units_at_selection))
+    state.age.masked_fill_(reselect, 0)
     state.has_selection.logical_or_(reselect)
 

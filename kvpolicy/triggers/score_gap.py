@@ -18,6 +18,12 @@ leaving tokens is dropped too (the buffer's rows follow the selection's order, s
 each listed unit ends says when it loses one). A step scores the
 table once, at its own query; the held mask is a scatter of that list.
 
+Measures: ``weakest`` and ``mass`` (above); ``rank``, how many unheld units outscore the held units'
+mean score (the units the selector would now rank in the upper part of its selection; ``margin`` is
+then a count), which is scale-free per layer and does not go through a unit's mass estimate (EVAL.md,
+"Trigger candidates on 16 samples": the mean-key mass estimate missed a needle token that one query
+head attended). ``cap`` bounds how long a selection is kept.
+
 The trigger reads its layer's unit table, selector and retrieval capacity: the layer's prefill
 hands itself over (``Trigger.attach``).
 """
@@ -59,10 +65,17 @@ class ScoreGapState:
     above: Any = None  # the PolicyLayerState of the preceding served layer, for ``follow``
     # (B, H, U) uint8, the fused op's held mask (``kernels/triton/score_gap.py``): zeros between steps
     held_scratch: torch.Tensor | None = None
+    # (B,) long: steps since the last selection, this one included (counted where ``cap`` or
+    # ``drift`` is set)
+    age: torch.Tensor | None = None
+    # (B,) float32: the total gap at the first step after the last selection (``drift``)
+    baseline: torch.Tensor | None = None
 
 
-MEASURES = ("weakest", "mass")
+MEASURES = ("weakest", "mass", "rank")
 LEAVING = ("unheld", "ignored")
+ESTIMATES = ("mean", "bound")
+GROUPS = ("mean", "each")
 
 
 @register("trigger", "score_gap")
@@ -85,6 +98,24 @@ class ScoreGap(Trigger):
     # selection, and the selection's units that took such tokens, stay as they were), as LouisKV
     # reuses its selection until the next boundary whatever left the window meanwhile
     leaving: str = "unheld"
+    # how an unheld unit's mass is estimated (measure "mass"): "mean", its tokens at its mean key's
+    # logit; "bound", at least one token at its key bound (Quest's upper bound from the units' key
+    # min and max: a unit whose mean hides one spiking token counts by that token). The held units'
+    # mass stays at the mean estimate. "bound" scores the table a second time each step.
+    estimate: str = "mean"
+    # a selection is kept at most ``cap`` steps (0: no cap): the layer also re-selects when its
+    # selection is ``cap`` steps old, whatever the gap
+    cap: int = 0
+    # also re-select where the log of all unheld units' summed estimated mass over the held units'
+    # grew by more than ``drift`` since the first step after the selection (0: off): a loss spread
+    # over many units, scale-free per layer (each layer against its own baseline)
+    drift: float = 0.0
+    # whose query measures the gap: "mean", the selector's score (the mean over the KV head's query
+    # group); "each", every query head's own score, the largest gap over the query heads deciding
+    # (one query head that needs an unheld unit fires, where the group's mean can hide it)
+    group: str = "mean"
+    # the spec names these only when set (``Policy.to_dict``): eval cells of the old settings resume
+    SPEC_OMITS_AT_DEFAULT = {"estimate": "mean", "cap": 0, "drift": 0.0, "group": "mean"}
 
     def validate(self) -> None:
         if not isinstance(self.margin, (int, float)) or isinstance(self.margin, bool) or math.isnan(self.margin):
@@ -95,11 +126,28 @@ class ScoreGap(Trigger):
             raise ConfigError(f"score_gap trigger: leaving must be one of {', '.join(LEAVING)}; got {self.leaving!r}")
         if not isinstance(self.follow, (int, float)) or isinstance(self.follow, bool) or not self.follow >= 0:
             raise ConfigError(f"score_gap trigger: follow must be a number >= 0 (inf: always), got {self.follow!r}")
+        if self.estimate not in ESTIMATES:
+            raise ConfigError(f"score_gap trigger: estimate must be one of {', '.join(ESTIMATES)}; "
+                              f"got {self.estimate!r}")
+        if self.estimate != "mean" and self.group != "mean":
+            raise ConfigError(f"score_gap trigger: estimate {self.estimate!r} takes group 'mean' only; got group "
+                              f"{self.group!r}")
+        if self.estimate != "mean" and self.measure != "mass":
+            raise ConfigError(f"score_gap trigger: estimate {self.estimate!r} needs measure 'mass' (it estimates "
+                              f"an unheld unit's mass); got measure {self.measure!r}")
+        if not isinstance(self.cap, int) or isinstance(self.cap, bool) or self.cap < 0:
+            raise ConfigError(f"score_gap trigger: cap must be an integer >= 0 (0: no cap), got {self.cap!r}")
+        if self.group not in GROUPS:
+            raise ConfigError(f"score_gap trigger: group must be one of {', '.join(GROUPS)}; got {self.group!r}")
+        if not isinstance(self.drift, (int, float)) or isinstance(self.drift, bool) or not self.drift >= 0:
+            raise ConfigError(f"score_gap trigger: drift must be a number >= 0 (0: off), got {self.drift!r}")
 
     def init_state(self, batch, num_q_heads, head_dim, device) -> ScoreGapState:
         return ScoreGapState(
             has_selection=torch.zeros(batch, dtype=torch.bool, device=device),
             gap=torch.zeros(batch, dtype=torch.float32, device=device),
+            age=torch.zeros(batch, dtype=torch.long, device=device),
+            baseline=torch.zeros(batch, dtype=torch.float32, device=device),
         )
 
     def attach(self, state: ScoreGapState, layer: Any) -> None:
@@ -113,6 +161,10 @@ class ScoreGap(Trigger):
                 f"kmeans or segments units); this policy has selector {type(selector).__name__} over "
                 f"{type(layer.units).__name__}"
             )
+        # a fused op that does not implement some option says so here, before any step
+        why = getattr(layer.ops.score_gap_fire, "unsupported", lambda trigger: None)(self)
+        if why is not None:
+            raise ConfigError(why)
         state.layer = weakref.proxy(layer)  # the layer owns this state: no reference cycle to keep its KV alive
         # the layer above is the one attached just before, in this prefill: lower index, same batch
         above = getattr(self, "_last_attached", lambda: None)()
@@ -164,5 +216,25 @@ class ScoreGap(Trigger):
         layer = state.layer
         if layer is None:
             raise ConfigError("score_gap trigger: its state was not attached to a layer (Trigger.attach)")
+        if self.group == "each":
+            # each query head's scores, (B, H, G, U): the unit-scores op over groups of one
+            units = layer.units
+            batch, q_heads, dim = query.shape
+            kv = units.start.shape[1]
+            group = query.view(batch, kv, q_heads // kv, dim)
+            method = layer.policy.selector._unit_score_method()
+            if method is None:
+                raise ConfigError("score_gap trigger: group 'each' needs a selector scored by the unit_scores op "
+                                  "(top_budget or bound)")
+            raw = torch.stack([layer.ops.unit_scores(group[:, :, g:g + 1], units.key_mean, units.key_min,
+                                                     units.key_max, units.selectable, method)
+                               for g in range(group.shape[2])], dim=2)
+            return fire_op(self, state, raw, query.shape[-1] ** -0.5)
         raw = layer.policy.selector.unit_scores(query, layer.units, layer.ops)
+        if self.estimate == "bound":
+            units = layer.units
+            batch, q_heads, dim = query.shape
+            group = query.view(batch, units.start.shape[1], q_heads // units.start.shape[1], dim)
+            bound = layer.ops.unit_scores(group, None, units.key_min, units.key_max, units.selectable, "bound")
+            return fire_op(self, state, raw, query.shape[-1] ** -0.5, bound)
         return fire_op(self, state, raw, query.shape[-1] ** -0.5)

@@ -64,7 +64,7 @@ def _attended_pages(state: PolicyLayerState) -> set[int]:
     return {int(s) // PAGE for s in slots if int(s) < PAGE * PAGES}
 
 
-@pytest.mark.parametrize("measure, margin", [("weakest", 1.0), ("mass", -1.0)])
+@pytest.mark.parametrize("measure, margin", [("weakest", 1.0), ("mass", -1.0), ("rank", 0.5)])
 def test_fires_when_the_query_needs_an_unheld_page_and_only_then(measure, margin):
     state = _layer({"name": "score_gap", "margin": margin, "measure": measure})
     pages = [2, 2, 2, 7, 7, 7, 2, 2]
@@ -181,10 +181,14 @@ def test_the_decision_is_per_sequence():
     assert (state.reselections - before).tolist() == [0, 1]
 
 
-@pytest.mark.parametrize("admit", ["room", "evict"])
-def test_the_step_replays_with_frozen_host_state(admit):
+@pytest.mark.parametrize("admit, trigger", [
+    ("room", {"name": "score_gap", "margin": 0.5}),
+    ("evict", {"name": "score_gap", "margin": 0.5}),
+    ("room", {"name": "score_gap", "margin": 0.5, "measure": "rank", "leaving": "ignored", "cap": 6}),
+])
+def test_the_step_replays_with_frozen_host_state(admit, trigger):
     steps = 30
-    eager, replayed = (_layer({"name": "score_gap", "margin": 0.5}, batch=2, seed=1, admit=admit) for _ in range(2))
+    eager, replayed = (_layer(trigger, batch=2, seed=1, admit=admit) for _ in range(2))
     eager.plan.reserve(steps)
     replayed.plan.reserve(steps)
     captured = _tensors(replayed)
@@ -212,6 +216,7 @@ def test_the_step_replays_with_frozen_host_state(admit):
 @pytest.mark.parametrize("trigger", [
     {"name": "score_gap", "margin": 0.5},
     {"name": "score_gap", "margin": -1.0, "measure": "mass", "leaving": "ignored"},  # the louiskv preset's kind
+    {"name": "score_gap", "margin": 0.5, "measure": "rank", "leaving": "ignored", "cap": 5},
 ])
 @pytest.mark.parametrize("admit", ["room", "evict"])
 def test_the_fused_step_decides_as_the_reference(trigger, admit):
@@ -348,3 +353,59 @@ def test_a_dropped_layer_frees_its_state_without_the_garbage_collector():
         assert gone() is None, "the layer state outlived its last reference (a reference cycle)"
     finally:
         gc.enable()
+
+
+def test_rank_counts_the_unheld_pages_above_the_held_mean():
+    # held: the query's page and the runner-up; turning to page 7 puts one unheld page above their mean
+    state = _layer({"name": "score_gap", "margin": 0.5, "measure": "rank"})
+    assert _step(state, _toward(2))
+    assert not _step(state, _toward(2))
+    assert float(state.trigger_state.gap[0]) == 0.0
+    assert _step(state, _toward(7))
+    assert float(state.trigger_state.gap[0]) == 1.0
+    assert 7 in _attended_pages(state)
+
+
+def test_cap_reselects_a_selection_kept_cap_steps():
+    state = _layer({"name": "score_gap", "margin": 50.0, "cap": 3})
+    fired = [_step(state, _toward(2)) for _ in range(8)]
+    assert fired == [True, False, False, True, False, False, True, False]
+    # a re-selection for the gap restarts the count
+    state = _layer({"name": "score_gap", "margin": 1.0, "cap": 3})
+    fired = [_step(state, _toward(page)) for page in (2, 2, 7, 7, 7, 7)]
+    assert fired == [True, False, True, False, False, True]
+
+
+def test_new_options_are_checked_and_named_in_the_spec_only_when_set():
+    with pytest.raises(ConfigError, match="cap must be an integer >= 0"):
+        ScoreGap(cap=-1).validate()
+    with pytest.raises(ConfigError, match="group must be one of mean, each"):
+        ScoreGap(group="max").validate()
+    plain = kvpolicy.Policy(trigger={"name": "score_gap", "margin": -2.5, "measure": "mass", "leaving": "ignored"},
+                            prefill_units="kmeans", selector="top_budget").to_dict()["trigger"]
+    assert set(plain) == {"name", "margin", "measure", "follow", "leaving"}  # the eval's cell keys stay
+    capped = kvpolicy.Policy(trigger={"name": "score_gap", "measure": "rank", "cap": 4},
+                             prefill_units="kmeans", selector="top_budget").to_dict()["trigger"]
+    assert capped["cap"] == 4 and capped["measure"] == "rank" and "group" not in capped
+
+
+def test_group_each_fires_for_one_query_head_the_group_mean_hides():
+    # query head 0 points at page 7 (unheld), head 1 away from it: the group's mean halves page 7's score
+    state = _layer({"name": "score_gap", "margin": -1.0, "measure": "mass", "group": "each"})
+    assert _step(state, _toward(2))
+    q = _toward(2)
+    q[0, 0, 2], q[0, 0, 7] = 0.0, 8.0
+    q[0, 1, 7] = -8.0  # mean over the two query heads: page 7 at 0
+    mean_state = _layer({"name": "score_gap", "margin": -1.0, "measure": "mass"})
+    assert _step(mean_state, _toward(2))
+    assert not _step(mean_state, q.clone())
+    assert _step(state, q)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton step needs a CUDA device or TRITON_INTERPRET=1")
+def test_the_fused_step_refuses_what_it_does_not_implement_when_the_layer_attaches():
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ConfigError, match="triton backend's score_gap_fire does not implement group='each'"):
+        _layer({"name": "score_gap", "measure": "mass", "group": "each"}, backend="triton", device=device)
+    _layer({"name": "score_gap", "measure": "mass", "group": "each"}, backend="reference", device=device)

@@ -14,6 +14,11 @@ unit scoring, and every small launch of a replayed graph costs about what it run
 3. ``_decide_kernel``, one program per sequence: combines the blocks and heads, and the largest
    gap over the heads decides.
 
+Measure ``rank``: the first launch also takes the held units' mean score (over the held list, a unit
+listed once), the second counts the unheld units above it per block, the third sums the counts.
+``cap``: the third launch counts the selection's age. The reference-only options (``estimate``,
+``group``, ``drift``) are refused with a ConfigError (``unsupported``), at attach and here.
+
 The mask is a scratch row per (sequence, head) that is all zeros between steps (each step clears
 what it set), so no launch zeroes it. Per-sequence state (``seen_open``) is written by the last
 launch, after every head read it.
@@ -28,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import ConfigError
 from ..dispatch import implement, triton_runs_on
 
 _GAP_BLOCK = 1024  # units a program of the gap pass reads
@@ -36,10 +42,10 @@ _GAP_BLOCK = 1024  # units a program of the gap pass reads
 @triton.jit
 def _follow_kernel(
     size_ptr, open_ptr, seen_open_ptr, seen_size_ptr, admitted_ptr, seen_admitted_ptr,
-    held_ptr, held_end_ptr, held_count_ptr, kept_ptr, mask_ptr,
-    U, R,
-    sz_sb, sz_sh, ss_sb, ad_sb, sa_sb, hl_sb, hl_sh, he_sb, he_sh, hc_sb, kp_sb, mk_sb, mk_sh,
-    EVICT: tl.constexpr, LEAVING_UNHELD: tl.constexpr, BLOCK_R: tl.constexpr,
+    held_ptr, held_end_ptr, held_count_ptr, kept_ptr, mask_ptr, scores_ptr, middle_ptr,
+    U, R, scale,
+    sz_sb, sz_sh, ss_sb, ad_sb, sa_sb, hl_sb, hl_sh, he_sb, he_sh, hc_sb, kp_sb, mk_sb, mk_sh, sc_sb, sc_sh,
+    EVICT: tl.constexpr, LEAVING_UNHELD: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     h = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
@@ -64,6 +70,9 @@ def _follow_kernel(
     position = tl.minimum(count, R - 1)
     kept = tl.load(kept_ptr + b * kp_sb + h)  # read only when evicting
     mask_at = mask_ptr + b * mk_sb + h * mk_sh
+    # measure "rank": the held units' mean score (each held unit listed once)
+    held_sum = tl.sum(tl.zeros([BLOCK_R], tl.float32), axis=0)
+    held_n = tl.sum(tl.zeros([BLOCK_R], tl.float32), axis=0)
     for r0 in range(0, R, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         ok = rows < R
@@ -79,6 +88,15 @@ def _follow_kernel(
         tl.store(held_at + rows, ids, mask=ok & (ids != old))
         tl.store(end_at + rows, new_end, mask=ok & (new_end != end))
         tl.store(mask_at + ids, tl.full([BLOCK_R], 1, tl.uint8), mask=ok & (ids >= 0) & (ids < U))
+        if RANK:
+            real = ok & (ids >= 0) & (ids < U)
+            s = tl.load(scores_ptr + b * sc_sb + h * sc_sh + tl.maximum(ids, 0), mask=real,
+                        other=float("-inf")) * scale
+            finite = real & (s > float("-inf"))
+            held_sum += tl.sum(tl.where(finite, s, 0.0), axis=0)
+            held_n += tl.sum(finite.to(tl.float32), axis=0)
+    if RANK:
+        tl.store(middle_ptr + b * tl.num_programs(0) + h, held_sum / tl.maximum(held_n, 1.0))
     tl.store(held_count_ptr + b * hc_sb + h, count + add.to(tl.int64))
     tl.store(seen_size_ptr + b * ss_sb + h, size_now)
     tl.store(seen_admitted_ptr + b * sa_sb + h, admitted_now)
@@ -86,10 +104,10 @@ def _follow_kernel(
 
 @triton.jit
 def _gap_blocks_kernel(
-    scores_ptr, size_ptr, mask_ptr, at_selection_ptr, parts_ptr,
-    scale, U, num_prompt_units, parts_sk,
+    scores_ptr, size_ptr, mask_ptr, at_selection_ptr, parts_ptr, middle_ptr,
+    scale, U, num_prompt_units, parts_sk, H,
     sc_sb, sc_sh, sz_sb, sz_sh, mk_sb, mk_sh, pt_sb, pt_sh,
-    MASS: tl.constexpr, LEAVING_IGNORED: tl.constexpr, BLOCK_U: tl.constexpr,
+    MASS: tl.constexpr, RANK: tl.constexpr, LEAVING_IGNORED: tl.constexpr, BLOCK_U: tl.constexpr,
 ):
     block = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
@@ -112,32 +130,43 @@ def _gap_blocks_kernel(
     # the block's parts: best unheld; held units counted; the weakest held score, or the held
     # log masses' max and their exp-sum below it (a logsumexp the decide launch combines)
     out = parts_ptr + b * pt_sb + h * pt_sh + block
-    tl.store(out, tl.max(tl.where(candidate, s, float("-inf")), axis=0))
     tl.store(out + parts_sk, tl.sum(counted.to(tl.float32), axis=0))
+    if RANK:
+        # the block's unheld units above the held units' mean score, and its candidates
+        middle = tl.load(middle_ptr + b * H + h)
+        tl.store(out, tl.sum((candidate & (s > middle)).to(tl.float32), axis=0))
+        tl.store(out + 2 * parts_sk, tl.sum(candidate.to(tl.float32), axis=0))
+    else:
+        tl.store(out, tl.max(tl.where(candidate, s, float("-inf")), axis=0))
     if MASS:
         top = tl.max(tl.where(counted, s, float("-inf")), axis=0)
         # an infinite top shifts by 0, so an overflowed +inf score sums to +inf, as logsumexp's
         shift = tl.where((top > float("-inf")) & (top < float("inf")), top, 0.0)
         tl.store(out + 2 * parts_sk, top)
         tl.store(out + 3 * parts_sk, tl.sum(tl.where(counted, tl.exp(s - shift), 0.0), axis=0))
-    else:
+    elif not RANK:
         tl.store(out + 2 * parts_sk, tl.min(tl.where(counted, s, float("inf")), axis=0))
 
 
 @triton.jit
 def _decide_kernel(
     parts_ptr, has_ptr, above_ptr, open_ptr, seen_open_ptr, fire_ptr, out_gap_ptr,
-    H, S, parts_sk, pt_sb, pt_sh, margin, follow_margin,
-    MASS: tl.constexpr, FOLLOW: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+    age_ptr, H, S, parts_sk, pt_sb, pt_sh, margin, follow_margin, cap,
+    MASS: tl.constexpr, RANK: tl.constexpr, FOLLOW: tl.constexpr, CAP: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
     blocks = tl.arange(0, BLOCK_S)
     tile = (heads[:, None] < H) & (blocks[None, :] < S)
     at = parts_ptr + b * pt_sb + heads[:, None] * pt_sh + blocks[None, :]
-    best_unheld = tl.max(tl.load(at, mask=tile, other=float("-inf")), axis=1)
     any_held = tl.sum(tl.load(at + parts_sk, mask=tile, other=0.0), axis=1) > 0
-    if MASS:
+    if RANK:
+        above = tl.sum(tl.load(at, mask=tile, other=0.0), axis=1)
+        any_candidate = tl.sum(tl.load(at + 2 * parts_sk, mask=tile, other=0.0), axis=1) > 0
+        gap = tl.where(~any_held & any_candidate, float("inf"), above)
+    elif MASS:
+        best_unheld = tl.max(tl.load(at, mask=tile, other=float("-inf")), axis=1)
         tops = tl.load(at + 2 * parts_sk, mask=tile, other=float("-inf"))
         sums = tl.load(at + 3 * parts_sk, mask=tile, other=0.0)
         top = tl.max(tops, axis=1)
@@ -147,6 +176,7 @@ def _decide_kernel(
         held_mass = tl.where(some, top + tl.log(tl.where(some, total, 1.0)), float("-inf"))
         gap = best_unheld - held_mass
     else:
+        best_unheld = tl.max(tl.load(at, mask=tile, other=float("-inf")), axis=1)
         weakest = tl.min(tl.load(at + 2 * parts_sk, mask=tile, other=float("inf")), axis=1)
         gap = tl.where(any_held, best_unheld - weakest,
                        tl.where(best_unheld > float("-inf"), float("inf"), float("-inf")))
@@ -157,6 +187,10 @@ def _decide_kernel(
     fire = (worst > margin) | (tl.load(has_ptr + b) == 0)
     if FOLLOW:  # the layer above re-selected at this step: a lower margin
         fire = fire | ((tl.load(above_ptr + b) != 0) & (worst > follow_margin))
+    if CAP:  # steps since the last selection, this one included: at most ``cap``
+        age = tl.load(age_ptr + b) + 1
+        tl.store(age_ptr + b, age)
+        fire = fire | (age >= cap)
     tl.store(fire_ptr + b, fire.to(tl.uint8))
     tl.store(out_gap_ptr + b, tl.where(worst > 1e4, 1e4, tl.where(worst < -1e4, -1e4, worst)))
     tl.store(seen_open_ptr + b, tl.load(open_ptr + b))
@@ -186,18 +220,23 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float) -> torch.
                     ("units.size", table.size)):
         if t.stride(-1) != 1:
             raise ValueError(f"triton score_gap_fire: {name} must be contiguous in its last dim")
+    why = unsupported(trigger)
+    if why is not None:
+        raise ConfigError(why)
     room = state.held.shape[-1]
     mask = _scratch_mask(state, batch, heads, units, device)
     evict = layer.policy.admit == "evict"
     kept = store.kept if evict else store.admitted  # read only when evicting
+    rank = trigger.measure == "rank"
+    middle = torch.empty(batch, heads, dtype=torch.float32, device=device) if rank else state.gap  # read if rank
     _follow_kernel[(heads, batch)](
         table.size, table.open_unit, state.seen_open, state.seen_size, store.admitted, state.seen_admitted,
-        state.held, state.held_end, state.held_count, kept, mask,
-        units, room,
+        state.held, state.held_end, state.held_count, kept, mask, scores, middle,
+        units, room, float(scale),
         *table.size.stride()[:2], state.seen_size.stride(0), store.admitted.stride(0),
         state.seen_admitted.stride(0), *state.held.stride()[:2], *state.held_end.stride()[:2],
-        state.held_count.stride(0), kept.stride(0), *mask.stride()[:2],
-        EVICT=evict, LEAVING_UNHELD=trigger.leaving == "unheld",
+        state.held_count.stride(0), kept.stride(0), *mask.stride()[:2], *scores.stride()[:2],
+        EVICT=evict, LEAVING_UNHELD=trigger.leaving == "unheld", RANK=rank,
         BLOCK_R=min(4096, triton.next_power_of_2(room)),
     )
     mass = trigger.measure == "mass"
@@ -205,27 +244,47 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float) -> torch.
     blocks = triton.cdiv(units, block)
     parts = torch.empty(4, batch, heads, blocks, dtype=torch.float32, device=device)
     _gap_blocks_kernel[(blocks, heads, batch)](
-        scores, table.size, mask, state.units_at_selection, parts,
-        float(scale), units, int(table.num_prompt_units), parts.stride(0),
+        scores, table.size, mask, state.units_at_selection, parts, middle,
+        float(scale), units, int(table.num_prompt_units), parts.stride(0), heads,
         *scores.stride()[:2], *table.size.stride()[:2], *mask.stride()[:2], *parts.stride()[1:3],
-        MASS=mass, LEAVING_IGNORED=trigger.leaving == "ignored", BLOCK_U=block,
+        MASS=mass, RANK=rank, LEAVING_IGNORED=trigger.leaving == "ignored", BLOCK_U=block,
     )
     follow = trigger.follow > 0 and state.above is not None
     above = state.above.reselect if follow else state.has_selection  # read only when following
+    cap = trigger.cap > 0
+    age = state.age if cap else table.open_unit  # read only with a cap
     _decide_kernel[(batch,)](
         parts, state.has_selection.view(torch.uint8), above.view(torch.uint8), table.open_unit, state.seen_open,
-        fire.view(torch.uint8), state.gap, heads, blocks, parts.stride(0), *parts.stride()[1:3],
-        float(trigger.margin), float(trigger.margin - trigger.follow) if follow else 0.0,
-        MASS=mass, FOLLOW=follow, BLOCK_H=triton.next_power_of_2(heads), BLOCK_S=triton.next_power_of_2(blocks),
+        fire.view(torch.uint8), state.gap, age, heads, blocks, parts.stride(0), *parts.stride()[1:3],
+        float(trigger.margin), float(trigger.margin - trigger.follow) if follow else 0.0, int(trigger.cap),
+        MASS=mass, RANK=rank, FOLLOW=follow, CAP=cap,
+        BLOCK_H=triton.next_power_of_2(heads), BLOCK_S=triton.next_power_of_2(blocks),
     )
     return fire
+
+
+def unsupported(trigger) -> str | None:
+    """Why the fused op cannot run ``trigger``'s options (None where it can): it implements the
+    measures ``weakest``, ``mass`` and ``rank``, ``cap``, ``follow`` and both ``leaving``s, with
+    ``estimate="mean"``, ``group="mean"`` and ``drift=0`` only (the others are the reference's)."""
+    wrong = [f"{name}={getattr(trigger, name)!r} (accepted: {accepted})"
+             for name, ok, accepted in (("estimate", ("mean",), "'mean'"), ("group", ("mean",), "'mean'"),
+                                        ("drift", (0, 0.0), "0"))
+             if getattr(trigger, name) not in ok]
+    if not wrong:
+        return None
+    return ("score_gap trigger: the triton backend's score_gap_fire does not implement " + ", ".join(wrong) +
+            "; use those values, or backend='reference'")
+
+
+score_gap_fire.unsupported = unsupported
 
 
 @triton.jit
 def _selected_kernel(
     ids_ptr, take_ptr, size_ptr, open_ptr, decode_units_ptr, admitted_ptr,
     held_ptr, held_end_ptr, held_count_ptr, seen_open_ptr, seen_size_ptr, seen_admitted_ptr,
-    at_selection_ptr, has_ptr,
+    at_selection_ptr, has_ptr, age_ptr,
     K, R, capacity,
     id_sb, id_sh, sz_sb, sz_sh, ad_sb, hl_sb, hl_sh, he_sb, he_sh, hc_sb, ss_sb, sa_sb,
     BLOCK_R: tl.constexpr,
@@ -256,6 +315,7 @@ def _selected_kernel(
         tl.store(seen_open_ptr + b, unit)
         tl.store(at_selection_ptr + b, tl.load(decode_units_ptr + b))
         tl.store(has_ptr + b, tl.full([], 1, tl.uint8))
+        tl.store(age_ptr + b, tl.zeros([], tl.int64))
 
 
 @implement("triton", "score_gap_selected", supports=triton_runs_on)
@@ -273,7 +333,7 @@ def score_gap_selected(state, unit_ids: torch.Tensor, reselect: torch.Tensor) ->
     _selected_kernel[(heads, batch)](
         unit_ids, reselect.view(torch.uint8), table.size, table.open_unit, table.decode_units, store.admitted,
         state.held, state.held_end, state.held_count, state.seen_open, state.seen_size, state.seen_admitted,
-        state.units_at_selection, state.has_selection.view(torch.uint8),
+        state.units_at_selection, state.has_selection.view(torch.uint8), state.age,
         listed, room, store.retrieval_capacity,
         *unit_ids.stride()[:2], *table.size.stride()[:2], store.admitted.stride(0),
         *state.held.stride()[:2], *state.held_end.stride()[:2], state.held_count.stride(0),

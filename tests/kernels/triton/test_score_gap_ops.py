@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
     reason="Triton needs a CUDA device or TRITON_INTERPRET=1",
 )
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-STATE_TENSORS = ("held", "held_end", "held_count", "seen_open", "seen_size", "seen_admitted", "has_selection")
+STATE_TENSORS = ("held", "held_end", "held_count", "seen_open", "seen_size", "seen_admitted", "has_selection", "age")
 
 
 def _state(gen: torch.Generator, batch: int, heads: int, units: int, room: int, prompt_units: int,
@@ -41,7 +41,10 @@ def _state(gen: torch.Generator, batch: int, heads: int, units: int, room: int, 
     open_unit = ints(prompt_units - 1, units, batch)
     open_unit[0] = -1  # no decode unit open yet
     listed = torch.rand(batch, heads, generator=gen) < 0.4
-    held[..., 0] = torch.where(listed & (open_unit >= 0).view(-1, 1), open_unit.view(-1, 1), held[..., 0])
+    # a unit is listed once (as a selection and the follow-up make it): the open unit leaves the list first
+    listed = listed & (open_unit >= 0).view(-1, 1)
+    held[..., 1:] = torch.where(listed.unsqueeze(-1) & (held[..., 1:] == open_unit.view(-1, 1, 1)), -1, held[..., 1:])
+    held[..., 0] = torch.where(listed, open_unit.view(-1, 1), held[..., 0])
     size = ints(0, 6, batch, heads, units)
     admitted = ints(0, 20, batch, heads)
     units_table = SimpleNamespace(size=size, open_unit=open_unit, num_prompt_units=prompt_units, capacity=units,
@@ -58,6 +61,7 @@ def _state(gen: torch.Generator, batch: int, heads: int, units: int, room: int, 
         seen_admitted=admitted - ints(0, 2, batch, heads),
         held_end=ints(0, room + 3, batch, heads, room), units_at_selection=ints(0, units - prompt_units, batch),
         above=SimpleNamespace(reselect=torch.rand(batch, generator=gen) < 0.5) if above else None,
+        age=ints(0, 5, batch),
     )
     return _to(state, DEVICE)
 
@@ -89,17 +93,22 @@ def _next_look(gen: torch.Generator, state: ScoreGapState) -> None:
     store.admitted.add_(torch.randint(0, 2, store.admitted.shape, generator=gen).to(DEVICE))
 
 
-@pytest.mark.parametrize("measure", ["weakest", "mass"])
+@pytest.mark.parametrize("measure", ["weakest", "mass", "rank"])
 @pytest.mark.parametrize("leaving", ["unheld", "ignored"])
-@pytest.mark.parametrize("admit, follow", [("room", 0.0), ("evict", 0.0), ("room", 1.5), ("evict", math.inf)])
-def test_score_gap_fire_matches_reference(measure, leaving, admit, follow):
+@pytest.mark.parametrize("admit, follow, cap", [("room", 0.0, 0), ("evict", 0.0, 3), ("room", 1.5, 0),
+                                                ("evict", math.inf, 0)])
+def test_score_gap_fire_matches_reference(measure, leaving, admit, follow, cap):
     triton_ops = dispatch.bind("triton", DEVICE)
     by_gap = kept = 0
     for seed in range(3):
         gen = torch.Generator().manual_seed(seed)
         # margins below and past any gap of these scores (rows that fire, rows that keep), and one between
-        margin = (-8.0, float(torch.randn(1, generator=gen)), 8.0)[seed]
-        trigger = ScoreGap(margin=margin, measure=measure, leaving=leaving, follow=follow)
+        # (a count of units for rank: under any, past any, and a few)
+        if measure == "rank":
+            margin = (-0.5, 3.0 + float(torch.rand(1, generator=gen)) * 10, 1e5)[seed]
+        else:
+            margin = (-8.0, float(torch.randn(1, generator=gen)), 8.0)[seed]
+        trigger = ScoreGap(margin=margin, measure=measure, leaving=leaving, follow=follow, cap=cap)
         # past one block of units (1,024), so the running logsumexp rescales; one case a follow value
         # with a held list past one block of the follow-up (4,096 rows), evicting and dropping
         room, units = (5000, 6000) if (measure, leaving, admit) == ("mass", "unheld", "evict") else (12, 1500)
@@ -113,7 +122,7 @@ def test_score_gap_fire_matches_reference(measure, leaving, admit, follow):
             want = reference_step.score_gap_fire(trigger, ref, scores, scale)
             got = triton_ops.score_gap_fire(trigger, fast, scores.clone(), scale)
             where = f"seed {seed} step {step}"
-            assert torch.equal(got, want), f"{where}: fire {got.tolist()} != {want.tolist()}"
+            assert torch.equal(got, want), f"{where}: fire {got.tolist()} != {want.tolist()} (gap {ref.gap.tolist()})"
             torch.testing.assert_close(fast.gap, ref.gap, rtol=1e-5, atol=1e-5, equal_nan=True, msg=where)
             for name in STATE_TENSORS:
                 assert torch.equal(getattr(fast, name), getattr(ref, name)), f"{where}: {name} differs"
@@ -168,3 +177,32 @@ def test_an_overflowed_held_score_decides_as_the_reference(measure):
     assert torch.equal(got, want)
     torch.testing.assert_close(fast.gap, ref.gap, equal_nan=True)
     assert not ref.gap[:2].isnan().any()  # (the last row has a head with nothing selectable: NaN in mass)
+
+
+def test_score_gap_fire_rank_counts_the_unheld_units_above_the_held_mean():
+    # one head: held scores 1, 3 (mean 2); unheld 2.5, 4 and 1.5: two unheld units above the mean
+    gen = torch.Generator().manual_seed(5)
+    ref = _state(gen, batch=1, heads=1, units=8, room=4, prompt_units=6, admit="room", above=False)
+    ref.held.copy_(torch.tensor([[[0, 1, -1, -1]]], device=DEVICE))
+    ref.has_selection.fill_(True)
+    ref.layer.units.open_unit.fill_(-1)  # no follow-up
+    fast = copy.deepcopy(ref)
+    scores = torch.tensor([[[1.0, 3.0, 2.5, 4.0, 1.5, float("-inf"), float("-inf"), float("-inf")]]], device=DEVICE)
+    for margin, fires in ((1.5, True), (2.0, False)):
+        trigger = ScoreGap(margin=margin, measure="rank", leaving="unheld")
+        want = reference_step.score_gap_fire(trigger, ref, scores, 1.0)
+        got = dispatch.bind("triton", DEVICE).score_gap_fire(trigger, fast, scores.clone(), 1.0)
+        assert bool(want[0]) is fires and torch.equal(got, want)
+        assert float(ref.gap[0]) == float(fast.gap[0]) == 2.0
+
+
+@pytest.mark.parametrize("option", [{"estimate": "bound"}, {"group": "each"}, {"drift": 1.0}])
+def test_the_fused_op_refuses_the_options_it_does_not_implement(option):
+    from kvpolicy.errors import ConfigError
+
+    gen = torch.Generator().manual_seed(6)
+    state = _state(gen, batch=2, heads=2, units=70, room=12, prompt_units=40, admit="room", above=False)
+    trigger = ScoreGap(margin=-2.5, measure="mass", **option)
+    name = next(iter(option))
+    with pytest.raises(ConfigError, match=f"{name}=.*accepted"):
+        dispatch.bind("triton", DEVICE).score_gap_fire(trigger, state, _scores(gen, state), 0.25)
