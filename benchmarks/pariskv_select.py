@@ -119,10 +119,6 @@ QUICK_COLLISION_VARIANTS = (
     ("fused pipeline, compact sub 2048", {"PIPELINE": "fused", "_COMPACT_SUB": 2048}),
     ("chunk 2048", {"_CHUNK": 2048}),
     ("sub 512", {"_SUB": 512}),
-    # session 19: a table of two 4-bit votes a byte (a subspace's lookups in one 128-byte line)
-    ("packed votes", {"VOTES_PACKED": True}),
-    ("packed votes 8 warps", {"VOTES_PACKED": True, "_VOTES_WARPS": 8}),
-    ("packed votes sub 512", {"VOTES_PACKED": True, "_SUB": 512}),
 )
 QUICK_RERANK_VARIANTS = (
     ("radix", {"METHOD": "radix"}),

@@ -24,4 +24,13 @@ step select_512k 70 $SELECT --contexts 524288 --batches 1 --json "$OUT/select_51
 step select_32k 50 $SELECT --contexts 32768 --batches 1 --json "$OUT/select_32k.json"
 step e2e_512k_packed 130 python3 benchmarks/with_settings.py kvpolicy.kernels.triton.collision_candidates.VOTES_PACKED=True -- ${E2E#python3 } --contexts 524288 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_512k_packed.json"
 ;;
+e2e)  # call 4: the packed table slower (call 3), removed; pariskv end to end with the shipped kernels (the
+# level passes' larger chunk in large calls) at 1x512K and 1x32K, at 4x128K on a GPU and a pinned pool (the
+# pinned row last measured in session 9), and the single-row gather from a pinned pool at 1Mx4 (session 9)
+step gpu_tests 90 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_analytic_ops.py -k "group_mean or rerank_select_at_decode"
+step e2e_512k 130 $E2E --contexts 524288 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_512k.json"
+step e2e_32k 100 $E2E --contexts 32768 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_32k.json"
+step e2e_128k4 200 $E2E --contexts 131072 --batches 4 --presets pariskv@gpu,pariskv@cpu --json "$OUT/e2e_128k4.json"
+step pinned_gather_1m 70 python3 benchmarks/pinned_gather.py --contexts 1048576 --batch 4 --repeats 10 --spans 131072,262144,524288 --json "$OUT/pinned_gather_1m.json"
+;;
 esac

@@ -102,11 +102,12 @@ FOLD_SMALL_THRESHOLD = True
 # 1Mx4 464.5 us against 529.8 unfolded at chunks of 2048, 128Kx4 78.4 against 83.6, 512Kx1 78.6
 # against 96.9
 FOLD_LARGE_THRESHOLD = True
-# the pass pipeline's votes read a table of two 4-bit votes a byte (pack_votes), so a subspace's
-# lookups fall in one 128-byte line instead of two. (Session 19 measured, H200, 1Mx4: the lookups by
-# tl.gather from a table held by the program, through shared memory, 6.7x slower; each step's ids
-# loaded a step ahead as one tile of words, 3.6x slower)
-VOTES_PACKED = False
+# Session 19 measured three other votes passes on an H200 (1Mx4, against 324 us; all removed): the
+# lookups by tl.gather from a table held by the program, through shared memory, 2,175 us; each step's
+# ids loaded a step ahead as one tile of words, 1,161 us; a table of two 4-bit votes a byte (a
+# subspace's lookups in one 128-byte line, two more ALU steps a lookup), 603 us. The pass is bound by
+# its instructions a lookup (about six: the id's byte, a 64-bit address, the load, the add), not by
+# the ids' bytes or L1's lines
 # "pass" (votes, threshold, compact) or session 10's "fused" (two launches; 3.3x and
 # 3.7x slower votes at 128Kx4 and 1Mx4 on an H200, so kept for benchmarks/pariskv_select.py only)
 PIPELINE = "pass"
@@ -137,17 +138,6 @@ def _head_rows(HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, S: tl.constexpr, 
 
 
 @triton.jit
-def _vote(subspace_row, ids, mask, PACKED: tl.constexpr):
-    # the votes of ids in one subspace's row of the table: an entry a byte, or (PACKED) two a byte,
-    # the even id's in the low nibble
-    if PACKED:
-        pair = tl.load(subspace_row + (ids >> 1), mask=mask, other=0).to(tl.int32)
-        return (pair >> ((ids & 1) * 4)) & 15
-    else:
-        return tl.load(subspace_row + ids, mask=mask, other=0).to(tl.int32)
-
-
-@triton.jit
 def _votes_kernel(
     table_ptr, keys_ptr, valid_ptr, indexed_ptr, votes_ptr, hist_ptr, row_hist_ptr,
     H, N, CHUNKS,
@@ -155,22 +145,20 @@ def _votes_kernel(
     valid_sb, valid_sn,
     S: tl.constexpr, IDS: tl.constexpr, WORDS: tl.constexpr,
     CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr, ROW_HIST: tl.constexpr,
-    HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, PACKED: tl.constexpr,
+    HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr,
 ):
     # HEADS: 0, one table a row (the group's mean query); else the row's HEADS query heads' tables,
-    # each key's ids looked up in every one and its votes the best head's sum. PACKED: the tables
-    # hold two 4-bit votes a byte (a subspace's 256 votes in one 128-byte line; see _vote)
+    # each key's ids looked up in every one and its votes the best head's sum
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = row // H
     h = row % H
     indexed = tl.load(indexed_ptr)
-    ROW: tl.constexpr = IDS // 2 if PACKED else IDS  # a subspace's bytes in the table
     if HEADS:
-        table_row = table_ptr + row * HEADS * S * ROW
-        head_rows = _head_rows(HEADS, BLOCK_HEADS, S, ROW)
+        table_row = table_ptr + row * HEADS * S * IDS
+        head_rows = _head_rows(HEADS, BLOCK_HEADS, S, IDS)
     else:
-        table_row = table_ptr + row * S * ROW
+        table_row = table_ptr + row * S * IDS
     bins = tl.arange(0, BINS)
     hist = tl.zeros([BINS], dtype=tl.int32)
     for s0 in range(0, CHUNK, SUB):
@@ -192,16 +180,18 @@ def _votes_kernel(
                 for j in tl.static_range(4):
                     ids = (word >> (8 * j)) & 255
                     if HEADS:
-                        total += _vote(table_row + head_rows + (4 * w + j) * ROW, ids[None, :], in_n[None, :], PACKED)
+                        total += tl.load(table_row + head_rows + (4 * w + j) * IDS + ids[None, :], mask=in_n[None, :],
+                                         other=0).to(tl.int32)
                     else:
-                        total += _vote(table_row + (4 * w + j) * ROW, ids, in_n, PACKED)
+                        total += tl.load(table_row + (4 * w + j) * IDS + ids, mask=in_n, other=0).to(tl.int32)
         else:
             for sub in tl.static_range(S):
                 ids = tl.load(key_row + sub * key_ss, mask=in_n, other=0).to(tl.int32)
                 if HEADS:
-                    total += _vote(table_row + head_rows + sub * ROW, ids[None, :], in_n[None, :], PACKED)
+                    total += tl.load(table_row + head_rows + sub * IDS + ids[None, :], mask=in_n[None, :],
+                                     other=0).to(tl.int32)
                 else:
-                    total += _vote(table_row + sub * ROW, ids, in_n, PACKED)
+                    total += tl.load(table_row + sub * IDS + ids, mask=in_n, other=0).to(tl.int32)
         if HEADS:  # the key's best head
             total = tl.max(total, axis=0)
         # (not next to the flags' load: there ptxas placed the compare before the ids' loads, so
@@ -530,15 +520,12 @@ def collision_candidates(
     row_hist, done = _row_scratch(device, rows, bins) if fold else (hist, None)
     words = _as_words(key_centroids)
     ids = key_centroids if words is None else words
-    packed = _packs_votes(subspaces, max_votes)
-    if packed:
-        table = pack_votes(table)
     _votes_kernel[(rows, chunks)](
         table, ids, valid, indexed, votes, hist, row_hist,
         heads, n, chunks,
         *ids.stride(), *valid.stride(),
         S=subspaces, IDS=reference_analytic.NUM_IDS, WORDS=words is not None,
-        CHUNK=chunk, SUB=sub, BINS=bins, ROW_HIST=fold, **voting, PACKED=packed, num_warps=_VOTES_WARPS,
+        CHUNK=chunk, SUB=sub, BINS=bins, ROW_HIST=fold, **voting, num_warps=_VOTES_WARPS,
     )
     if fold:  # hist holds suffix counts: the compaction finds the threshold itself
         _compact_fused_kernel[(rows, chunks)](
@@ -562,21 +549,6 @@ def collision_candidates(
         num_warps=_COMPACT_WARPS,
     )
     return out
-
-
-def _packs_votes(subspaces: int, max_votes: int) -> bool:
-    """Whether the pass pipeline's votes read a packed table (``VOTES_PACKED``, where a subspace's
-    share of ``max_votes`` fits a nibble: ParisKV's tiers give each subspace the same top vote)."""
-    if not isinstance(VOTES_PACKED, bool):
-        raise ValueError(f"triton collision_candidates: VOTES_PACKED must be True or False, got {VOTES_PACKED!r}")
-    return VOTES_PACKED and max_votes <= 15 * subspaces
-
-
-def pack_votes(table: torch.Tensor) -> torch.Tensor:
-    """A vote table ``(..., 256)`` as ``(..., 128)`` uint8, id ``2i`` in byte ``i``'s low nibble and
-    ``2i + 1`` in its high one (every vote must be in 0..15; ``query_votes``' are at most its tiers)."""
-    table = table.to(torch.uint8)
-    return (table[..., 0::2] | (table[..., 1::2] << 4)).contiguous()
 
 
 def _row_scratch(device: torch.device, rows: int, bins: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -429,17 +429,19 @@ def _radix_score_kernel(
     # codes), not two (the candidates, then their codes)
     c = chunk * CHUNK + tl.arange(0, SUB).to(tl.int64)
     cand_next = tl.load(cand_row + c * cand_sc, mask=c < W, other=-1).to(tl.int64)
-    code_row = codes_ptr + b * code_sb + h * code_sh
     for s0 in range(0, CHUNK, SUB):
         c = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
         in_c = c < W
         cand = cand_next
+        ahead = c + SUB
+        cand_next = tl.load(cand_row + ahead * cand_sc, mask=(ahead < W) & (s0 + SUB < CHUNK), other=-1).to(tl.int64)
         listed = cand >= 0
         token = tl.maximum(cand, 0)  # (a where here trips Triton 3.6's layouts with the carried load)
         rows = listed[:, None] & in_i[None, :]
-        ahead = c + SUB
-        cand_next = tl.load(cand_row + ahead * cand_sc, mask=(ahead < W) & (s0 + SUB < CHUNK), other=-1).to(tl.int64)
-        packed = tl.load(code_row + token[:, None] * code_sn + i[None, :] * code_sd, mask=rows, other=0).to(tl.int32)
+        packed = tl.load(
+            codes_ptr + b * code_sb + h * code_sh + token[:, None] * code_sn + i[None, :] * code_sd,
+            mask=rows, other=0,
+        ).to(tl.int32)
         if WORDS:
             terms = tl.zeros([SUB, BLOCK_HALF], dtype=tl.float32)
             for j in tl.static_range(8):
@@ -764,8 +766,8 @@ def _radix(query_rotated, codes, weight, norms, candidates, token_valid, slots, 
     state = torch.empty(rows, _RADIX_LEVELS, 4, dtype=torch.int32, device=device)
     _score_launch(query_rotated, codes, weight, norms, candidates, keys, row_hist, chunk,
                   max(1, triton.cdiv(width, chunk)), False)
-    # the level and place passes' chunk: the score pass's, or larger (_RADIX_LEVEL_MIN_CHUNK; the
-    # score pass's histogram goes to the row's whatever its chunks)
+    # the level and place passes' chunk: the score pass's, or in a large call larger
+    # (_RADIX_LEVEL_MIN_CHUNK; the score pass's histogram goes to the row's whatever its chunks)
     if rows * width >= _RADIX_LEVEL_LARGE_CALL:
         chunk = max(chunk, min(_RADIX_LEVEL_MIN_CHUNK, triton.next_power_of_2(max(1, width))))
     chunks = max(1, triton.cdiv(width, chunk))

@@ -276,12 +276,10 @@ def test_query_votes_refuses_misshaped_inputs():
         query_votes.query_votes(torch.zeros(1, 1, 2, 16, device=DEVICE), torch.ones(16, device=DEVICE), 4, [1] * 20)
 
 
-@pytest.fixture(params=["fused", "pass", "pass-packed", "pass-large-fold", "pass-small-call",
-                        "pass-small-call-threshold-launch"])
+@pytest.fixture(params=["fused", "pass", "pass-large-fold", "pass-small-call", "pass-small-call-threshold-launch"])
 def small_chunks(monkeypatch, request):
     """Several chunks, steps and chunk blocks at interpreter sizes; each pipeline (session 10's
-    two launches, and the three before it); "pass-packed": the pass pipeline's votes reading a
-    table of two 4-bit votes a byte (``VOTES_PACKED``); "pass-large-fold": the pass pipeline's
+    two launches, and the three before it); "pass-large-fold": the pass pipeline's
     full-size chunks with the threshold folded into the compaction (``FOLD_LARGE_THRESHOLD``);
     "pass-small-call": the pass pipeline's chunk shrunk for a call with few programs (one step a
     chunk, the threshold folded into the compaction); "-threshold-launch": the same chunks with the
@@ -289,7 +287,6 @@ def small_chunks(monkeypatch, request):
     from kvpolicy.kernels.triton import collision_candidates
 
     monkeypatch.setattr(collision_candidates, "PIPELINE", request.param.split("-")[0])
-    monkeypatch.setattr(collision_candidates, "VOTES_PACKED", request.param == "pass-packed")
     monkeypatch.setattr(collision_candidates, "FOLD_SMALL_THRESHOLD", not request.param.endswith("-threshold-launch"))
     monkeypatch.setattr(collision_candidates, "FOLD_LARGE_THRESHOLD", request.param == "pass-large-fold")
     monkeypatch.setattr(collision_candidates, "_CHUNK", 256)
@@ -510,14 +507,12 @@ def test_head_max_votes_at_decode_sizes(monkeypatch, pipeline, batch, n):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("batch, n", [(1, 32768), (4, 131072), (1, 524288)])
-def test_group_mean_votes_at_decode_sizes(monkeypatch, packed, batch, n):
+def test_group_mean_votes_at_decode_sizes(batch, n):
     # ParisKV's Qwen3 shape (8 KV heads, head_dim 128, 16 subspaces, 6 tiers), one table a row (the
-    # group's mean query), through the shipped pipeline, its table packed or not
+    # group's mean query), through the shipped pipeline
     from kvpolicy.kernels.triton import collision_candidates, query_votes
 
-    monkeypatch.setattr(collision_candidates, "VOTES_PACKED", packed)
     heads, group, dim, subspaces, tiers = 8, 4, 128, 16, 6
     gen = torch.Generator(device=DEVICE).manual_seed(n + batch + 1)
     query = torch.randn(batch, heads, group, dim, generator=gen, device=DEVICE).to(torch.bfloat16)
@@ -530,14 +525,6 @@ def test_group_mean_votes_at_decode_sizes(monkeypatch, packed, batch, n):
             analytic.CANDIDATE_BANDS)
     want = reference_analytic.collision_candidates(table, ids, token_valid, *args)
     assert torch.equal(collision_candidates.collision_candidates(table, ids, token_valid, *args), want)
-
-
-def test_collision_candidates_names_a_bad_packed_setting(monkeypatch):
-    from kvpolicy.kernels.triton import collision_candidates
-
-    monkeypatch.setattr(collision_candidates, "VOTES_PACKED", "yes")
-    with pytest.raises(ValueError, match="VOTES_PACKED must be True or False, got 'yes'"):
-        collision_candidates._packs_votes(16, 96)
 
 
 def test_collision_candidates_refuses_misshaped_inputs():
