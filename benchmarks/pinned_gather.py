@@ -10,10 +10,11 @@ for a plain pinned copy, while it reaches 45-50 GB/s at 128K. This script times,
   (fed random-order slots); ``walk Nx``: a persistent grid of N programs per SM walking the
   (sequence, head) regions in turn (fewer pages in flight at once);
 
-for two pools of the same shape: ``mmap`` (``kvpolicy.pinned.pinned_empty``: the pools ParisKV's
-pinned tier uses, 4 KB pages unless the host's THP mode is "always") and ``thp`` (an anonymous
-mapping ``madvise(MADV_HUGEPAGE)``'d before ``cudaHostRegister``; the host's AnonHugePages
-growth says whether it took), and ``hostalloc`` (``torch.empty(pin_memory=True)``: cudaHostAlloc,
+for pools of the same shape: ``mmap`` (``kvpolicy.pinned.pinned_empty``: the pools ParisKV's
+pinned tier uses; since session 19 in transparent huge pages, ``pinned.HUGE_PAGES``), ``mmap4k``
+(the same with ``HUGE_PAGES`` off: a shared mapping, 4 KB pages), ``thp`` (a private anonymous
+mapping ``madvise(MADV_HUGEPAGE)``'d and touched before ``cudaHostRegister``; smaps says whether
+it took), and ``hostalloc`` (``torch.empty(pin_memory=True)``: cudaHostAlloc,
 whose driver-side chunks may map differently on the GPU). Every variant's rows are checked equal
 to the reference's once.
 
@@ -131,7 +132,9 @@ class HugePool:
             base = np.frombuffer(self.buffer, dtype=np.uint8)
             offset = 0
         else:
-            self.buffer = mmap.mmap(-1, size + HUGE)
+            # private: a shared anonymous mapping (mmap's default) is shmem, which THP's madvise mode
+            # leaves in 4 KB pages (sessions 9 and 19's first runs got 0 MB of huge pages so)
+            self.buffer = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             if hasattr(mmap, "MADV_HUGEPAGE"):
                 self.buffer.madvise(mmap.MADV_HUGEPAGE)
             base = np.frombuffer(self.buffer, dtype=np.uint8)
@@ -199,9 +202,21 @@ def measure(args, device, pool_kind: str, context: int) -> list[dict]:
         pool = holder.tensor(shape, dtype)
     elif pool_kind == "hostalloc":
         pool = torch.empty(shape, dtype=dtype, pin_memory=cuda)
+    elif pool_kind == "mmap4k":
+        from kvpolicy import pinned
+
+        saved, pinned.HUGE_PAGES = pinned.HUGE_PAGES, False
+        try:
+            pool = pinned_empty(shape, dtype) if cuda else torch.empty(shape, dtype=dtype)
+        finally:
+            pinned.HUGE_PAGES = saved
     else:
         pool = pinned_empty(shape, dtype) if cuda else torch.empty(shape, dtype=dtype)
     setup_s = time.perf_counter() - started
+    if holder is not None:
+        pool_huge_kb = holder.huge_kb
+    else:  # pinned_empty's pools: smaps of their mapping, faulted in by cudaHostRegister (a hostalloc pool: -)
+        pool_huge_kb = _smaps_huge_kb(pool.data_ptr()) if cuda and pool_kind != "hostalloc" else None
     _fill(pool, device)
     huge_after = _anon_huge_kb()
     count = args.budget - 4 - 64
@@ -247,8 +262,8 @@ def measure(args, device, pool_kind: str, context: int) -> list[dict]:
             "variant": label, "order": order, "ms": ms, "gbps": moved / ms / 1e6, "copy_gbps": moved / copy_ms / 1e6,
             "equal": equal, "bytes": moved, "pool_setup_s": setup_s,
             "anon_huge_mb": (huge_after - huge_before) / 1024 if huge_before >= 0 else None,
-            # the pool's own huge pages (smaps for thp, the mapping for hugetlb); None for the others
-            "pool_huge_mb": holder.huge_kb / 1024 if holder is not None and holder.huge_kb is not None else None,
+            # the pool's own huge pages (smaps for thp and pinned_empty's, the mapping for hugetlb); None for hostalloc
+            "pool_huge_mb": pool_huge_kb / 1024 if pool_huge_kb is not None else None,
             "pool_mb": nbytes / 2**20,
         })
         print(f"  {pool_kind:>9s} {context >> 10:>5d}K x{batch} {label:22s} {order:>9s}: {ms:7.3f} ms "
@@ -267,8 +282,8 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--update-buffer", type=int, default=64)
-    parser.add_argument("--pools", default="mmap,thp,hugetlb,hostalloc",
-                        help="comma list of mmap (pinned_empty), thp (madvised, touched huge pages), hugetlb "
+    parser.add_argument("--pools", default="mmap,mmap4k,thp,hugetlb,hostalloc",
+                        help="comma list of mmap (pinned_empty), mmap4k (pinned_empty in 4 KB pages), thp (madvised, touched huge pages), hugetlb "
                              "(MAP_HUGETLB; needs vm.nr_hugepages) and hostalloc (cudaHostAlloc)")
     parser.add_argument("--spans", default="", help="comma list of spans (positions): gather.py and r32w4 again with "
                         "the rows drawn from the first SPAN positions of the pool")
@@ -278,9 +293,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
     pools = [p.strip() for p in args.pools.split(",") if p.strip()]
-    bad = [p for p in pools if p not in ("mmap", "thp", "hugetlb", "hostalloc")]
+    bad = [p for p in pools if p not in ("mmap", "mmap4k", "thp", "hugetlb", "hostalloc")]
     if bad:
-        parser.error(f"unknown pool kind(s) {bad}; expected mmap, thp, hugetlb and/or hostalloc")
+        parser.error(f"unknown pool kind(s) {bad}; expected mmap, mmap4k, thp, hugetlb and/or hostalloc")
     try:
         args.spans = [int(x) for x in args.spans.split(",") if x.strip()]
     except ValueError:

@@ -33,4 +33,14 @@ step e2e_32k 100 $E2E --contexts 32768 --batches 1 --presets pariskv@gpu --json 
 step e2e_128k4 200 $E2E --contexts 131072 --batches 4 --presets pariskv@gpu,pariskv@cpu --json "$OUT/e2e_128k4.json"
 step pinned_gather_1m 70 python3 benchmarks/pinned_gather.py --contexts 1048576 --batch 4 --repeats 10 --spans 131072,262144,524288 --json "$OUT/pinned_gather_1m.json"
 ;;
+thp)  # call 5: the pinned pools in transparent huge pages (pinned.HUGE_PAGES: a private mapping, advised;
+# before, a shared mapping, which THP's madvise mode never backs with huge pages): the pinned pool's GPU
+# tests, the single-row gather at 1Mx4 from each pool kind (mmap: pinned_empty now; mmap4k: as before),
+# louiskv's pinned interval row at 4x128K at the two stickiness settings around the suite's miss, and
+# pariskv's pinned 4x128K row
+step gpu_tests 60 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_pinned_pool.py tests/test_pinned.py
+step pinned_gather_1m 110 python3 benchmarks/pinned_gather.py --contexts 1048576 --batch 4 --repeats 10 --spans 131072 --pools mmap,mmap4k,thp,hostalloc --json "$OUT/pinned_gather_1m.json"
+step rates_128k4 200 python3 benchmarks/pinned_rates.py --context 131072 --batch 4 --stickiness 32,48 --json "$OUT/rates_128k4.json"
+step e2e_paris_pinned 130 $E2E --contexts 131072 --batches 4 --presets pariskv@cpu --json "$OUT/e2e_paris_pinned.json"
+;;
 esac

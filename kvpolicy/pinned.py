@@ -32,13 +32,32 @@ from .errors import KVPolicyError
 REUSE_MIN_SHARE = 0.5
 
 
+# Pools in 2 MB transparent huge pages where the host allows them (THP mode "madvise" or "always"): a
+# private anonymous mapping, 2 MB-aligned, advised before cudaHostRegister faults it in. Python's
+# mmap(-1, n) is a shared mapping, i.e. shmem, which THP's madvise mode leaves in 4 KB pages, and the
+# GPU then reads single rows from a pool of many GB at half the copy's rate (issue 13's 1Mx4 gather;
+# BENCHMARKS.md, session 19). Pools under HUGE_POOL_BYTES (a small model's) keep 4 KB pages, not a
+# whole 2 MB each. False: the shared 4 KB-page mapping of sessions 9-18 for every pool.
+HUGE_PAGES = True
+HUGE_POOL_BYTES = 32 << 20
+_HUGE_PAGE = 2 << 20
+
+
 class _Mapping:
-    """One registered anonymous mapping."""
+    """One registered anonymous mapping: ``size`` bytes at ``pointer`` (``offset`` into ``buffer``)."""
 
     def __init__(self, nbytes: int):
-        self.buffer = mmap.mmap(-1, max(nbytes, 1))
-        self.size = len(self.buffer)
-        self.pointer = np.frombuffer(self.buffer, dtype=np.uint8).ctypes.data
+        wanted = max(nbytes, 1)
+        if HUGE_PAGES and wanted >= HUGE_POOL_BYTES:
+            self.size = -(-wanted // _HUGE_PAGE) * _HUGE_PAGE
+            self.buffer = mmap.mmap(-1, self.size + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            _advise_huge_pages(self.buffer)
+            self.offset = -np.frombuffer(self.buffer, dtype=np.uint8).ctypes.data % _HUGE_PAGE
+        else:
+            self.buffer = mmap.mmap(-1, wanted)
+            self.size = len(self.buffer)
+            self.offset = 0
+        self.pointer = np.frombuffer(self.buffer, dtype=np.uint8).ctypes.data + self.offset
         status = _register(self.pointer, self.size)
         if status != 0:
             self.buffer.close()
@@ -51,6 +70,11 @@ class _Mapping:
 
 
 _free: list[_Mapping] = []
+
+
+def _advise_huge_pages(buffer: mmap.mmap) -> None:
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; elsewhere the pool keeps the host's default pages
+        buffer.madvise(mmap.MADV_HUGEPAGE)
 
 
 def _register(pointer: int, size: int) -> int:
@@ -104,7 +128,7 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     mapping held); its mapping returns to the free list when the last view of it is freed."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     mapping = _take(nbytes)
-    backing = np.frombuffer(mapping.buffer, dtype=np.uint8)
+    backing = np.frombuffer(mapping.buffer, dtype=np.uint8, count=mapping.size, offset=mapping.offset)
     # the tensor keeps ``backing`` alive; when it goes, the mapping is kept or released
     weakref.finalize(backing, _give_back, mapping)
     return torch.from_numpy(backing)[:nbytes].view(dtype).view(shape)

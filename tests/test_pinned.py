@@ -65,3 +65,30 @@ def test_a_failed_registration_is_an_error(monkeypatch):
     monkeypatch.setattr(pinned, "_free", [])
     with pytest.raises(KVPolicyError, match="could not pin"):
         pinned.pinned_empty((10,), torch.float32)
+
+
+def test_a_large_pool_is_a_private_huge_page_aligned_mapping(fake_cuda, monkeypatch):
+    # THP's madvise mode gives huge pages to private anonymous mappings only (a shared one is shmem)
+    advised = []
+    monkeypatch.setattr(pinned, "_advise_huge_pages", advised.append)
+    nbytes = pinned.HUGE_POOL_BYTES + 1000
+    pool = pinned.pinned_empty((nbytes,), torch.uint8)
+    pool[-1] = 7  # the whole request is addressable
+    (pointer, size), = fake_cuda["register"]
+    assert pointer == pool.data_ptr() and pointer % (2 << 20) == 0
+    assert size == -(-nbytes // (2 << 20)) * (2 << 20)  # whole huge pages registered
+    assert len(advised) == 1 and len(advised[0]) == size + (2 << 20)  # advised before registering
+    del pool
+    gc.collect()
+    assert pinned.kept_bytes() == size
+    again = pinned.pinned_empty((nbytes - 5000,), torch.uint8)
+    assert again.data_ptr() == pointer and len(fake_cuda["register"]) == 1
+
+
+def test_huge_pages_off_or_a_small_pool_keeps_4k_pages(fake_cuda, monkeypatch):
+    small = pinned.pinned_empty((1000,), torch.uint8)
+    assert fake_cuda["register"][0][1] == 1000  # its exact size, not a 2 MB page
+    monkeypatch.setattr(pinned, "HUGE_PAGES", False)
+    large = pinned.pinned_empty((pinned.HUGE_POOL_BYTES + 1000,), torch.uint8)
+    assert fake_cuda["register"][1][1] == pinned.HUGE_POOL_BYTES + 1000
+    del small, large
