@@ -257,6 +257,9 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float,
     layer = state.layer
     follow_leaving_token(state, trigger.leaving == "unheld", layer.policy.admit == "evict")
     now = scores * scale
+    if getattr(trigger, "estimate", "mean") == "gauss":
+        # each unit's log mean exp(logit) under a Gaussian spread of its keys (``ScoreGap._spread``)
+        now = now + bound * scale * scale
     held = held_units_mask(state.held, layer.units.capacity)
     size = layer.units.size
     each = scores.dim() == 4  # (B, H, G, U): each query head's scores (``trigger.group == "each"``)
@@ -282,10 +285,18 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float,
     if each:
         gap = gap.flatten(1)  # (B, H * G): every query head
     gap = gap.amax(-1)  # (B,): the worst KV head (or query head) decides
-    fire = (gap > trigger.margin) | ~state.has_selection
+    margin = trigger.margin_of(layer.layer_idx)
+    fire = (gap > margin) | ~state.has_selection
     if trigger.follow > 0 and state.above is not None:
         # the layer above decided this step already (its ``reselect``, on the device)
-        fire = fire | (state.above.reselect & (gap > trigger.margin - trigger.follow))
+        fire = fire | (state.above.reselect & (gap > margin - trigger.follow))
+    count = getattr(trigger, "count", 0.0)
+    if count > 0:
+        # also the rank measure's count, against its own threshold
+        ranked = rank_gap(now, held)
+        if each:
+            ranked = ranked.flatten(1)
+        fire = fire | (ranked.amax(-1) > count)
     drift = getattr(trigger, "drift", 0.0)
     if drift > 0:
         # the held units' share of the whole estimated mass, against what it was at the first step

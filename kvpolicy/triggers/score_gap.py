@@ -74,7 +74,7 @@ class ScoreGapState:
 
 MEASURES = ("weakest", "mass", "rank")
 LEAVING = ("unheld", "ignored")
-ESTIMATES = ("mean", "bound")
+ESTIMATES = ("mean", "bound", "gauss")
 GROUPS = ("mean", "each")
 
 
@@ -114,8 +114,18 @@ class ScoreGap(Trigger):
     # group); "each", every query head's own score, the largest gap over the query heads deciding
     # (one query head that needs an unheld unit fires, where the group's mean can hide it)
     group: str = "mean"
+    # also re-select where more than ``count`` unheld units outscore the held units' mean score (the
+    # ``rank`` measure's count, beside the measure's own gap; 0: off)
+    count: float = 0.0
+    # a margin per layer (``margins[i]`` for layer ``i``; ``margin`` for the layers past its end): the
+    # gap's scale and rate differ by layer; empty: ``margin`` everywhere
+    margins: tuple = ()
     # the spec names these only when set (``Policy.to_dict``): eval cells of the old settings resume
-    SPEC_OMITS_AT_DEFAULT = {"estimate": "mean", "cap": 0, "drift": 0.0, "group": "mean"}
+    SPEC_OMITS_AT_DEFAULT = {"estimate": "mean", "cap": 0, "drift": 0.0, "group": "mean", "count": 0.0, "margins": ()}
+
+    def margin_of(self, layer_idx: int) -> float:
+        """The margin of layer ``layer_idx`` (``margins``, else ``margin``)."""
+        return float(self.margins[layer_idx]) if layer_idx < len(self.margins) else float(self.margin)
 
     def validate(self) -> None:
         if not isinstance(self.margin, (int, float)) or isinstance(self.margin, bool) or math.isnan(self.margin):
@@ -129,7 +139,7 @@ class ScoreGap(Trigger):
         if self.estimate not in ESTIMATES:
             raise ConfigError(f"score_gap trigger: estimate must be one of {', '.join(ESTIMATES)}; "
                               f"got {self.estimate!r}")
-        if self.estimate != "mean" and self.group != "mean":
+        if self.estimate == "bound" and self.group != "mean":
             raise ConfigError(f"score_gap trigger: estimate {self.estimate!r} takes group 'mean' only; got group "
                               f"{self.group!r}")
         if self.estimate != "mean" and self.measure != "mass":
@@ -137,6 +147,12 @@ class ScoreGap(Trigger):
                               f"an unheld unit's mass); got measure {self.measure!r}")
         if not isinstance(self.cap, int) or isinstance(self.cap, bool) or self.cap < 0:
             raise ConfigError(f"score_gap trigger: cap must be an integer >= 0 (0: no cap), got {self.cap!r}")
+        if not isinstance(self.margins, (list, tuple)) or any(
+                not isinstance(m, (int, float)) or isinstance(m, bool) or math.isnan(m) for m in self.margins):
+            raise ConfigError(f"score_gap trigger: margins must be a list of numbers (one a layer), got {self.margins!r}")
+        self.margins = tuple(float(m) for m in self.margins)
+        if not isinstance(self.count, (int, float)) or isinstance(self.count, bool) or not self.count >= 0:
+            raise ConfigError(f"score_gap trigger: count must be a number >= 0 (0: off), got {self.count!r}")
         if self.group not in GROUPS:
             raise ConfigError(f"score_gap trigger: group must be one of {', '.join(GROUPS)}; got {self.group!r}")
         if not isinstance(self.drift, (int, float)) or isinstance(self.drift, bool) or not self.drift >= 0:
@@ -210,6 +226,43 @@ class ScoreGap(Trigger):
             return self.decide(query, state)
         return self._decide(query, state, ops.score_gap_fire)
 
+    def _spread(self, query: torch.Tensor, state: ScoreGapState) -> torch.Tensor:
+        """``estimate="gauss"`` (reference only, an experiment): ``(B, H, U)`` half the query group's
+        mean of ``sum_d q_d**2 var_d`` over each prompt unit's keys (0 for decode units), so that
+        ``score + scale**2 * spread`` is the log of the unit's mean ``exp(q.k)`` were its keys Gaussian
+        with that diagonal variance. The prompt units' variances are taken once from the pool."""
+        layer = state.layer
+        units, store = layer.units, layer.store
+        var = getattr(state, "key_var", None)
+        if var is None:
+            keys = store.pool.keys.float()
+            batch, heads, cap, dim = keys.shape
+            var = torch.zeros(batch, heads, units.num_prompt_units, dim, device=keys.device)
+            for b in range(batch):
+                for h in range(heads):
+                    sizes = units.size[b, h, :units.num_prompt_units]
+                    n = int(sizes.sum())
+                    slots = units.order[b, h, :n]
+                    rows = store.pool_rows(slots.view(1, 1, -1).expand(batch, heads, -1).contiguous())[b, h]
+                    k = keys[b, h].index_select(0, rows)
+                    label = torch.repeat_interleave(torch.arange(units.num_prompt_units, device=k.device), sizes)
+                    sq = torch.zeros(units.num_prompt_units, dim, device=k.device).index_add_(0, label, k * k)
+                    mean = torch.zeros(units.num_prompt_units, dim, device=k.device).index_add_(0, label, k)
+                    count = sizes.clamp(min=1).unsqueeze(-1).float()
+                    var[b, h] = (sq / count - (mean / count) ** 2).clamp(min=0)
+            state.key_var = var
+        batch, q_heads, dim = query.shape
+        heads = units.start.shape[1]
+        group = query.float().view(batch, heads, q_heads // heads, dim)
+        if self.group == "each":  # each query head's own: (B, H, G, U)
+            spread = 0.5 * torch.einsum("bhgd,bhud->bhgu", group * group, var)
+            out = torch.zeros(*units.size.shape[:2], group.shape[2], units.size.shape[-1], device=spread.device)
+        else:
+            spread = 0.5 * torch.einsum("bhgd,bhud->bhu", group * group, var) / group.shape[2]
+            out = torch.zeros(units.size.shape, device=spread.device)
+        out[..., :spread.shape[-1]] = spread
+        return out
+
     def _decide(self, query: torch.Tensor, state: ScoreGapState, fire_op) -> torch.Tensor:
         """The step: score the table (the selector's op), then ``fire_op`` (``score_gap_fire``:
         follow the leaving token, measure the gap, decide), the reference or a fused kernel."""
@@ -229,8 +282,12 @@ class ScoreGap(Trigger):
             raw = torch.stack([layer.ops.unit_scores(group[:, :, g:g + 1], units.key_mean, units.key_min,
                                                      units.key_max, units.selectable, method)
                                for g in range(group.shape[2])], dim=2)
+            if self.estimate == "gauss":
+                return fire_op(self, state, raw, query.shape[-1] ** -0.5, self._spread(query, state))
             return fire_op(self, state, raw, query.shape[-1] ** -0.5)
         raw = layer.policy.selector.unit_scores(query, layer.units, layer.ops)
+        if self.estimate == "gauss":
+            return fire_op(self, state, raw, query.shape[-1] ** -0.5, self._spread(query, state))
         if self.estimate == "bound":
             units = layer.units
             batch, q_heads, dim = query.shape

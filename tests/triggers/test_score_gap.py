@@ -376,7 +376,23 @@ def test_cap_reselects_a_selection_kept_cap_steps():
     assert fired == [True, False, True, False, False, True]
 
 
+def test_margins_set_a_margin_per_layer():
+    first, second = _two_layers({"name": "score_gap", "margin": 50.0, "margins": [50.0, -50.0]})
+    assert first.policy.trigger.margin_of(0) == 50.0 and first.policy.trigger.margin_of(1) == -50.0
+    assert first.policy.trigger.margin_of(5) == 50.0  # past the list: margin
+    fired = [(_step(first, _toward(page)), _step(second, _toward(page))) for page in (2, 2, 7)]
+    assert fired == [(True, True), (False, True), (False, True)]
+
+
+def test_count_also_fires_on_the_rank_count():
+    state = _layer({"name": "score_gap", "margin": 50.0, "measure": "mass", "count": 0.5})
+    fired = [_step(state, _toward(page)) for page in (2, 2, 7, 7)]
+    assert fired == [True, False, True, False]
+
+
 def test_new_options_are_checked_and_named_in_the_spec_only_when_set():
+    with pytest.raises(ConfigError, match="margins must be a list of numbers"):
+        ScoreGap(margins=[1.0, "x"]).validate()
     with pytest.raises(ConfigError, match="cap must be an integer >= 0"):
         ScoreGap(cap=-1).validate()
     with pytest.raises(ConfigError, match="group must be one of mean, each"):
@@ -409,3 +425,12 @@ def test_the_fused_step_refuses_what_it_does_not_implement_when_the_layer_attach
     with pytest.raises(ConfigError, match="triton backend's score_gap_fire does not implement group='each'"):
         _layer({"name": "score_gap", "measure": "mass", "group": "each"}, backend="triton", device=device)
     _layer({"name": "score_gap", "measure": "mass", "group": "each"}, backend="reference", device=device)
+
+
+def test_gauss_estimate_adds_each_units_key_spread_to_its_mass():
+    # pages whose keys barely spread: the same decisions as the mean estimate; the spread term is >= 0
+    state = _layer({"name": "score_gap", "margin": -1.0, "measure": "mass", "estimate": "gauss"})
+    fired = [_step(state, _toward(page)) for page in (2, 2, 2, 7, 7, 7, 2, 2)]
+    assert fired == [True, False, False, True, False, False, True, False]
+    spread = state.policy.trigger._spread(_toward(7), state.trigger_state)
+    assert spread.shape == state.units.size.shape and (spread >= 0).all() and spread.max() < 0.1

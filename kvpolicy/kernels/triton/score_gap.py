@@ -250,13 +250,14 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float) -> torch.
         MASS=mass, RANK=rank, LEAVING_IGNORED=trigger.leaving == "ignored", BLOCK_U=block,
     )
     follow = trigger.follow > 0 and state.above is not None
+    margin = trigger.margin_of(layer.layer_idx)  # a host number per layer: a captured step keeps its own
     above = state.above.reselect if follow else state.has_selection  # read only when following
     cap = trigger.cap > 0
     age = state.age if cap else table.open_unit  # read only with a cap
     _decide_kernel[(batch,)](
         parts, state.has_selection.view(torch.uint8), above.view(torch.uint8), table.open_unit, state.seen_open,
         fire.view(torch.uint8), state.gap, age, heads, blocks, parts.stride(0), *parts.stride()[1:3],
-        float(trigger.margin), float(trigger.margin - trigger.follow) if follow else 0.0, int(trigger.cap),
+        float(margin), float(margin - trigger.follow) if follow else 0.0, int(trigger.cap),
         MASS=mass, RANK=rank, FOLLOW=follow, CAP=cap,
         BLOCK_H=triton.next_power_of_2(heads), BLOCK_S=triton.next_power_of_2(blocks),
     )
@@ -269,7 +270,7 @@ def unsupported(trigger) -> str | None:
     ``estimate="mean"``, ``group="mean"`` and ``drift=0`` only (the others are the reference's)."""
     wrong = [f"{name}={getattr(trigger, name)!r} (accepted: {accepted})"
              for name, ok, accepted in (("estimate", ("mean",), "'mean'"), ("group", ("mean",), "'mean'"),
-                                        ("drift", (0, 0.0), "0"))
+                                        ("drift", (0, 0.0), "0"), ("count", (0, 0.0), "0"))
              if getattr(trigger, name) not in ok]
     if not wrong:
         return None

@@ -50,7 +50,7 @@ def _state(gen: torch.Generator, batch: int, heads: int, units: int, room: int, 
     units_table = SimpleNamespace(size=size, open_unit=open_unit, num_prompt_units=prompt_units, capacity=units,
                                   decode_units=ints(0, units - prompt_units, batch))
     store = SimpleNamespace(admitted=admitted, kept=ints(0, room + 2, batch, heads), retrieval_capacity=room - 2)
-    layer = SimpleNamespace(units=units_table, store=store, policy=SimpleNamespace(admit=admit),
+    layer = SimpleNamespace(units=units_table, store=store, policy=SimpleNamespace(admit=admit), layer_idx=1,
                             reselect=torch.rand(batch, generator=gen) < 0.5)
     gather = open_unit.clamp(min=0).view(-1, 1, 1).expand(batch, heads, 1)
     state = ScoreGapState(
@@ -108,7 +108,9 @@ def test_score_gap_fire_matches_reference(measure, leaving, admit, follow, cap):
             margin = (-0.5, 3.0 + float(torch.rand(1, generator=gen)) * 10, 1e5)[seed]
         else:
             margin = (-8.0, float(torch.randn(1, generator=gen)), 8.0)[seed]
-        trigger = ScoreGap(margin=margin, measure=measure, leaving=leaving, follow=follow, cap=cap)
+        # with a cap, the margin comes from ``margins`` (this layer is index 1)
+        trigger = ScoreGap(margin=margin if not cap else 99.0, measure=measure, leaving=leaving, follow=follow,
+                           cap=cap, margins=(99.0, margin) if cap else ())
         # past one block of units (1,024), so the running logsumexp rescales; one case a follow value
         # with a held list past one block of the follow-up (4,096 rows), evicting and dropping
         room, units = (5000, 6000) if (measure, leaving, admit) == ("mass", "unheld", "evict") else (12, 1500)
@@ -196,7 +198,8 @@ def test_score_gap_fire_rank_counts_the_unheld_units_above_the_held_mean():
         assert float(ref.gap[0]) == float(fast.gap[0]) == 2.0
 
 
-@pytest.mark.parametrize("option", [{"estimate": "bound"}, {"group": "each"}, {"drift": 1.0}])
+@pytest.mark.parametrize("option", [{"estimate": "bound"}, {"estimate": "gauss"}, {"group": "each"}, {"drift": 1.0},
+                                    {"count": 4.0}])
 def test_the_fused_op_refuses_the_options_it_does_not_implement(option):
     from kvpolicy.errors import ConfigError
 
