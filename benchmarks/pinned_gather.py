@@ -271,6 +271,13 @@ def measure(args, device, pool_kind: str, context: int) -> list[dict]:
     del pool, expected
     if holder is not None:
         holder.release()
+    if cuda:  # pinned_empty keeps a freed pool's mapping for reuse: the next pool kind must not get it
+        import gc
+
+        from kvpolicy import pinned
+
+        gc.collect()
+        pinned.release_unused()
     return results
 
 
