@@ -5,10 +5,10 @@
 Each ``MODULE.NAME`` must already exist (a misspelt constant is an error, not a new attribute);
 ``VALUE`` is read as a Python literal (``True``, ``4096``, ``'gather'``), else taken as a string. Then
 the script (or ``-m`` module) runs as ``__main__`` with ``ARGS``. For example, pariskv end to end with
-the votes' gather lookups:
+the radix level passes on larger chunks at every size:
 
-    python3 benchmarks/with_settings.py kvpolicy.kernels.triton.collision_candidates.VOTES_LOOKUP=gather \\
-        -- -m kvpolicy bench e2e --contexts 524288 --batches 1 --presets pariskv@gpu
+    python3 benchmarks/with_settings.py kvpolicy.kernels.triton.rerank_select._RADIX_LEVEL_LARGE_CALL=0 \\
+        -- -m kvpolicy bench e2e --contexts 32768 --batches 1 --presets pariskv@gpu
 """
 
 from __future__ import annotations

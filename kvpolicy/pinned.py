@@ -34,9 +34,9 @@ REUSE_MIN_SHARE = 0.5
 
 # Pools in 2 MB transparent huge pages where the host allows them (THP mode "madvise" or "always"): a
 # private anonymous mapping, 2 MB-aligned, advised before cudaHostRegister faults it in. Python's
-# mmap(-1, n) is a shared mapping, i.e. shmem, which THP's madvise mode leaves in 4 KB pages, and the
-# GPU then reads single rows from a pool of many GB at half the copy's rate (issue 13's 1Mx4 gather;
-# BENCHMARKS.md, session 19). Pools under HUGE_POOL_BYTES (a small model's) keep 4 KB pages, not a
+# mmap(-1, n) is a shared mapping, i.e. shmem, which THP's madvise mode leaves in 4 KB pages. Huge pages
+# speed up single-row reads (BENCHMARKS.md, session 19, H200: 1Mx4 20.4 -> 23.7 GB/s, rows from a 128K
+# span 35.0 -> 38.6-44.5). Pools under HUGE_POOL_BYTES (a small model's) keep 4 KB pages, not a
 # whole 2 MB each. False: the shared 4 KB-page mapping of sessions 9-18 for every pool.
 HUGE_PAGES = True
 HUGE_POOL_BYTES = 32 << 20
