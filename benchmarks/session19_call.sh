@@ -43,4 +43,9 @@ step pinned_gather_1m 110 python3 benchmarks/pinned_gather.py --contexts 1048576
 step rates_128k4 200 python3 benchmarks/pinned_rates.py --context 131072 --batch 4 --stickiness 32,48 --json "$OUT/rates_128k4.json"
 step e2e_paris_pinned 130 $E2E --contexts 131072 --batches 4 --presets pariskv@cpu --json "$OUT/e2e_paris_pinned.json"
 ;;
+profiles)  # call 6: where the two nearest misses' steps go: louiskv's pinned interval(5) step at 4x128K
+# (2.49x against 2.5, call 5) and pariskv's step at 1x32K (0.96x against 1.0, call 4)
+step prof_pinned_interval 150 $PROF --preset louiskv --placement cpu --trigger '{"name":"interval","n":5}' --stickiness 32 --steps 10 --out "$OUT/prof_pinned_interval.txt"
+step prof_paris_32k 100 python3 benchmarks/profile_step.py --context 32768 --batch 1 --rows 45 --preset pariskv --placement gpu --out "$OUT/prof_paris_32k.txt"
+;;
 esac
