@@ -48,4 +48,10 @@ profiles)  # call 6: where the two nearest misses' steps go: louiskv's pinned in
 step prof_pinned_interval 150 $PROF --preset louiskv --placement cpu --trigger '{"name":"interval","n":5}' --stickiness 32 --steps 10 --out "$OUT/prof_pinned_interval.txt"
 step prof_paris_32k 100 python3 benchmarks/profile_step.py --context 32768 --batch 1 --rows 45 --preset pariskv --placement gpu --out "$OUT/prof_paris_32k.txt"
 ;;
+trigger)  # call 7: helper-24's score_gap changes (new measures and margins in the fused trigger kernels) on
+# the GPU for the first time: the trigger's op and trigger tests, then louiskv's rows at 1x32K (its
+# score_gap_reuse row runs the fused kernels at the preset's trigger)
+step gpu_tests 100 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py tests/triggers/test_score_gap.py
+step e2e_louiskv_32k 110 $E2E --contexts 32768 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_louiskv_32k.json"
+;;
 esac
