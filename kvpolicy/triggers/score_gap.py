@@ -101,7 +101,11 @@ class ScoreGap(Trigger):
     # how an unheld unit's mass is estimated (measure "mass"): "mean", its tokens at its mean key's
     # logit; "bound", at least one token at its key bound (Quest's upper bound from the units' key
     # min and max: a unit whose mean hides one spiking token counts by that token). The held units'
-    # mass stays at the mean estimate. "bound" scores the table a second time each step.
+    # mass stays at the mean estimate. "bound" scores the table a second time each step. "gauss": every
+    # unit's mass as the mean of exp(q.k) under a diagonal Gaussian spread of its keys (the prompt
+    # units' variances taken once from the pool). ``estimate``, ``group``, ``count`` and ``drift`` are
+    # reference-only experiments (EVAL.md, "Trigger candidates on 16 samples": none beat the default);
+    # the fused op refuses them with a ConfigError
     estimate: str = "mean"
     # a selection is kept at most ``cap`` steps (0: no cap): the layer also re-selects when its
     # selection is ``cap`` steps old, whatever the gap
