@@ -200,16 +200,6 @@ def rank_gap(scores: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     return torch.where(nothing_held & (~held & finite).any(-1), float("inf"), count)
 
 
-def total_gap(scores: torch.Tensor, held: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
-    """``(B, H)``: log of all unheld units' summed estimated mass over the held units' (each unit at
-    ``size * exp(score)``); ``-inf`` where nothing is unheld, ``+inf`` where nothing is held."""
-    finite = scores > float("-inf")
-    log_mass = scores + torch.log(size.clamp(min=1).float())
-    unheld = torch.logsumexp(log_mass.masked_fill(held | ~finite, float("-inf")), dim=-1)
-    held_mass = torch.logsumexp(log_mass.masked_fill(~held | ~finite, float("-inf")), dim=-1)
-    return unheld - held_mass
-
-
 def follow_leaving_token(state, leaving_unheld: bool, evict: bool) -> None:
     """Bring a ``ScoreGapState``'s ``held`` list up to date with the token that left the local
     window since the last look: the open decode unit took it (the table grew) and the retrieved
@@ -297,21 +287,11 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float,
         if each:
             ranked = ranked.flatten(1)
         fire = fire | (ranked.amax(-1) > count)
-    drift = getattr(trigger, "drift", 0.0)
-    if drift > 0:
-        # the held units' share of the whole estimated mass, against what it was at the first step
-        # after the selection: fire where the unheld units' summed mass over the held units' grew
-        # by more than ``drift`` (log); a loss spread over many units, which no single unit shows
-        total = total_gap(now, held, size).flatten(1).amax(-1)  # (B,)
-        fresh = state.age == 0  # the selection was made at the last step: this is its baseline
-        state.baseline.copy_(torch.where(fresh, total, state.baseline))
-        fire = fire | (~fresh & (total - state.baseline > drift))
     cap = getattr(trigger, "cap", 0)
-    if cap > 0 or drift > 0:
+    if cap > 0:
         # steps since the last selection, this one included: a selection is kept at most ``cap`` steps
         state.age.add_(1)
-        if cap > 0:
-            fire = fire | (state.age >= cap)
+        fire = fire | (state.age >= cap)
     state.gap.copy_(gap.clamp(min=-1e4, max=1e4))
     return fire
 

@@ -65,11 +65,8 @@ class ScoreGapState:
     above: Any = None  # the PolicyLayerState of the preceding served layer, for ``follow``
     # (B, H, U) uint8, the fused op's held mask (``kernels/triton/score_gap.py``): zeros between steps
     held_scratch: torch.Tensor | None = None
-    # (B,) long: steps since the last selection, this one included (counted where ``cap`` or
-    # ``drift`` is set)
+    # (B,) long: steps since the last selection, this one included (counted where ``cap`` is set)
     age: torch.Tensor | None = None
-    # (B,) float32: the total gap at the first step after the last selection (``drift``)
-    baseline: torch.Tensor | None = None
 
 
 MEASURES = ("weakest", "mass", "rank")
@@ -103,17 +100,13 @@ class ScoreGap(Trigger):
     # min and max: a unit whose mean hides one spiking token counts by that token). The held units'
     # mass stays at the mean estimate. "bound" scores the table a second time each step. "gauss": every
     # unit's mass as the mean of exp(q.k) under a diagonal Gaussian spread of its keys (the prompt
-    # units' variances taken once from the pool). ``estimate``, ``group``, ``count`` and ``drift`` are
+    # units' variances taken once from the pool). ``estimate``, ``group`` and ``count`` are
     # reference-only experiments (EVAL.md, "Trigger candidates on 16 samples": none beat the default);
     # the fused op refuses them with a ConfigError
     estimate: str = "mean"
     # a selection is kept at most ``cap`` steps (0: no cap): the layer also re-selects when its
     # selection is ``cap`` steps old, whatever the gap
     cap: int = 0
-    # also re-select where the log of all unheld units' summed estimated mass over the held units'
-    # grew by more than ``drift`` since the first step after the selection (0: off): a loss spread
-    # over many units, scale-free per layer (each layer against its own baseline)
-    drift: float = 0.0
     # whose query measures the gap: "mean", the selector's score (the mean over the KV head's query
     # group); "each", every query head's own score, the largest gap over the query heads deciding
     # (one query head that needs an unheld unit fires, where the group's mean can hide it)
@@ -125,7 +118,7 @@ class ScoreGap(Trigger):
     # gap's scale and rate differ by layer; empty: ``margin`` everywhere
     margins: tuple = ()
     # the spec names these only when set (``Policy.to_dict``): eval cells of the old settings resume
-    SPEC_OMITS_AT_DEFAULT = {"estimate": "mean", "cap": 0, "drift": 0.0, "group": "mean", "count": 0.0, "margins": ()}
+    SPEC_OMITS_AT_DEFAULT = {"estimate": "mean", "cap": 0, "group": "mean", "count": 0.0, "margins": ()}
 
     def margin_of(self, layer_idx: int) -> float:
         """The margin of layer ``layer_idx`` (``margins``, else ``margin``)."""
@@ -159,15 +152,12 @@ class ScoreGap(Trigger):
             raise ConfigError(f"score_gap trigger: count must be a number >= 0 (0: off), got {self.count!r}")
         if self.group not in GROUPS:
             raise ConfigError(f"score_gap trigger: group must be one of {', '.join(GROUPS)}; got {self.group!r}")
-        if not isinstance(self.drift, (int, float)) or isinstance(self.drift, bool) or not self.drift >= 0:
-            raise ConfigError(f"score_gap trigger: drift must be a number >= 0 (0: off), got {self.drift!r}")
 
     def init_state(self, batch, num_q_heads, head_dim, device) -> ScoreGapState:
         return ScoreGapState(
             has_selection=torch.zeros(batch, dtype=torch.bool, device=device),
             gap=torch.zeros(batch, dtype=torch.float32, device=device),
             age=torch.zeros(batch, dtype=torch.long, device=device),
-            baseline=torch.zeros(batch, dtype=torch.float32, device=device),
         )
 
     def attach(self, state: ScoreGapState, layer: Any) -> None:

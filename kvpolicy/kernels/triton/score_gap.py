@@ -17,7 +17,7 @@ unit scoring, and every small launch of a replayed graph costs about what it run
 Measure ``rank``: the first launch also takes the held units' mean score (over the held list, a unit
 listed once), the second counts the unheld units above it per block, the third sums the counts.
 ``cap``: the third launch counts the selection's age. ``margins``: each layer's launch takes its own
-margin. The reference-only options (``estimate``, ``group``, ``count``, ``drift``) are refused with a
+margin. The reference-only options (``estimate``, ``group``, ``count``) are refused with a
 ConfigError (``unsupported``), at attach and here.
 
 The mask is a scratch row per (sequence, head) that is all zeros between steps (each step clears
@@ -268,11 +268,11 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float) -> torch.
 def unsupported(trigger) -> str | None:
     """Why the fused op cannot run ``trigger``'s options (None where it can): it implements the
     measures ``weakest``, ``mass`` and ``rank``, ``cap``, ``margins``, ``follow`` and both ``leaving``s,
-    with ``estimate="mean"``, ``group="mean"``, ``count=0`` and ``drift=0`` only (the others are the
+    with ``estimate="mean"``, ``group="mean"`` and ``count=0`` only (the others are the
     reference's)."""
     wrong = [f"{name}={getattr(trigger, name)!r} (accepted: {accepted})"
              for name, ok, accepted in (("estimate", ("mean",), "'mean'"), ("group", ("mean",), "'mean'"),
-                                        ("drift", (0, 0.0), "0"), ("count", (0, 0.0), "0"))
+                                        ("count", (0, 0.0), "0"))
              if getattr(trigger, name) not in ok]
     if not wrong:
         return None
