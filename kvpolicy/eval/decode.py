@@ -75,16 +75,12 @@ class _RecallMeter:
 
     def __call__(self, state, query: torch.Tensor) -> None:
         store = state.store
-        keys = keys_by_slot(store, query.device)
-        batch, kv_heads, capacity, dim = keys.shape
-        q = query.float().view(batch, kv_heads, -1, dim)
-        logits = torch.einsum("bhgd,bhnd->bhgn", q, keys) * dim**-0.5
-        logits = logits.masked_fill(~store.pool.valid[:, None, None, :capacity], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
+        probs = true_attention(store, query)
+        batch, kv_heads, group, capacity = probs.shape
         # masked slots hold no mass, so taking them among the top k changes nothing
         oracle = probs.topk(min(self.budget, capacity), dim=-1).values.sum(-1)  # (B, H, G)
         slots, valid = store.attended_slots()
-        picked = probs.gather(-1, slots.clamp(max=capacity - 1).unsqueeze(2).expand(-1, -1, q.shape[2], -1))
+        picked = probs.gather(-1, slots.clamp(max=capacity - 1).unsqueeze(2).expand(-1, -1, group, -1))
         held = (picked * valid.unsqueeze(2)).sum(-1)
         recall = (held / oracle.clamp(min=1e-12)).clamp(max=1.0).mean()
         if state.layer_idx not in self.sums:
@@ -104,6 +100,19 @@ def keys_by_slot(store, device: torch.device) -> torch.Tensor:
     slot_order = torch.arange(capacity, device=device).expand(batch, kv_heads, capacity)
     rows = store.pool_rows(slot_order)
     return keys.gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, dim))
+
+
+def true_attention(store, query: torch.Tensor, length: int | None = None) -> torch.Tensor:
+    """``(B, H, G, N)`` float32: each query head's softmax over the pool's first ``N`` slots (``length``,
+    default all), in slot order, at ``query (B, Hq, D)``; invalid slots hold no mass. The full
+    attention a policy is measured against."""
+    keys = keys_by_slot(store, query.device)
+    if length is not None:
+        keys = keys[:, :, :length]
+    batch, kv_heads, n, dim = keys.shape
+    q = query.float().view(batch, kv_heads, -1, dim)
+    logits = torch.einsum("bhgd,bhnd->bhgn", q, keys) * dim**-0.5
+    return torch.softmax(logits.masked_fill(~store.pool.valid[:, None, None, :n], float("-inf")), dim=-1)
 
 
 def graph_by_default(model, policy: Policy, device: torch.device) -> bool:

@@ -77,12 +77,8 @@ class DriftMeter:
     def __call__(self, state, query: torch.Tensor) -> None:
         store = state.store
         length = store.length
-        keys = decoding.keys_by_slot(store, query.device)[:, :, :length]
-        batch, kv_heads, _, dim = keys.shape
-        q = query.float().view(batch, kv_heads, -1, dim)
-        logits = torch.einsum("bhgd,bhnd->bhgn", q, keys) * dim**-0.5
-        logits = logits.masked_fill(~store.pool.valid[:, None, None, :length], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
+        probs = decoding.true_attention(store, query, length)
+        batch, kv_heads, groups = probs.shape[:3]
         top = probs.topk(min(self.budget, length), dim=-1)
 
         slots, valid = store.attended_slots()
@@ -90,7 +86,6 @@ class DriftMeter:
         # invalid entries go to the spare column
         attended.scatter_(-1, torch.where(valid, slots.clamp(max=length - 1), length), True)
         attended = attended[..., :length]
-        groups = q.shape[2]
         hit = attended.unsqueeze(2).expand(-1, -1, groups, -1).gather(-1, top.indices)
         generated = (top.indices >= self.prompt_length) & (top.indices < length - state.policy.local)
         # the prompt's retrieval zone: before zone_end, less the sink tokens (always attended)

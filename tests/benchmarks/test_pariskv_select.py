@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from kvpolicy.errors import ConfigError
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "pariskv_select.py"
-
-
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("pariskv_select", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(benchmark_script):
+    return benchmark_script("pariskv_select")
 
 
 def test_a_toy_run_writes_both_paths_and_the_gather(bench, tmp_path):

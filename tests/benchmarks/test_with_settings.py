@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "with_settings.py"
 
 
 @pytest.fixture(scope="module")
-def tool():
-    spec = importlib.util.spec_from_file_location("with_settings", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def tool(benchmark_script):
+    return benchmark_script("with_settings")
 
 
 def test_sets_a_constant_then_runs_the_script_with_its_arguments(tool, tmp_path, monkeypatch):

@@ -90,12 +90,9 @@ slot_of_answer = {a: torch.tensor([i for s, e in sp for i in range(s, e)]) for a
 def recorder(record, emulate=False):
     def observe(state, query):
         store = state.store
-        keys = decoding.keys_by_slot(store, query.device)
-        b, h, cap, d = keys.shape
-        q = query.float().view(b, h, -1, d)
-        logits = torch.einsum("bhgd,bhnd->bhgn", q, keys) * d ** -0.5
-        logits = logits.masked_fill(~store.pool.valid[:, None, None, :cap], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)[0]  # (H, G, cap)
+        probs = decoding.true_attention(store, query)
+        h, cap = probs.shape[1], probs.shape[3]
+        probs = probs[0]  # (H, G, cap)
         slots, valid = store.attended_slots()
         attended = _mask(slots[0], valid[0], h, cap)
         row = {"fire": int(state.reselect[0])}

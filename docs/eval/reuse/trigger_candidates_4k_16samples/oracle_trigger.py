@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpolicy.cli import main
-from kvpolicy.eval.decode import keys_by_slot
+from kvpolicy.eval.decode import true_attention
 from kvpolicy.registry import register
 from kvpolicy.triggers.score_gap import ScoreGap
 
@@ -38,12 +38,7 @@ class MassOracle(ScoreGap):
         layer = state.layer
         self._follow_leaving_token(state)  # keeps the held list (unused here) as the real trigger does
         store, units = layer.store, layer.units
-        keys = keys_by_slot(store, query.device)
-        batch, heads, cap, dim = keys.shape
-        q = query.float().view(batch, heads, -1, dim)
-        logits = torch.einsum("bhgd,bhnd->bhgn", q, keys) * dim ** -0.5
-        logits = logits.masked_fill(~store.pool.valid[:, None, None, :cap], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
+        probs = true_attention(store, query)
         slots, valid = store.attended_slots()
         now = _mass(probs, slots, valid)
         sel = layer.policy.selector.select(query, units, store.retrieval_capacity, layer.ops)

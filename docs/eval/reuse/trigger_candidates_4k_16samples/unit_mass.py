@@ -39,12 +39,10 @@ def observe(state, query):
     if count[li] != at or li not in layers_want:
         return
     store = state.store
-    keys = decoding.keys_by_slot(store, query.device)
-    b, h, cap, d = keys.shape
-    q = query.float().view(b, h, -1, d)
-    logits = torch.einsum("bhgd,bhnd->bhgn", q, keys) * d ** -0.5
-    logits = logits.masked_fill(~store.pool.valid[:, None, None, :cap], float("-inf"))
-    probs = torch.softmax(logits, dim=-1)[0]  # (H, G, cap)
+    probs = decoding.true_attention(store, query)
+    b, h, cap = probs.shape[0], probs.shape[1], probs.shape[3]
+    d = query.shape[-1]
+    probs = probs[0]  # (H, G, cap)
     units = state.units
     ts = state.trigger_state
     held = held_units_mask(ts.held, units.capacity)[0]
