@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 19's GPU calls. Usage: bash benchmarks/session19_call.sh OUTDIR TAR MODE
-# (a record: modes lookups, ahead and packed ran at commits da5a07a, 488072b and 3f4edea; the variants they
-# time were removed after, so on main they fail. e2e, thp, profiles and trigger run on main)
+# (a record: modes lookups, ahead and packed ran at commits da5a07a, 488072b and 3f4edea, whose variants were
+# removed after; on main they time the current variants, and packed's last step fails on VOTES_PACKED)
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 SELECT="python3 benchmarks/pariskv_select.py --quick --no-gather --repeats 10"
 case ${3:?} in
