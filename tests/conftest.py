@@ -124,3 +124,22 @@ def tiny_model(tiny_model_factory, family) -> transformers.PreTrainedModel:
 @pytest.fixture
 def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return left_padded_batch(40)
+
+
+# The benchmark scripts are files, not a package (tests/benchmarks/ has no conftest of its own: a
+# second module named conftest would shadow this one for the tests that import from it).
+_BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+@pytest.fixture(scope="session")
+def benchmark_script() -> Callable[[str], Any]:
+    """``benchmark_script(name)``: ``benchmarks/<name>.py`` imported as a module (anew each call)."""
+    import importlib.util
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(_BENCHMARKS, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
