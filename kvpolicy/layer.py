@@ -6,7 +6,8 @@ kernel (a captured graph reserved its steps' room up front, so it is a no-op the
 host counters. The run (``run_step``) is kernels on fixed buffers, through the ops bound at
 prefill (``dispatch.bind``), with no host reads of tensor values anywhere:
     1. the new token goes to the pool and the local ring; the ring pushes out its oldest token
-    2. trigger -> ``reselect`` (B,) bool, forced on the first step (``note_decision``)
+    2. trigger -> ``reselect`` (B,) bool, forced on the first step (``Trigger.decide_and_note``; an
+       always-reselecting trigger's is all True from the prefill on, and no launch writes it)
     3. the pushed-out token joins the retrieval index: a decode unit of the unit table (segments
        are cut where the trigger fired), or whatever index the prefill builder made (``analytic``)
     4. selector + budgeted fill -> selection; the store fetches it where ``reselect`` (captured
@@ -27,6 +28,7 @@ from .kernels import dispatch
 from .placement import PoolPlacer
 from .plan import LayerPlan, SplitPlan
 from .store import TieredStore
+from .triggers.base import Decision
 from .units.index import RetrievalIndex
 
 if TYPE_CHECKING:
@@ -96,8 +98,7 @@ class PolicyLayerState:
         self.ops: dispatch.Ops | None = None  # bound at prefill, on the attention device
         self.has_selection: torch.Tensor | None = None  # (B,) bool
         self.reselect: torch.Tensor | None = None  # (B,) bool
-        self.no_rows: torch.Tensor | None = None  # (B,) bool, all False, never written
-        self.reselections: torch.Tensor | None = None  # (B,) long, summed over decode steps
+        self._reselections: torch.Tensor | None = None  # (B,) long, summed over decode steps
         self.decode_steps = 0
         # (pool_rows_read, rows_fetched) after the first decode step, whose selection finds an
         # empty buffer: a re-selection's miss fraction counts from there (device copies)
@@ -144,6 +145,10 @@ class PolicyLayerState:
             if rows:
                 self.store.set_cache(rows)
         self.boundary = torch.zeros(batch, self.store.pool.valid.shape[1], dtype=torch.bool, device=device)
+        always = policy.trigger.always_reselects
+        if always:
+            # every decode token's slot is a boundary, as note_decision would write it step by step
+            self.boundary[:, self.store.length:] = True
         self.trigger_state = policy.trigger.init_state(batch, num_q_heads, dim, device)
         if self.units_ready is not None:
             # the trigger reads the prompt's units (score_gap gathers the table's sizes at its open
@@ -157,9 +162,18 @@ class PolicyLayerState:
         else:
             policy.trigger.attach(self.trigger_state, self)
         self.has_selection = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.reselect = torch.zeros(batch, dtype=torch.bool, device=device)  # this step's decision
-        self.no_rows = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.reselections = torch.zeros(batch, dtype=torch.long, device=device)
+        # this step's decision; an always-reselecting trigger's is all True, written once here
+        self.reselect = torch.full((batch,), always, dtype=torch.bool, device=device)
+        self._reselections = torch.zeros(batch, dtype=torch.long, device=device)
+
+    @property
+    def reselections(self) -> torch.Tensor | None:
+        """``(B,)`` long: the decode steps at which each sequence re-selected (None before the
+        prompt). An always-reselecting trigger's step writes no decision, so its count is every
+        step, from the host's step counter."""
+        if self._reselections is not None and self.policy.trigger.always_reselects:
+            return torch.full_like(self._reselections, self.decode_steps)
+        return self._reselections
 
     def _cache_rows(self) -> int:
         """The GPU unit cache's rows for this layer (``Policy.unit_cache_rows``)."""
@@ -205,23 +219,21 @@ class PolicyLayerState:
         evicted = store.append(key, value, ops)
 
         if policy.selector is not None:
-            fire = policy.trigger.decide_fast(query, self.trigger_state, ops)
-            reselect = self.reselect
-            ops.note_decision(fire, self.has_selection, self.reselections, self.boundary, store.current_slot, reselect)
+            reselect, always = self.reselect, policy.trigger.always_reselects
+            if not always:  # an always-reselecting trigger's decision was written at prefill
+                policy.trigger.decide_and_note(query, self.trigger_state, ops, self.decision())
             self.units.append_leaving_token(evicted.slot, evicted.key, evicted.valid, self.boundary,
                                             policy.decode_units, ops)
-            if policy.trigger.always_reselects:
+            if always:
                 self._reselect(query)  # nothing to skip, and a conditional node costs more than none
             else:
                 # in a captured step a conditional node: a step where no row re-selects skips it
                 graph_branch.run_if_any(reselect, lambda: self._reselect(query))
             # rows that did not re-select may admit; an always-reselecting trigger's never do: no
             # launch at all (a captured launch that does nothing still costs ~2 us a layer), except
-            # that evicting resets ``kept`` to the new selection's fill (a constant all-False mask)
-            if not policy.trigger.always_reselects:
-                store.admit(evicted, ~reselect, ops, evict=policy.admit == "evict")
-            elif policy.admit == "evict":
-                store.admit(evicted, self.no_rows, ops, evict=True)
+            # that evicting resets ``kept`` to the new selection's fill
+            if not always or policy.admit == "evict":
+                store.admit(evicted, reselect, ops, evict=policy.admit == "evict")
             if self.decode_steps == 0:  # eager: a graph captures a later step
                 self.first_fetch = (store.pool_rows_read.clone(), store.rows_fetched.clone())
         self.decode_steps += 1
@@ -229,6 +241,10 @@ class PolicyLayerState:
             observer(self, query)
 
         return ops.sparse_decode_attention(query, store.attention_parts(), scale)
+
+    def decision(self) -> Decision:
+        """The tensors this step's decision is written into (``Trigger.decide_and_note``)."""
+        return Decision(self.has_selection, self._reselections, self.boundary, self.store.current_slot, self.reselect)
 
     def _reselect(self, query: torch.Tensor) -> None:
         """Select and fetch for the rows where ``reselect`` (device work only: its results are the

@@ -89,7 +89,8 @@ class LayerPlan:
         layer = self.layer
         valid = layer.store.pool.valid
         if layer.boundary.shape[1] < valid.shape[1]:
-            grown = torch.zeros_like(valid)
+            # an always-reselecting trigger's decode slots are boundaries before any step writes them
+            grown = torch.full_like(valid, layer.policy.trigger.always_reselects)
             grown[:, : layer.boundary.shape[1]] = layer.boundary
             layer.boundary = grown
 

@@ -521,19 +521,19 @@ class TieredStore:
         if cache is not None:
             ops.cache_insert(cache, self.cache_dest, reselect, buffer)
 
-    def admit(self, evicted: Evicted, mask: torch.Tensor, ops, evict: bool = False) -> None:
+    def admit(self, evicted: Evicted, reselected: torch.Tensor, ops, evict: bool = False) -> None:
         """Keep a token that left the local window attended while the retrieved buffer has room;
         with ``evict`` (the policy's ``admit="evict"``), a full buffer keeps it too, in place of
         its lowest-ranked selected row (``kept``).
 
-        ``mask (B,)``: the sequences that may admit; False where the sequence re-selected at this
-        step (after its fetch), which restarts ``kept`` from the new selection. In place, by the
+        ``reselected (B,)``: the sequences that re-selected at this step (after their fetch); they
+        admit nothing, and ``kept`` restarts from the new selection. In place, by the
         ``admit_row`` kernel op; ``admitted`` counts every token kept, either way.
         """
         if self.retrieval_capacity == 0:
             return
         dispatch.as_ops(ops, self.retrieved.keys.device).admit_row(
-            self.retrieved, evicted, mask, self.kept if evict else None, self.admitted)
+            self.retrieved, evicted, reselected, self.kept if evict else None, self.admitted)
 
     def attention_parts(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """The ``(keys, values, valid)`` parts a step attends to: the one attended buffer."""

@@ -11,7 +11,7 @@
     Evicted          the token the local ring pushed out this step
 
 A kernel op takes the tier it works on, not its tensors one by one, so its signature says what it
-touches (``admit_row(buffer, evicted, mask)``).
+touches (``admit_row(buffer, evicted, reselected)``).
 """
 
 from __future__ import annotations

@@ -105,10 +105,11 @@ def _run(kind, backend, device, pool_device, steps=24, seed=0, cache_rows=0, rea
         slots, slot_valid, reselect_d = slots.to(device), slot_valid.to(device), reselect.to(device)
         store.fetch(slots, slot_valid, reselect_d, backend)
         _old_fetch(shadow, slots, slot_valid, reselect_d)
-        admit = ~reselect_d if kind != "disjoint" else torch.zeros_like(reselect_d)
+        # a disjoint run admits nothing: every sequence counts as re-selected
+        reselected = reselect_d if kind != "disjoint" else torch.ones_like(reselect_d)
         fill_before = shadow.retrieved.fill.cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
-        store.admit(evicted, admit, "reference")
-        shadow.admit(shadow_evicted, admit, "reference")
+        store.admit(evicted, reselected, "reference")
+        shadow.admit(shadow_evicted, reselected, "reference")
         admitted = shadow.retrieved.fill.cpu() > fill_before
         for b, h in admitted.nonzero().tolist():
             rows[b][h][int(fill_before[b, h])] = int(shadow_evicted.slot)

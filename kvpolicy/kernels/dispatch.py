@@ -26,7 +26,7 @@ OPS = (
     "kmeans", "unit_scores", "select_budget", "gather_rows", "gather_rows_into", "resident_rows", "refresh_rows",
     "cache_insert", "write_row",
     "sparse_decode_attention", "collision_count", "candidate_topk", "rerank", "append_to_unit", "admit_row",
-    "append_token", "note_decision", "query_cosine_fire", "interval_fire", "commit_selection", "append_leaving_by_rule",
+    "append_token", "note_decision", "query_cosine_fire", "interval_fire", "interval_decision", "commit_selection", "append_leaving_by_rule",
     "fetch_whole", "query_votes", "collision_candidates", "rerank_select", "analytic_append", "score_gap_fire",
     "score_gap_selected", "number_misses", "unit_stats", "analytic_encode",
 )
@@ -35,7 +35,7 @@ _REFERENCE_MODULE = {
     "collision_count": reference_analytic, "candidate_topk": reference_analytic, "rerank": reference_analytic,
     "query_votes": reference_analytic, "collision_candidates": reference_analytic, "rerank_select": reference_analytic,
     "analytic_append": reference_analytic, "analytic_encode": reference_analytic,
-    **{op: reference_step for op in ("append_token", "note_decision", "query_cosine_fire", "interval_fire",
+    **{op: reference_step for op in ("append_token", "note_decision", "query_cosine_fire", "interval_fire", "interval_decision",
                                      "commit_selection", "append_leaving_by_rule", "fetch_whole",
                                      "score_gap_fire", "score_gap_selected")},
 }

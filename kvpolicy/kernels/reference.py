@@ -455,22 +455,23 @@ def append_to_unit(
     selectable.scatter_(2, index, selectable.gather(2, index) | (valid_h & (open_unit >= 0).view(batch, 1, 1)))
 
 
-def admit_row(buffer, evicted, mask: torch.Tensor, kept: torch.Tensor | None = None,
+def admit_row(buffer, evicted, reselected: torch.Tensor, kept: torch.Tensor | None = None,
               admitted: torch.Tensor | None = None) -> None:
     """Append the token the ring pushed out to the retrieved buffer of each (sequence, head) that
     has room, in place; with ``kept``, a full buffer admits it too, over its lowest-ranked row.
 
     ``buffer``: a ``RetrievedBuffer`` (keys/values ``(B, H, R, D)``, slots ``(B, H, R)`` long,
     valid/held ``(B, H, R)`` bool, fill ``(B, H)`` long); ``evicted``: an ``Evicted`` (key/value
-    ``(B, H, D)``, slot 0-dim device long, valid ``(B,)``). Where ``fill < R`` and ``mask (B,)`` and
-    ``evicted.valid``: row ``fill`` takes the token's key, value and slot, is marked valid and
+    ``(B, H, D)``, slot 0-dim device long, valid ``(B,)``). ``reselected (B,)``: the sequences that
+    re-selected at this step (after their fetch); they admit nothing. Where ``fill < R``, not
+    ``reselected`` and ``evicted.valid``: row ``fill`` takes the token's key, value and slot, is marked valid and
     held, and ``fill`` grows by one.
 
     ``kept (B, H)`` long, optional: rows ``[0, kept)`` still hold the last selection's rows. A
     selection lays its rows out in score order (``select_budget``), so row ``kept - 1`` is the
-    lowest-ranked one left: where the buffer is full, ``kept > 0``, ``mask`` and ``evicted.valid``,
-    the token replaces that row and ``kept`` drops by one. Where ``mask`` is False (the sequence
-    re-selected this step, after its fetch) ``kept`` is reset to ``fill``. Once every selected row
+    lowest-ranked one left: where the buffer is full, ``kept > 0``, not ``reselected`` and
+    ``evicted.valid``, the token replaces that row and ``kept`` drops by one. Where ``reselected``
+    ``kept`` is reset to ``fill``. Once every selected row
     is replaced (``kept == 0``) a full buffer admits nothing, so the eviction is bounded by the
     selection's own rows and the re-selection trigger sees which units left.
     ``admitted (B, H)`` long, optional: grows by one wherever the token was admitted (either way).
@@ -479,7 +480,7 @@ def admit_row(buffer, evicted, mask: torch.Tensor, kept: torch.Tensor | None = N
     batch, heads, capacity, dim = buffer.keys.shape
     if capacity == 0:
         return
-    allowed = (mask & evicted.valid).view(batch, 1)
+    allowed = (~reselected & evicted.valid).view(batch, 1)
     room = buffer.fill < capacity  # (B, H)
     append = room & allowed
     replace = torch.zeros_like(append) if kept is None else ~room & (kept > 0) & allowed
@@ -501,7 +502,7 @@ def admit_row(buffer, evicted, mask: torch.Tensor, kept: torch.Tensor | None = N
     buffer.held.scatter_(2, index, old_held | admit.unsqueeze(-1))
     buffer.fill.add_(append.long())
     if kept is not None:
-        reset = ~mask.view(batch, 1)
+        reset = reselected.view(batch, 1)
         kept.copy_(torch.where(reset, buffer.fill, kept - replace.long()))
     if admitted is not None:
         admitted.add_(admit.long())

@@ -84,6 +84,14 @@ def interval_fire(steps: torch.Tensor, n: int) -> torch.Tensor:
     return fire
 
 
+def interval_decision(
+    steps: torch.Tensor, n: int, has_selection: torch.Tensor, reselections: torch.Tensor, boundary: torch.Tensor,
+    slot: torch.Tensor, reselect: torch.Tensor,
+) -> None:
+    """``interval_fire`` and ``note_decision`` in one op: the interval trigger's whole step."""
+    note_decision(interval_fire(steps, n), has_selection, reselections, boundary, slot, reselect)
+
+
 def commit_selection(store, slots: torch.Tensor, slot_valid: torch.Tensor, reselect: torch.Tensor) -> None:
     """After a fetch wrote the retrieved rows: the buffer's slots, validity, fill and held flags
     for the sequences where ``reselect (B,)``. ``slots``/``slot_valid``: ``(B, H, R)``.

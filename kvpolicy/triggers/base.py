@@ -8,9 +8,21 @@ captured as a CUDA graph and a step that does not re-select moves no bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
+
+
+class Decision(NamedTuple):
+    """Where a layer's decode step writes its decision (``note_decision``'s outputs):
+    ``reselect = fire | ~has_selection`` (the first step always selects), also written to
+    ``boundary[:, slot]``; then ``has_selection`` is True and ``reselections`` counts it."""
+
+    has_selection: torch.Tensor  # (B,) bool
+    reselections: torch.Tensor  # (B,) long
+    boundary: torch.Tensor  # (B, capacity) bool: whether the trigger fired when the slot's token came
+    slot: torch.Tensor  # () long: this step's token's slot
+    reselect: torch.Tensor  # (B,) bool: this step's decision
 
 
 @dataclass
@@ -52,3 +64,9 @@ class Trigger:
         """``decide`` through the bound kernel ops (``dispatch.bind``) where the trigger has a
         fused op; the default is ``decide`` itself, so a plugin need not know about ops."""
         return self.decide(query, state)
+
+    def decide_and_note(self, query: torch.Tensor, state: Any, ops, decision: Decision) -> None:
+        """The step's decision written into ``decision``: ``decide_fast``, then one ``note_decision``
+        launch. A trigger with a fused op writes it in the launch that decides (``Interval``)."""
+        fire = self.decide_fast(query, state, ops)
+        ops.note_decision(fire, *decision)

@@ -7,7 +7,7 @@ import torch
 from ..errors import ConfigError
 from ..kernels import reference_step
 from ..registry import register
-from .base import Trigger
+from .base import Decision, Trigger
 
 
 @dataclass
@@ -36,3 +36,9 @@ class Interval(Trigger):
         if type(self).decide is not Interval.decide:  # a subclass with its own decision
             return self.decide(query, state)
         return ops.interval_fire(state.steps, self.n)
+
+    def decide_and_note(self, query: torch.Tensor, state: IntervalState, ops, decision: Decision) -> None:
+        """The fire and the note in one launch (``interval_decision``)."""
+        if type(self).decide is not Interval.decide:
+            return super().decide_and_note(query, state, ops, decision)
+        ops.interval_decision(state.steps, self.n, *decision)

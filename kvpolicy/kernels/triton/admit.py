@@ -21,7 +21,7 @@ from ..dispatch import implement, triton_runs_on
 @triton.jit
 def _admit_kernel(
     keys_ptr, values_ptr, slots_ptr, valid_ptr, held_ptr, fill_ptr,
-    key_ptr, value_ptr, slot_ptr, mask_ptr, token_valid_ptr, kept_ptr, admitted_ptr,
+    key_ptr, value_ptr, slot_ptr, reselected_ptr, token_valid_ptr, kept_ptr, admitted_ptr,
     R,
     keys_sb, keys_sh, keys_sr, keys_sd,
     values_sb, values_sh, values_sr, values_sd,
@@ -31,7 +31,7 @@ def _admit_kernel(
     fill_sb, fill_sh,
     key_sb, key_sh, key_sd,
     value_sb, value_sh, value_sd,
-    mask_s, token_valid_s,
+    reselected_s, token_valid_s,
     kept_sb, kept_sh, admitted_sb, admitted_sh,
     D: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr, COUNT: tl.constexpr,
 ):
@@ -39,7 +39,7 @@ def _admit_kernel(
     b = tl.program_id(1).to(tl.int64)
     fill_at = fill_ptr + b * fill_sb + h * fill_sh
     fill = tl.load(fill_at).to(tl.int64)
-    may = tl.load(mask_ptr + b * mask_s) != 0
+    may = tl.load(reselected_ptr + b * reselected_s) == 0
     allowed = may & (tl.load(token_valid_ptr + b * token_valid_s) != 0)
     room = fill < R
     append = allowed & room
@@ -51,7 +51,7 @@ def _admit_kernel(
         replace = allowed & (fill >= R) & (kept > 0)
         row = tl.where(room, fill, kept - 1)
         admit = append | replace
-        # a re-selected sequence (mask False) starts counting from its new selection
+        # a re-selected sequence starts counting from its new selection
         tl.store(kept_at, tl.where(may, kept - replace.to(tl.int64), fill))
     else:
         admit = append
@@ -79,10 +79,10 @@ def _admit_kernel(
 
 
 @implement("triton", "admit_row", supports=triton_runs_on)
-def admit_row(buffer, evicted, mask: torch.Tensor, kept: torch.Tensor | None = None,
+def admit_row(buffer, evicted, reselected: torch.Tensor, kept: torch.Tensor | None = None,
               admitted: torch.Tensor | None = None) -> None:
     """Row ``fill`` of each (sequence, head) with room (with ``kept``: row ``kept - 1`` of a full
-    one) takes the evicted token where ``mask & evicted.valid``; in place, see the reference."""
+    one) takes the evicted token where ``~reselected & evicted.valid``; in place, see the reference."""
     key, value, slot, token_valid = evicted.key, evicted.value, evicted.slot, evicted.valid
     batch, heads, capacity, dim = buffer.keys.shape
     device = buffer.keys.device
@@ -94,7 +94,7 @@ def admit_row(buffer, evicted, mask: torch.Tensor, kept: torch.Tensor | None = N
         "buffer.fill": (buffer.fill, (batch, heads), torch.long),
         "evicted.key": (key, (batch, heads, dim), key.dtype),
         "evicted.value": (value, (batch, heads, dim), value.dtype),
-        "mask": (mask, (batch,), torch.bool),
+        "reselected": (reselected, (batch,), torch.bool),
         "evicted.valid": (token_valid, (batch,), torch.bool),
     }
     for name, counter in (("kept", kept), ("admitted", admitted)):
@@ -115,12 +115,12 @@ def admit_row(buffer, evicted, mask: torch.Tensor, kept: torch.Tensor | None = N
     admitted_t = buffer.fill if admitted is None else admitted
     _admit_kernel[(heads, batch)](
         buffer.keys, buffer.values, buffer.slots, valid, held, buffer.fill,
-        key, value, slot, mask.view(torch.uint8), token_valid.view(torch.uint8), kept_t, admitted_t,
+        key, value, slot, reselected.view(torch.uint8), token_valid.view(torch.uint8), kept_t, admitted_t,
         capacity,
         *buffer.keys.stride(), *buffer.values.stride(), *buffer.slots.stride(),
         *valid.stride(), *held.stride(), *buffer.fill.stride(),
         *key.stride(), *value.stride(),
-        mask.stride(0), token_valid.stride(0),
+        reselected.stride(0), token_valid.stride(0),
         *kept_t.stride(), *admitted_t.stride(),
         D=dim, BLOCK_D=triton.next_power_of_2(max(dim, 1)), EVICT=kept is not None, COUNT=admitted is not None,
     )

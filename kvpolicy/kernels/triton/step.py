@@ -1,5 +1,5 @@
 """Triton decode-step bookkeeping (ops ``append_token``, ``note_decision``, ``query_cosine_fire``,
-``interval_fire``, ``commit_selection``), one launch each; the semantics are ``kernels/reference_step.py``'s.
+``interval_fire``, ``interval_decision``, ``commit_selection``), one launch each; the semantics are ``kernels/reference_step.py``'s.
 
 On a step that keeps its selection these launches and attention are all a policy adds to the
 model, and in a replayed graph every launch costs about as much as a small kernel runs, so
@@ -180,6 +180,36 @@ def _interval_kernel(steps_ptr, fire_ptr, n, B, BLOCK_B: tl.constexpr):
     steps = tl.load(steps_ptr + b, mask=ok, other=0)
     tl.store(fire_ptr + b, (steps % n == 0).to(tl.uint8), mask=ok)
     tl.store(steps_ptr + b, steps + 1, mask=ok)
+
+
+@triton.jit
+def _interval_decision_kernel(
+    steps_ptr, n, has_ptr, count_ptr, boundary_ptr, slot_ptr, out_ptr, B, boundary_sb, BLOCK_B: tl.constexpr,
+):
+    b = tl.arange(0, BLOCK_B)
+    ok = b < B
+    steps = tl.load(steps_ptr + b, mask=ok, other=0)
+    tl.store(steps_ptr + b, steps + 1, mask=ok)
+    has = tl.load(has_ptr + b, mask=ok, other=0) != 0
+    decided = (steps % n == 0) | ~has
+    slot = tl.load(slot_ptr).to(tl.int64)
+    tl.store(out_ptr + b, decided.to(tl.uint8), mask=ok)
+    tl.store(boundary_ptr + b * boundary_sb + slot, decided.to(tl.uint8), mask=ok)
+    tl.store(has_ptr + b, tl.full([BLOCK_B], 1, tl.uint8), mask=ok)
+    count = tl.load(count_ptr + b, mask=ok, other=0)
+    tl.store(count_ptr + b, count + decided.to(tl.int64), mask=ok)
+
+
+@implement("triton", "interval_decision", supports=triton_runs_on)
+def interval_decision(steps, n: int, has_selection, reselections, boundary, slot, reselect) -> None:
+    """One launch of ``reference_step.interval_decision`` (two launches' worth: the fire and the note)."""
+    batch = steps.shape[0]
+    if batch == 0:
+        return
+    _interval_decision_kernel[(1,)](
+        steps, int(n), has_selection.view(torch.uint8), reselections, boundary.view(torch.uint8), slot,
+        reselect.view(torch.uint8), batch, boundary.stride(0), BLOCK_B=triton.next_power_of_2(batch),
+    )
 
 
 @implement("triton", "interval_fire", supports=triton_runs_on)

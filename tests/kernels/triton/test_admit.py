@@ -40,11 +40,11 @@ def _random_buffers(batch, heads, rows, dim, dtype, gen, fill_max=None):
     }
 
 
-def _admit_both(ref, tri, key, value, slot, mask, token_valid):
-    reference.admit_row(RetrievedBuffer(**ref), Evicted(slot, key, value, token_valid), mask)
+def _admit_both(ref, tri, key, value, slot, reselected, token_valid):
+    reference.admit_row(RetrievedBuffer(**ref), Evicted(slot, key, value, token_valid), reselected)
     admit = dispatch.get("admit_row", "triton", DEVICE)
     evicted = Evicted(slot.to(DEVICE), key.to(DEVICE), value.to(DEVICE), token_valid.to(DEVICE))
-    admit(RetrievedBuffer(**tri), evicted, mask.to(DEVICE))
+    admit(RetrievedBuffer(**tri), evicted, reselected.to(DEVICE))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -58,10 +58,10 @@ def test_admit_row_matches_reference(dtype, batch, heads, rows, dim):
         value = random_pool((batch, heads, dim), dtype, torch.device("cpu"), gen)
         if step == 1:  # non-contiguous rows
             key = random_pool((batch, dim, heads), dtype, torch.device("cpu"), gen).transpose(1, 2)
-        mask = torch.rand(batch, generator=gen) > 0.3
+        reselected = torch.rand(batch, generator=gen) < 0.3
         token_valid = torch.rand(batch, generator=gen) > 0.3
         slot = torch.randint(0, 5000, (), generator=gen)
-        _admit_both(ref, tri, key, value, slot, mask, token_valid)
+        _admit_both(ref, tri, key, value, slot, reselected, token_valid)
         for name in FIELDS:
             assert _same(tri[name], ref[name]), f"step {step}: {name} differs"
 
@@ -75,7 +75,7 @@ def test_admit_row_into_full_buffers_changes_nothing(dtype):
     tri = {f: t.clone().to(DEVICE) for f, t in ref.items()}
     yes = torch.ones(2, dtype=torch.bool)
     key, value = torch.randn(2, 2, 3, 64, generator=gen).to(dtype)
-    _admit_both(ref, tri, key, value, torch.tensor(123), yes, yes)
+    _admit_both(ref, tri, key, value, torch.tensor(123), ~yes, yes)
     for name in FIELDS:
         assert _same(tri[name], before[name]), name
         assert _same(ref[name], before[name]), name
@@ -96,11 +96,11 @@ def test_store_admit_backends_agree(dtype):
                                                    retrieval, device)
     for step in range(10):  # the buffers fill up part way through
         key, value = torch.randn(2, batch, heads, dim, generator=gen).to(dtype)
-        mask = torch.tensor([True, step % 3 != 0])
+        reselected = torch.tensor([False, step % 3 == 0])
         for backend, store in stores.items():
             device = store.retrieved.keys.device
             evicted = store.append(key.to(device), value.to(device), "reference")
-            store.admit(evicted, mask.to(device), backend)
+            store.admit(evicted, reselected.to(device), backend)
     ref, tri = stores["reference"], stores["triton"]
     for name in FIELDS:
         assert _same(getattr(tri.retrieved, name), getattr(ref.retrieved, name)), name
@@ -111,7 +111,7 @@ def test_store_admit_without_a_retrieved_buffer_is_a_no_op():
     keys = torch.randn(1, 2, 12, 16)
     store = TieredStore.from_prefill(keys, keys.clone(), torch.ones(1, 12, dtype=torch.bool), 2, 4, 0, keys.device)
     evicted = store.append(torch.randn(1, 2, 16), torch.randn(1, 2, 16), "reference")
-    store.admit(evicted, torch.ones(1, dtype=torch.bool), "triton")
+    store.admit(evicted, torch.zeros(1, dtype=torch.bool), "triton")
     assert store.retrieved.fill.shape == (1, 2) and int(store.retrieved.fill.sum()) == 0
 
 
@@ -129,12 +129,12 @@ def test_admit_row_refuses_mismatched_buffers():
 # -- admit="evict": a full buffer gives up its lowest-ranked selected row ----------------------
 
 
-def _admit_both_evicting(ref, tri, counters, key, value, slot, mask, token_valid):
+def _admit_both_evicting(ref, tri, counters, key, value, slot, reselected, token_valid):
     kept, admitted = counters["ref"]
-    reference.admit_row(RetrievedBuffer(**ref), Evicted(slot, key, value, token_valid), mask, kept, admitted)
+    reference.admit_row(RetrievedBuffer(**ref), Evicted(slot, key, value, token_valid), reselected, kept, admitted)
     admit = dispatch.get("admit_row", "triton", DEVICE)
     evicted = Evicted(slot.to(DEVICE), key.to(DEVICE), value.to(DEVICE), token_valid.to(DEVICE))
-    admit(RetrievedBuffer(**tri), evicted, mask.to(DEVICE), *counters["tri"])
+    admit(RetrievedBuffer(**tri), evicted, reselected.to(DEVICE), *counters["tri"])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -151,10 +151,10 @@ def test_admit_row_evicting_matches_reference(dtype, batch, heads, rows, dim):
     for step in range(2 * rows + 3):
         key = random_pool((batch, heads, dim), dtype, torch.device("cpu"), gen)
         value = random_pool((batch, heads, dim), dtype, torch.device("cpu"), gen)
-        mask = torch.rand(batch, generator=gen) > 0.2
+        reselected = torch.rand(batch, generator=gen) < 0.2
         token_valid = torch.rand(batch, generator=gen) > 0.2
         slot = torch.randint(0, 5000, (), generator=gen)
-        _admit_both_evicting(ref, tri, counters, key, value, slot, mask, token_valid)
+        _admit_both_evicting(ref, tri, counters, key, value, slot, reselected, token_valid)
         for name in FIELDS:
             assert _same(tri[name], ref[name]), f"step {step}: {name} differs"
         for got, want, name in zip(counters["tri"], counters["ref"], ("kept", "admitted")):
@@ -170,14 +170,14 @@ def test_admit_row_evicts_lowest_ranked_rows_then_stops():
     yes = torch.ones(1, dtype=torch.bool)
     for slot in (20, 21, 22, 23):
         token = torch.full((1, 1, 2), float(slot))
-        reference.admit_row(buffer, Evicted(torch.tensor(slot), token, token, yes), yes, kept, admitted)
+        reference.admit_row(buffer, Evicted(torch.tensor(slot), token, token, yes), ~yes, kept, admitted)
     # the lowest-ranked row goes first; once every selected row is replaced, nothing more is kept
     assert buffer.slots.tolist() == [[[22, 21, 20]]]
     assert buffer.keys[0, 0, :, 0].tolist() == [22.0, 21.0, 20.0]
     assert kept.tolist() == [[0]] and admitted.tolist() == [[3]] and buffer.fill.tolist() == [[3]]
-    # a re-selection (mask False) restarts kept from the buffer's fill, and admits nothing
-    reference.admit_row(buffer, Evicted(torch.tensor(30), token, token, yes), ~yes, kept, admitted)
+    # a re-selection restarts kept from the buffer's fill, and admits nothing
+    reference.admit_row(buffer, Evicted(torch.tensor(30), token, token, yes), yes, kept, admitted)
     assert kept.tolist() == [[3]] and admitted.tolist() == [[3]] and buffer.slots.tolist() == [[[22, 21, 20]]]
     # without kept (admit="room") a full buffer drops the token
-    reference.admit_row(buffer, Evicted(torch.tensor(31), token, token, yes), yes, None, admitted)
+    reference.admit_row(buffer, Evicted(torch.tensor(31), token, token, yes), ~yes, None, admitted)
     assert buffer.slots.tolist() == [[[22, 21, 20]]] and admitted.tolist() == [[3]]

@@ -101,6 +101,34 @@ def test_note_decision_matches_reference():
         _assert_same(state, other, f"step {step}")
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_interval_decision_matches_reference(n):
+    # fresh random inputs: some sequences have no selection yet, steps at and between intervals
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    batch, capacity = 6, 30
+    state = {
+        "steps": torch.randint(0, 9, (batch,), generator=gen),
+        "has_selection": torch.rand(batch, generator=gen) < 0.5,
+        "reselections": torch.randint(0, 9, (batch,), generator=gen),
+        "boundary": torch.rand(batch, capacity, generator=gen) < 0.5,
+    }
+    state = {k: v.to(DEVICE) for k, v in state.items()}
+    other = {k: v.clone() for k, v in state.items()}
+    decided = []
+    for step in range(5):
+        slot = torch.tensor(7 + step, device=DEVICE)
+        got, want = torch.zeros(batch, dtype=torch.bool, device=DEVICE), torch.zeros(batch, dtype=torch.bool, device=DEVICE)
+        reference_step.interval_decision(state["steps"], n, state["has_selection"], state["reselections"],
+                                         state["boundary"], slot, want)
+        _triton().interval_decision(other["steps"], n, other["has_selection"], other["reselections"],
+                                    other["boundary"], slot, got)
+        assert torch.equal(got, want)
+        _assert_same(state, other, f"step {step}")
+        decided.append(want.cpu())
+    decided = torch.stack(decided)
+    assert decided.all() if n == 1 else (decided.any() and not decided.all())
+
+
 @pytest.mark.parametrize("anchor", [False, True])
 def test_query_cosine_fire_matches_reference(anchor):
     gen = torch.Generator().manual_seed(4)
