@@ -250,7 +250,8 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float,
     the layer above re-selected; with ``trigger.cap``: also where the selection has been kept for
     ``cap`` steps). ``bound``: ``(B, H, U)`` the units' key-bound scores (Quest's upper bound on a
     token's score), read where ``trigger.estimate == "bound"`` (measure ``mass``: an unheld unit's
-    log mass is at least its best token's bound). ``state.gap`` gets the largest gap, clamped to
+    log mass is at least its best token's bound); with ``estimate == "gauss"`` or ``"outlier"`` it is
+    the trigger's correction to the unit logits instead. ``state.gap`` gets the largest gap, clamped to
     +-1e4."""
     layer = state.layer
     follow_leaving_token(state, trigger.leaving == "unheld", layer.policy.admit == "evict")
@@ -258,6 +259,9 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float,
     if getattr(trigger, "estimate", "mean") == "gauss":
         # each unit's log mean exp(logit) under a Gaussian spread of its keys (``ScoreGap._spread``)
         now = now + bound * scale * scale
+    elif getattr(trigger, "estimate", "mean") == "outlier":
+        # logits already: each prompt unit's outlier keys counted one by one (``ScoreGap._outlier_lift``)
+        now = now + bound
     held = held_units_mask(state.held, layer.units.capacity)
     size = layer.units.size
     each = scores.dim() == 4  # (B, H, G, U): each query head's scores (``trigger.group == "each"``)

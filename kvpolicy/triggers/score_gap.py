@@ -67,11 +67,18 @@ class ScoreGapState:
     held_scratch: torch.Tensor | None = None
     # (B,) long: steps since the last selection, this one included (counted where ``cap`` is set)
     age: torch.Tensor | None = None
+    # ``estimate="outlier"``, taken from the pool on first use: each prompt unit's ``outliers`` keys
+    # farthest from its mean key (B, H, P, m, D) float32 and which are real (B, H, P, m) bool (a unit
+    # of fewer tokens has fewer), the mean key of its other tokens (B, H, P, D) and their count (B, H, P)
+    outlier_keys: torch.Tensor | None = None
+    outlier_valid: torch.Tensor | None = None
+    rest_mean: torch.Tensor | None = None
+    rest_count: torch.Tensor | None = None
 
 
 MEASURES = ("weakest", "mass", "rank")
 LEAVING = ("unheld", "ignored")
-ESTIMATES = ("mean", "bound", "gauss")
+ESTIMATES = ("mean", "bound", "gauss", "outlier")
 GROUPS = ("mean", "each")
 
 
@@ -100,10 +107,15 @@ class ScoreGap(Trigger):
     # min and max: a unit whose mean hides one spiking token counts by that token). The held units'
     # mass stays at the mean estimate. "bound" scores the table a second time each step. "gauss": every
     # unit's mass as the mean of exp(q.k) under a diagonal Gaussian spread of its keys (the prompt
-    # units' variances taken once from the pool). ``estimate``, ``group`` and ``count`` are
-    # reference-only experiments (EVAL.md, "Trigger candidates on 16 samples": none beat the default);
-    # the fused op refuses them with a ConfigError
+    # units' variances taken once from the pool). "outlier": every prompt unit's mass as its ``outliers``
+    # keys farthest from its mean key, each at its own logit, plus its other tokens at their mean key's
+    # logit (a needle token that is its unit's outlier counts by itself; decode units keep "mean").
+    # ``estimate``, ``group`` and ``count`` are reference-only experiments (EVAL.md, "Trigger candidates
+    # on 16 samples": none beat the default; "Unit summaries that keep their outlier keys"); the fused
+    # op refuses them with a ConfigError
     estimate: str = "mean"
+    # ``estimate="outlier"``: how many keys of each prompt unit are kept and scored one by one
+    outliers: int = 1
     # a selection is kept at most ``cap`` steps (0: no cap): the layer also re-selects when its
     # selection is ``cap`` steps old, whatever the gap
     cap: int = 0
@@ -118,7 +130,8 @@ class ScoreGap(Trigger):
     # gap's scale and rate differ by layer; empty: ``margin`` everywhere
     margins: tuple = ()
     # the spec names these only when set (``Policy.to_dict``): eval cells of the old settings resume
-    SPEC_OMITS_AT_DEFAULT = {"estimate": "mean", "cap": 0, "group": "mean", "count": 0.0, "margins": ()}
+    SPEC_OMITS_AT_DEFAULT = {"estimate": "mean", "cap": 0, "group": "mean", "count": 0.0, "margins": (),
+                             "outliers": 1}
 
     def margin_of(self, layer_idx: int) -> float:
         """The margin of layer ``layer_idx`` (``margins``, else ``margin``)."""
@@ -142,6 +155,11 @@ class ScoreGap(Trigger):
         if self.estimate != "mean" and self.measure != "mass":
             raise ConfigError(f"score_gap trigger: estimate {self.estimate!r} needs measure 'mass' (it estimates "
                               f"an unheld unit's mass); got measure {self.measure!r}")
+        if not isinstance(self.outliers, int) or isinstance(self.outliers, bool) or self.outliers < 1:
+            raise ConfigError(f"score_gap trigger: outliers must be an integer >= 1, got {self.outliers!r}")
+        if self.outliers != 1 and self.estimate != "outlier":
+            raise ConfigError(f"score_gap trigger: outliers is read by estimate 'outlier' only; got estimate "
+                              f"{self.estimate!r}")
         if not isinstance(self.cap, int) or isinstance(self.cap, bool) or self.cap < 0:
             raise ConfigError(f"score_gap trigger: cap must be an integer >= 0 (0: no cap), got {self.cap!r}")
         if not isinstance(self.margins, (list, tuple)) or any(
@@ -257,6 +275,73 @@ class ScoreGap(Trigger):
         out[..., :spread.shape[-1]] = spread
         return out
 
+    def _take_outliers(self, state: ScoreGapState) -> None:
+        """``estimate="outlier"``: each prompt unit's ``outliers`` keys farthest (Euclidean) from its
+        mean key, and the mean and count of the rest, from the pool (its prompt keys do not change)."""
+        units, store = state.layer.units, state.layer.store
+        keys = store.pool.keys.float()
+        batch, heads, _, dim = keys.shape
+        prompt, m = units.num_prompt_units, self.outliers
+        state.outlier_keys = torch.zeros(batch, heads, prompt, m, dim, device=keys.device)
+        state.outlier_valid = torch.zeros(batch, heads, prompt, m, dtype=torch.bool, device=keys.device)
+        state.rest_mean = torch.zeros(batch, heads, prompt, dim, device=keys.device)
+        state.rest_count = torch.zeros(batch, heads, prompt, device=keys.device)
+        for b in range(batch):
+            for h in range(heads):
+                sizes = units.size[b, h, :prompt]
+                n = int(sizes.sum())
+                slots = units.order[b, h, :n]  # the prompt units' tokens, unit by unit
+                rows = store.pool_rows(slots.view(1, 1, -1).expand(batch, heads, -1).contiguous())[b, h]
+                k = keys[b, h].index_select(0, rows)
+                label = torch.repeat_interleave(torch.arange(prompt, device=k.device), sizes)
+                total = torch.zeros(prompt, dim, device=k.device).index_add_(0, label, k)
+                mean = total / sizes.clamp(min=1).unsqueeze(-1).float()
+                distance = (k - mean[label]).norm(dim=-1)
+                # tokens grouped by unit, farthest first: a token's place in its unit is its outlier rank
+                by_distance = distance.argsort(descending=True, stable=True)
+                grouped = by_distance[label[by_distance].argsort(stable=True)]
+                first = torch.cumsum(sizes, 0) - sizes
+                place = torch.arange(n, device=k.device) - first[label[grouped]]
+                take = place < m
+                chosen, chosen_unit, chosen_place = grouped[take], label[grouped][take], place[take]
+                state.outlier_keys[b, h, chosen_unit, chosen_place] = k[chosen]
+                state.outlier_valid[b, h, chosen_unit, chosen_place] = True
+                outlier_sum = torch.zeros(prompt, dim, device=k.device).index_add_(0, chosen_unit, k[chosen])
+                count = (sizes - state.outlier_valid[b, h].sum(-1)).float()
+                state.rest_count[b, h] = count
+                state.rest_mean[b, h] = (total - outlier_sum) / count.clamp(min=1).unsqueeze(-1)
+
+    def _outlier_lift(self, query: torch.Tensor, state: ScoreGapState, now: torch.Tensor) -> torch.Tensor:
+        """``estimate="outlier"`` (reference only, an experiment): what to add to the unit logits
+        ``now`` (``(B, H, U)``, or ``(B, H, G, U)`` for ``group="each"``) so that ``now + log(size)`` is
+        each prompt unit's log mass as its outlier keys at their own logits plus its other tokens at
+        their mean key's logit (0 for decode units and where ``now`` is ``-inf``)."""
+        if state.outlier_keys is None:
+            self._take_outliers(state)
+        units = state.layer.units
+        batch, q_heads, dim = query.shape
+        heads = units.start.shape[1]
+        group = query.float().view(batch, heads, q_heads // heads, dim)
+        scale = dim ** -0.5
+        outlier = torch.einsum("bhgd,bhumd->bhgum", group, state.outlier_keys) * scale
+        rest = torch.einsum("bhgd,bhud->bhgu", group, state.rest_mean) * scale
+        if self.group != "each":  # the selector's score: the query group's mean logit
+            outlier, rest = outlier.mean(2), rest.mean(2)
+        valid, count = state.outlier_valid, state.rest_count
+        if self.group == "each":
+            valid, count = valid.unsqueeze(2), count.unsqueeze(2)
+        rest_mass = (rest + torch.log(count)).unsqueeze(-1)  # -inf where every token is an outlier
+        log_mass = torch.logsumexp(torch.cat([outlier.masked_fill(~valid, float("-inf")), rest_mass], -1), -1)
+        prompt = units.num_prompt_units
+        size = units.size[..., :prompt].clamp(min=1).float()
+        if self.group == "each":
+            size = size.unsqueeze(2)
+        mean_estimate = now[..., :prompt] + torch.log(size)
+        lift = torch.zeros_like(now)
+        finite = mean_estimate > float("-inf")
+        lift[..., :prompt] = torch.where(finite, log_mass - mean_estimate.masked_fill(~finite, 0.0), 0.0)
+        return lift
+
     def _decide(self, query: torch.Tensor, state: ScoreGapState, fire_op) -> torch.Tensor:
         """The step: score the table (the selector's op), then ``fire_op`` (``score_gap_fire``:
         follow the leaving token, measure the gap, decide), the reference or a fused kernel."""
@@ -278,8 +363,14 @@ class ScoreGap(Trigger):
                                for g in range(group.shape[2])], dim=2)
             if self.estimate == "gauss":
                 return fire_op(self, state, raw, query.shape[-1] ** -0.5, self._spread(query, state))
+            if self.estimate == "outlier":
+                scale = query.shape[-1] ** -0.5
+                return fire_op(self, state, raw, scale, self._outlier_lift(query, state, raw * scale))
             return fire_op(self, state, raw, query.shape[-1] ** -0.5)
         raw = layer.policy.selector.unit_scores(query, layer.units, layer.ops)
+        if self.estimate == "outlier":
+            scale = query.shape[-1] ** -0.5
+            return fire_op(self, state, raw, scale, self._outlier_lift(query, state, raw * scale))
         if self.estimate == "gauss":
             return fire_op(self, state, raw, query.shape[-1] ** -0.5, self._spread(query, state))
         if self.estimate == "bound":

@@ -28,7 +28,7 @@ RUNNER_UP, FILLER = 9, 12
 
 
 def _layer(trigger: dict, batch: int = 1, seed: int = 0, admit: str = "room", backend: str = "auto",
-           device: torch.device = torch.device("cpu")) -> PolicyLayerState:
+           device: torch.device = torch.device("cpu"), spikes: tuple = ()) -> PolicyLayerState:
     gen = torch.Generator().manual_seed(seed)
     policy = kvpolicy.Policy(trigger=trigger, prefill_units={"name": "pages", "size": PAGE},
                              decode_units={"name": "pages", "size": PAGE}, selector="top_budget",
@@ -37,6 +37,8 @@ def _layer(trigger: dict, batch: int = 1, seed: int = 0, admit: str = "room", ba
     for page in range(PAGES):
         keys[:, :, page * PAGE:(page + 1) * PAGE, page] += 3.0
     keys[:, :, RUNNER_UP * PAGE:(RUNNER_UP + 1) * PAGE, FILLER] += 1.0
+    for token, dim, size in spikes:  # (token, dimension, value): one key that stands out of its page
+        keys[:, :, token, dim] += size
     values = torch.randn(batch, H, PROMPT, D, generator=gen)
     state = PolicyLayerState(policy, 0, device)
     state.prefill(keys.to(device), values.to(device), torch.ones(batch, PROMPT, dtype=torch.bool, device=device), HQ)
@@ -434,3 +436,72 @@ def test_gauss_estimate_adds_each_units_key_spread_to_its_mass():
     assert fired == [True, False, False, True, False, False, True, False]
     spread = state.policy.trigger._spread(_toward(7), state.trigger_state)
     assert spread.shape == state.units.size.shape and (spread >= 0).all() and spread.max() < 0.1
+
+
+# a needle token of page 7 whose key stands out along a dimension no page uses (EVAL.md, "Unit summaries
+# that keep their outlier keys"): its own logit is 10, its page's mean key's 10 / 16
+NEEDLE, NEEDLE_DIM, DECOY_DIM = 7 * PAGE + 5, 13, 14
+
+
+def _toward_needle() -> torch.Tensor:
+    q = _toward(2)
+    q[..., NEEDLE_DIM] = 5.0
+    return q
+
+
+@pytest.mark.parametrize("estimate, fires", [("mean", False), ("outlier", True)])
+def test_outlier_estimate_fires_for_one_standing_out_token_the_unit_mean_hides(estimate, fires):
+    state = _layer({"name": "score_gap", "margin": -1.0, "measure": "mass", "estimate": estimate},
+                   spikes=[(NEEDLE, NEEDLE_DIM, 8.0)])
+    assert _step(state, _toward(2))  # the first selection: pages 2 and RUNNER_UP
+    assert not _step(state, _toward(2))
+    assert _step(state, _toward_needle()) is fires
+    if fires:  # the page the needle token is in is what the selector takes next
+        assert 7 in _attended_pages(state)
+
+
+def test_outlier_estimate_counts_the_m_keys_farthest_from_the_mean():
+    # page 7's farthest key is a decoy the query ignores; the needle token is its second farthest
+    spikes = [(NEEDLE, NEEDLE_DIM, 8.0), (7 * PAGE + 9, DECOY_DIM, 12.0)]
+    one = _layer({"name": "score_gap", "margin": -1.0, "measure": "mass", "estimate": "outlier"}, spikes=spikes)
+    two = _layer({"name": "score_gap", "margin": -1.0, "measure": "mass", "estimate": "outlier", "outliers": 2},
+                 spikes=spikes)
+    for state in (one, two):
+        assert _step(state, _toward(2))
+    assert not _step(one, _toward_needle())
+    assert _step(two, _toward_needle())
+    kept = two.trigger_state
+    assert kept.outlier_valid[0, 0, 7].all() and float(kept.rest_count[0, 0, 7]) == PAGE - 2
+    assert float(kept.outlier_keys[0, 0, 7, 0, DECOY_DIM]) > 11 and float(kept.outlier_keys[0, 0, 7, 1, NEEDLE_DIM]) > 7
+
+
+def test_outlier_estimate_with_group_each_fires_for_one_query_heads_outlier():
+    # query head 0 looks at the needle token, head 1 away from it: the group's mean cancels it
+    q = _toward_needle()
+    q[0, 1, NEEDLE_DIM] = -5.0
+    fired = {}
+    for group in ("mean", "each"):
+        state = _layer({"name": "score_gap", "margin": -1.0, "measure": "mass", "estimate": "outlier",
+                        "group": group}, spikes=[(NEEDLE, NEEDLE_DIM, 8.0)])
+        assert _step(state, _toward(2))
+        fired[group] = _step(state, q.clone())
+    assert fired == {"mean": False, "each": True}
+
+
+def test_outlier_estimate_decides_as_the_mean_where_no_key_stands_out():
+    state = _layer({"name": "score_gap", "margin": -1.0, "measure": "mass", "estimate": "outlier", "outliers": 3})
+    fired = [_step(state, _toward(page)) for page in (2, 2, 2, 7, 7, 7, 2, 2)]
+    assert fired == [True, False, False, True, False, False, True, False]
+
+
+def test_outliers_is_checked_and_named_in_the_spec_only_when_set():
+    with pytest.raises(ConfigError, match="outliers must be an integer >= 1"):
+        ScoreGap(measure="mass", estimate="outlier", outliers=0).validate()
+    with pytest.raises(ConfigError, match="outliers is read by estimate 'outlier' only"):
+        ScoreGap(measure="mass", outliers=2).validate()
+    spec = kvpolicy.Policy(trigger={"name": "score_gap", "measure": "mass", "estimate": "outlier"},
+                           prefill_units="kmeans", selector="top_budget").to_dict()["trigger"]
+    assert spec["estimate"] == "outlier" and "outliers" not in spec
+    spec = kvpolicy.Policy(trigger={"name": "score_gap", "measure": "mass", "estimate": "outlier", "outliers": 2},
+                           prefill_units="kmeans", selector="top_budget").to_dict()["trigger"]
+    assert spec["outliers"] == 2

@@ -198,7 +198,8 @@ def test_score_gap_fire_rank_counts_the_unheld_units_above_the_held_mean():
         assert float(ref.gap[0]) == float(fast.gap[0]) == 2.0
 
 
-@pytest.mark.parametrize("option", [{"estimate": "bound"}, {"estimate": "gauss"}, {"group": "each"}, {"count": 4.0}])
+@pytest.mark.parametrize("option", [{"estimate": "bound"}, {"estimate": "gauss"}, {"estimate": "outlier"},
+                                    {"group": "each"}, {"count": 4.0}])
 def test_the_fused_op_refuses_the_options_it_does_not_implement(option):
     from kvpolicy.errors import ConfigError
 
