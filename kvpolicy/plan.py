@@ -157,6 +157,7 @@ class SplitPlan(LayerPlan):
         if self.placer.grow(layer.layer_idx, old, new):
             return
         pool, host = layer.store.pool, self.placer.host
+        layer.store.stop_attending_pool()  # the retrieved rows into the buffer while the pool is still here
         for name in ("keys", "values"):
             rows = getattr(pool, name)
             moved = _allocate_pool(rows, rows.shape[2], host, pool.valid.device)

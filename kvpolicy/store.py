@@ -17,6 +17,8 @@
     retrieved  a fixed buffer of ``retrieval`` tokens fetched from the pool, reused until the
                trigger fires again; tokens leaving the local window join it while it has room.
                A re-selection reads from the pool only the rows the buffer does not hold yet.
+               With the pool in GPU memory the buffer holds only the slots: attention reads
+               their rows from the pool (``attends_pool_by_slot``).
 
     cache      optional, on the attention device, not attended: the rows re-selections read
                from a host pool most recently (``RowCache``, first in first out), so a unit
@@ -41,7 +43,13 @@ import torch
 
 from .kernels import dispatch, reference
 from .pinned import pinned_empty
-from .tiers import Evicted, Pool, RetrievedBuffer, RowCache, SinkTier, Tier
+from .tiers import Evicted, Pool, PoolRows, RetrievedBuffer, RowCache, SinkTier, Tier
+
+# where the pool sits in the attention device's memory, attention reads the retrieved rows from
+# it by slot (``PoolRows``), and a re-selection writes the slots alone: copying every selected row
+# into the buffer (``fetch_whole``) wrote what attention then read again. A setting so that a
+# benchmark can time both (benchmarks/with_settings.py); read when a store is made
+ATTEND_POOL_BY_SLOT = True
 
 
 def _allocate_pool(like: torch.Tensor, capacity: int, device: torch.device, attention_device: torch.device) -> torch.Tensor:
@@ -173,6 +181,10 @@ class TieredStore:
     # a layer at 4 x 128K on an H200 through the slot map, measured on a host pool) costs more
     # than the HBM bytes it saves (~8 us)
     read_whole: bool = False
+    # attention reads the retrieved rows from the pool by slot (``attends_pool_by_slot``): set
+    # with ``read_whole`` (``ATTEND_POOL_BY_SLOT``), cleared for good when the pool leaves the
+    # device (``stop_attending_pool``)
+    attend_pool: bool = False
 
     def __post_init__(self) -> None:
         keys = self.retrieved.keys
@@ -310,6 +322,7 @@ class TieredStore:
             local_limit=local,
             sink_slots_all=sink_slots,
             read_whole=pool_keys.device == device and device.type == "cuda",
+            attend_pool=ATTEND_POOL_BY_SLOT and pool_keys.device == device and device.type == "cuda",
         )
 
     def lay_out_zone(self, keys: torch.Tensor, values: torch.Tensor, order: torch.Tensor | None, ops=None) -> None:
@@ -535,9 +548,40 @@ class TieredStore:
         dispatch.as_ops(ops, self.retrieved.keys.device).admit_row(
             self.retrieved, evicted, reselected, self.kept if evict else None, self.admitted)
 
-    def attention_parts(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """The ``(keys, values, valid)`` parts a step attends to: the one attended buffer."""
-        return [(self.attended.keys, self.attended.values, self.attended.valid)]
+    @property
+    def attends_pool_by_slot(self) -> bool:
+        """Whether the retrieved buffer holds only slots, whose rows attention reads from the pool
+        (a pool in the attention device's memory and no unit cache: a fetch then reads every
+        row, ``fetch_whole``, and moves none)."""
+        return (self.attend_pool and self.read_whole and self.cache is None
+                and self.pool.keys.device == self.retrieved.keys.device)
+
+    def stop_attending_pool(self) -> None:
+        """Copy the pool rows of the retrieved buffer's slots into it, and from now on fetch rows
+        into the buffer: before the pool leaves the attention device (a split placement moving
+        it to the host), while its rows can still be read there."""
+        if not self.attends_pool_by_slot:
+            self.attend_pool = False
+            return
+        buffer = self.retrieved
+        keys, values = reference.with_pool_rows(buffer.keys, buffer.values, self.retrieved_from_pool())
+        buffer.keys.copy_(keys)
+        buffer.values.copy_(values)
+        self.attend_pool = False
+
+    def retrieved_from_pool(self, start: int = 0) -> PoolRows:
+        """The retrieved buffer's rows as the pool rows of its slots, placed from row ``start`` of a part."""
+        return PoolRows(self.pool.keys, self.pool.values, self.retrieved.slots, start, self.pool.zone_rows,
+                        self.zone_end if self.pool.zone_rows is not None else 0)
+
+    def attention_parts(self) -> list[tuple]:
+        """The parts a step attends to: the one attended buffer, ``(keys, values, valid)``, with its
+        retrieved rows read from the pool (a fourth item, ``PoolRows``) where
+        ``attends_pool_by_slot``."""
+        part = (self.attended.keys, self.attended.values, self.attended.valid)
+        if self.attends_pool_by_slot and self.retrieval_capacity:
+            return [(*part, self.retrieved_from_pool(start=self.sink.rows))]
+        return [part]
 
     def forget_resident(self) -> None:
         """Treat no retrieved row as reusable, so the next fetch reads every row from the pool

@@ -9,6 +9,7 @@
     RowCache         rows recently fetched from a host pool, kept on the attention device beside
                      the retrieved buffer (not attended), so a re-selection reads them there
     Evicted          the token the local ring pushed out this step
+    PoolRows         rows of an attended part that attention reads from the pool, by slot
 
 A kernel op takes the tier it works on, not its tensors one by one, so its signature says what it
 touches (``admit_row(buffer, evicted, reselected)``).
@@ -121,6 +122,22 @@ class Pool:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+
+
+@dataclass
+class PoolRows:
+    """Rows ``[start, start + R)`` of an attention part read from a GPU pool instead of the part:
+    row ``start + i`` of head ``(b, h)`` is the pool row holding slot ``slots[b, h, i]`` (through
+    ``zone_rows`` for a slot below ``zone_end``, as ``Pool.zone_rows`` says). The part's own
+    ``valid`` still says which rows are attended. So a GPU pool's re-selection writes only the
+    selection's slots, and attention reads the rows where they already are."""
+
+    keys: torch.Tensor  # (B, H, capacity, D), on the attention device
+    values: torch.Tensor
+    slots: torch.Tensor  # (B, H, R) long
+    start: int
+    zone_rows: torch.Tensor | None = None  # (B, H, zone) int32, or None: row = slot
+    zone_end: int = 0
 
 
 @dataclass

@@ -143,3 +143,20 @@ def benchmark_script() -> Callable[[str], Any]:
         return module
 
     return load
+
+
+@pytest.fixture
+def pools_attended_by_slot(monkeypatch):
+    """Stores whose pool shares their attention device attend it by slot, as a GPU pool's do
+    (``TieredStore.attends_pool_by_slot``; ``from_prefill`` sets it on a GPU only), so the CPU
+    tests run that path too."""
+    from kvpolicy.store import TieredStore
+
+    made = TieredStore.from_prefill.__func__
+
+    def attending(cls, *args, **kwargs):
+        store = made(cls, *args, **kwargs)
+        store.read_whole = store.attend_pool = store.pool.keys.device == store.retrieved.keys.device
+        return store
+
+    monkeypatch.setattr(TieredStore, "from_prefill", classmethod(attending))

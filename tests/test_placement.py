@@ -95,6 +95,31 @@ def test_a_split_decodes_what_a_host_pool_decodes(llama, limit_pools):
     assert stats.pool_device_bytes + stats.pool_host_bytes == LAYERS * grown
 
 
+@pytest.mark.parametrize("limit_pools", [2, LAYERS])
+def test_a_pool_attended_by_slot_that_moves_decodes_what_a_host_pool_decodes(llama, limit_pools,
+                                                                             pools_attended_by_slot):
+    """A device pool attended by slot copies the retrieved rows into its buffer before it moves
+    (``stop_attending_pool``): from then on the buffer's rows are read, and reused by the next
+    re-selection. Tokens and scores are still placement cpu's, bit for bit."""
+    ids, _ = left_padded_batch(PROMPT)
+    new_tokens = RESERVE + 24  # the pools grow once
+    limit = limit_pools * layer_pool(ids.shape[0])
+    # the pools move before step 256, which re-selects at no interval of 5: the next steps
+    # attend the rows the buffer took when its pool moved
+    every_5 = {"budget": 96, "trigger": {"name": "interval", "n": 5}}
+    reference, _, _ = generate(llama, kvpolicy.preset("louiskv", placement="cpu", **every_5), new_tokens)
+    out, _, cache = generate(llama, kvpolicy.preset("louiskv", placement="split", gpu_pool_bytes=limit, **every_5),
+                             new_tokens)
+    assert torch.equal(out.sequences, reference.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.scores, reference.scores))
+    moved = GROWTH[limit_pools][0]
+    assert cache.placer.moved_layers == moved
+    stores = [s.store for s in cache.policy_layers()]
+    # the moved layers stopped attending their pool; a layer that stayed still does
+    assert not any(stores[i].attends_pool_by_slot for i in moved)
+    assert all(stores[i].attends_pool_by_slot for i in GROWTH[limit_pools][1])
+
+
 def test_a_reserve_before_capture_keeps_the_limit(llama):
     """DecodeGraph reserves its steps up front: that growth follows the same rule."""
     ids, mask = left_padded_batch(PROMPT)

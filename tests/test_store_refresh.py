@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import kvpolicy
+from kvpolicy.kernels import reference
 from kvpolicy.layer import PolicyLayerState
 from kvpolicy.store import TieredStore
 
@@ -19,7 +20,7 @@ CUDA = torch.cuda.is_available()
 B, H, D, PROMPT, SINK, LOCAL, R = 2, 3, 16, 200, 2, 8, 12
 
 
-def _stores(seed, device, pool_device, read_whole=False):
+def _stores(seed, device, pool_device, read_whole=False, by_slot=False):
     gen = torch.Generator().manual_seed(seed)
     keys = torch.randn(B, H, PROMPT, D, generator=gen).to(device)
     values = torch.randn(B, H, PROMPT, D, generator=gen).to(device)
@@ -27,6 +28,7 @@ def _stores(seed, device, pool_device, read_whole=False):
     valid[1, :5] = False  # left padding
     stores = tuple(TieredStore.from_prefill(keys, values, valid, SINK, LOCAL, R, pool_device) for _ in range(2))
     stores[0].read_whole = read_whole  # the lookup path everywhere unless a test asks otherwise
+    stores[0].attend_pool = by_slot  # rows copied into the buffer unless a test asks otherwise
     return stores
 
 
@@ -48,19 +50,30 @@ def _old_fetch(store, slots, slot_valid, reselect):
             store.retrieved.fill[b, h] = int(slot_valid[b, h].sum())
 
 
+def _attended_rows(store):
+    """The retrieved keys and values as attention reads them: the buffer's, or the pool's by slot."""
+    buffer = store.retrieved
+    if not store.attends_pool_by_slot:
+        return {"keys": buffer.keys, "values": buffer.values}
+    keys, values = reference.with_pool_rows(buffer.keys, buffer.values, store.retrieved_from_pool())
+    return {"keys": keys, "values": values}
+
+
 def _assert_same(store, shadow, step):
+    rows = _attended_rows(store)
     for name in ("keys", "values", "slots", "valid", "fill"):
-        got, want = getattr(store.retrieved, name), getattr(shadow.retrieved, name)
+        got, want = rows.get(name, getattr(store.retrieved, name)), getattr(shadow.retrieved, name)
         if got.is_floating_point():
             got, want = got.view(torch.int32), want.view(torch.int32)
         assert torch.equal(got.cpu(), want.cpu()), f"step {step}: {name} differs from a full gather"
 
 
-def _run(kind, backend, device, pool_device, steps=24, seed=0, cache_rows=0, read_whole=False):
+def _run(kind, backend, device, pool_device, steps=24, seed=0, cache_rows=0, read_whole=False, by_slot=False):
     """Decode ``steps`` tokens; returns (store, expected rows read (B,), re-selections (B,)).
     ``cache_rows``: the store keeps a GPU unit cache of that many rows (0: none); ``read_whole``:
-    the store reads every selected row from the pool (expected rows read stay the lookup's)."""
-    store, shadow = _stores(seed, device, pool_device, read_whole)
+    the store reads every selected row from the pool (expected rows read stay the lookup's);
+    ``by_slot``: and attends them there (the rows compared are those attention reads)."""
+    store, shadow = _stores(seed, device, pool_device, read_whole, by_slot)
     if cache_rows:
         store.set_cache(cache_rows)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -135,13 +148,15 @@ def test_overlapping_selections_read_only_the_missing_rows(backend, device, pool
     assert torch.equal(store.rows_fetched.cpu(), H * R * reselections)
 
 
+@pytest.mark.parametrize("by_slot", [False, True], ids=["rows-copied", "attends-pool-by-slot"])
 @pytest.mark.parametrize("backend,device,pool_device", [case for case in _CASES if case[1] == case[2]])
-def test_a_store_that_reads_whole_leaves_what_a_full_gather_leaves(backend, device, pool_device):
+def test_a_store_that_reads_whole_leaves_what_a_full_gather_leaves(backend, device, pool_device, by_slot):
     """``read_whole`` (a GPU pool's fetch; ``fetch_whole`` refuses a pool on another device):
-    the same buffers as the shadow (``_run`` compares them every step), every selected row
-    counted as read from the pool."""
+    the same buffers as the shadow (``_run`` compares them every step; attending the pool by
+    slot, the rows attention reads there), every selected row counted as read from the pool."""
     store, expected, reselections = _run("overlap", backend, torch.device(device), torch.device(pool_device),
-                                         read_whole=True)
+                                         read_whole=True, by_slot=by_slot)
+    assert store.attends_pool_by_slot == by_slot
     assert (expected < H * R * reselections).all()  # the lookup would have read fewer
     assert torch.equal(store.pool_rows_read.cpu(), H * R * reselections)
     assert torch.equal(store.rows_fetched.cpu(), H * R * reselections)

@@ -379,14 +379,19 @@ def sparse_decode_attention(
     """Single-query attention over several KV parts (sink, retrieved, local), GQA-aware.
 
     ``query``: ``(B, Hq, D)``; each part is ``(keys (B, H, n, D), values (B, H, n, D),
-    valid (B, H, n) or (B, n) bool)`` with ``Hq`` a multiple of ``H``. Returns ``(B, Hq, D)``
-    in the query's dtype; softmax in float32.
+    valid (B, H, n) or (B, n) bool)``, and optionally a fourth item, a ``PoolRows`` whose rows the
+    part reads from the pool instead (None: none); ``Hq`` a multiple of ``H``. Returns
+    ``(B, Hq, D)`` in the query's dtype; softmax in float32.
     """
     batch, q_heads, dim = query.shape
     kv_heads = parts[0][0].shape[1]
     q = query.float().view(batch, kv_heads, q_heads // kv_heads, dim)
     logits, values = [], []
-    for keys, vals, valid in parts:
+    for part in parts:
+        keys, vals, valid = part[:3]
+        from_pool = part[3] if len(part) > 3 else None
+        if from_pool is not None:
+            keys, vals = with_pool_rows(keys, vals, from_pool)
         if valid.dim() == 2:
             valid = valid[:, None, :].expand(batch, kv_heads, valid.shape[-1])
         score = torch.einsum("bhgd,bhnd->bhgn", q, keys.float()) * scale
@@ -395,6 +400,20 @@ def sparse_decode_attention(
     weights = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
     out = torch.einsum("bhgn,bhnd->bhgd", weights, torch.cat(values, dim=2))
     return out.reshape(batch, q_heads, dim).to(query.dtype)
+
+
+def with_pool_rows(keys: torch.Tensor, values: torch.Tensor, from_pool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of a part's ``keys``/``values`` whose rows ``from_pool`` (a ``PoolRows``) names hold
+    the pool rows of its slots (a slot outside the pool reads row 0: such a row is never valid)."""
+    zone_rows = from_pool.zone_rows if from_pool.zone_end > 0 else None
+    capacity = from_pool.keys.shape[2]
+    rows = pool_rows(from_pool.slots, zone_rows).long().clamp(0, capacity - 1)
+    index = rows.unsqueeze(-1).expand(*rows.shape, keys.shape[-1])
+    place = slice(from_pool.start, from_pool.start + rows.shape[-1])
+    keys, values = keys.clone(), values.clone()
+    keys[:, :, place] = from_pool.keys.gather(2, index).to(keys.dtype)
+    values[:, :, place] = from_pool.values.gather(2, index).to(values.dtype)
+    return keys, values
 
 
 def append_to_unit(

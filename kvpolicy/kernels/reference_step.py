@@ -113,15 +113,17 @@ def commit_selection(store, slots: torch.Tensor, slot_valid: torch.Tensor, resel
 def fetch_whole(store, slots: torch.Tensor, slot_valid: torch.Tensor, reselect: torch.Tensor) -> None:
     """A fetch that reads every selected row from the pool (``TieredStore.read_whole``): for the
     sequences where ``reselect (B,)``, the retrieved buffer's keys and values become the pool
-    rows of ``slots (B, H, R)``, then ``commit_selection``; ``rows_fetched`` and
-    ``pool_rows_read`` both grow by ``H * R``. The other sequences are untouched."""
+    rows of ``slots (B, H, R)`` (not where the store ``attends_pool_by_slot``: attention reads
+    them from the pool), then ``commit_selection``; ``rows_fetched`` and ``pool_rows_read`` both
+    grow by ``H * R``. The other sequences are untouched."""
     from .reference import gather_rows_into
 
     buffer = store.retrieved
     heads, rows = slots.shape[1:]
-    pool_rows = store.pool_rows(slots)
-    gather_rows_into(store.pool.keys, pool_rows, reselect, buffer.keys)
-    gather_rows_into(store.pool.values, pool_rows, reselect, buffer.values)
+    if not store.attends_pool_by_slot:
+        pool_rows = store.pool_rows(slots)
+        gather_rows_into(store.pool.keys, pool_rows, reselect, buffer.keys)
+        gather_rows_into(store.pool.values, pool_rows, reselect, buffer.values)
     commit_selection(store, slots, slot_valid, reselect)
     fetched = reselect.long() * (heads * rows)
     store.rows_fetched.add_(fetched)

@@ -8,6 +8,11 @@ domain), sum of exponentials and unnormalised ``(G, D)`` accumulator in float32.
 all splits of all parts for each query head. Long parts get enough splits to fill the GPU;
 short ones stay in one.
 
+A part may name rows it reads from a GPU pool instead (a ``PoolRows``: rows ``[start, start + R)``
+by slot): those tiles' rows load from the pool row of their slot (mapped through the prompt zone's
+``zone_rows``), the others from the part, in the same loads (a pointer per row), so a GPU pool's
+re-selection moves no rows at all.
+
 Semantics beyond the reference: positions whose ``valid`` is False are never read (their cache
 slots may hold garbage or NaN), and a query head with no valid position in any part gets a zero
 output rather than the reference's NaN.
@@ -47,13 +52,43 @@ NUM_STAGES = 3
 
 
 @triton.jit
+def _row_pointers(
+    k_base, v_base, offs, keep, d, stride_kn, stride_vn,
+    pk_ptr, pv_ptr, slots_ptr, zone_ptr, b, h, pool_lo, pool_n, zone_end,
+    pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh,
+    FROM_POOL: tl.constexpr, HAS_ZONE: tl.constexpr,
+):
+    """The ``[BLOCK_N, D]`` key and value pointers of the rows ``offs``: the part's rows, or with
+    ``FROM_POOL`` the pool row of the slot of each row in ``[pool_lo, pool_lo + pool_n)``."""
+    k_ptrs = k_base + offs[:, None] * stride_kn + d[None, :]
+    v_ptrs = v_base + offs[:, None] * stride_vn + d[None, :]
+    if FROM_POOL:
+        pooled = keep & (offs >= pool_lo) & (offs < pool_lo + pool_n)
+        slot = tl.load(slots_ptr + b * s_sb + h * s_sh + (offs - pool_lo), mask=pooled, other=0).to(tl.int64)
+        row = slot
+        if HAS_ZONE:
+            # the prompt's zone is laid out unit by unit: its slots map to rows; later slots are rows
+            in_zone = slot < zone_end
+            zone_slot = tl.minimum(tl.maximum(slot, 0), zone_end - 1)
+            mapped = tl.load(zone_ptr + b * z_sb + h * z_sh + zone_slot, mask=pooled & in_zone, other=0)
+            row = tl.where(in_zone, mapped.to(tl.int64), slot)
+        pk_ptrs = pk_ptr + b * pk_sb + h * pk_sh + row[:, None] * pk_sn + d[None, :]
+        pv_ptrs = pv_ptr + b * pv_sb + h * pv_sh + row[:, None] * pv_sn + d[None, :]
+        k_ptrs = tl.where(pooled[:, None], pk_ptrs, k_ptrs)
+        v_ptrs = tl.where(pooled[:, None], pv_ptrs, v_ptrs)
+    return k_ptrs, v_ptrs
+
+
+@triton.jit
 def _attend_split(
     q, k_ptr, v_ptr, valid_ptr, b, h, n, split, tiles_per_split, qk_scale,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_mb, stride_mh, stride_mn,
+    pk_ptr, pv_ptr, slots_ptr, zone_ptr, pool_lo, pool_n, zone_end,
+    pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh,
     G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    QK_FP32: tl.constexpr, PV_FP32: tl.constexpr,
+    QK_FP32: tl.constexpr, PV_FP32: tl.constexpr, FROM_POOL: tl.constexpr, HAS_ZONE: tl.constexpr,
 ):
     """Online softmax of one split of one part for the ``G_PAD`` query rows ``q``."""
     d = tl.arange(0, D)
@@ -74,9 +109,14 @@ def _attend_split(
         offs = lo + tl.arange(0, BLOCK_N)
         inside = offs < n
         keep = (tl.load(valid_base + offs * stride_mn, mask=inside, other=0) != 0) & inside
+        k_ptrs, v_ptrs = _row_pointers(
+            k_base, v_base, offs, keep, d, stride_kn, stride_vn,
+            pk_ptr, pv_ptr, slots_ptr, zone_ptr, b, h, pool_lo, pool_n, zone_end,
+            pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh, FROM_POOL, HAS_ZONE,
+        )
         # invalid rows are not read at all: they may hold garbage
-        k = tl.load(k_base + offs[:, None] * stride_kn + d[None, :], mask=keep[:, None], other=0.0)
-        v = tl.load(v_base + offs[:, None] * stride_vn + d[None, :], mask=keep[:, None], other=0.0)
+        k = tl.load(k_ptrs, mask=keep[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=keep[:, None], other=0.0)
         if QK_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -104,8 +144,10 @@ def _split_kernel(
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_mb, stride_mh, stride_mn,
+    pk_ptr, pv_ptr, slots_ptr, zone_ptr, pool_lo, pool_n, zone_end,
+    pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    QK_FP32: tl.constexpr, PV_FP32: tl.constexpr,
+    QK_FP32: tl.constexpr, PV_FP32: tl.constexpr, FROM_POOL: tl.constexpr, HAS_ZONE: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -118,7 +160,9 @@ def _split_kernel(
     m_i, l_i, acc = _attend_split(
         q, k_ptr, v_ptr, valid_ptr, b, h, n, split, tiles_per_split, qk_scale,
         stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mn,
-        G_PAD, D, BLOCK_N, QK_FP32, PV_FP32,
+        pk_ptr, pv_ptr, slots_ptr, zone_ptr, pool_lo, pool_n, zone_end,
+        pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh,
+        G_PAD, D, BLOCK_N, QK_FP32, PV_FP32, FROM_POOL, HAS_ZONE,
     )
     # partials are laid out (B * Hq, total_splits[, D]); row = b * Hq + h * G + g
     row = bh * G + g
@@ -197,6 +241,43 @@ def _part_args(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, ti
     return (keys, values, valid, n, tiles_per_split, *strides)
 
 
+def _pool_args(part) -> tuple[tuple, bool, bool]:
+    """A part's pool-rows arguments (pool keys, values, slots, zone rows, start, rows, zone end,
+    10 strides), whether it has any, and whether a zone maps its slots; placeholders without."""
+    from_pool = part[3] if len(part) > 3 else None
+    if from_pool is None:
+        keys = part[0]
+        return (keys, keys, keys, keys, 0, 0, 0, *(0,) * 10), False, False
+    has_zone = from_pool.zone_rows is not None and from_pool.zone_end > 0
+    zone = from_pool.zone_rows if has_zone else from_pool.slots  # any tensor: never read without a zone
+    pk, pv, slots = from_pool.keys, from_pool.values, from_pool.slots
+    args = (pk, pv, slots, zone, from_pool.start, slots.shape[-1], from_pool.zone_end,
+            *pk.stride()[:3], *pv.stride()[:3], *slots.stride()[:2], *zone.stride()[:2])
+    return args, True, has_zone
+
+
+def _check_pool_rows(part, batch: int, kv_heads: int, dim: int) -> None:
+    """A part's ``PoolRows`` must fit it: pool rows of its shape and dtype on its device, slots
+    for rows inside the part, dense in their last dim."""
+    keys, from_pool = part[0], part[3]
+    pool_keys, pool_values, slots = from_pool.keys, from_pool.values, from_pool.slots
+    capacity = pool_keys.shape[2] if pool_keys.dim() == 4 else -1
+    if tuple(pool_keys.shape) != (batch, kv_heads, capacity, dim) or pool_values.shape != pool_keys.shape:
+        raise ValueError(f"pool rows: keys and values must be (B, H, capacity, D) = ({batch}, {kv_heads}, capacity, "
+                         f"{dim}), got {tuple(pool_keys.shape)} and {tuple(pool_values.shape)}")
+    if pool_keys.dtype != keys.dtype or pool_values.dtype != part[1].dtype or pool_keys.device != keys.device:
+        raise ValueError(f"pool rows: the pool must be {keys.dtype} on {keys.device} like its part, got "
+                         f"{pool_keys.dtype} on {pool_keys.device}")
+    if slots.dtype != torch.long or slots.dim() != 3 or tuple(slots.shape[:2]) != (batch, kv_heads):
+        raise ValueError(f"pool rows: slots must be long (B, H, R), got {slots.dtype} {tuple(slots.shape)}")
+    if not 0 <= from_pool.start <= keys.shape[2] - slots.shape[-1]:
+        raise ValueError(f"pool rows: rows [{from_pool.start}, {from_pool.start + slots.shape[-1]}) must lie "
+                         f"inside the part's {keys.shape[2]} rows")
+    for name, t in (("keys", pool_keys), ("values", pool_values), ("slots", slots)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"pool rows: {name} must be contiguous in the last dim")
+
+
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     # the kernels take strides for every dim but the last, which must be dense
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
@@ -216,7 +297,8 @@ def _check(query: torch.Tensor, parts) -> tuple[int, int, int, int]:
     for tensor in (query, *(t for part in parts for t in part[:2])):
         if tensor.dtype not in _DTYPES:
             raise ValueError(f"triton sparse_decode_attention supports dtypes {_DTYPES}, got {tensor.dtype}")
-    for keys, values, valid in parts:
+    for part in parts:
+        keys, values, valid = part[:3]
         n = keys.shape[2] if keys.dim() == 4 else -1
         expected = (batch, kv_heads, n, dim)
         if tuple(keys.shape) != expected or tuple(values.shape) != expected:
@@ -226,6 +308,8 @@ def _check(query: torch.Tensor, parts) -> tuple[int, int, int, int]:
             )
         if valid.dtype != torch.bool or tuple(valid.shape) not in ((batch, kv_heads, n), (batch, n)):
             raise ValueError(f"valid must be bool (B, H, n) or (B, n), got {valid.dtype} {tuple(valid.shape)}")
+        if len(part) > 3 and part[3] is not None:
+            _check_pool_rows(part, batch, kv_heads, dim)
     return batch, q_heads, kv_heads, dim
 
 
@@ -251,15 +335,16 @@ def sparse_decode_attention(
     block_n = _block_n(dim, max(t.element_size() for part in parts for t in part[:2]))
     sms = _sm_count(query.device)
 
-    plans = []  # (args for one part, its splits), parts with no token left out
-    for keys, values, valid in parts:
+    plans = []  # (args for one part, its pool rows' args and flags, its splits), parts with no token left out
+    for part in parts:
+        keys, values, valid = part[:3]
         n = keys.shape[2]
         if n == 0:
             continue
         tiles_per_split = _tiles_per_split(n, batch * kv_heads, block_n, sms, split_tokens)
         splits = triton.cdiv(triton.cdiv(n, block_n), tiles_per_split)
-        plans.append((_part_args(keys, values, valid, tiles_per_split), splits))
-    total_splits = sum(splits for _, splits in plans)
+        plans.append((_part_args(keys, values, valid, tiles_per_split), _pool_args(part), splits))
+    total_splits = sum(splits for *_, splits in plans)
 
     # every slot below is written by exactly one stage-1 program, so empty is enough
     rows = batch * q_heads
@@ -275,13 +360,13 @@ def sparse_decode_attention(
     offset = 0
     # one launch per part: a launch taking all parts at once was slower on the GPU (its
     # branches' shared memory added up) and costlier on the host (Triton binds per argument)
-    for args, splits in plans:
+    for args, (pool_args, from_pool, has_zone), splits in plans:
         keys, values = args[0], args[1]
         _split_kernel[(batch * kv_heads, splits)](
             query, *args[:3], m_part, l_part, acc_part,
             args[3], kv_heads, total_splits, offset, args[4], qk_scale,
-            query.stride(0), query.stride(1), *args[5:],
-            G=group, G_PAD=group_pad, D=dim, BLOCK_N=block_n,
+            query.stride(0), query.stride(1), *args[5:], *pool_args,
+            G=group, G_PAD=group_pad, D=dim, BLOCK_N=block_n, FROM_POOL=from_pool, HAS_ZONE=has_zone,
             # float32 tiles, or a query of another dtype, take exact float32 dots
             QK_FP32=keys.dtype == torch.float32 or keys.dtype != query.dtype or keys.dtype in fp32_dots_for,
             PV_FP32=values.dtype == torch.float32 or values.dtype in fp32_dots_for,

@@ -9,6 +9,9 @@ dependent loads). Here one program copies a ``[ROWS, D]`` tile of keys and of va
 row also counts its fill, and the first of a sequence the counters. Same results as the
 reference, bit for bit (``reference_step.fetch_whole``).
 
+Where the store attends the pool by slot (``TieredStore.attends_pool_by_slot``) no row moves:
+the launch is the commit and the counters alone, on tiles of ``COMMIT_ROWS`` rows.
+
 Sequences whose ``take`` is False read and write nothing (every access masked by it). No host
 syncs and a grid from shapes alone, so the launch can be graph-captured.
 """
@@ -28,6 +31,8 @@ TILE_BYTES = _TILE_BYTES
 WARPS = 4
 # flags per step of tile 0's fill count: a budget of 2,048 rows in the one step loaded up front
 FILL_BLOCK = 2048
+# rows a program commits where no row is copied (as ``commit_selection``'s programs)
+COMMIT_ROWS = 256
 
 
 @triton.jit
@@ -40,6 +45,7 @@ def _fetch_whole_kernel(
     ok_sb, ok_sh, ok_sr, ov_sb, ov_sh, ov_sr,
     rv_sb, rv_sh, rs_sb, rs_sh, rh_sb, rh_sh, rf_sb,
     D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_ZONE: tl.constexpr, FILL_BLOCK: tl.constexpr,
+    COPY: tl.constexpr,
 ):
     tile = tl.program_id(0)
     # int64: pools reach past 2**31 elements
@@ -58,22 +64,23 @@ def _fetch_whole_kernel(
     listed_head = tl.load(sv_ptr + b * sv_sb + h * sv_sh + lanes, mask=lanes < tl.where(first, R, 0), other=0)
     fetched = tl.load(fetched_ptr + b)
     read = tl.load(read_ptr + b)
-    pool_row = slot
-    if HAS_ZONE:
-        # the prompt's zone is laid out unit by unit: its slots map to rows; later slots are rows
-        in_zone = slot < zone_end
-        zone_slot = tl.minimum(tl.maximum(slot, 0), zone_end - 1)
-        mapped = tl.load(zone_rows_ptr + b * z_sb + h * z_sh + zone_slot, mask=row_ok & in_zone, other=0)
-        pool_row = tl.where(in_zone, mapped.to(tl.int64), slot)
-    cols = tl.arange(0, BLOCK_D)
-    if BLOCK_D == D:
-        mask = row_ok[:, None]  # constant along a row: loads stay 16-byte vectors
-    else:
-        mask = row_ok[:, None] & (cols < D)[None, :]
-    keys = tl.load(pool_k_ptr + b * pk_sb + h * pk_sh + pool_row[:, None] * pk_sr + cols[None, :], mask=mask)
-    values = tl.load(pool_v_ptr + b * pv_sb + h * pv_sh + pool_row[:, None] * pv_sr + cols[None, :], mask=mask)
-    tl.store(out_k_ptr + b * ok_sb + h * ok_sh + rows[:, None] * ok_sr + cols[None, :], keys, mask=mask)
-    tl.store(out_v_ptr + b * ov_sb + h * ov_sh + rows[:, None] * ov_sr + cols[None, :], values, mask=mask)
+    if COPY:
+        pool_row = slot
+        if HAS_ZONE:
+            # the prompt's zone is laid out unit by unit: its slots map to rows; later slots are rows
+            in_zone = slot < zone_end
+            zone_slot = tl.minimum(tl.maximum(slot, 0), zone_end - 1)
+            mapped = tl.load(zone_rows_ptr + b * z_sb + h * z_sh + zone_slot, mask=row_ok & in_zone, other=0)
+            pool_row = tl.where(in_zone, mapped.to(tl.int64), slot)
+        cols = tl.arange(0, BLOCK_D)
+        if BLOCK_D == D:
+            mask = row_ok[:, None]  # constant along a row: loads stay 16-byte vectors
+        else:
+            mask = row_ok[:, None] & (cols < D)[None, :]
+        keys = tl.load(pool_k_ptr + b * pk_sb + h * pk_sh + pool_row[:, None] * pk_sr + cols[None, :], mask=mask)
+        values = tl.load(pool_v_ptr + b * pv_sb + h * pv_sh + pool_row[:, None] * pv_sr + cols[None, :], mask=mask)
+        tl.store(out_k_ptr + b * ok_sb + h * ok_sh + rows[:, None] * ok_sr + cols[None, :], keys, mask=mask)
+        tl.store(out_v_ptr + b * ov_sb + h * ov_sh + rows[:, None] * ov_sr + cols[None, :], values, mask=mask)
     # the commit: slot, attended (listed and a real token), held (written already)
     listed = tl.load(sv_ptr + b * sv_sb + h * sv_sh + rows, mask=row_ok, other=0) != 0
     real = tl.load(pool_valid_ptr + b * valid_sb + slot, mask=row_ok, other=0) != 0
@@ -118,8 +125,10 @@ def fetch_whole(store, slots: torch.Tensor, slot_valid: torch.Tensor, reselect: 
     has_zone = zone_rows is not None and store.zone_end > 0
     zone = zone_rows if has_zone else slots  # any tensor: never read without HAS_ZONE
     block_d = triton.next_power_of_2(dim)
-    # one program moves a tile of keys and one of values, each of about TILE_BYTES
-    tile_rows = max(1, min(TILE_BYTES // (block_d * pool.keys.element_size()), 128))
+    copy = not store.attends_pool_by_slot
+    # one program moves a tile of keys and one of values, each of about TILE_BYTES (or commits
+    # COMMIT_ROWS rows, where nothing moves)
+    tile_rows = max(1, min(TILE_BYTES // (block_d * pool.keys.element_size()), 128)) if copy else COMMIT_ROWS
     tile_rows = min(tile_rows, triton.next_power_of_2(rows))
     grid = (triton.cdiv(rows, tile_rows), heads, batch)
     _fetch_whole_kernel[grid](
@@ -133,5 +142,5 @@ def fetch_whole(store, slots: torch.Tensor, slot_valid: torch.Tensor, reselect: 
         *buffer.keys.stride()[:3], *buffer.values.stride()[:3],
         *buffer.valid.stride()[:2], *buffer.slots.stride()[:2], *buffer.held.stride()[:2], buffer.fill.stride(0),
         D=dim, BLOCK_D=block_d, ROWS=tile_rows, HAS_ZONE=has_zone, FILL_BLOCK=min(FILL_BLOCK, triton.next_power_of_2(rows)),
-        num_warps=WARPS,
+        COPY=copy, num_warps=WARPS,
     )

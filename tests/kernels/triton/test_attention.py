@@ -208,3 +208,61 @@ def test_cuda_graph_capture_and_replay():
     graph.replay()
     torch.cuda.synchronize()
     _assert_close(out, _expected(query, parts, scale), torch.bfloat16)
+
+
+# -- rows read from a GPU pool by slot (``PoolRows``): a pool-attending store's retrieved rows ----
+
+
+def _pool_rows_case(gen, dtype, dim, zone, device=DEVICE):
+    """One attended part (sink 3 | retrieved 40 | local 9) whose retrieved rows name pool slots, a
+    pool of 120 slots laid out by ``zone`` (its first ``zone`` slots permuted per head), and the
+    same part with those pool rows copied in."""
+    from kvpolicy.tiers import PoolRows
+
+    batch, heads, capacity, start, rows = 2, 2, 120, 3, 40
+    keys, values, valid = _random_part(gen, batch, heads, start + rows + 9, dim, dtype, per_sequence=False)
+    valid[..., 0] = True
+    pool_keys = torch.randn(batch, heads, capacity, dim, generator=gen).to(device, dtype)
+    pool_values = torch.randn(batch, heads, capacity, dim, generator=gen).to(device, dtype)
+    slots = torch.randint(0, capacity, (batch, heads, rows), generator=gen).to(device)
+    # unattended rows may name any slot at all (never read)
+    slots = torch.where(valid[:, :, start:start + rows], slots, torch.full_like(slots, 10**9))
+    zone_rows = torch.stack([torch.stack([torch.randperm(zone, generator=gen) for _ in range(heads)])
+                             for _ in range(batch)]).to(device, torch.int32) if zone else None
+    from_pool = PoolRows(pool_keys, pool_values, slots, start, zone_rows, zone)
+    # the part's own rows there are garbage: only the pool's may count
+    keys[:, :, start:start + rows] = float("nan")
+    copied = reference.with_pool_rows(keys, values, from_pool)
+    return (keys, values, valid, from_pool), (*copied, valid)
+
+
+@pytest.mark.parametrize("zone", [0, 80])
+@pytest.mark.parametrize("dtype,dim,group", [("bfloat16", 128, 4), ("float32", 64, 2), ("float16", 64, 8)])
+def test_rows_read_from_the_pool_by_slot_match_the_rows_copied_in(zone, dtype, dim, group):
+    # fresh random inputs each run
+    dtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    pooled, copied = _pool_rows_case(gen, dtype, dim, zone)
+    query = torch.randn(2, 2 * group, dim, generator=gen).to(DEVICE, dtype)
+    scale = dim**-0.5
+    out = attention.sparse_decode_attention(query, [pooled], scale)
+    # the same loads and arithmetic as the part with the rows copied in: bit for bit
+    assert torch.equal(out, attention.sparse_decode_attention(query, [copied], scale))
+    _assert_close(out, _expected(query, [copied], scale), dtype)
+    # the reference reads the pool rows too
+    torch.testing.assert_close(reference.sparse_decode_attention(query, [pooled], scale),
+                               reference.sparse_decode_attention(query, [copied], scale), atol=0, rtol=0)
+
+
+def test_pool_rows_that_do_not_fit_their_part_are_refused():
+    from kvpolicy.tiers import PoolRows
+
+    gen = torch.Generator().manual_seed(5)
+    (keys, values, valid, from_pool), _ = _pool_rows_case(gen, torch.float32, 64, 0)
+    query = torch.randn(2, 4, 64, device=DEVICE)
+    beyond = PoolRows(from_pool.keys, from_pool.values, from_pool.slots, keys.shape[2] - 2)
+    with pytest.raises(ValueError, match=r"pool rows: rows \[50, 90\) must lie inside the part's 52 rows"):
+        attention.sparse_decode_attention(query, [(keys, values, valid, beyond)], 0.1)
+    other_dtype = PoolRows(from_pool.keys.half(), from_pool.values.half(), from_pool.slots, 3)
+    with pytest.raises(ValueError, match="pool rows: the pool must be torch.float32"):
+        attention.sparse_decode_attention(query, [(keys, values, valid, other_dtype)], 0.1)

@@ -3,7 +3,8 @@
 Two stores are laid out alike (a prompt, its zone in a random unit order, some decode tokens),
 then fetch the same random selections, one through the reference op and one through Triton:
 every retrieved row, slot, flag, fill and counter must match bit for bit, and sequences that do
-not re-select must be left as they were. Without CUDA the Triton op runs on CPU tensors through
+not re-select must be left as they were. A store that attends the pool by slot moves no row: its
+buffer's keys and values stay as they were, the rest is committed alike. Without CUDA the Triton op runs on CPU tensors through
 Triton's interpreter (conftest turns it on); with CUDA the same cases run on the GPU.
 """
 
@@ -48,15 +49,19 @@ def _snapshot(store):
 # several programs a (sequence, head), so the fill and counters come from tile 0 alone, and the
 # fill in steps of 16 flags (the loop past the first block)
 @pytest.mark.parametrize("tile_bytes", [fetch._TILE_BYTES, 256], ids=["one-tile", "tiles"])
-def test_fetch_whole_matches_the_reference_bit_for_bit(dtype, zone_order, shape, tile_bytes, monkeypatch):
+@pytest.mark.parametrize("by_slot", [False, True], ids=["rows-copied", "attends-pool-by-slot"])
+def test_fetch_whole_matches_the_reference_bit_for_bit(dtype, zone_order, shape, tile_bytes, by_slot, monkeypatch):
     monkeypatch.setattr(fetch, "TILE_BYTES", tile_bytes)
     monkeypatch.setattr(fetch, "FILL_BLOCK", fetch.FILL_BLOCK if tile_bytes == fetch._TILE_BYTES else 16)
+    monkeypatch.setattr(fetch, "COMMIT_ROWS", 256 if tile_bytes == fetch._TILE_BYTES else 16)
     batch, heads, prompt, dim, retrieval = shape
     seed = hash((str(dtype), zone_order, shape)) % 1000
     stores = []
     for _ in range(2):
         gen = torch.Generator(device=DEVICE).manual_seed(seed)
         stores.append(_store(gen, batch, heads, prompt, dim, dtype, 2, 8, retrieval, zone_order))
+        stores[-1].read_whole, stores[-1].attend_pool = True, by_slot  # as a GPU pool's store, on the CPU too
+        assert stores[-1].attends_pool_by_slot == by_slot
     gen = torch.Generator(device=DEVICE).manual_seed(seed + 1)
     for step in range(4):
         key, value = random_pool((2, batch, heads, dim), dtype, DEVICE, gen)
@@ -83,6 +88,8 @@ def test_fetch_whole_matches_the_reference_bit_for_bit(dtype, zone_order, shape,
             assert same, f"step {step}: {name} differs from the reference"
         unwritten = (slots >= stores[1].length) & reselect.view(-1, 1, 1)
         assert not bool(stores[1].retrieved.held[unwritten].any()), f"step {step}: an unwritten slot is held"
+        if by_slot:  # no row moved, for any sequence
+            assert same_bits(before[0], after[0]) and same_bits(before[1], after[1]), f"step {step}: a row moved"
         kept = ~reselect.cpu()
         for name, old, new in zip(("keys", "slots", "fill"), (before[0], before[2], before[5]), (after[0], after[2], after[5])):
             assert torch.equal(old.cpu()[kept].view(torch.uint8) if old.is_floating_point() else old.cpu()[kept],
