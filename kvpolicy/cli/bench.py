@@ -31,7 +31,9 @@ def add_parser(sub) -> None:
     bench.add_argument("--presets", default="louiskv,quest,arkvale",
                        help="comma-separated presets; NAME@PLACEMENT runs that preset at that placement only "
                             "(e.g. louiskv,arkvale@cpu)")
-    bench.add_argument("--placements", default="cpu,gpu", help="where the full KV lives: cpu (pinned), gpu")
+    bench.add_argument("--placements", default="cpu,gpu",
+                       help="where the full KV lives: cpu (pinned), gpu, or split (the GPU while it has room, then "
+                            "pinned host memory: a context neither holds alone, as 1M tokens at batch 1 on an H200)")
     bench.add_argument("--decode-steps", type=int, default=1024,
                        help="layer: generated tokens the index has room for (its capacity is what selection ranks)")
     bench.add_argument("--eager", action="store_true",
@@ -90,18 +92,18 @@ class BenchRows(list):
 
 def preset_placements(args) -> list[tuple[str, list[str]]]:
     """``--presets`` with each preset's placements: ``--placements``, or the one after ``NAME@``."""
-    accepted = ("cpu", "gpu")
+    accepted = ("cpu", "gpu", "split")
     default = [p for p in args.placements.split(",") if p]
     for placement in default:
         if placement not in accepted:
-            raise KVPolicyError(f"--placements takes cpu and/or gpu, got {placement!r}")
+            raise KVPolicyError(f"--placements takes {', '.join(accepted)}, got {placement!r}")
     cells = []
     for entry in (p for p in args.presets.split(",") if p):
         name, at, placement = entry.partition("@")
         if not name:
             raise KVPolicyError(f"--presets entry {entry!r} names no preset (NAME or NAME@PLACEMENT)")
         if at and placement not in accepted:
-            raise KVPolicyError(f"--presets entry {entry!r}: the placement after '@' must be cpu or gpu")
+            raise KVPolicyError(f"--presets entry {entry!r}: the placement after '@' must be one of {', '.join(accepted)}")
         cells.append((name, [placement] if at else default))
     return cells
 

@@ -107,3 +107,22 @@ def test_the_sweep_row_says_what_does_not_fit(monkeypatch):
     assert rows[0]["error"] == "does not fit: full-graph at 1 x 64 tokens needs 9.0 GiB of KV"
     assert not rows[0].get("failed")
     assert rows[1]["kind"] == "budget-floor" and "error" not in rows[1]
+
+
+@pytest.mark.parametrize("name", ["pariskv", "louiskv"])
+def test_a_split_row_decodes_over_the_device_and_the_host(name):
+    """``--presets NAME@split`` (the 1M row on a host too small for a pinned pool): a step replays
+    with one layer's pool on the device and the other's on the host."""
+    import kvpolicy
+    from kvpolicy.placement import pool_bytes
+    from kvpolicy.plan import PREFILL_RESERVE
+
+    from conftest import build_model
+
+    model = build_model("llama")  # 2 layers
+    config, context = model.config, 300
+    one_layer = pool_bytes(1, config.num_key_value_heads, context + PREFILL_RESERVE, config.head_dim, 4)
+    policy = kvpolicy.preset(name, budget=96, placement="split", gpu_pool_bytes=one_layer, backend="reference")
+    ms, stats = e2e.time_policy_decode(model, policy, 1, context, 2, emulate=True, with_stats=True)
+    assert ms > 0
+    assert stats.pool_device_layers == [0] and stats.pool_device_bytes == stats.pool_host_bytes > 0

@@ -52,8 +52,8 @@ def test_presets_lists_presets_and_components():
         (["calibrate", "--merge", "/no/such/shard.json"], "cannot read calibration shard '/no/such/shard.json'"),
         (["calibrate", "--samples", "4", "--steps", "16"], "= 64 tokens; a stored choice needs at least 200"),
         (["bench", "layer", "--backend", "reference", "--presets", "louiskv@disk"],
-         "the placement after '@' must be cpu or gpu"),
-        (["bench", "e2e", "--backend", "reference", "--placements", "cpu,nvme"], "--placements takes cpu and/or gpu"),
+         "the placement after '@' must be one of cpu, gpu, split"),
+        (["bench", "e2e", "--backend", "reference", "--placements", "cpu,nvme"], "--placements takes cpu, gpu, split"),
         (["bench", "e2e", "--backend", "reference", "--presets", "louiskv,@cpu"], "names no preset"),
     ],
 )
@@ -84,8 +84,9 @@ def test_bench_rows_name_each_presets_placements_and_reach_the_json_as_they_come
 
     from kvpolicy.cli.bench import BenchRows, preset_placements
 
-    args = Namespace(presets="louiskv,arkvale@cpu,quest@gpu", placements="cpu,gpu")
-    assert preset_placements(args) == [("louiskv", ["cpu", "gpu"]), ("arkvale", ["cpu"]), ("quest", ["gpu"])]
+    args = Namespace(presets="louiskv,arkvale@cpu,quest@gpu,pariskv@split", placements="cpu,gpu")
+    assert preset_placements(args) == [("louiskv", ["cpu", "gpu"]), ("arkvale", ["cpu"]), ("quest", ["gpu"]),
+                                       ("pariskv", ["split"])]
     path = tmp_path / "rows.json"
     rows = BenchRows(str(path), {"device": "cpu"})
     rows.append({"kind": "a"})
