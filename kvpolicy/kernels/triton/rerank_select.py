@@ -41,6 +41,7 @@ import triton.language as tl
 from ...analytic import nibble_values
 from ..dispatch import OPS, implement, triton_runs_on
 from .. import reference_analytic
+from . import scratch
 
 # candidates per program of the score and split passes (at most; SUB per step inside one):
 # about _CHUNKS_PER_ROW programs a row, so 32 rows (4 x 8 heads) fill the GPU at 128K (13K
@@ -317,6 +318,9 @@ def _finish_kernel(
 #    at it), then writes its chosen candidates at their places in position order, and its share
 #    of the update buffer's rows and the -1 tail (chunk 0: the row's count).
 #
+# The row histograms are self-clearing scratch (``scratch.zeroed``): the place pass's last program
+# of a row zeroes all four levels, so a call launches no fill for them.
+#
 # Each level and place program loads its first step's keys (and in a small call the place pass
 # its candidates' positions and slots: _PRELOAD_CANDIDATES) before the row's histogram, so those
 # loads overlap the pick's.
@@ -537,7 +541,7 @@ def _radix_level_kernel(
 
 @triton.jit
 def _radix_place_kernel(
-    keys_ptr, cand_ptr, row_hist_ptr, state_ptr, counts_ptr, token_valid_ptr, slots_ptr, indexed_ptr, next_ptr,
+    keys_ptr, cand_ptr, row_hist_ptr, done_ptr, state_ptr, counts_ptr, token_valid_ptr, slots_ptr, indexed_ptr, next_ptr,
     ids_ptr, out_slots_ptr, valid_ptr, count_ptr,
     H, W, CHUNKS, R, N, FILL,
     cand_sb, cand_sh, cand_sc, valid_sb, valid_sn, slot_s,
@@ -565,6 +569,14 @@ def _radix_place_kernel(
     prefix = tl.sum(tl.where(three == 0, state, 0), axis=0)
     need = tl.sum(tl.where(three == 1, state, 0), axis=0)
     take = tl.sum(tl.where(three == 2, state, 0), axis=0)
+    # the row histograms are self-clearing scratch (scratch.zeroed): the earlier passes' levels were
+    # read by launches that are done, the last one by this launch's programs; the row's last program
+    # to have read it zeroes all of them, and its ticket (the barrier puts this program's reads first)
+    tl.debug_barrier()
+    if tl.atomic_add(done_ptr + row, 1, sem="acq_rel") == CHUNKS - 1:
+        every = tl.arange(0, LEVELS * BINS)
+        tl.store(row_hist_ptr + row * LEVELS * BINS + every, tl.zeros([LEVELS * BINS], dtype=tl.int32))
+        tl.store(done_ptr + row, 0)
     digit, above = _pick(hist, bins, need)
     threshold = prefix | digit
     need_equal = need - above
@@ -762,7 +774,9 @@ def _radix(query_rotated, codes, weight, norms, candidates, token_valid, slots, 
         return ids, count.zero_(), out_slots, valid
     chunk = radix_chunk(rows, width)
     keys = torch.empty(rows, max(1, width), dtype=torch.int32, device=device)
-    row_hist = torch.zeros(rows, _RADIX_LEVELS, _RADIX_BINS, dtype=torch.int32, device=device)
+    # zero between calls, as the place pass leaves them: no fill launched (scratch.zeroed)
+    row_hist = scratch.zeroed(device, "rerank_select.row_hist", (rows, _RADIX_LEVELS, _RADIX_BINS))
+    done = scratch.zeroed(device, "rerank_select.done", (rows,))
     state = torch.empty(rows, _RADIX_LEVELS, 4, dtype=torch.int32, device=device)
     _score_launch(query_rotated, codes, weight, norms, candidates, keys, row_hist, chunk,
                   max(1, triton.cdiv(width, chunk)), False)
@@ -783,7 +797,7 @@ def _radix(query_rotated, codes, weight, norms, candidates, token_valid, slots, 
     valid_bytes = valid.view(torch.int8)
     token_bytes = token_valid.view(torch.uint8) if token_valid.dtype == torch.bool else token_valid
     _radix_place_kernel[(rows, chunks)](
-        keys, candidates, row_hist, state, counts, token_bytes, slots, indexed, next_position,
+        keys, candidates, row_hist, done, state, counts, token_bytes, slots, indexed, next_position,
         ids, out_slots, valid_bytes, count,
         heads, width, chunks, capacity, n, triton.cdiv(capacity, chunks),
         *candidates.stride(), *token_bytes.stride(), slots.stride(0),

@@ -653,6 +653,27 @@ def test_rerank_select_matches_reference(small_select, n, width, listed, indexed
     _assert_selects_like_reference(got, want, inputs, capacity)
 
 
+def test_rerank_select_leaves_its_scratch_zeroed_for_the_next_call(monkeypatch):
+    # the radix passes' row histograms are kept across calls (no fill launched): each call must
+    # find them zero and leave them so, or the next call's threshold is off
+    from kvpolicy.kernels.triton import rerank_select, scratch
+
+    monkeypatch.setattr(rerank_select, "METHOD", "radix")
+    # several chunks a row at these sizes, so the last program of several clears
+    monkeypatch.setattr(rerank_select, "_RADIX_PROGRAMS", 64)
+    monkeypatch.setattr(rerank_select, "_RADIX_SUB", 16)
+    monkeypatch.setattr(rerank_select, "_RADIX_SCORE_SUB", 8)
+    monkeypatch.setattr(rerank_select, "_RADIX_MIN_CHUNK", 8)
+    assert rerank_select.radix_chunk(6, 300) < 300
+    for seed, (n, width, capacity) in enumerate([(900, 500, 120), (600, 300, 64), (900, 500, 200)]):
+        inputs = _select_inputs(seed, 2, 3, n, 32, 4, width, [[width] * 3] * 2, n - 40, 9)
+        got = rerank_select.rerank_select(*[t.to(DEVICE) for t in inputs], capacity)
+        _assert_selects_like_reference(got, reference_analytic.rerank_select(*inputs, capacity), inputs, capacity)
+        histograms = scratch.zeroed(DEVICE, "rerank_select.row_hist", (6, rerank_select._RADIX_LEVELS,
+                                                                        rerank_select._RADIX_BINS))
+        assert not histograms.any() and not scratch.zeroed(DEVICE, "rerank_select.done", (6,)).any()
+
+
 def test_rerank_select_breaks_exact_ties_by_position(small_select):
     # every candidate scores the same (one code, weight and norm for all): the lowest positions win
     inputs = _select_inputs(4, 1, 2, 500, 32, 4, 300, [[300, 200]], 480, 3)
