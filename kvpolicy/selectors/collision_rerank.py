@@ -77,7 +77,7 @@ class CollisionRerank(Selector):
     The kernels (``kvpolicy.analytic``'s module docstring maps the pipeline's files): with ops
     ``query_votes``, ``collision_candidates`` and ``rerank_select`` bound (every backend has
     them), one launch for the query, three for the votes and the candidates (two in a call too
-    small for the GPU), five and a memset for the rerank, its top-k and the selection's rows; the
+    small for the GPU), five for the rerank, its top-k and the selection's rows; the
     retrieved tokens are then
     listed by position (the pool read in address order), after the buffer's. Otherwise ``collision_count`` and
     ``candidate_topk``, then ``rerank`` (best first) and the composition in PyTorch.
