@@ -52,16 +52,17 @@ NUM_STAGES = 3
 
 
 @triton.jit
-def _row_pointers(
+def _load_rows(
     k_base, v_base, offs, keep, d, stride_kn, stride_vn,
     pk_ptr, pv_ptr, slots_ptr, zone_ptr, b, h, pool_lo, pool_n, zone_end,
     pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh,
     FROM_POOL: tl.constexpr, HAS_ZONE: tl.constexpr,
 ):
-    """The ``[BLOCK_N, D]`` key and value pointers of the rows ``offs``: the part's rows, or with
-    ``FROM_POOL`` the pool row of the slot of each row in ``[pool_lo, pool_lo + pool_n)``."""
-    k_ptrs = k_base + offs[:, None] * stride_kn + d[None, :]
-    v_ptrs = v_base + offs[:, None] * stride_vn + d[None, :]
+    """The ``[BLOCK_N, D]`` key and value tiles of the rows ``offs`` where ``keep`` (zeros
+    elsewhere: invalid rows are not read, they may hold garbage): the part's rows, and with
+    ``FROM_POOL`` the pool row of the slot of each row in ``[pool_lo, pool_lo + pool_n)``. The pool's
+    rows are a second masked load, not a choice of pointers per row: a pointer chosen per row hid
+    their alignment from Triton (scalar loads, 255 registers and a spill stack, sm_90)."""
     if FROM_POOL:
         pooled = keep & (offs >= pool_lo) & (offs < pool_lo + pool_n)
         slot = tl.load(slots_ptr + b * s_sb + h * s_sh + (offs - pool_lo), mask=pooled, other=0).to(tl.int64)
@@ -72,11 +73,19 @@ def _row_pointers(
             zone_slot = tl.minimum(tl.maximum(slot, 0), zone_end - 1)
             mapped = tl.load(zone_ptr + b * z_sb + h * z_sh + zone_slot, mask=pooled & in_zone, other=0)
             row = tl.where(in_zone, mapped.to(tl.int64), slot)
-        pk_ptrs = pk_ptr + b * pk_sb + h * pk_sh + row[:, None] * pk_sn + d[None, :]
-        pv_ptrs = pv_ptr + b * pv_sb + h * pv_sh + row[:, None] * pv_sn + d[None, :]
-        k_ptrs = tl.where(pooled[:, None], pk_ptrs, k_ptrs)
-        v_ptrs = tl.where(pooled[:, None], pv_ptrs, v_ptrs)
-    return k_ptrs, v_ptrs
+        own = keep & ~pooled
+        k = tl.load(k_base + offs[:, None] * stride_kn + d[None, :], mask=own[:, None], other=0.0)
+        v = tl.load(v_base + offs[:, None] * stride_vn + d[None, :], mask=own[:, None], other=0.0)
+        k_pool = tl.load(pk_ptr + b * pk_sb + h * pk_sh + row[:, None] * pk_sn + d[None, :], mask=pooled[:, None],
+                         other=0.0)
+        v_pool = tl.load(pv_ptr + b * pv_sb + h * pv_sh + row[:, None] * pv_sn + d[None, :], mask=pooled[:, None],
+                         other=0.0)
+        k = tl.where(pooled[:, None], k_pool, k)
+        v = tl.where(pooled[:, None], v_pool, v)
+    else:
+        k = tl.load(k_base + offs[:, None] * stride_kn + d[None, :], mask=keep[:, None], other=0.0)
+        v = tl.load(v_base + offs[:, None] * stride_vn + d[None, :], mask=keep[:, None], other=0.0)
+    return k, v
 
 
 @triton.jit
@@ -109,14 +118,11 @@ def _attend_split(
         offs = lo + tl.arange(0, BLOCK_N)
         inside = offs < n
         keep = (tl.load(valid_base + offs * stride_mn, mask=inside, other=0) != 0) & inside
-        k_ptrs, v_ptrs = _row_pointers(
+        k, v = _load_rows(
             k_base, v_base, offs, keep, d, stride_kn, stride_vn,
             pk_ptr, pv_ptr, slots_ptr, zone_ptr, b, h, pool_lo, pool_n, zone_end,
             pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh, FROM_POOL, HAS_ZONE,
         )
-        # invalid rows are not read at all: they may hold garbage
-        k = tl.load(k_ptrs, mask=keep[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=keep[:, None], other=0.0)
         if QK_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
