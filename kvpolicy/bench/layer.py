@@ -163,8 +163,10 @@ def time_layer(
     every = torch.ones(b, dtype=torch.bool, device=device)
     none = torch.zeros(b, dtype=torch.bool, device=device)
 
-    # through the bound ops, as the decode step calls it (a fused trigger's kernels, not its reference)
-    trigger_ms = timer(lambda: policy.trigger.decide_fast(query, state.trigger_state, state.ops), device, repeats)
+    # through the bound ops, as the decode step calls it (a fused trigger's kernels, not its reference,
+    # and the decision's note); an always-reselecting trigger's step launches nothing for it
+    trigger_ms = 0.0 if policy.trigger.always_reselects else timer(
+        lambda: policy.trigger.decide_and_note(query, state.trigger_state, state.ops, state.decision()), device, repeats)
     # as the decode step calls it on a re-selecting step (a take mask unless the trigger always re-selects)
     take = None if policy.trigger.always_reselects else every
     selection_ms = timer(lambda: policy.selector.select(query, units, capacity, backend, take=take), device, repeats)

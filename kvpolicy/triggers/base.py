@@ -35,9 +35,10 @@ class Trigger:
     """
 
     registered_name: ClassVar[str] = ""
-    # True for a trigger whose decision is always "re-select": the selector then gets no
-    # ``take`` mask, so its kernels pick what is fastest when every row ranks. Subclasses
-    # inherit it: one whose ``decide`` can say False must set it back to False
+    # True for a trigger whose decision is always "re-select": the step then never calls it (the
+    # layer's decision is all True from the prefill on) and the selector gets no ``take`` mask, so
+    # its kernels pick what is fastest when every row ranks. Subclasses inherit it: one whose
+    # ``decide`` can say False must set it back to False
     always_reselects: ClassVar[bool] = False
 
     def validate(self) -> None:

@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+import kvpolicy
+
 from kvpolicy.errors import ConfigError
 from kvpolicy.triggers.query_cosine import QueryCosine
 
@@ -51,17 +53,30 @@ def test_unknown_reference_is_a_clear_error():
         QueryCosine(tau=0.8, against="last").validate()
 
 
-def test_every_step_decides_every_row_from_one_cached_tensor():
+def test_an_every_step_layer_decides_without_asking_its_trigger(monkeypatch):
+    """An always-reselecting trigger's decision is written at the prefill: the step never calls
+    it, and every sequence still counts a re-selection at every step."""
     from kvpolicy.triggers.every_step import EveryStep
 
-    trigger = EveryStep()
-    query = torch.zeros(3, 4, 8)
-    with torch.inference_mode():
-        fire = trigger.decide_fast(query, None, None)
-    assert fire.dtype == torch.bool and fire.tolist() == [True] * 3
-    assert trigger.decide_fast(query, None, None) is fire  # no launch on a later step
-    assert trigger.decide_fast(torch.zeros(2, 4, 8), None, None).tolist() == [True] * 2
-    assert torch.equal(trigger.decide(query, None), fire)
+    from conftest import build_model, left_padded_batch
+
+    assert EveryStep().decide(torch.zeros(3, 4, 8), None).tolist() == [True] * 3
+
+    def asked(*args, **kwargs):
+        raise AssertionError("the decode step asked an always-reselecting trigger")
+
+    monkeypatch.setattr(EveryStep, "decide", asked)
+    monkeypatch.setattr(EveryStep, "decide_and_note", asked)
+    model = build_model("llama")
+    ids, mask = left_padded_batch(200)
+    policy = kvpolicy.preset("quest", budget=96)
+    with torch.no_grad(), policy.apply(model) as session:
+        model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    for state in session.cache.policy_layers():
+        assert state.reselections.tolist() == [state.decode_steps] * ids.shape[0] == [5] * ids.shape[0]
+        assert bool(state.reselect.all())
+        # every decode slot is a boundary, none of the prompt's
+        assert bool(state.boundary[:, 200:].all()) and not bool(state.boundary[:, :200].any())
 
 
 def _prefilled(preset: str, **options):
@@ -112,16 +127,16 @@ def test_an_always_reselecting_step_admits_with_no_launch_unless_it_evicts(prese
     masks = []
     real_admit = state.store.admit
 
-    def spy(evicted, mask, ops, evict=False):
-        masks.append(mask.clone())
-        return real_admit(evicted, mask, ops, evict)
+    def spy(evicted, reselected, ops, evict=False):
+        masks.append(reselected.clone())
+        return real_admit(evicted, reselected, ops, evict)
 
     monkeypatch.setattr(state.store, "admit", spy)
     for _ in range(3):
         q, k, v = torch.randn(3, 2, 4, 16, generator=gen)
         state.decode(q, k[:, :2], v[:, :2], 0.25)
     assert len(masks) == launches
-    if policy.trigger.always_reselects:
-        assert not any(bool(m.any()) for m in masks)
+    if policy.trigger.always_reselects:  # every row re-selected: none admits
+        assert all(bool(m.all()) for m in masks)
     if admit == "evict":  # the kept rows are the last selection's
         assert bool((state.store.kept == state.store.retrieved.fill).all())
