@@ -244,7 +244,7 @@ def follow_leaving_token(state, leaving_unheld: bool, evict: bool) -> None:
 
 
 def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float,
-                   bound: torch.Tensor | None = None) -> torch.Tensor:
+                   bound: torch.Tensor | None = None, *, decision=None) -> torch.Tensor:
     """The score-gap trigger's step (``triggers/score_gap.py``): follow the leaving token, then fire
     ``(B,)`` where, in any KV head, the gap (``trigger.measure``) of ``scores * scale`` (the
     selector's ``(B, H, U)`` unit scores, ``-inf`` where not selectable) exceeds ``trigger.margin``,
@@ -254,7 +254,7 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float,
     token's score), read where ``trigger.estimate == "bound"`` (measure ``mass``: an unheld unit's
     log mass is at least its best token's bound); with ``estimate == "gauss"`` or ``"outlier"`` it is
     the trigger's correction to the unit logits instead. ``state.gap`` gets the largest gap, clamped to
-    +-1e4."""
+    +-1e4. ``decision``: a layer's ``Decision``, written as ``note_decision`` writes it."""
     layer = state.layer
     follow_leaving_token(state, trigger.leaving == "unheld", layer.policy.admit == "evict")
     now = scores * scale
@@ -307,6 +307,8 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float,
         state.age.add_(1)
         fire = fire | (state.age >= cap)
     state.gap.copy_(gap.clamp(min=-1e4, max=1e4))
+    if decision is not None:
+        note_decision(fire, *decision)
     return fire
 
 

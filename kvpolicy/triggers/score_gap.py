@@ -30,6 +30,7 @@ hands itself over (``Trigger.attach``).
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from ..errors import ConfigError
 from ..kernels import reference_step
 from ..kernels.reference_step import held_units_mask, open_unit_size
 from ..registry import register
-from .base import Trigger
+from .base import Decision, Trigger
 
 
 @dataclass
@@ -237,6 +238,12 @@ class ScoreGap(Trigger):
         if type(self).decide is not ScoreGap.decide:  # a subclass with its own decision
             return self.decide(query, state)
         return self._decide(query, state, ops.score_gap_fire)
+
+    def decide_and_note(self, query: torch.Tensor, state: ScoreGapState, ops, decision: Decision) -> None:
+        """The fire and the note in the fire op's last launch (``score_gap_fire``'s ``decision``)."""
+        if type(self).decide is not ScoreGap.decide:
+            return super().decide_and_note(query, state, ops, decision)
+        self._decide(query, state, functools.partial(ops.score_gap_fire, decision=decision))
 
     def _spread(self, query: torch.Tensor, state: ScoreGapState) -> torch.Tensor:
         """``estimate="gauss"`` (reference only, an experiment): ``(B, H, U)`` half the query group's

@@ -12,7 +12,8 @@ unit scoring, and every small launch of a replayed graph costs about what it run
    or a logsumexp of their estimated mass), and clears the marks it read. Blocks run in parallel:
    one program walking a head's whole table was latency-bound (24 us a layer at 4x128K, H200).
 3. ``_decide_kernel``, one program per sequence: combines the blocks and heads, and the largest
-   gap over the heads decides.
+   gap over the heads decides; given the layer's ``Decision``, it also writes the step's decision
+   there (``note_decision``'s work, so the step launches no note).
 
 Measure ``rank``: the first launch also takes the held units' mean score (over the held list, a unit
 listed once), the second counts the unheld units above it per block, the third sums the counts.
@@ -153,7 +154,8 @@ def _gap_blocks_kernel(
 def _decide_kernel(
     parts_ptr, has_ptr, above_ptr, open_ptr, seen_open_ptr, fire_ptr, out_gap_ptr,
     age_ptr, H, S, parts_sk, pt_sb, pt_sh, margin, follow_margin, cap,
-    MASS: tl.constexpr, RANK: tl.constexpr, FOLLOW: tl.constexpr, CAP: tl.constexpr,
+    noted_ptr, count_ptr, boundary_ptr, slot_ptr, reselect_ptr, boundary_sb,
+    MASS: tl.constexpr, RANK: tl.constexpr, FOLLOW: tl.constexpr, CAP: tl.constexpr, NOTE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -195,6 +197,12 @@ def _decide_kernel(
     tl.store(fire_ptr + b, fire.to(tl.uint8))
     tl.store(out_gap_ptr + b, tl.where(worst > 1e4, 1e4, tl.where(worst < -1e4, -1e4, worst)))
     tl.store(seen_open_ptr + b, tl.load(open_ptr + b))
+    if NOTE:  # note_decision's work for this sequence: the layer's decision, its boundary and counters
+        decided = fire | (tl.load(noted_ptr + b) == 0)
+        tl.store(reselect_ptr + b, decided.to(tl.uint8))
+        tl.store(boundary_ptr + b * boundary_sb + tl.load(slot_ptr).to(tl.int64), decided.to(tl.uint8))
+        tl.store(noted_ptr + b, tl.full([], 1, tl.uint8))
+        tl.store(count_ptr + b, tl.load(count_ptr + b) + decided.to(tl.int64))
 
 
 def _scratch_mask(state, batch: int, heads: int, units: int, device: torch.device) -> torch.Tensor:
@@ -208,8 +216,8 @@ def _scratch_mask(state, batch: int, heads: int, units: int, device: torch.devic
 
 
 @implement("triton", "score_gap_fire", supports=triton_runs_on)
-def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float) -> torch.Tensor:
-    """Three launches of ``reference_step.score_gap_fire``."""
+def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float, *, decision=None) -> torch.Tensor:
+    """Three launches of ``reference_step.score_gap_fire`` (the last also writes ``decision``)."""
     batch, heads, units = scores.shape
     layer = state.layer
     table, store = layer.units, layer.store
@@ -255,11 +263,15 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float) -> torch.
     above = state.above.reselect if follow else state.has_selection  # read only when following
     cap = trigger.cap > 0
     age = state.age if cap else table.open_unit  # read only with a cap
+    note = decision is not None
+    # without a decision, any tensors of the right kinds as placeholders (never read: NOTE False)
+    noted, count, boundary, slot, reselect = decision if note else (fire, age, fire.view(1, -1), age, fire)
     _decide_kernel[(batch,)](
         parts, state.has_selection.view(torch.uint8), above.view(torch.uint8), table.open_unit, state.seen_open,
         fire.view(torch.uint8), state.gap, age, heads, blocks, parts.stride(0), *parts.stride()[1:3],
         float(margin), float(margin - trigger.follow) if follow else 0.0, int(trigger.cap),
-        MASS=mass, RANK=rank, FOLLOW=follow, CAP=cap,
+        noted.view(torch.uint8), count, boundary.view(torch.uint8), slot, reselect.view(torch.uint8), boundary.stride(0),
+        MASS=mass, RANK=rank, FOLLOW=follow, CAP=cap, NOTE=note,
         BLOCK_H=triton.next_power_of_2(heads), BLOCK_S=triton.next_power_of_2(blocks),
     )
     return fire

@@ -137,6 +137,51 @@ def test_score_gap_fire_matches_reference(measure, leaving, admit, follow, cap):
     assert by_gap and kept, f"not both decisions were tested: {by_gap} fired on the gap, {kept} kept"
 
 
+@pytest.mark.parametrize("measure", ["mass", "rank"])
+def test_score_gap_fire_writes_the_decision_as_note_decision_does(measure):
+    """Given the layer's ``Decision``, the fused op's last launch writes it (no note launch): as
+    the reference fire followed by ``note_decision``, bit for bit, over steps whose decisions differ."""
+    from kvpolicy.triggers.base import Decision
+
+    triton_ops = dispatch.bind("triton", DEVICE)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    # a margin no gap reaches: the trigger fires where its state has no selection (row 0), and the
+    # layer's decision is also True where the layer has none yet (row 1, at the first step)
+    trigger = ScoreGap(margin=1e5, measure=measure, leaving="ignored")
+    ref = _state(gen, batch=4, heads=2, units=1500, room=12, prompt_units=1400, admit="room", above=False)
+    ref.has_selection.copy_(torch.tensor([False, True, True, True]))
+    fast = copy.deepcopy(ref)
+    capacity = 40
+
+    def decision():
+        return Decision(has_selection=(torch.rand(4, generator=gen) < 0.7).to(DEVICE),
+                        reselections=torch.randint(0, 9, (4,), generator=gen).to(DEVICE),
+                        boundary=(torch.rand(4, capacity, generator=gen) < 0.5).to(DEVICE),
+                        slot=torch.tensor(0, device=DEVICE), reselect=torch.zeros(4, dtype=torch.bool, device=DEVICE))
+
+    want = decision()
+    want.has_selection.copy_(torch.tensor([True, False, True, True]))
+    got = Decision(*(t.clone() for t in want))
+    decision_before = want.reselections.tolist()
+    seen = set()
+    for step in range(4):
+        want.slot.fill_(20 + step)
+        got.slot.fill_(20 + step)
+        scores = _scores(gen, ref)
+        fire = reference_step.score_gap_fire(trigger, ref, scores, 0.25)
+        reference_step.note_decision(fire, *want)
+        fired = triton_ops.score_gap_fire(trigger, fast, scores.clone(), 0.25, decision=got)
+        assert torch.equal(fired, fire), f"step {step}: fire differs"
+        for name, a, b in zip(Decision._fields, got, want):
+            assert torch.equal(a, b), f"step {step}: {name} differs from note_decision's"
+        seen.update(want.reselect.tolist())
+        look = torch.Generator().set_state(gen.get_state())
+        _next_look(gen, ref)
+        _next_look(look, fast)
+    assert seen == {True, False}, "every row decided alike: the note was not tested both ways"
+    assert want.reselections.tolist() != decision_before, "no decision was counted"
+
+
 # fewer ids than the held list's length, as many, more; a held list past one block (1,024 rows)
 @pytest.mark.parametrize("listed, room", [(5, 12), (12, 12), (20, 12), (1500, 1100)])
 def test_score_gap_selected_matches_reference(listed, room):
