@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -140,3 +141,27 @@ def test_an_always_reselecting_step_admits_with_no_launch_unless_it_evicts(prese
         assert all(bool(m.all()) for m in masks)
     if admit == "evict":  # the kept rows are the last selection's
         assert bool((state.store.kept == state.store.retrieved.fill).all())
+
+
+@pytest.mark.parametrize("preset, trigger, per_step", [
+    ("quest", None, []),  # every step: decided at the prefill, no launch
+    ("louiskv", {"name": "interval", "n": 3}, ["interval_decision"]),  # fire and note in one op
+    ("louiskv", {"name": "score_gap", "measure": "mass", "leaving": "ignored"}, ["score_gap_fire"]),  # notes too
+    ("louiskv", {"name": "query_cosine", "tau": 0.9}, ["query_cosine_fire", "note_decision"]),  # a fire op, a note
+])
+def test_a_step_writes_its_decision_in_the_fewest_ops(preset, trigger, per_step, monkeypatch):
+    """The bound decision ops a decode step calls: none for an always-reselecting trigger, one where
+    a trigger's own op writes the decision, a fire op and ``note_decision`` otherwise."""
+    options = {} if trigger is None else {"trigger": trigger}
+    state, gen = _prefilled(preset, **options)
+    calls = []
+    ops = copy.copy(state.ops)
+    for name in ("note_decision", "interval_fire", "interval_decision", "score_gap_fire", "query_cosine_fire"):
+        real = getattr(ops, name)
+        setattr(ops, name, lambda *args, _real=real, _name=name, **kwargs: (calls.append(_name), _real(*args, **kwargs))[1])
+    state.ops = ops
+    for _ in range(3):
+        q, k, v = torch.randn(3, 2, 4, 16, generator=gen)
+        state.decode(q, k[:, :2], v[:, :2], 0.25)
+    assert calls == per_step * 3
+    assert int(state.reselections.min()) >= 1
