@@ -5,9 +5,9 @@ change costs in registers and whether its loads stay 16-byte ``cp.async`` copies
     python3 benchmarks/kernel_resources.py [--dim 128] [--group 4] [--dtype bf16] [--arch 90]
 
 Compiles ``kvpolicy.kernels.triton.attention._split_kernel`` as a launch would specialise it (the
-pointers and the strides that are multiples of 16 marked so; ``BLOCK_N`` and warps as
-``sparse_decode_attention`` picks them), once per variant: a part alone, with pool rows by slot
-(``PoolRows``), and with pool rows through the prompt zone's map. Prints each variant's registers
+pointers and the strides that are multiples of 16 marked so, integers as i32; ``BLOCK_N`` and warps
+as ``sparse_decode_attention`` picks them), once per variant: a part alone, with pool rows by slot
+(``PoolRows``) and through the prompt zone's map, each loaded both ways (``POOL_ROWS_BY_POINTER``). Prints each variant's registers
 and spill stack (``cuobjdump -res-usage``) and its global loads by PTX instruction. Uses Triton's
 compiler internals (``ASTSource``, ``GPUTarget``), which move between Triton releases: checked with
 Triton 3.9 on the CPU; the lent GPU's 3.6 may allocate differently, so read figures as a comparison
@@ -30,11 +30,18 @@ from triton.compiler import ASTSource
 
 from kvpolicy.kernels.triton import attention
 
-CONSTEXPRS = ("G", "G_PAD", "D", "BLOCK_N", "QK_FP32", "PV_FP32", "FROM_POOL", "HAS_ZONE")
+CONSTEXPRS = ("G", "G_PAD", "D", "BLOCK_N", "QK_FP32", "PV_FP32", "FROM_POOL", "HAS_ZONE", "BY_POINTER")
 # integer arguments a launch passes as multiples of 16 (strides of dense (B, H, N, D) tensors)
+# (the valid mask's strides are the part's row counts: not marked)
 DIVISIBLE = ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn",
-             "stride_mb", "stride_mh", "pk_sb", "pk_sh", "pk_sn", "pv_sb", "pv_sh", "pv_sn")
-VARIANTS = {"part alone": (False, False), "pool rows by slot": (True, False), "pool rows through the zone": (True, True)}
+             "pk_sb", "pk_sh", "pk_sn", "pv_sb", "pv_sh", "pv_sn")
+VARIANTS = {  # (FROM_POOL, HAS_ZONE, BY_POINTER)
+    "part alone": (False, False, True),
+    "pool rows by slot, a pointer a row": (True, False, True),
+    "pool rows by slot, two loads": (True, False, False),
+    "pool rows through the zone, a pointer a row": (True, True, True),
+    "pool rows through the zone, two loads": (True, True, False),
+}
 
 
 def _pointer_type(name: str, dtype: str) -> str:
@@ -43,7 +50,7 @@ def _pointer_type(name: str, dtype: str) -> str:
     return {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "slots_ptr": "*i64", "zone_ptr": "*i32"}.get(name, "*u8")
 
 
-def compile_variant(from_pool: bool, has_zone: bool, dim: int, group: int, dtype: str, arch: int):
+def compile_variant(from_pool: bool, has_zone: bool, by_pointer: bool, dim: int, group: int, dtype: str, arch: int):
     fn = attention._split_kernel
     params = list(inspect.signature(fn.fn).parameters)
     signature = {}
@@ -53,10 +60,12 @@ def compile_variant(from_pool: bool, has_zone: bool, dim: int, group: int, dtype
         elif name.endswith("_ptr"):
             signature[name] = _pointer_type(name, dtype)
         else:
-            signature[name] = "fp32" if name == "qk_scale" else "i64"
+            # ints below 2**31 launch as i32, as these do at decode sizes (a 1M-token pool's
+            # strides past it would be i64)
+            signature[name] = "fp32" if name == "qk_scale" else "i32"
     constexprs = dict(G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim,
                       BLOCK_N=attention._block_n(dim, 4 if dtype == "fp32" else 2), QK_FP32=dtype == "fp32",
-                      PV_FP32=dtype == "fp32", FROM_POOL=from_pool, HAS_ZONE=has_zone)
+                      PV_FP32=dtype == "fp32", FROM_POOL=from_pool, HAS_ZONE=has_zone, BY_POINTER=by_pointer)
     divisible = [p for p in params if p.endswith("_ptr") or p in DIVISIBLE]
     source = ASTSource(fn=fn, signature=signature,
                        constexprs={(params.index(k),): v for k, v in constexprs.items()},
@@ -89,10 +98,10 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90, help="compute capability, 90 for sm_90")
     args = parser.parse_args()
     print(f"triton {triton.__version__}, sm_{args.arch}, head_dim {args.dim}, group {args.group}, {args.dtype}")
-    for label, (from_pool, has_zone) in VARIANTS.items():
-        kernel = compile_variant(from_pool, has_zone, args.dim, args.group, args.dtype, args.arch)
-        print(f"{label:28s} {resources(kernel)}")
-        print(f"{'':28s} {loads(kernel)}")
+    for label, variant in VARIANTS.items():
+        kernel = compile_variant(*variant, args.dim, args.group, args.dtype, args.arch)
+        print(f"{label:44s} {resources(kernel)}")
+        print(f"{'':44s} {loads(kernel)}")
 
 
 if __name__ == "__main__":

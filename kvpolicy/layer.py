@@ -170,8 +170,8 @@ class PolicyLayerState:
     def reselections(self) -> torch.Tensor | None:
         """``(B,)`` long: the decode steps at which each sequence re-selected (None before the
         prompt). An always-reselecting trigger's step writes no decision, so its count is every
-        step, from the host's step counter."""
-        if self._reselections is not None and self.policy.trigger.always_reselects:
+        step, from the host's step counter (a policy without a selector never re-selects: 0)."""
+        if self._reselections is not None and self.policy.trigger.always_reselects and self.policy.selector is not None:
             return torch.full_like(self._reselections, self.decode_steps)
         return self._reselections
 

@@ -193,5 +193,7 @@ def time_layer(
         trigger_ms=trigger_ms, selection_ms=selection_ms, transfer_ms=transfer_ms,
         reuse_transfer_ms=reuse_transfer_ms, reuse_selection_ms=reuse_selection_ms, attention_ms=attention_ms,
         full_sdpa_ms=full_ms,
-        transfer_bytes=2 * b * h * capacity * row, timing="replay" if replay else "eager", units=units.capacity,
+        # a pool attended by slot moves no row at a re-selection (its transfer is the commit alone)
+        transfer_bytes=0 if store.attends_pool_by_slot else 2 * b * h * capacity * row,
+        timing="replay" if replay else "eager", units=units.capacity,
     )

@@ -90,9 +90,13 @@ class BenchRows(list):
             partial.replace(path)
 
 
-def preset_placements(args) -> list[tuple[str, list[str]]]:
+# where a benchmark may put the pools; one layer alone has no split to make
+PLACEMENTS = ("cpu", "gpu", "split")
+LAYER_PLACEMENTS = ("cpu", "gpu")
+
+
+def preset_placements(args, accepted: tuple[str, ...] = PLACEMENTS) -> list[tuple[str, list[str]]]:
     """``--presets`` with each preset's placements: ``--placements``, or the one after ``NAME@``."""
-    accepted = ("cpu", "gpu", "split")
     default = [p for p in args.placements.split(",") if p]
     for placement in default:
         if placement not in accepted:
@@ -136,7 +140,8 @@ def main(args) -> int:
     dispatch.check(args.backend, device)
     if device.type != "cuda":
         print("kvpolicy bench: no CUDA device; timings on the CPU say nothing about the GPU path", file=sys.stderr)
-    preset_placements(args)  # a bad --presets or --placements fails before any model is built
+    # a bad --presets or --placements fails before any model is built
+    preset_placements(args, LAYER_PLACEMENTS if args.what == "layer" else PLACEMENTS)
     check_writable(args.json, "--json")
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "args": {k: v for k, v in vars(args).items() if k != "sub_plugin"}}
@@ -302,8 +307,8 @@ def layer(args, device, rows: BenchRows) -> bool:
     print(f"{'preset':9s} {'pool':4s} {'B':>2s} {'context':>8s} {'trigger':>8s} {'select':>8s} {'transfer':>9s} "
           f"{'attn':>7s} {'reselect':>9s} {'reuse':>7s} {'amortised':>9s} {'full':>7s}   (ms)")
     for row in sweeps.layer(device, contexts=ints(args.contexts or "32768,131072,524288", "contexts"),
-                            batches=ints(args.batches, "batches"), cells=preset_placements(args), budget=args.budget,
-                            backend=args.backend, rate=args.rate, random_units=not args.kmeans, repeats=args.repeats,
+                            batches=ints(args.batches, "batches"), cells=preset_placements(args, LAYER_PLACEMENTS),
+                            budget=args.budget, backend=args.backend, rate=args.rate, random_units=not args.kmeans, repeats=args.repeats,
                             replay=replay, decode_steps=args.decode_steps):
         rows.append(row)
         full = "" if row["full_sdpa_ms"] is None else f"{row['full_sdpa_ms']:7.3f}"

@@ -404,7 +404,7 @@ def sparse_decode_attention(
 
 def with_pool_rows(keys: torch.Tensor, values: torch.Tensor, from_pool) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of a part's ``keys``/``values`` whose rows ``from_pool`` (a ``PoolRows``) names hold
-    the pool rows of its slots (a slot outside the pool reads row 0: such a row is never valid)."""
+    the pool rows of its slots (a slot outside the pool is clamped into it: such a row is never valid)."""
     zone_rows = from_pool.zone_rows if from_pool.zone_end > 0 else None
     capacity = from_pool.keys.shape[2]
     rows = pool_rows(from_pool.slots, zone_rows).long().clamp(0, capacity - 1)

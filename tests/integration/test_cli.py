@@ -52,6 +52,11 @@ def test_presets_lists_presets_and_components():
         (["calibrate", "--merge", "/no/such/shard.json"], "cannot read calibration shard '/no/such/shard.json'"),
         (["calibrate", "--samples", "4", "--steps", "16"], "= 64 tokens; a stored choice needs at least 200"),
         (["bench", "layer", "--backend", "reference", "--presets", "louiskv@disk"],
+         "the placement after '@' must be one of cpu, gpu\n"),
+        # one layer alone has no split to make; e2e runs it
+        (["bench", "layer", "--backend", "reference", "--presets", "louiskv@split"],
+         "'louiskv@split': the placement after '@' must be one of cpu, gpu\n"),
+        (["bench", "e2e", "--backend", "reference", "--presets", "louiskv@disk"],
          "the placement after '@' must be one of cpu, gpu, split"),
         (["bench", "e2e", "--backend", "reference", "--placements", "cpu,nvme"], "--placements takes cpu, gpu, split"),
         (["bench", "e2e", "--backend", "reference", "--presets", "louiskv,@cpu"], "names no preset"),

@@ -9,9 +9,9 @@ all splits of all parts for each query head. Long parts get enough splits to fil
 short ones stay in one.
 
 A part may name rows it reads from a GPU pool instead (a ``PoolRows``: rows ``[start, start + R)``
-by slot): those tiles' rows load from the pool row of their slot (mapped through the prompt zone's
-``zone_rows``), the others from the part, in the same loads (a pointer per row), so a GPU pool's
-re-selection moves no rows at all.
+by slot): those rows load from the pool row of their slot (mapped through the prompt zone's
+``zone_rows``), the others from the part (``_load_rows``), so a GPU pool's re-selection moves no rows
+at all.
 
 Semantics beyond the reference: positions whose ``valid`` is False are never read (their cache
 slots may hold garbage or NaN), and a query head with no valid position in any part gets a zero
@@ -49,6 +49,12 @@ _DEFAULT_SMS = 132  # an H100/H200; used off-GPU (the interpreter) so split choi
 _COMBINE_BLOCK = 16  # splits merged per step in stage 2
 NUM_WARPS = 4
 NUM_STAGES = 3
+# how a part's pool rows load (``_load_rows``): True, one load through a pointer chosen per row;
+# False, a second masked load and a choice of values. Compiled offline for sm_90 as a launch
+# specialises them (benchmarks/kernel_resources.py, Triton 3.9, head_dim 128): 142 registers against
+# 175 (197 against 232 through the zone map; a part alone 135), both as 16-byte cp.async loads with no
+# spill; which is faster is not measured yet (no GPU in session 20)
+POOL_ROWS_BY_POINTER = True
 
 
 @triton.jit
@@ -56,13 +62,12 @@ def _load_rows(
     k_base, v_base, offs, keep, d, stride_kn, stride_vn,
     pk_ptr, pv_ptr, slots_ptr, zone_ptr, b, h, pool_lo, pool_n, zone_end,
     pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh,
-    FROM_POOL: tl.constexpr, HAS_ZONE: tl.constexpr,
+    FROM_POOL: tl.constexpr, HAS_ZONE: tl.constexpr, BY_POINTER: tl.constexpr,
 ):
     """The ``[BLOCK_N, D]`` key and value tiles of the rows ``offs`` where ``keep`` (zeros
     elsewhere: invalid rows are not read, they may hold garbage): the part's rows, and with
-    ``FROM_POOL`` the pool row of the slot of each row in ``[pool_lo, pool_lo + pool_n)``. The pool's
-    rows are a second masked load, not a choice of pointers per row: a pointer chosen per row hid
-    their alignment from Triton (scalar loads, 255 registers and a spill stack, sm_90)."""
+    ``FROM_POOL`` the pool row of the slot of each row in ``[pool_lo, pool_lo + pool_n)``, through a
+    pointer chosen per row (``BY_POINTER``) or a second masked load (``POOL_ROWS_BY_POINTER``)."""
     if FROM_POOL:
         pooled = keep & (offs >= pool_lo) & (offs < pool_lo + pool_n)
         slot = tl.load(slots_ptr + b * s_sb + h * s_sh + (offs - pool_lo), mask=pooled, other=0).to(tl.int64)
@@ -73,15 +78,19 @@ def _load_rows(
             zone_slot = tl.minimum(tl.maximum(slot, 0), zone_end - 1)
             mapped = tl.load(zone_ptr + b * z_sb + h * z_sh + zone_slot, mask=pooled & in_zone, other=0)
             row = tl.where(in_zone, mapped.to(tl.int64), slot)
-        own = keep & ~pooled
-        k = tl.load(k_base + offs[:, None] * stride_kn + d[None, :], mask=own[:, None], other=0.0)
-        v = tl.load(v_base + offs[:, None] * stride_vn + d[None, :], mask=own[:, None], other=0.0)
-        k_pool = tl.load(pk_ptr + b * pk_sb + h * pk_sh + row[:, None] * pk_sn + d[None, :], mask=pooled[:, None],
-                         other=0.0)
-        v_pool = tl.load(pv_ptr + b * pv_sb + h * pv_sh + row[:, None] * pv_sn + d[None, :], mask=pooled[:, None],
-                         other=0.0)
-        k = tl.where(pooled[:, None], k_pool, k)
-        v = tl.where(pooled[:, None], v_pool, v)
+        k_rows = pk_ptr + b * pk_sb + h * pk_sh + row[:, None] * pk_sn + d[None, :]
+        v_rows = pv_ptr + b * pv_sb + h * pv_sh + row[:, None] * pv_sn + d[None, :]
+        k_own = k_base + offs[:, None] * stride_kn + d[None, :]
+        v_own = v_base + offs[:, None] * stride_vn + d[None, :]
+        if BY_POINTER:
+            k = tl.load(tl.where(pooled[:, None], k_rows, k_own), mask=keep[:, None], other=0.0)
+            v = tl.load(tl.where(pooled[:, None], v_rows, v_own), mask=keep[:, None], other=0.0)
+        else:
+            own = keep & ~pooled
+            k = tl.where(pooled[:, None], tl.load(k_rows, mask=pooled[:, None], other=0.0),
+                         tl.load(k_own, mask=own[:, None], other=0.0))
+            v = tl.where(pooled[:, None], tl.load(v_rows, mask=pooled[:, None], other=0.0),
+                         tl.load(v_own, mask=own[:, None], other=0.0))
     else:
         k = tl.load(k_base + offs[:, None] * stride_kn + d[None, :], mask=keep[:, None], other=0.0)
         v = tl.load(v_base + offs[:, None] * stride_vn + d[None, :], mask=keep[:, None], other=0.0)
@@ -98,6 +107,7 @@ def _attend_split(
     pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh,
     G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_FP32: tl.constexpr, PV_FP32: tl.constexpr, FROM_POOL: tl.constexpr, HAS_ZONE: tl.constexpr,
+    BY_POINTER: tl.constexpr,
 ):
     """Online softmax of one split of one part for the ``G_PAD`` query rows ``q``."""
     d = tl.arange(0, D)
@@ -121,7 +131,7 @@ def _attend_split(
         k, v = _load_rows(
             k_base, v_base, offs, keep, d, stride_kn, stride_vn,
             pk_ptr, pv_ptr, slots_ptr, zone_ptr, b, h, pool_lo, pool_n, zone_end,
-            pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh, FROM_POOL, HAS_ZONE,
+            pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh, FROM_POOL, HAS_ZONE, BY_POINTER,
         )
         if QK_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -154,6 +164,7 @@ def _split_kernel(
     pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_FP32: tl.constexpr, PV_FP32: tl.constexpr, FROM_POOL: tl.constexpr, HAS_ZONE: tl.constexpr,
+    BY_POINTER: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -168,7 +179,7 @@ def _split_kernel(
         stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mn,
         pk_ptr, pv_ptr, slots_ptr, zone_ptr, pool_lo, pool_n, zone_end,
         pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh,
-        G_PAD, D, BLOCK_N, QK_FP32, PV_FP32, FROM_POOL, HAS_ZONE,
+        G_PAD, D, BLOCK_N, QK_FP32, PV_FP32, FROM_POOL, HAS_ZONE, BY_POINTER,
     )
     # partials are laid out (B * Hq, total_splits[, D]); row = b * Hq + h * G + g
     row = bh * G + g
@@ -373,6 +384,7 @@ def sparse_decode_attention(
             args[3], kv_heads, total_splits, offset, args[4], qk_scale,
             query.stride(0), query.stride(1), *args[5:], *pool_args,
             G=group, G_PAD=group_pad, D=dim, BLOCK_N=block_n, FROM_POOL=from_pool, HAS_ZONE=has_zone,
+            BY_POINTER=POOL_ROWS_BY_POINTER,
             # float32 tiles, or a query of another dtype, take exact float32 dots
             QK_FP32=keys.dtype == torch.float32 or keys.dtype != query.dtype or keys.dtype in fp32_dots_for,
             PV_FP32=values.dtype == torch.float32 or values.dtype in fp32_dots_for,
