@@ -13,6 +13,8 @@ step gpu_tests 240 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/tri
 # rows copied (as before), each run with its own full-graph and budget-floor rows
 step e2e_32k 150 $E2E --contexts 32768 --batches 1 --presets pariskv@gpu,louiskv@gpu --json "$OUT/e2e_32k.json"
 step e2e_32k_copied 150 $COPIED --contexts 32768 --batches 1 --presets pariskv@gpu,louiskv@gpu --json "$OUT/e2e_32k_copied.json"
+# the pool rows loaded the other way (two masked loads, not a pointer a row: attention.POOL_ROWS_BY_POINTER)
+step e2e_32k_two_loads 150 python3 benchmarks/with_settings.py kvpolicy.kernels.triton.attention.POOL_ROWS_BY_POINTER=False -- ${E2E#python3 } --contexts 32768 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_32k_two_loads.json"
 step e2e_128k4 200 $E2E --contexts 131072 --batches 4 --presets pariskv@gpu,louiskv@gpu --json "$OUT/e2e_128k4.json"
 ;;
 second)  # call 2: the rest of the GPU-pool rows, the pinned interval row at 4x128K (the interval trigger's
