@@ -37,6 +37,7 @@ import triton.language as tl
 
 from ...errors import ConfigError
 from ..dispatch import implement, triton_runs_on
+from .step import note_rows
 
 _GAP_BLOCK = 1024  # units a program of the gap pass reads
 
@@ -198,11 +199,7 @@ def _decide_kernel(
     tl.store(out_gap_ptr + b, tl.where(worst > 1e4, 1e4, tl.where(worst < -1e4, -1e4, worst)))
     tl.store(seen_open_ptr + b, tl.load(open_ptr + b))
     if NOTE:  # note_decision's work for this sequence: the layer's decision, its boundary and counters
-        decided = fire | (tl.load(noted_ptr + b) == 0)
-        tl.store(reselect_ptr + b, decided.to(tl.uint8))
-        tl.store(boundary_ptr + b * boundary_sb + tl.load(slot_ptr).to(tl.int64), decided.to(tl.uint8))
-        tl.store(noted_ptr + b, tl.full([], 1, tl.uint8))
-        tl.store(count_ptr + b, tl.load(count_ptr + b) + decided.to(tl.int64))
+        note_rows(fire, b, True, noted_ptr, count_ptr, boundary_ptr, slot_ptr, reselect_ptr, boundary_sb)
 
 
 def _scratch_mask(state, batch: int, heads: int, units: int, device: torch.device) -> torch.Tensor:

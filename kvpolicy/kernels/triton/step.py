@@ -100,20 +100,26 @@ def append_token(store, key: torch.Tensor, value: torch.Tensor) -> None:
 
 
 @triton.jit
+def note_rows(fire, b, ok, has_ptr, count_ptr, boundary_ptr, slot_ptr, out_ptr, boundary_sb):
+    """``reference_step.note_decision`` for the sequences ``b`` (a vector, masked by ``ok``, or one
+    sequence): what every launch that writes a step's decision stores (``note_decision``, the
+    interval trigger's and score_gap's fused ops)."""
+    decided = fire | (tl.load(has_ptr + b, mask=ok, other=0) == 0)
+    flag = decided.to(tl.uint8)
+    tl.store(out_ptr + b, flag, mask=ok)
+    tl.store(boundary_ptr + b * boundary_sb + tl.load(slot_ptr).to(tl.int64), flag, mask=ok)
+    tl.store(has_ptr + b, flag | 1, mask=ok)
+    tl.store(count_ptr + b, tl.load(count_ptr + b, mask=ok, other=0) + decided.to(tl.int64), mask=ok)
+
+
+@triton.jit
 def _note_decision_kernel(
     fire_ptr, has_ptr, count_ptr, boundary_ptr, slot_ptr, out_ptr, B, boundary_sb, BLOCK_B: tl.constexpr,
 ):
     b = tl.arange(0, BLOCK_B)
     ok = b < B
     fire = tl.load(fire_ptr + b, mask=ok, other=0) != 0
-    has = tl.load(has_ptr + b, mask=ok, other=0) != 0
-    decided = fire | ~has
-    slot = tl.load(slot_ptr).to(tl.int64)
-    tl.store(out_ptr + b, decided.to(tl.uint8), mask=ok)
-    tl.store(boundary_ptr + b * boundary_sb + slot, decided.to(tl.uint8), mask=ok)
-    tl.store(has_ptr + b, tl.full([BLOCK_B], 1, tl.uint8), mask=ok)
-    count = tl.load(count_ptr + b, mask=ok, other=0)
-    tl.store(count_ptr + b, count + decided.to(tl.int64), mask=ok)
+    note_rows(fire, b, ok, has_ptr, count_ptr, boundary_ptr, slot_ptr, out_ptr, boundary_sb)
 
 
 @implement("triton", "note_decision", supports=triton_runs_on)
@@ -190,14 +196,7 @@ def _interval_decision_kernel(
     ok = b < B
     steps = tl.load(steps_ptr + b, mask=ok, other=0)
     tl.store(steps_ptr + b, steps + 1, mask=ok)
-    has = tl.load(has_ptr + b, mask=ok, other=0) != 0
-    decided = (steps % n == 0) | ~has
-    slot = tl.load(slot_ptr).to(tl.int64)
-    tl.store(out_ptr + b, decided.to(tl.uint8), mask=ok)
-    tl.store(boundary_ptr + b * boundary_sb + slot, decided.to(tl.uint8), mask=ok)
-    tl.store(has_ptr + b, tl.full([BLOCK_B], 1, tl.uint8), mask=ok)
-    count = tl.load(count_ptr + b, mask=ok, other=0)
-    tl.store(count_ptr + b, count + decided.to(tl.int64), mask=ok)
+    note_rows(steps % n == 0, b, ok, has_ptr, count_ptr, boundary_ptr, slot_ptr, out_ptr, boundary_sb)
 
 
 @implement("triton", "interval_decision", supports=triton_runs_on)
