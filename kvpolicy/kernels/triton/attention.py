@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import implement, triton_runs_on
+from .gather import zone_pool_row
 
 # finite stand-in for -inf: NEG - NEG stays 0, so empty splits never produce NaN
 _NEG = tl.constexpr(-1.0e30)
@@ -73,11 +74,7 @@ def _load_rows(
         slot = tl.load(slots_ptr + b * s_sb + h * s_sh + (offs - pool_lo), mask=pooled, other=0).to(tl.int64)
         row = slot
         if HAS_ZONE:
-            # the prompt's zone is laid out unit by unit: its slots map to rows; later slots are rows
-            in_zone = slot < zone_end
-            zone_slot = tl.minimum(tl.maximum(slot, 0), zone_end - 1)
-            mapped = tl.load(zone_ptr + b * z_sb + h * z_sh + zone_slot, mask=pooled & in_zone, other=0)
-            row = tl.where(in_zone, mapped.to(tl.int64), slot)
+            row = zone_pool_row(slot, zone_ptr + b * z_sb + h * z_sh, zone_end, pooled)
         k_rows = pk_ptr + b * pk_sb + h * pk_sh + row[:, None] * pk_sn + d[None, :]
         v_rows = pv_ptr + b * pv_sb + h * pv_sh + row[:, None] * pv_sn + d[None, :]
         k_own = k_base + offs[:, None] * stride_kn + d[None, :]

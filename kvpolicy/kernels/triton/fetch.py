@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import implement, triton_runs_on
-from .gather import _TILE_BYTES
+from .gather import _TILE_BYTES, zone_pool_row
 
 # bytes of keys (and as many of values) a program copies, and its warps: the gather's tile and
 # Triton's default warps, as measured so far (benchmarks/fetch_whole.py times the others)
@@ -67,11 +67,7 @@ def _fetch_whole_kernel(
     if COPY:
         pool_row = slot
         if HAS_ZONE:
-            # the prompt's zone is laid out unit by unit: its slots map to rows; later slots are rows
-            in_zone = slot < zone_end
-            zone_slot = tl.minimum(tl.maximum(slot, 0), zone_end - 1)
-            mapped = tl.load(zone_rows_ptr + b * z_sb + h * z_sh + zone_slot, mask=row_ok & in_zone, other=0)
-            pool_row = tl.where(in_zone, mapped.to(tl.int64), slot)
+            pool_row = zone_pool_row(slot, zone_rows_ptr + b * z_sb + h * z_sh, zone_end, row_ok)
         cols = tl.arange(0, BLOCK_D)
         if BLOCK_D == D:
             mask = row_ok[:, None]  # constant along a row: loads stay 16-byte vectors

@@ -41,6 +41,17 @@ class _DevicePointer:
 
 
 @triton.jit
+def zone_pool_row(slot, zone_row_ptr, zone_end, mask):
+    """The pool row of each ``slot`` (int64; read where ``mask``): the prompt's zone is laid out
+    unit by unit (``zone_row_ptr``: this (sequence, head)'s row of ``Pool.zone_rows``), so its slots
+    map to rows; later slots are rows."""
+    in_zone = slot < zone_end
+    zone_slot = tl.minimum(tl.maximum(slot, 0), zone_end - 1)
+    mapped = tl.load(zone_row_ptr + zone_slot, mask=mask & in_zone, other=0)
+    return tl.where(in_zone, mapped.to(tl.int64), slot)
+
+
+@triton.jit
 def _gather_kernel(
     pool_ptr, slots_ptr, take_ptr, out_ptr,
     R,

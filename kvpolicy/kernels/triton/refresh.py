@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import implement, triton_runs_on
-from .gather import _TILE_BYTES, _pool_argument
+from .gather import _TILE_BYTES, _pool_argument, zone_pool_row
 
 # rows of one (sequence, head) per program of the slot-map launches
 _MAP_ROWS = 256
@@ -235,11 +235,7 @@ def _refresh_kernel(
         slot = tl.load(slots_ptr + b * slots_sb + h * slots_sh + rows * slots_sr, mask=from_pool, other=0)
         slot = slot.to(tl.int64)
         if HAS_ZONE:
-            # the prompt's zone is laid out unit by unit: its slots map to rows; later slots are rows
-            in_zone = slot < zone_end
-            zone_slot = tl.minimum(tl.maximum(slot, 0), zone_end - 1)
-            mapped = tl.load(zone_rows_ptr + b * zone_sb + h * zone_sh + zone_slot, mask=from_pool & in_zone, other=0)
-            slot = tl.where(in_zone, mapped.to(tl.int64), slot)
+            slot = zone_pool_row(slot, zone_rows_ptr + b * zone_sb + h * zone_sh, zone_end, from_pool)
         src = pool_ptr + b * pool_sb + h * pool_sh + slot[:, None] * pool_sr + cols[None, :] * pool_sd
         fetched = tl.load(src, mask=pool_mask)
         tl.store(here, fetched, mask=pool_mask)
