@@ -28,7 +28,7 @@ OPS = (
     "sparse_decode_attention", "collision_count", "candidate_topk", "rerank", "append_to_unit", "admit_row",
     "append_token", "note_decision", "query_cosine_fire", "interval_fire", "interval_decision", "commit_selection", "append_leaving_by_rule",
     "fetch_whole", "query_votes", "collision_candidates", "rerank_select", "analytic_append", "score_gap_fire",
-    "score_gap_selected", "number_misses", "unit_stats", "analytic_encode",
+    "score_gap_outlier_fire", "score_gap_selected", "number_misses", "unit_stats", "analytic_encode",
 )
 # ParisKV's ops and the decode step's bookkeeping have their reference in their own files
 _REFERENCE_MODULE = {
@@ -37,7 +37,7 @@ _REFERENCE_MODULE = {
     "analytic_append": reference_analytic, "analytic_encode": reference_analytic,
     **{op: reference_step for op in ("append_token", "note_decision", "query_cosine_fire", "interval_fire", "interval_decision",
                                      "commit_selection", "append_leaving_by_rule", "fetch_whole",
-                                     "score_gap_fire", "score_gap_selected")},
+                                     "score_gap_fire", "score_gap_outlier_fire", "score_gap_selected")},
 }
 # auto tries these in order
 _PREFERENCE = ("triton", "reference")

@@ -252,31 +252,22 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float,
     the layer above re-selected; with ``trigger.cap``: also where the selection has been kept for
     ``cap`` steps). ``bound``: ``(B, H, U)`` the units' key-bound scores (Quest's upper bound on a
     token's score), read where ``trigger.estimate == "bound"`` (measure ``mass``: an unheld unit's
-    log mass is at least its best token's bound); with ``estimate == "gauss"`` or ``"outlier"`` it is
-    the trigger's correction to the unit logits instead. ``state.gap`` gets the largest gap, clamped to
-    +-1e4. ``decision``: a layer's ``Decision``, written as ``note_decision`` writes it."""
+    log mass is at least its best token's bound); with ``estimate == "gauss"`` it is the trigger's
+    correction to the unit logits instead. ``state.gap`` gets the largest gap, clamped to +-1e4.
+    ``decision``: a layer's ``Decision``, written as ``note_decision`` writes it.
+    ``estimate="outlier"`` has its own op (``score_gap_outlier_fire``)."""
     layer = state.layer
     follow_leaving_token(state, trigger.leaving == "unheld", layer.policy.admit == "evict")
     now = scores * scale
     if getattr(trigger, "estimate", "mean") == "gauss":
         # each unit's log mean exp(logit) under a Gaussian spread of its keys (``ScoreGap._spread``)
         now = now + bound * scale * scale
-    elif getattr(trigger, "estimate", "mean") == "outlier":
-        # logits already: each prompt unit's outlier keys counted one by one (``ScoreGap._outlier_lift``)
-        now = now + bound
     held = held_units_mask(state.held, layer.units.capacity)
     size = layer.units.size
     each = scores.dim() == 4  # (B, H, G, U): each query head's scores (``trigger.group == "each"``)
     if each:
         held, size = held.unsqueeze(2), size.unsqueeze(2)
-    if trigger.leaving == "ignored":
-        # units opened since the selection that the buffer did not admit are no candidates
-        first_new = layer.units.num_prompt_units + state.units_at_selection  # (B,)
-        ids = torch.arange(now.shape[-1], device=now.device)
-        opened = ids.view(1, 1, -1) >= first_new.view(-1, 1, 1)
-        if each:
-            opened = opened.unsqueeze(2)
-        now = now.masked_fill(opened & ~held, float("-inf"))
+    now = _without_opened_units(trigger, state, now, held)
     if trigger.measure == "weakest":
         gap = score_gap(now, held)
     elif trigger.measure == "rank":
@@ -286,14 +277,7 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float,
         if getattr(trigger, "estimate", "mean") == "bound":
             peak = (bound * scale).masked_fill(now == float("-inf"), float("-inf"))
         gap = mass_gap(now, held, size, peak)
-    if each:
-        gap = gap.flatten(1)  # (B, H * G): every query head
-    gap = gap.amax(-1)  # (B,): the worst KV head (or query head) decides
-    margin = trigger.margin_of(layer.layer_idx)
-    fire = (gap > margin) | ~state.has_selection
-    if trigger.follow > 0 and state.above is not None:
-        # the layer above decided this step already (its ``reselect``, on the device)
-        fire = fire | (state.above.reselect & (gap > margin - trigger.follow))
+    fire = _fire_on_gap(trigger, state, gap)
     count = getattr(trigger, "count", 0.0)
     if count > 0:
         # also the rank measure's count, against its own threshold
@@ -301,12 +285,82 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float,
         if each:
             ranked = ranked.flatten(1)
         fire = fire | (ranked.amax(-1) > count)
+    return _count_age_and_note(trigger, state, fire, decision)
+
+
+def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *, decision=None) -> torch.Tensor:
+    """``score_gap_fire`` for ``trigger.estimate == "outlier"`` (measure ``mass``), from the query
+    ``(B, Hq, D)`` itself: each unit's log attention mass is ``outlier_log_mass``'s, for the query
+    group's mean (``trigger.group == "mean"``, the selector's view) or each query head
+    (``"each"``: the largest gap over every query head decides). ``scale``: the attention scale."""
+    layer = state.layer
+    follow_leaving_token(state, trigger.leaving == "unheld", layer.policy.admit == "evict")
+    log_mass = outlier_log_mass(state.outliers, layer.units, query, scale, trigger.group == "each")
+    held = held_units_mask(state.held, layer.units.capacity).unsqueeze(2)
+    log_mass = _without_opened_units(trigger, state, log_mass, held)
+    finite = log_mass > float("-inf")
+    best_unheld = log_mass.masked_fill(held | ~finite, float("-inf")).amax(-1)
+    held_mass = torch.logsumexp(log_mass.masked_fill(~held | ~finite, float("-inf")), dim=-1)
+    fire = _fire_on_gap(trigger, state, best_unheld - held_mass)
+    return _count_age_and_note(trigger, state, fire, decision)
+
+
+def outlier_log_mass(outliers, units, query: torch.Tensor, scale: float, each: bool) -> torch.Tensor:
+    """``(B, H, G, U)`` float32: each unit's estimated log attention mass for each query head of
+    ``query (B, Hq, D)`` (``G`` of them a KV head; with ``each`` False, ``G`` is 1: the query
+    group's mean). A prompt unit's is the logsumexp of its outlier keys' logits and its other
+    tokens' (their count times their mean key's: ``outliers``, an ``OutlierKeys``); a decode
+    unit's its size times its mean key's (the table's float16 ``key_mean``); ``-inf`` where the
+    unit is not selectable."""
+    batch, q_heads, dim = query.shape
+    heads = units.size.shape[1]
+    group = query.float().view(batch, heads, q_heads // heads, dim)
+    if not each:
+        group = group.mean(2, keepdim=True)
+    log_mass = torch.einsum("bhgd,bhud->bhgu", group, units.key_mean.float()) * scale
+    log_mass = log_mass + torch.log(units.size.clamp(min=1).float()).unsqueeze(2)
+    prompt = outliers.rest_count.shape[-1]
+    if prompt:
+        outlier = torch.einsum("bhgd,bhumd->bhgum", group, outliers.keys.float()) * scale
+        outlier = outlier.masked_fill(~outliers.valid.unsqueeze(2), float("-inf"))
+        rest = torch.einsum("bhgd,bhud->bhgu", group, outliers.rest_mean.float()) * scale
+        rest = rest + torch.log(outliers.rest_count).unsqueeze(2)  # -inf where every token is an outlier
+        log_mass[..., :prompt] = torch.logsumexp(torch.cat([outlier, rest.unsqueeze(-1)], dim=-1), dim=-1)
+    return log_mass.masked_fill(~units.selectable.unsqueeze(2), float("-inf"))
+
+
+def _without_opened_units(trigger, state, logits: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """With ``trigger.leaving == "ignored"``: ``logits`` (units last) at ``-inf`` for the unheld
+    units opened since the selection (the buffer did not admit them: they are no candidates)."""
+    if trigger.leaving != "ignored":
+        return logits
+    first_new = state.layer.units.num_prompt_units + state.units_at_selection  # (B,)
+    ids = torch.arange(logits.shape[-1], device=logits.device)
+    opened = (ids.view(1, -1) >= first_new.view(-1, 1)).view(-1, *([1] * (logits.dim() - 2)), logits.shape[-1])
+    return logits.masked_fill(opened & ~held, float("-inf"))
+
+
+def _fire_on_gap(trigger, state, gap: torch.Tensor) -> torch.Tensor:
+    """``(B,)``: the largest of ``gap`` (a KV head's, or a query head's, per sequence) over
+    ``trigger``'s margin for this layer, or no selection yet, or (``follow``) the layer above
+    re-selected and the gap is over the lowered margin; ``state.gap`` gets the largest gap."""
+    gap = gap.flatten(1).amax(-1)  # (B,): the worst KV head (or query head) decides
+    margin = trigger.margin_of(state.layer.layer_idx)
+    fire = (gap > margin) | ~state.has_selection
+    if trigger.follow > 0 and state.above is not None:
+        # the layer above decided this step already (its ``reselect``, on the device)
+        fire = fire | (state.above.reselect & (gap > margin - trigger.follow))
+    state.gap.copy_(gap.clamp(min=-1e4, max=1e4))
+    return fire
+
+
+def _count_age_and_note(trigger, state, fire: torch.Tensor, decision) -> torch.Tensor:
+    """``fire`` with ``trigger.cap`` (the selection's age counted), noted in ``decision`` if given."""
     cap = getattr(trigger, "cap", 0)
     if cap > 0:
         # steps since the last selection, this one included: a selection is kept at most ``cap`` steps
         state.age.add_(1)
         fire = fire | (state.age >= cap)
-    state.gap.copy_(gap.clamp(min=-1e4, max=1e4))
     if decision is not None:
         note_decision(fire, *decision)
     return fire

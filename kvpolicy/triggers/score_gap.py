@@ -43,6 +43,7 @@ from ..kernels import reference_step
 from ..kernels.reference_step import held_units_mask, open_unit_size
 from ..registry import register
 from .base import Decision, Trigger
+from .outlier_keys import OutlierKeys, take_outlier_keys
 
 
 @dataclass
@@ -68,14 +69,8 @@ class ScoreGapState:
     held_scratch: torch.Tensor | None = None
     # (B,) long: steps since the last selection, this one included (counted where ``cap`` is set)
     age: torch.Tensor | None = None
-    # ``estimate="outlier"``, taken from the pool on first use: each prompt unit's ``outliers`` keys
-    # farthest from its mean key (B, H, P, m, D) float32 and which are real (B, H, P, m) bool (a unit
-    # of fewer tokens has fewer), the mean key of its other tokens (B, H, P, D) and their count (B, H, P)
-    outlier_keys: torch.Tensor | None = None
-    outlier_valid: torch.Tensor | None = None
-    rest_mean: torch.Tensor | None = None
-    rest_count: torch.Tensor | None = None
-
+    # ``estimate="outlier"``: each prompt unit's outlier keys, taken from the pool at attach
+    outliers: OutlierKeys | None = None
 
 MEASURES = ("weakest", "mass", "rank")
 LEAVING = ("unheld", "ignored")
@@ -215,6 +210,8 @@ class ScoreGap(Trigger):
         state.seen_admitted = layer.store.admitted.clone()
         state.held_end = torch.zeros(batch, heads, room, dtype=torch.long, device=device)
         state.units_at_selection = units.decode_units.clone()
+        if self.estimate == "outlier":
+            state.outliers = take_outlier_keys(units, layer.store, self.outliers)
 
     def selected(self, state: ScoreGapState, selection: Any, reselect: torch.Tensor) -> None:
         """The rows that re-selected hold exactly ``selection.unit_ids`` (the fetch made it so);
@@ -232,18 +229,18 @@ class ScoreGap(Trigger):
         return held_units_mask(state.held, state.layer.units.capacity)
 
     def decide(self, query: torch.Tensor, state: ScoreGapState) -> torch.Tensor:
-        return self._decide(query, state, reference_step.score_gap_fire)
+        return self._decide(query, state, reference_step)
 
     def decide_fast(self, query: torch.Tensor, state: ScoreGapState, ops) -> torch.Tensor:
         if type(self).decide is not ScoreGap.decide:  # a subclass with its own decision
             return self.decide(query, state)
-        return self._decide(query, state, ops.score_gap_fire)
+        return self._decide(query, state, ops)
 
     def decide_and_note(self, query: torch.Tensor, state: ScoreGapState, ops, decision: Decision) -> None:
         """The fire and the note in the fire op's last launch (``score_gap_fire``'s ``decision``)."""
         if type(self).decide is not ScoreGap.decide:
             return super().decide_and_note(query, state, ops, decision)
-        self._decide(query, state, functools.partial(ops.score_gap_fire, decision=decision))
+        self._decide(query, state, ops, decision)
 
     def _spread(self, query: torch.Tensor, state: ScoreGapState) -> torch.Tensor:
         """``estimate="gauss"`` (reference only, an experiment): ``(B, H, U)`` half the query group's
@@ -282,79 +279,18 @@ class ScoreGap(Trigger):
         out[..., :spread.shape[-1]] = spread
         return out
 
-    def _take_outliers(self, state: ScoreGapState) -> None:
-        """``estimate="outlier"``: each prompt unit's ``outliers`` keys farthest (Euclidean) from its
-        mean key, and the mean and count of the rest, from the pool (its prompt keys do not change)."""
-        units, store = state.layer.units, state.layer.store
-        keys = store.pool.keys.float()
-        batch, heads, _, dim = keys.shape
-        prompt, m = units.num_prompt_units, self.outliers
-        state.outlier_keys = torch.zeros(batch, heads, prompt, m, dim, device=keys.device)
-        state.outlier_valid = torch.zeros(batch, heads, prompt, m, dtype=torch.bool, device=keys.device)
-        state.rest_mean = torch.zeros(batch, heads, prompt, dim, device=keys.device)
-        state.rest_count = torch.zeros(batch, heads, prompt, device=keys.device)
-        for b in range(batch):
-            for h in range(heads):
-                sizes = units.size[b, h, :prompt]
-                n = int(sizes.sum())
-                slots = units.order[b, h, :n]  # the prompt units' tokens, unit by unit
-                rows = store.pool_rows(slots.view(1, 1, -1).expand(batch, heads, -1).contiguous())[b, h]
-                k = keys[b, h].index_select(0, rows)
-                label = torch.repeat_interleave(torch.arange(prompt, device=k.device), sizes)
-                total = torch.zeros(prompt, dim, device=k.device).index_add_(0, label, k)
-                mean = total / sizes.clamp(min=1).unsqueeze(-1).float()
-                distance = (k - mean[label]).norm(dim=-1)
-                # tokens grouped by unit, farthest first: a token's place in its unit is its outlier rank
-                by_distance = distance.argsort(descending=True, stable=True)
-                grouped = by_distance[label[by_distance].argsort(stable=True)]
-                first = torch.cumsum(sizes, 0) - sizes
-                place = torch.arange(n, device=k.device) - first[label[grouped]]
-                take = place < m
-                chosen, chosen_unit, chosen_place = grouped[take], label[grouped][take], place[take]
-                state.outlier_keys[b, h, chosen_unit, chosen_place] = k[chosen]
-                state.outlier_valid[b, h, chosen_unit, chosen_place] = True
-                outlier_sum = torch.zeros(prompt, dim, device=k.device).index_add_(0, chosen_unit, k[chosen])
-                count = (sizes - state.outlier_valid[b, h].sum(-1)).float()
-                state.rest_count[b, h] = count
-                state.rest_mean[b, h] = (total - outlier_sum) / count.clamp(min=1).unsqueeze(-1)
-
-    def _outlier_lift(self, query: torch.Tensor, state: ScoreGapState, now: torch.Tensor) -> torch.Tensor:
-        """``estimate="outlier"`` (reference only, an experiment): what to add to the unit logits
-        ``now`` (``(B, H, U)``, or ``(B, H, G, U)`` for ``group="each"``) so that ``now + log(size)`` is
-        each prompt unit's log mass as its outlier keys at their own logits plus its other tokens at
-        their mean key's logit (0 for decode units and where ``now`` is ``-inf``)."""
-        if state.outlier_keys is None:
-            self._take_outliers(state)
-        units = state.layer.units
-        batch, q_heads, dim = query.shape
-        heads = units.start.shape[1]
-        group = query.float().view(batch, heads, q_heads // heads, dim)
-        scale = dim ** -0.5
-        outlier = torch.einsum("bhgd,bhumd->bhgum", group, state.outlier_keys) * scale
-        rest = torch.einsum("bhgd,bhud->bhgu", group, state.rest_mean) * scale
-        if self.group != "each":  # the selector's score: the query group's mean logit
-            outlier, rest = outlier.mean(2), rest.mean(2)
-        valid, count = state.outlier_valid, state.rest_count
-        if self.group == "each":
-            valid, count = valid.unsqueeze(2), count.unsqueeze(2)
-        rest_mass = (rest + torch.log(count)).unsqueeze(-1)  # -inf where every token is an outlier
-        log_mass = torch.logsumexp(torch.cat([outlier.masked_fill(~valid, float("-inf")), rest_mass], -1), -1)
-        prompt = units.num_prompt_units
-        size = units.size[..., :prompt].clamp(min=1).float()
-        if self.group == "each":
-            size = size.unsqueeze(2)
-        mean_estimate = now[..., :prompt] + torch.log(size)
-        lift = torch.zeros_like(now)
-        finite = mean_estimate > float("-inf")
-        lift[..., :prompt] = torch.where(finite, log_mass - mean_estimate.masked_fill(~finite, 0.0), 0.0)
-        return lift
-
-    def _decide(self, query: torch.Tensor, state: ScoreGapState, fire_op) -> torch.Tensor:
-        """The step: score the table (the selector's op), then ``fire_op`` (``score_gap_fire``:
-        follow the leaving token, measure the gap, decide), the reference or a fused kernel."""
+    def _decide(self, query: torch.Tensor, state: ScoreGapState, ops, decision: Decision | None = None) -> torch.Tensor:
+        """The step: score the table (the selector's op), then ``score_gap_fire`` (follow the leaving
+        token, measure the gap, decide; given ``decision``, note it) from ``ops``, the reference
+        (``reference_step``) or the layer's bound ops. ``estimate="outlier"`` is one op from the
+        query (``score_gap_outlier_fire``): it scores the outlier keys itself."""
         layer = state.layer
         if layer is None:
             raise ConfigError("score_gap trigger: its state was not attached to a layer (Trigger.attach)")
+        scale = query.shape[-1] ** -0.5
+        if self.estimate == "outlier":
+            return ops.score_gap_outlier_fire(self, state, query, scale, decision=decision)
+        fire_op = functools.partial(ops.score_gap_fire, decision=decision)
         if self.group == "each":
             # each query head's scores, (B, H, G, U): the unit-scores op over groups of one
             units = layer.units
@@ -369,21 +305,15 @@ class ScoreGap(Trigger):
                                                      units.key_max, units.selectable, method)
                                for g in range(group.shape[2])], dim=2)
             if self.estimate == "gauss":
-                return fire_op(self, state, raw, query.shape[-1] ** -0.5, self._spread(query, state))
-            if self.estimate == "outlier":
-                scale = query.shape[-1] ** -0.5
-                return fire_op(self, state, raw, scale, self._outlier_lift(query, state, raw * scale))
-            return fire_op(self, state, raw, query.shape[-1] ** -0.5)
+                return fire_op(self, state, raw, scale, self._spread(query, state))
+            return fire_op(self, state, raw, scale)
         raw = layer.policy.selector.unit_scores(query, layer.units, layer.ops)
-        if self.estimate == "outlier":
-            scale = query.shape[-1] ** -0.5
-            return fire_op(self, state, raw, scale, self._outlier_lift(query, state, raw * scale))
         if self.estimate == "gauss":
-            return fire_op(self, state, raw, query.shape[-1] ** -0.5, self._spread(query, state))
+            return fire_op(self, state, raw, scale, self._spread(query, state))
         if self.estimate == "bound":
             units = layer.units
             batch, q_heads, dim = query.shape
             group = query.view(batch, units.start.shape[1], q_heads // units.start.shape[1], dim)
             bound = layer.ops.unit_scores(group, None, units.key_min, units.key_max, units.selectable, "bound")
-            return fire_op(self, state, raw, query.shape[-1] ** -0.5, bound)
-        return fire_op(self, state, raw, query.shape[-1] ** -0.5)
+            return fire_op(self, state, raw, scale, bound)
+        return fire_op(self, state, raw, scale)

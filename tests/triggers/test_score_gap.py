@@ -187,6 +187,9 @@ def test_the_decision_is_per_sequence():
     ("room", {"name": "score_gap", "margin": 0.5}),
     ("evict", {"name": "score_gap", "margin": 0.5}),
     ("room", {"name": "score_gap", "margin": 0.5, "measure": "rank", "leaving": "ignored", "cap": 6}),
+    # its outlier keys are taken at prefill: the step reads no host state
+    ("room", {"name": "score_gap", "margin": -1.0, "measure": "mass", "leaving": "ignored", "estimate": "outlier",
+              "outliers": 4, "group": "each"}),
 ])
 def test_the_step_replays_with_frozen_host_state(admit, trigger):
     steps = 30
@@ -219,6 +222,9 @@ def test_the_step_replays_with_frozen_host_state(admit, trigger):
     {"name": "score_gap", "margin": 0.5},
     {"name": "score_gap", "margin": -1.0, "measure": "mass", "leaving": "ignored"},  # the louiskv preset's kind
     {"name": "score_gap", "margin": 0.5, "measure": "rank", "leaving": "ignored", "cap": 5},
+    # the op that scores the outlier keys itself (ops.score_gap_outlier_fire)
+    {"name": "score_gap", "margin": -1.0, "measure": "mass", "leaving": "ignored", "estimate": "outlier",
+     "outliers": 2, "group": "each"},
 ])
 @pytest.mark.parametrize("admit", ["room", "evict"])
 def test_the_fused_step_decides_as_the_reference(trigger, admit):
@@ -427,6 +433,9 @@ def test_the_fused_step_refuses_what_it_does_not_implement_when_the_layer_attach
     with pytest.raises(ConfigError, match="triton backend's score_gap_fire does not implement group='each'"):
         _layer({"name": "score_gap", "measure": "mass", "group": "each"}, backend="triton", device=device)
     _layer({"name": "score_gap", "measure": "mass", "group": "each"}, backend="reference", device=device)
+    # each query head with the outlier estimate is the fused op's (score_gap_outlier_fire)
+    _layer({"name": "score_gap", "measure": "mass", "group": "each", "estimate": "outlier"}, backend="triton",
+           device=device)
 
 
 def test_gauss_estimate_adds_each_units_key_spread_to_its_mass():
@@ -471,8 +480,8 @@ def test_outlier_estimate_counts_the_m_keys_farthest_from_the_mean():
     assert not _step(one, _toward_needle())
     assert _step(two, _toward_needle())
     kept = two.trigger_state
-    assert kept.outlier_valid[0, 0, 7].all() and float(kept.rest_count[0, 0, 7]) == PAGE - 2
-    assert float(kept.outlier_keys[0, 0, 7, 0, DECOY_DIM]) > 11 and float(kept.outlier_keys[0, 0, 7, 1, NEEDLE_DIM]) > 7
+    assert kept.outliers.valid[0, 0, 7].all() and float(kept.outliers.rest_count[0, 0, 7]) == PAGE - 2
+    assert float(kept.outliers.keys[0, 0, 7, 0, DECOY_DIM]) > 11 and float(kept.outliers.keys[0, 0, 7, 1, NEEDLE_DIM]) > 7
 
 
 def test_outlier_estimate_with_group_each_fires_for_one_query_heads_outlier():

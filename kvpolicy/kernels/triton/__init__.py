@@ -12,7 +12,7 @@ import importlib
 
 # each module registers its op with ``dispatch.implement("triton", ...)``
 _MODULES = ("admit", "analytic_append", "analytic_encode", "attention", "candidates", "collision", "collision_candidates", "fetch", "gather", "kmeans", "query_votes",
-            "refresh", "rerank", "rerank_select", "score_gap", "select", "step", "unit_append", "unit_stats", "write")
+            "refresh", "rerank", "rerank_select", "score_gap", "score_gap_outlier", "select", "step", "unit_append", "unit_stats", "write")
 
 
 def load() -> None:

@@ -18,7 +18,8 @@ unit scoring, and every small launch of a replayed graph costs about what it run
 Measure ``rank``: the first launch also takes the held units' mean score (over the held list, a unit
 listed once), the second counts the unheld units above it per block, the third sums the counts.
 ``cap``: the third launch counts the selection's age. ``margins``: each layer's launch takes its own
-margin. The reference-only options (``estimate``, ``group``, ``count``) are refused with a
+margin. ``estimate="outlier"`` is its own op (``score_gap_outlier.py``); the reference-only options
+(the other ``estimate``s, ``group="each"`` without outliers, ``count``) are refused with a
 ConfigError (``unsupported``), at attach and here.
 
 The mask is a scratch row per (sequence, head) that is all zeros between steps (each step clears
@@ -229,6 +230,9 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float, *, decisi
     why = unsupported(trigger)
     if why is not None:
         raise ConfigError(why)
+    if trigger.estimate == "outlier":
+        raise ConfigError("triton score_gap_fire: estimate 'outlier' scores its own keys; call "
+                          "score_gap_outlier_fire (ScoreGap does)")
     room = state.held.shape[-1]
     mask = _scratch_mask(state, batch, heads, units, device)
     evict = layer.policy.admit == "evict"
@@ -275,14 +279,17 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float, *, decisi
 
 
 def unsupported(trigger) -> str | None:
-    """Why the fused op cannot run ``trigger``'s options (None where it can): it implements the
-    measures ``weakest``, ``mass`` and ``rank``, ``cap``, ``margins``, ``follow`` and both ``leaving``s,
-    with ``estimate="mean"``, ``group="mean"`` and ``count=0`` only (the others are the
-    reference's)."""
-    wrong = [f"{name}={getattr(trigger, name)!r} (accepted: {accepted})"
-             for name, ok, accepted in (("estimate", ("mean",), "'mean'"), ("group", ("mean",), "'mean'"),
-                                        ("count", (0, 0.0), "0"))
-             if getattr(trigger, name) not in ok]
+    """Why the fused ops cannot run ``trigger``'s options (None where they can): the measures
+    ``weakest``, ``mass`` and ``rank``, ``cap``, ``margins``, ``follow`` and both ``leaving``s, with
+    ``estimate`` ``"mean"`` or ``"outlier"`` (its own op, ``score_gap_outlier_fire``), ``group="each"``
+    with ``"outlier"`` only, and ``count=0`` (the others are the reference's)."""
+    wrong = []
+    if trigger.estimate not in ("mean", "outlier"):
+        wrong.append(f"estimate={trigger.estimate!r} (accepted: 'mean', 'outlier')")
+    if trigger.group != "mean" and trigger.estimate != "outlier":
+        wrong.append(f"group={trigger.group!r} (accepted: 'mean'; 'each' with estimate 'outlier')")
+    if trigger.count not in (0, 0.0):
+        wrong.append(f"count={trigger.count!r} (accepted: 0)")
     if not wrong:
         return None
     return ("score_gap trigger: the triton backend's score_gap_fire does not implement " + ", ".join(wrong) +

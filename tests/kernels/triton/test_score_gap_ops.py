@@ -243,8 +243,8 @@ def test_score_gap_fire_rank_counts_the_unheld_units_above_the_held_mean():
         assert float(ref.gap[0]) == float(fast.gap[0]) == 2.0
 
 
-@pytest.mark.parametrize("option", [{"estimate": "bound"}, {"estimate": "gauss"}, {"estimate": "outlier"},
-                                    {"group": "each"}, {"count": 4.0}])
+@pytest.mark.parametrize("option", [{"estimate": "bound"}, {"estimate": "gauss"}, {"group": "each"},
+                                    {"count": 4.0}])
 def test_the_fused_op_refuses_the_options_it_does_not_implement(option):
     from kvpolicy.errors import ConfigError
 
@@ -254,3 +254,86 @@ def test_the_fused_op_refuses_the_options_it_does_not_implement(option):
     name = next(iter(option))
     with pytest.raises(ConfigError, match=f"{name}=.*accepted"):
         dispatch.bind("triton", DEVICE).score_gap_fire(trigger, state, _scores(gen, state), 0.25)
+
+
+def _with_outlier_keys(gen: torch.Generator, state: ScoreGapState, dim: int, m: int) -> None:
+    """The unit table's float16 mean keys and selectable mask, and a random ``OutlierKeys`` for
+    its prompt units: some outliers missing, some units with no other token, some with no outlier."""
+    from kvpolicy.triggers.outlier_keys import OutlierKeys
+
+    units = state.layer.units
+    batch, heads, capacity = units.size.shape
+    prompt = units.num_prompt_units
+    units.key_mean = torch.randn(batch, heads, capacity, dim, generator=gen).half().to(DEVICE)
+    units.selectable = (torch.rand(batch, heads, capacity, generator=gen) < 0.85).to(DEVICE)
+    valid = torch.rand(batch, heads, prompt, m, generator=gen) < 0.7
+    valid[:, :, :5] = False  # no outlier: the rest alone
+    rest_count = torch.randint(0, 20, (batch, heads, prompt), generator=gen).float()
+    rest_count[:, :, 5:10] = 0.0  # every token an outlier
+    state.outliers = OutlierKeys(
+        keys=(3 * torch.randn(batch, heads, prompt, m, dim, generator=gen)).to(DEVICE),
+        valid=valid.to(DEVICE), rest_mean=torch.randn(batch, heads, prompt, dim, generator=gen).to(DEVICE),
+        rest_count=rest_count.to(DEVICE))
+
+
+@pytest.mark.parametrize("group", ["each", "mean"])
+@pytest.mark.parametrize("leaving, admit, follow, cap", [("ignored", "room", 0.0, 0), ("unheld", "evict", 1.5, 6)])
+def test_score_gap_outlier_fire_matches_reference(group, leaving, admit, follow, cap):
+    """The fused outlier op (scoring included) against ``reference_step.score_gap_outlier_fire``:
+    decisions and state bit for bit, the gap to float32 rounding, over steps and several blocks of
+    units; a head dimension that is not a power of two; 3 query heads a KV head."""
+    triton_ops = dispatch.bind("triton", DEVICE)
+    by_gap = kept = 0
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(100 + seed)
+        margin = (-6.0, float(torch.randn(1, generator=gen)), 40.0)[seed]  # fires, some, keeps (but a cap)
+        trigger = ScoreGap(margin=margin if not cap else 99.0, measure="mass", leaving=leaving, follow=follow, cap=cap,
+                           margins=(99.0, margin) if cap else (), estimate="outlier", outliers=3, group=group)
+        trigger.validate()
+        ref = _state(gen, batch=3, heads=2, units=400, room=12, prompt_units=300, admit=admit, above=follow > 0)
+        _with_outlier_keys(gen, ref, dim=24, m=3)
+        if seed == 2:  # every row has a selection: with the largest margin some keep it
+            ref.has_selection.fill_(True)
+        fast = copy.deepcopy(ref)
+        for step in range(3):
+            query = torch.randn(3, 6, 24, generator=gen).to(DEVICE)
+            had = ref.has_selection.clone()
+            want = reference_step.score_gap_outlier_fire(trigger, ref, query, 0.2)
+            got = triton_ops.score_gap_outlier_fire(trigger, fast, query.clone(), 0.2)
+            where = f"seed {seed} step {step}"
+            assert torch.equal(got, want), f"{where}: fire {got.tolist()} != {want.tolist()} (gap {ref.gap.tolist()})"
+            torch.testing.assert_close(fast.gap, ref.gap, rtol=1e-5, atol=1e-5, equal_nan=True, msg=where)
+            for name in STATE_TENSORS:
+                assert torch.equal(getattr(fast, name), getattr(ref, name)), f"{where}: {name} differs"
+            assert not fast.held_scratch.any(), f"{where}: the scratch mask was not cleared"
+            by_gap += int((want & had).sum())
+            kept += int((~want).sum())
+            look = torch.Generator().set_state(gen.get_state())
+            _next_look(gen, ref)
+            _next_look(look, fast)
+    assert by_gap and kept, f"not both decisions were tested: {by_gap} fired on the gap, {kept} kept"
+
+
+def test_outlier_log_mass_counts_each_outlier_by_its_own_logit():
+    """``outlier_log_mass`` by hand: a prompt unit with one outlier at logit 4 and 3 other tokens at 0
+    has log mass log(e**4 + 3); a decode unit of 2 tokens at logit 1, 1 + log 2; not selectable, -inf."""
+    from kvpolicy.triggers.outlier_keys import OutlierKeys
+
+    dim = 4
+    units = SimpleNamespace(key_mean=torch.zeros(1, 1, 3, dim, dtype=torch.float16),
+                            size=torch.tensor([[[4, 2, 5]]]), selectable=torch.tensor([[[True, True, False]]]))
+    units.key_mean[0, 0, 1, 0] = 1.0
+    outliers = OutlierKeys(keys=torch.zeros(1, 1, 1, 2, dim), valid=torch.tensor([[[[True, False]]]]),
+                           rest_mean=torch.zeros(1, 1, 1, dim), rest_count=torch.tensor([[[3.0]]]))
+    outliers.keys[0, 0, 0, 0, 1] = 2.0
+    outliers.keys[0, 0, 0, 1, 1] = 50.0  # not a real outlier: never counted
+    query = torch.zeros(1, 2, dim)
+    query[0, :, 0] = 1.0
+    query[0, 0, 1], query[0, 1, 1] = 2.0, -2.0  # head 0 sees the outlier at 4, head 1 at -4; their mean at 0
+    each = reference_step.outlier_log_mass(outliers, units, query, 1.0, each=True)
+    assert each.shape == (1, 1, 2, 3)
+    torch.testing.assert_close(each[0, 0, :, 0], torch.log(torch.exp(torch.tensor([4.0, -4.0])) + 3))
+    torch.testing.assert_close(each[0, 0, :, 1], torch.full((2,), 1 + math.log(2)))
+    assert (each[..., 2] == float("-inf")).all()
+    mean = reference_step.outlier_log_mass(outliers, units, query, 1.0, each=False)
+    torch.testing.assert_close(mean[0, 0, 0, 0], torch.tensor(math.log(4.0)))

@@ -1,0 +1,187 @@
+"""Triton score-gap trigger step with outlier keys (op ``score_gap_outlier_fire``): the reference
+(``reference_step.score_gap_outlier_fire``) in three launches, scoring included.
+
+``estimate="outlier"`` estimates a prompt unit's attention mass from its few keys that stand out
+of it, one by one, plus its other tokens at their mean key (``triggers/outlier_keys.py``), for
+each query head (``group="each"``) or the query group's mean. So the op scores the keys itself
+instead of taking the selector's unit scores:
+
+1. ``score_gap._follow_kernel``: follows the token that left the local window in the held list
+   and marks the held units (as ``score_gap_fire``).
+2. ``_outlier_gap_blocks_kernel``, one program per block of units of each (KV head, sequence):
+   loads each key tile of its units once (the decode units' float16 means; the prompt units'
+   rest means, then their outlier keys one at a time), takes every query head's logits from it, and
+   keeps a running logsumexp a unit; then, per query head, the block's best unheld log mass and
+   its held units' logsumexp parts, and clears the marks it read.
+3. ``score_gap._decide_kernel`` over the ``H * G`` query heads' rows: the largest gap decides; it
+   notes the layer's ``Decision`` when given one.
+
+The sums run in another order than the reference's einsums and its logsumexp is a running one,
+so gaps agree to float32 rounding, not bitwise. No host reads: a captured step replays.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..dispatch import implement, triton_runs_on
+from .score_gap import _decide_kernel, _follow_kernel, _scratch_mask, unsupported
+
+# key elements of one tile (a block of units x D): 32 units at D = 128, 64 at D = 64
+_TILE_ELEMENTS = 4096
+
+
+@triton.jit
+def _query_logits(tile, q_row, q_sg, dims, d_ok, scale,
+                  G: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_G: tl.constexpr):
+    """``[BLOCK_U, BLOCK_G]``: each query head's logit of each key of ``tile`` (-inf past ``G``)."""
+    columns = tl.arange(0, BLOCK_G)
+    out = tl.full([BLOCK_U, BLOCK_G], float("-inf"), tl.float32)
+    for g in tl.static_range(G):
+        q = tl.load(q_row + g * q_sg + dims, mask=d_ok, other=0.0).to(tl.float32)
+        logit = tl.sum(tile * q[None, :], axis=1) * scale
+        out = tl.where(columns[None, :] == g, logit[:, None], out)
+    return out
+
+
+@triton.jit
+def _outlier_gap_blocks_kernel(
+    q_ptr, mean_ptr, selectable_ptr, size_ptr, mask_ptr, at_selection_ptr,
+    keys_ptr, valid_ptr, rest_ptr, rest_count_ptr, parts_ptr,
+    scale, U, P, parts_sk,
+    q_sb, q_sh, q_sg, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh, mk_sb, mk_sh,
+    ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh, pt_sb, pt_sh,
+    D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, LEAVING_IGNORED: tl.constexpr,
+    BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    block = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    ids = block * BLOCK_U + tl.arange(0, BLOCK_U).to(tl.int64)
+    ok = ids < U
+    dims = tl.arange(0, BLOCK_D)
+    d_ok = dims < D
+    selectable = ok & (tl.load(selectable_ptr + b * sl_sb + h * sl_sh + ids, mask=ok, other=0) != 0)
+    prompt = selectable & (ids < P)
+    decode = selectable & (ids >= P)
+    mask_at = mask_ptr + b * mk_sb + h * mk_sh + ids
+    marked = tl.load(mask_at, mask=ok, other=0)
+    tl.store(mask_at, tl.zeros([BLOCK_U], tl.uint8), mask=marked != 0)
+    held = marked != 0
+    sizes = tl.load(size_ptr + b * sz_sb + h * sz_sh + ids, mask=ok, other=1)
+    q_row = q_ptr + b * q_sb + h * q_sh
+    # the base of a unit's mass: a decode unit's tokens at its mean key, a prompt unit's other tokens
+    # at theirs (two masked loads into one tile: a unit is one or the other)
+    base = tl.load(mean_ptr + b * mn_sb + h * mn_sh + ids[:, None] * mn_su + dims[None, :],
+                   mask=decode[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    base += tl.load(rest_ptr + b * rs_sb + h * rs_sh + ids[:, None] * rs_su + dims[None, :],
+                    mask=prompt[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    count = tl.where(prompt, tl.load(rest_count_ptr + b * rc_sb + h * rc_sh + ids, mask=prompt, other=0.0),
+                     tl.maximum(sizes, 1).to(tl.float32))
+    top = _query_logits(base, q_row, q_sg, dims, d_ok, scale, G, BLOCK_U, BLOCK_G) + tl.log(count)[:, None]
+    # a running logsumexp over the outlier keys: ``top + log(total)``
+    total = tl.where(top > float("-inf"), 1.0, 0.0)
+    for j in tl.static_range(M):
+        real = prompt & (tl.load(valid_ptr + b * ov_sb + h * ov_sh + ids * ov_su + j, mask=prompt, other=0) != 0)
+        key = tl.load(keys_ptr + b * ok_sb + h * ok_sh + ids[:, None] * ok_su + j * ok_sm + dims[None, :],
+                      mask=real[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        logit = tl.where(real[:, None], _query_logits(key, q_row, q_sg, dims, d_ok, scale, G, BLOCK_U, BLOCK_G),
+                         float("-inf"))
+        new_top = tl.maximum(top, logit)
+        shift = tl.where(new_top > float("-inf"), new_top, 0.0)
+        total = total * tl.exp(top - shift) + tl.exp(logit - shift)
+        top = new_top
+    log_mass = tl.where(selectable[:, None] & (top > float("-inf")), top + tl.log(total), float("-inf"))
+    finite = log_mass > float("-inf")
+    candidate = ~held[:, None] & finite
+    if LEAVING_IGNORED:  # units opened since the selection that the buffer did not admit
+        candidate = candidate & (ids < P + tl.load(at_selection_ptr + b))[:, None]
+    counted = held[:, None] & finite
+    # per query head (row h * G + g of the parts), as ``score_gap._gap_blocks_kernel``'s measure "mass"
+    columns = tl.arange(0, BLOCK_G)
+    out = parts_ptr + b * pt_sb + (h * G + columns) * pt_sh + block
+    real_column = columns < G
+    tl.store(out, tl.max(tl.where(candidate, log_mass, float("-inf")), axis=0), mask=real_column)
+    tl.store(out + parts_sk, tl.sum(counted.to(tl.float32), axis=0), mask=real_column)
+    best_held = tl.max(tl.where(counted, log_mass, float("-inf")), axis=0)
+    shift = tl.where((best_held > float("-inf")) & (best_held < float("inf")), best_held, 0.0)
+    tl.store(out + 2 * parts_sk, best_held, mask=real_column)
+    tl.store(out + 3 * parts_sk, tl.sum(tl.where(counted, tl.exp(log_mass - shift[None, :]), 0.0), axis=0),
+             mask=real_column)
+
+
+@implement("triton", "score_gap_outlier_fire", supports=triton_runs_on)
+def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *, decision=None) -> torch.Tensor:
+    """Three launches of ``reference_step.score_gap_outlier_fire`` (the last also writes ``decision``)."""
+    layer = state.layer
+    table, store, outliers = layer.units, layer.store, state.outliers
+    batch, q_heads, dim = query.shape
+    heads, units = table.size.shape[1], table.capacity
+    device = query.device
+    fire = torch.empty(batch, dtype=torch.bool, device=device)
+    if batch == 0:
+        return fire
+    why = unsupported(trigger)
+    if why is not None:
+        from ...errors import ConfigError
+
+        raise ConfigError(why)
+    group = query.view(batch, heads, q_heads // heads, dim)
+    if trigger.group != "each":  # the query group's mean, in float32 as the reference takes it
+        group = group.float().mean(2, keepdim=True)
+    for name, t in (("query", group), ("held", state.held), ("held_end", state.held_end),
+                    ("units.size", table.size), ("units.key_mean", table.key_mean), ("outlier keys", outliers.keys),
+                    ("outlier rest means", outliers.rest_mean)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"triton score_gap_outlier_fire: {name} must be contiguous in its last dim")
+    room = state.held.shape[-1]
+    mask = _scratch_mask(state, batch, heads, units, device)
+    evict = layer.policy.admit == "evict"
+    kept = store.kept if evict else store.admitted  # read only when evicting
+    # measure "mass": no rank, so the scores and middle pointers are never read (any tensors)
+    _follow_kernel[(heads, batch)](
+        table.size, table.open_unit, state.seen_open, state.seen_size, store.admitted, state.seen_admitted,
+        state.held, state.held_end, state.held_count, kept, mask, table.size, state.gap,
+        units, room, float(scale),
+        *table.size.stride()[:2], state.seen_size.stride(0), store.admitted.stride(0),
+        state.seen_admitted.stride(0), *state.held.stride()[:2], *state.held_end.stride()[:2],
+        state.held_count.stride(0), kept.stride(0), *mask.stride()[:2], *table.size.stride()[:2],
+        EVICT=evict, LEAVING_UNHELD=trigger.leaving == "unheld", RANK=False,
+        BLOCK_R=min(4096, triton.next_power_of_2(room)),
+    )
+    per_head = group.shape[2]
+    block_d = triton.next_power_of_2(dim)
+    block = max(16, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(max(units, 1))))
+    blocks = triton.cdiv(units, block)
+    rows = heads * per_head
+    parts = torch.empty(4, batch, rows, blocks, dtype=torch.float32, device=device)
+    _outlier_gap_blocks_kernel[(blocks, heads, batch)](
+        group, table.key_mean, table.selectable.view(torch.uint8), table.size, mask, state.units_at_selection,
+        outliers.keys, outliers.valid.view(torch.uint8), outliers.rest_mean, outliers.rest_count, parts,
+        float(scale), units, int(table.num_prompt_units), parts.stride(0),
+        *group.stride()[:3], *table.key_mean.stride()[:3], *table.selectable.stride()[:2],
+        *table.size.stride()[:2], *mask.stride()[:2],
+        *outliers.keys.stride()[:4], *outliers.valid.stride()[:3], *outliers.rest_mean.stride()[:3],
+        *outliers.rest_count.stride()[:2], *parts.stride()[1:3],
+        D=dim, G=per_head, M=outliers.keys.shape[3], LEAVING_IGNORED=trigger.leaving == "ignored",
+        BLOCK_U=block, BLOCK_D=block_d, BLOCK_G=triton.next_power_of_2(per_head),
+    )
+    follow = trigger.follow > 0 and state.above is not None
+    margin = trigger.margin_of(layer.layer_idx)  # a host number per layer: a captured step keeps its own
+    above = state.above.reselect if follow else state.has_selection  # read only when following
+    cap = trigger.cap > 0
+    age = state.age if cap else table.open_unit  # read only with a cap
+    note = decision is not None
+    # without a decision, any tensors of the right kinds as placeholders (never read: NOTE False)
+    noted, count, boundary, slot, reselect = decision if note else (fire, age, fire.view(1, -1), age, fire)
+    _decide_kernel[(batch,)](
+        parts, state.has_selection.view(torch.uint8), above.view(torch.uint8), table.open_unit, state.seen_open,
+        fire.view(torch.uint8), state.gap, age, rows, blocks, parts.stride(0), *parts.stride()[1:3],
+        float(margin), float(margin - trigger.follow) if follow else 0.0, int(trigger.cap),
+        noted.view(torch.uint8), count, boundary.view(torch.uint8), slot, reselect.view(torch.uint8), boundary.stride(0),
+        MASS=True, RANK=False, FOLLOW=follow, CAP=cap, NOTE=note,
+        BLOCK_H=triton.next_power_of_2(rows), BLOCK_S=triton.next_power_of_2(blocks),
+    )
+    return fire

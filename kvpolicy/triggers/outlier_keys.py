@@ -1,0 +1,109 @@
+"""Each prompt unit's outlier keys: what the score-gap trigger's ``estimate="outlier"`` scores.
+
+A K-means unit's mean key hides a token whose key stands out from the rest of its unit: a needle
+token that one query head attends can carry a third of a layer's attention while its unit's
+mean-key estimate sits 8 logits under the held units' (EVAL.md, "Trigger candidates on 16
+samples"). So each prompt unit keeps its ``m`` keys farthest (Euclidean) from its mean key, one by
+one, and the mean and count of its other tokens; a step estimates the unit's attention mass as
+its outliers at their own logits plus the rest at their mean key's logit (EVAL.md, "Unit
+summaries that keep their outlier keys").
+
+Taken once, at the layer's prefill (the prompt's keys do not change), in whole-tensor ops on the
+pool's device with no host read, then kept on the unit table's device.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..kernels.reference import pool_rows
+
+
+class OutlierKeys(NamedTuple):
+    keys: torch.Tensor  # (B, H, P, m, D) the pool's dtype: each prompt unit's m keys farthest from its mean
+    valid: torch.Tensor  # (B, H, P, m) bool: which are real (a unit of fewer than m + 1 tokens has fewer)
+    rest_mean: torch.Tensor  # (B, H, P, D) the pool's dtype: the mean key of the unit's other tokens
+    rest_count: torch.Tensor  # (B, H, P) float32: how many those are (0 where every token is an outlier)
+
+
+def take_outlier_keys(units, store, m: int) -> OutlierKeys:
+    """The prompt units' ``m`` outlier keys each (ties: the earlier token in the unit first), read
+    from ``store``'s pool through the unit table's ``order``. One sequence at a time, so the
+    temporary is a sequence's prompt keys in float32."""
+    keys = store.pool.keys
+    batch, heads, _, dim = keys.shape
+    prompt = units.num_prompt_units
+    length = units.order_len - units.decode_tokens  # the prompt units' positions of ``order``
+    device = units.size.device
+    out = OutlierKeys(
+        keys=torch.zeros(batch, heads, prompt, m, dim, dtype=keys.dtype, device=device),
+        valid=torch.zeros(batch, heads, prompt, m, dtype=torch.bool, device=device),
+        rest_mean=torch.zeros(batch, heads, prompt, dim, dtype=keys.dtype, device=device),
+        rest_count=torch.zeros(batch, heads, prompt, dtype=torch.float32, device=device),
+    )
+    if prompt == 0 or length == 0:
+        return out
+    for b in range(batch):
+        taken = _take_one_sequence(units, store, b, prompt, length, m)
+        for field, value in zip(out, taken):
+            field[b].copy_(value)
+    return out
+
+
+def _take_one_sequence(units, store, b: int, prompt: int, length: int, m: int) -> tuple:
+    keys = store.pool.keys
+    pool_device = keys.device
+    start = units.start[b : b + 1, :, :prompt].to(pool_device)
+    size = units.size[b : b + 1, :, :prompt].to(pool_device)
+    heads, dim = start.shape[1], keys.shape[-1]
+    position = torch.arange(length, device=pool_device)
+    # each position's unit: the last unit starting at or before it, if the position is inside it
+    # (units are ranges of ``order``; a unit of no tokens starts nowhere: the spare column)
+    real = size > 0
+    marker = torch.full((1, heads, length + 1), -1, dtype=torch.long, device=pool_device)
+    unit_ids = torch.arange(prompt, device=pool_device).expand(1, heads, prompt)
+    marker.scatter_(2, torch.where(real, start.clamp(max=length), length), unit_ids)
+    marker = marker[..., :length]
+    last_start = torch.cummax(torch.where(marker >= 0, position, -1), dim=-1).values
+    label = marker.gather(2, last_start.clamp(min=0))
+    end = (start + size).gather(2, label.clamp(min=0))
+    inside = (last_start >= 0) & (position < end)
+    label = torch.where(inside, label, prompt)  # ``prompt``: the bucket of positions in no unit
+    slots = units.order[b : b + 1, :, :length].to(pool_device)
+    zone_rows = store.pool.zone_rows
+    rows = pool_rows(torch.where(inside, slots, 0), None if zone_rows is None else zone_rows[b : b + 1])
+    k = keys[b : b + 1].gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, dim)).float()
+    k = k.masked_fill(~inside.unsqueeze(-1), 0.0)
+    buckets = prompt + 1
+    total = torch.zeros(1, heads, buckets, dim, device=pool_device).scatter_add_(
+        2, label.unsqueeze(-1).expand(-1, -1, -1, dim), k)
+    count = torch.cat([size, size.new_zeros(1, heads, 1)], dim=-1).clamp(min=1).unsqueeze(-1).float()
+    mean = total / count
+    distance = (k - mean.gather(2, label.unsqueeze(-1).expand(-1, -1, -1, dim))).norm(dim=-1)
+    distance = torch.cat([distance.masked_fill(~inside, float("-inf")),
+                          distance.new_full((1, heads, 1), float("-inf"))], dim=-1)  # a spare column
+    chosen_keys, chosen_valid = [], []
+    outlier_sum = torch.zeros(1, heads, prompt, dim, device=pool_device)
+    spare = torch.full((1, heads, prompt), length, dtype=torch.long, device=pool_device)
+    for _ in range(m):
+        # each unit's farthest remaining token (the earliest of equals), then it is no longer a candidate
+        farthest = torch.full((1, heads, buckets), float("-inf"), device=pool_device).scatter_reduce(
+            2, label, distance[..., :length], "amax")
+        at_max = (distance[..., :length] == farthest.gather(2, label)) & (distance[..., :length] > float("-inf"))
+        first = spare.new_full((1, heads, buckets), length).scatter_reduce(
+            2, label, torch.where(at_max, position.expand_as(label), length), "amin")[..., :prompt]
+        has = first < length
+        key = k.gather(2, first.clamp(max=length - 1).unsqueeze(-1).expand(-1, -1, -1, dim))
+        key = key.masked_fill(~has.unsqueeze(-1), 0.0)
+        chosen_keys.append(key)
+        chosen_valid.append(has)
+        outlier_sum += key
+        distance.scatter_(2, torch.where(has, first, spare), float("-inf"))
+    valid = torch.stack(chosen_valid, dim=-1)
+    rest_count = (size - valid.sum(-1)).clamp(min=0).float()
+    rest_mean = (total[..., :prompt, :] - outlier_sum) / rest_count.clamp(min=1).unsqueeze(-1)
+    device = units.size.device
+    return (torch.stack(chosen_keys, dim=-2)[0].to(device=device, dtype=keys.dtype), valid[0].to(device),
+            rest_mean[0].to(device=device, dtype=keys.dtype), rest_count[0].to(device))
