@@ -105,10 +105,11 @@ class ScoreGap(Trigger):
     # unit's mass as the mean of exp(q.k) under a diagonal Gaussian spread of its keys (the prompt
     # units' variances taken once from the pool). "outlier": every prompt unit's mass as its ``outliers``
     # keys farthest from its mean key, each at its own logit, plus its other tokens at their mean key's
-    # logit (a needle token that is its unit's outlier counts by itself; decode units keep "mean").
-    # ``estimate``, ``group`` and ``count`` are reference-only experiments (EVAL.md, "Trigger candidates
-    # on 16 samples": none beat the default; "Unit summaries that keep their outlier keys"); the fused
-    # op refuses them with a ConfigError
+    # logit (a needle token that is its unit's outlier counts by itself; decode units keep "mean"),
+    # taken at attach (``outlier_keys.py``) and scored by its own op (``score_gap_outlier_fire``, fused
+    # on the triton backend, with ``group`` "mean" or "each"). "bound", "gauss", ``group="each"`` with
+    # the mean estimate and ``count`` are reference-only experiments (EVAL.md, "Trigger candidates on 16
+    # samples": none beat the default); the fused op refuses them with a ConfigError
     estimate: str = "mean"
     # ``estimate="outlier"``: how many keys of each prompt unit are kept and scored one by one
     outliers: int = 1
