@@ -39,6 +39,13 @@ def add_parser(sub) -> None:
     cal.add_argument("--leaving", choices=["unheld", "ignored"], default="ignored",
                      help="score_gap's tokens that left the window while the selection was kept: ignored (default, "
                           "the built-in louiskv setting) or counted as unheld")
+    cal.add_argument("--estimate", choices=["mean", "outlier"], default="mean",
+                     help="score_gap's estimate of a unit's attention mass: mean (its mean key; default) or outlier "
+                          "(each prompt unit's --outliers keys farthest from its mean, one by one)")
+    cal.add_argument("--outliers", type=int, default=None,
+                     help="score_gap's outlier keys a prompt unit (with --estimate outlier; default 1)")
+    cal.add_argument("--group", choices=["mean", "each"], default="mean",
+                     help="score_gap's query: the query group's mean (default) or each query head's own")
     cal.add_argument("--taus", default=csv(CALIBRATION_TAUS), help="query_cosine taus to try")
     cal.add_argument("--budget", type=int, default=CALIBRATION_BUDGET)
     cal.add_argument("--min-tokens", type=int, default=None,
@@ -113,6 +120,14 @@ def main(args) -> int:
         raise KVPolicyError(f"--margins takes comma-separated numbers, got {args.margins!r}")
     if args.samples < 1 or args.steps < 2 or args.length < 64 or args.first_sample < 0:
         raise KVPolicyError("--samples must be >= 1, --steps >= 2, --length >= 64 and --first-sample >= 0")
+    if args.trigger == "score_gap":
+        from ..triggers.score_gap import ScoreGap
+
+        try:  # a bad combination is refused before the model loads
+            ScoreGap(measure=args.measure, leaving=args.leaving, estimate=args.estimate, group=args.group,
+                     outliers=1 if args.outliers is None else args.outliers).validate()
+        except ConfigError as error:
+            raise KVPolicyError(f"calibrate: {error}") from None
     if args.budget >= args.length:
         raise KVPolicyError(f"--budget {args.budget} covers the whole {args.length}-token prompt: every tau would "
                             "attend to everything; use a longer --length or a smaller --budget")
@@ -141,6 +156,13 @@ def main(args) -> int:
     sample_ids = range(args.first_sample, args.first_sample + args.samples)
     if args.trigger == "score_gap":
         values, options = margins, {"measure": args.measure, "leaving": args.leaving}
+        # named only when set, as the policy's spec names them: stored defaults stay as they were
+        if args.estimate != "mean":
+            options["estimate"] = args.estimate
+        if args.outliers is not None:
+            options["outliers"] = args.outliers
+        if args.group != "mean":
+            options["group"] = args.group
     else:
         values, options = taus, {}
     measured = measure_taus(model, tokenizer, taus=values, sample_ids=sample_ids, length=args.length,

@@ -48,6 +48,8 @@ def test_presets_lists_presets_and_components():
         (["drift", "--temperature", "-1"], "--temperature must be >= 0"),
         (["drift", "--policies", "pariskv", "--budget", "60"], "must exceed sink + local"),
         (["calibrate", "--tolerance", "2"], "--tolerance must be in [0, 1]"),
+        (["calibrate", "--outliers", "3"], "outliers is read by estimate 'outlier' only"),
+        (["calibrate", "--estimate", "outlier", "--measure", "weakest"], "estimate 'outlier' needs measure 'mass'"),
         (["calibrate", "--against", "anchor"], "--against anchor is an experiment"),
         (["calibrate", "--merge", "/no/such/shard.json"], "cannot read calibration shard '/no/such/shard.json'"),
         (["calibrate", "--samples", "4", "--steps", "16"], "= 64 tokens; a stored choice needs at least 200"),
@@ -112,8 +114,12 @@ def test_graph_replay_timing_needs_a_cuda_device():
         time_replay_ms(lambda: None, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("argv, leaving", [([], "ignored"), (["--leaving", "unheld"], "unheld")])
-def test_calibrate_measures_score_gap_with_the_presets_leaving_rule(argv, leaving, monkeypatch):
+@pytest.mark.parametrize("argv, leaving, more", [
+    ([], "ignored", {}), (["--leaving", "unheld"], "unheld", {}),
+    (["--estimate", "outlier", "--outliers", "4", "--group", "each"], "ignored",
+     {"estimate": "outlier", "outliers": 4, "group": "each"}),
+])
+def test_calibrate_measures_score_gap_with_the_presets_leaving_rule(argv, leaving, more, monkeypatch):
     # the built-in louiskv trigger ignores tokens that left the window; a calibration the user runs
     # must measure (and store) the same rule unless told otherwise
     import kvpolicy.cli
@@ -133,4 +139,4 @@ def test_calibrate_measures_score_gap_with_the_presets_leaving_rule(argv, leavin
     monkeypatch.setattr(calibrate, "measure_taus", measure)
     with pytest.raises(Stop):
         kvpolicy.cli.main(["calibrate", "--trigger", "score_gap", "--device", "cpu", *argv])
-    assert seen["options"] == {"measure": "mass", "leaving": leaving}
+    assert seen["options"] == {"measure": "mass", "leaving": leaving, **more}
