@@ -65,11 +65,14 @@ def _clusterkv(**options: Any) -> Policy:
 # trigger that kept the needle score at the lowest re-selection share (EVAL.md, "A trigger that
 # knows when reuse is unsafe").
 BUILTIN_TRIGGER: dict[str, dict] = {
-    # 24 prompts (EVAL.md, "The held units from the selection"): margin -2.5 re-selects 24.6% at 1.1
-    # points under every-step selection's top-1 agreement; tokens that leave the local window while
-    # the selection is kept do not fire (leaving="ignored": firing on them cost 14 points of share on
-    # the 4K needles and changed no answer)
-    "smollm2-135m-instruct": {"name": "score_gap", "measure": "mass", "margin": -2.5, "leaving": "ignored"},
+    # each prompt unit's 4 outlier keys scored by each query head (EVAL.md, "Outlier keys at 8K, on held-out
+    # samples and on Gemma 3", session 21: needle scores above the mean-key trigger's at every share
+    # measured); on 24 prompts the rule chose margin 2.5: 10.1% re-selecting at 1.9 points under
+    # every-step selection's top-1 agreement (the mean-key trigger's choice, -2.5: 24.6% at 1.1).
+    # Tokens that leave the local window while the selection is kept do not fire (leaving="ignored":
+    # firing on them cost 14 points of share on the 4K needles and changed no answer)
+    "smollm2-135m-instruct": {"name": "score_gap", "measure": "mass", "margin": 2.5, "leaving": "ignored",
+                              "estimate": "outlier", "outliers": 4, "group": "each"},
     # 16 prompts of 2,048 tokens, 16 teacher-forced steps each (EVAL.md, "Calibrating score_gap on Gemma 3",
     # session 18): margin -2.5 re-selects 23.8% at 0.8 points under every-step selection's top-1 agreement
     "gemma-3-270m": {"name": "score_gap", "measure": "mass", "margin": -2.5, "leaving": "ignored"},
@@ -106,8 +109,9 @@ def _louiskv(model: Any = None, **options: Any) -> Policy:
     faster prefill), generated tokens in segments cut where the
     trigger fired, group-consistent top_budget selection, reused until the trigger fires. The
     trigger is the model's calibrated one when a model is given: for the embedded SmolLM2 and Gemma 3
-    score_gap (re-select when an unselected unit would carry e^-2.5 of the held units' estimated
-    attention mass; tokens leaving the window while the selection is kept do not fire); else the paper's query_cosine (mean query cosine < tau) at the model's
+    score_gap (re-select when an unselected unit would carry e^margin of the held units' estimated
+    attention mass; SmolLM2's counts each prompt unit's outlier keys per query head, BUILTIN_TRIGGER;
+    tokens leaving the window while the selection is kept do not fire); else the paper's query_cosine (mean query cosine < tau) at the model's
     calibrated tau, 0.7 (LouisKV's for Qwen3-8B) without one. trigger="query_cosine" names the
     paper's trigger at the model's calibrated tau (0.95 for SmolLM2)."""
     model = _embedded_id(model)
