@@ -180,6 +180,6 @@ def test_louiskv_answers_the_readme_demo_and_keeps_its_selection_most_steps(smol
         share = session.stats().reselect_share
     text = tok.decode(out[0, demo.num_tokens:], skip_special_tokens=True)
     assert answer_is_correct(text, demo), f"expected {demo.answer}, louiskv said {text!r}"
-    # measured 13.3% with the outlier trigger at the rule's margin 2.5 (the mean-key trigger at -2.5: 28.2%;
+    # measured 30.8% with the outlier trigger at -0.5 (at 2.5: 13.3%; the mean-key trigger at -2.5: 28.2%;
     # EVAL.md); the issue asks for under a third
     assert share < 1 / 3, f"louiskv re-selected in {share:.1%} of (layer, step) pairs on the demo: a third or more"
