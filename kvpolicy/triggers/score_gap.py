@@ -72,6 +72,7 @@ class ScoreGapState:
     # ``estimate="outlier"``: each prompt unit's outlier keys, taken from the pool at attach
     outliers: OutlierKeys | None = None
 
+
 MEASURES = ("weakest", "mass", "rank")
 LEAVING = ("unheld", "ignored")
 ESTIMATES = ("mean", "bound", "gauss", "outlier")
