@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import ConfigError
 from ..dispatch import implement, triton_runs_on
 from .score_gap import _decide_kernel, _follow_kernel, _scratch_mask, unsupported
 
@@ -125,8 +126,6 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
         return fire
     why = unsupported(trigger)
     if why is not None:
-        from ...errors import ConfigError
-
         raise ConfigError(why)
     group = query.view(batch, heads, q_heads // heads, dim)
     if trigger.group != "each":  # the query group's mean, in float32 as the reference takes it
