@@ -218,7 +218,7 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float, *, decisi
     """Three launches of ``reference_step.score_gap_fire`` (the last also writes ``decision``)."""
     batch, heads, units = scores.shape
     layer = state.layer
-    table, store = layer.units, layer.store
+    table = layer.units
     device = scores.device
     fire = torch.empty(batch, dtype=torch.bool, device=device)
     if batch == 0:
@@ -233,22 +233,10 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float, *, decisi
     if trigger.estimate == "outlier":
         raise ConfigError("triton score_gap_fire: estimate 'outlier' scores its own keys; call "
                           "score_gap_outlier_fire (ScoreGap does)")
-    room = state.held.shape[-1]
     mask = _scratch_mask(state, batch, heads, units, device)
-    evict = layer.policy.admit == "evict"
-    kept = store.kept if evict else store.admitted  # read only when evicting
     rank = trigger.measure == "rank"
     middle = torch.empty(batch, heads, dtype=torch.float32, device=device) if rank else state.gap  # read if rank
-    _follow_kernel[(heads, batch)](
-        table.size, table.open_unit, state.seen_open, state.seen_size, store.admitted, state.seen_admitted,
-        state.held, state.held_end, state.held_count, kept, mask, scores, middle,
-        units, room, float(scale),
-        *table.size.stride()[:2], state.seen_size.stride(0), store.admitted.stride(0),
-        state.seen_admitted.stride(0), *state.held.stride()[:2], *state.held_end.stride()[:2],
-        state.held_count.stride(0), kept.stride(0), *mask.stride()[:2], *scores.stride()[:2],
-        EVICT=evict, LEAVING_UNHELD=trigger.leaving == "unheld", RANK=rank,
-        BLOCK_R=min(4096, triton.next_power_of_2(room)),
-    )
+    follow_and_mark(trigger, state, mask, scores, middle, scale, rank)
     mass = trigger.measure == "mass"
     block = min(_GAP_BLOCK, triton.next_power_of_2(max(units, 1)))
     blocks = triton.cdiv(units, block)
@@ -259,6 +247,40 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float, *, decisi
         *scores.stride()[:2], *table.size.stride()[:2], *mask.stride()[:2], *parts.stride()[1:3],
         MASS=mass, RANK=rank, LEAVING_IGNORED=trigger.leaving == "ignored", BLOCK_U=block,
     )
+    decide_from_parts(trigger, state, parts, fire, mass, rank, decision)
+    return fire
+
+
+def follow_and_mark(trigger, state, mask: torch.Tensor, scores: torch.Tensor, middle: torch.Tensor,
+                    scale: float, rank: bool) -> None:
+    """The first launch of a fused score-gap step (``_follow_kernel``): follow the leaving token in
+    the held list and mark the held units in ``mask``; with ``rank``, the held units' mean of
+    ``scores * scale`` into ``middle`` (otherwise neither is read)."""
+    layer = state.layer
+    table, store = layer.units, layer.store
+    batch, heads, room = state.held.shape
+    evict = layer.policy.admit == "evict"
+    kept = store.kept if evict else store.admitted  # read only when evicting
+    _follow_kernel[(heads, batch)](
+        table.size, table.open_unit, state.seen_open, state.seen_size, store.admitted, state.seen_admitted,
+        state.held, state.held_end, state.held_count, kept, mask, scores, middle,
+        mask.shape[-1], room, float(scale),
+        *table.size.stride()[:2], state.seen_size.stride(0), store.admitted.stride(0),
+        state.seen_admitted.stride(0), *state.held.stride()[:2], *state.held_end.stride()[:2],
+        state.held_count.stride(0), kept.stride(0), *mask.stride()[:2], *scores.stride()[:2],
+        EVICT=evict, LEAVING_UNHELD=trigger.leaving == "unheld", RANK=rank,
+        BLOCK_R=min(4096, triton.next_power_of_2(room)),
+    )
+
+
+def decide_from_parts(trigger, state, parts: torch.Tensor, fire: torch.Tensor, mass: bool, rank: bool,
+                      decision) -> None:
+    """The last launch of a fused score-gap step (``_decide_kernel``): combine the ``(4, B, rows,
+    blocks)`` block parts (a row a KV head, or a query head), decide into ``fire`` with the layer's
+    margin, ``follow`` and ``cap``, and write ``decision`` when given."""
+    layer = state.layer
+    table = layer.units
+    rows, blocks = parts.shape[2], parts.shape[3]
     follow = trigger.follow > 0 and state.above is not None
     margin = trigger.margin_of(layer.layer_idx)  # a host number per layer: a captured step keeps its own
     above = state.above.reselect if follow else state.has_selection  # read only when following
@@ -267,15 +289,14 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float, *, decisi
     note = decision is not None
     # without a decision, any tensors of the right kinds as placeholders (never read: NOTE False)
     noted, count, boundary, slot, reselect = decision if note else (fire, age, fire.view(1, -1), age, fire)
-    _decide_kernel[(batch,)](
+    _decide_kernel[(fire.shape[0],)](
         parts, state.has_selection.view(torch.uint8), above.view(torch.uint8), table.open_unit, state.seen_open,
-        fire.view(torch.uint8), state.gap, age, heads, blocks, parts.stride(0), *parts.stride()[1:3],
+        fire.view(torch.uint8), state.gap, age, rows, blocks, parts.stride(0), *parts.stride()[1:3],
         float(margin), float(margin - trigger.follow) if follow else 0.0, int(trigger.cap),
         noted.view(torch.uint8), count, boundary.view(torch.uint8), slot, reselect.view(torch.uint8), boundary.stride(0),
         MASS=mass, RANK=rank, FOLLOW=follow, CAP=cap, NOTE=note,
-        BLOCK_H=triton.next_power_of_2(heads), BLOCK_S=triton.next_power_of_2(blocks),
+        BLOCK_H=triton.next_power_of_2(rows), BLOCK_S=triton.next_power_of_2(blocks),
     )
-    return fire
 
 
 def unsupported(trigger) -> str | None:

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ...errors import ConfigError
 from ..dispatch import implement, triton_runs_on
-from .score_gap import _decide_kernel, _follow_kernel, _scratch_mask, unsupported
+from .score_gap import _scratch_mask, decide_from_parts, follow_and_mark, unsupported
 
 # key elements of one tile (a block of units x D): 32 units at D = 128, 64 at D = 64
 _TILE_ELEMENTS = 4096
@@ -117,7 +117,7 @@ def _outlier_gap_blocks_kernel(
 def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *, decision=None) -> torch.Tensor:
     """Three launches of ``reference_step.score_gap_outlier_fire`` (the last also writes ``decision``)."""
     layer = state.layer
-    table, store, outliers = layer.units, layer.store, state.outliers
+    table, outliers = layer.units, state.outliers
     batch, q_heads, dim = query.shape
     heads, units = table.size.shape[1], table.capacity
     device = query.device
@@ -135,21 +135,9 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
                     ("outlier rest means", outliers.rest_mean)):
         if t.stride(-1) != 1:
             raise ValueError(f"triton score_gap_outlier_fire: {name} must be contiguous in its last dim")
-    room = state.held.shape[-1]
     mask = _scratch_mask(state, batch, heads, units, device)
-    evict = layer.policy.admit == "evict"
-    kept = store.kept if evict else store.admitted  # read only when evicting
-    # measure "mass": no rank, so the scores and middle pointers are never read (any tensors)
-    _follow_kernel[(heads, batch)](
-        table.size, table.open_unit, state.seen_open, state.seen_size, store.admitted, state.seen_admitted,
-        state.held, state.held_end, state.held_count, kept, mask, table.size, state.gap,
-        units, room, float(scale),
-        *table.size.stride()[:2], state.seen_size.stride(0), store.admitted.stride(0),
-        state.seen_admitted.stride(0), *state.held.stride()[:2], *state.held_end.stride()[:2],
-        state.held_count.stride(0), kept.stride(0), *mask.stride()[:2], *table.size.stride()[:2],
-        EVICT=evict, LEAVING_UNHELD=trigger.leaving == "unheld", RANK=False,
-        BLOCK_R=min(4096, triton.next_power_of_2(room)),
-    )
+    # measure "mass": no rank, so the scores and middle tensors are never read (any tensors)
+    follow_and_mark(trigger, state, mask, table.size, state.gap, scale, rank=False)
     per_head = group.shape[2]
     block_d = triton.next_power_of_2(dim)
     block = max(16, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(max(units, 1))))
@@ -167,20 +155,5 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
         D=dim, G=per_head, M=outliers.keys.shape[3], LEAVING_IGNORED=trigger.leaving == "ignored",
         BLOCK_U=block, BLOCK_D=block_d, BLOCK_G=triton.next_power_of_2(per_head),
     )
-    follow = trigger.follow > 0 and state.above is not None
-    margin = trigger.margin_of(layer.layer_idx)  # a host number per layer: a captured step keeps its own
-    above = state.above.reselect if follow else state.has_selection  # read only when following
-    cap = trigger.cap > 0
-    age = state.age if cap else table.open_unit  # read only with a cap
-    note = decision is not None
-    # without a decision, any tensors of the right kinds as placeholders (never read: NOTE False)
-    noted, count, boundary, slot, reselect = decision if note else (fire, age, fire.view(1, -1), age, fire)
-    _decide_kernel[(batch,)](
-        parts, state.has_selection.view(torch.uint8), above.view(torch.uint8), table.open_unit, state.seen_open,
-        fire.view(torch.uint8), state.gap, age, rows, blocks, parts.stride(0), *parts.stride()[1:3],
-        float(margin), float(margin - trigger.follow) if follow else 0.0, int(trigger.cap),
-        noted.view(torch.uint8), count, boundary.view(torch.uint8), slot, reselect.view(torch.uint8), boundary.stride(0),
-        MASS=True, RANK=False, FOLLOW=follow, CAP=cap, NOTE=note,
-        BLOCK_H=triton.next_power_of_2(rows), BLOCK_S=triton.next_power_of_2(blocks),
-    )
+    decide_from_parts(trigger, state, parts, fire, mass=True, rank=False, decision=decision)
     return fire

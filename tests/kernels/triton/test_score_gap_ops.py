@@ -93,6 +93,17 @@ def _next_look(gen: torch.Generator, state: ScoreGapState) -> None:
     store.admitted.add_(torch.randint(0, 2, store.admitted.shape, generator=gen).to(DEVICE))
 
 
+def _assert_same_step(got: torch.Tensor, want: torch.Tensor, fast: ScoreGapState, ref: ScoreGapState,
+                      where: str) -> None:
+    """A fused step against the reference's: the decision and the state bit for bit, the gap to
+    float32 rounding, and the scratch mask cleared."""
+    assert torch.equal(got, want), f"{where}: fire {got.tolist()} != {want.tolist()} (gap {ref.gap.tolist()})"
+    torch.testing.assert_close(fast.gap, ref.gap, rtol=1e-5, atol=1e-5, equal_nan=True, msg=where)
+    for name in STATE_TENSORS:
+        assert torch.equal(getattr(fast, name), getattr(ref, name)), f"{where}: {name} differs"
+    assert not fast.held_scratch.any(), f"{where}: the scratch mask was not cleared"
+
+
 @pytest.mark.parametrize("measure", ["weakest", "mass", "rank"])
 @pytest.mark.parametrize("leaving", ["unheld", "ignored"])
 @pytest.mark.parametrize("admit, follow, cap", [("room", 0.0, 0), ("evict", 0.0, 3), ("room", 1.5, 0),
@@ -123,12 +134,7 @@ def test_score_gap_fire_matches_reference(measure, leaving, admit, follow, cap):
             had = ref.has_selection.clone()
             want = reference_step.score_gap_fire(trigger, ref, scores, scale)
             got = triton_ops.score_gap_fire(trigger, fast, scores.clone(), scale)
-            where = f"seed {seed} step {step}"
-            assert torch.equal(got, want), f"{where}: fire {got.tolist()} != {want.tolist()} (gap {ref.gap.tolist()})"
-            torch.testing.assert_close(fast.gap, ref.gap, rtol=1e-5, atol=1e-5, equal_nan=True, msg=where)
-            for name in STATE_TENSORS:
-                assert torch.equal(getattr(fast, name), getattr(ref, name)), f"{where}: {name} differs"
-            assert not fast.held_scratch.any(), f"{where}: the scratch mask was not cleared"
+            _assert_same_step(got, want, fast, ref, f"seed {seed} step {step}")
             by_gap += int((want & had).sum())  # fired on the gap, not for want of a selection
             kept += int((~want).sum())
             look = torch.Generator().set_state(gen.get_state())  # the same next look for both
@@ -300,12 +306,7 @@ def test_score_gap_outlier_fire_matches_reference(group, leaving, admit, follow,
             had = ref.has_selection.clone()
             want = reference_step.score_gap_outlier_fire(trigger, ref, query, 0.2)
             got = triton_ops.score_gap_outlier_fire(trigger, fast, query.clone(), 0.2)
-            where = f"seed {seed} step {step}"
-            assert torch.equal(got, want), f"{where}: fire {got.tolist()} != {want.tolist()} (gap {ref.gap.tolist()})"
-            torch.testing.assert_close(fast.gap, ref.gap, rtol=1e-5, atol=1e-5, equal_nan=True, msg=where)
-            for name in STATE_TENSORS:
-                assert torch.equal(getattr(fast, name), getattr(ref, name)), f"{where}: {name} differs"
-            assert not fast.held_scratch.any(), f"{where}: the scratch mask was not cleared"
+            _assert_same_step(got, want, fast, ref, f"seed {seed} step {step}")
             by_gap += int((want & had).sum())
             kept += int((~want).sum())
             look = torch.Generator().set_state(gen.get_state())
