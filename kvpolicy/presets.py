@@ -76,8 +76,9 @@ BUILTIN_TRIGGER: dict[str, dict] = {
                               "estimate": "outlier", "outliers": 4, "group": "each"},
     # the same outlier trigger, at the rule's own pick on Gemma 3 (EVAL.md, "Gemma 3's default: the outlier
     # trigger at the rule's pick", session 23): on 16 prompts of 2,048 tokens margin 0.5 re-selects 15.7% at
-    # 1.2 points under every-step selection's top-1 agreement; on the 16K needles (8 samples) it answers as
-    # every-step clusterkv at 15.0% re-selecting, where the mean-key trigger (-2.5, session 18) lost a needle
+    # 1.2 points under every-step selection's top-1 agreement; on the 16K needles (16 samples) and at 32K (seed 0)
+    # it credits the values every-step clusterkv does at 10-15% re-selecting, where the mean-key trigger (-2.5,
+    # session 18) lost a needle at 16K
     "gemma-3-270m": {"name": "score_gap", "measure": "mass", "margin": 0.5, "leaving": "ignored",
                      "estimate": "outlier", "outliers": 4, "group": "each"},
 }
