@@ -35,16 +35,12 @@ _TILE_ELEMENTS = 4096
 
 
 @triton.jit
-def _query_logits(tile, q_row, q_sg, dims, d_ok, scale,
-                  G: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_G: tl.constexpr):
-    """``[BLOCK_U, BLOCK_G]``: each query head's logit of each key of ``tile`` (-inf past ``G``)."""
-    columns = tl.arange(0, BLOCK_G)
-    out = tl.full([BLOCK_U, BLOCK_G], float("-inf"), tl.float32)
-    for g in tl.static_range(G):
-        q = tl.load(q_row + g * q_sg + dims, mask=d_ok, other=0.0).to(tl.float32)
-        logit = tl.sum(tile * q[None, :], axis=1) * scale
-        out = tl.where(columns[None, :] == g, logit[:, None], out)
-    return out
+def _query_logits(tile, q_t, scale, G: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr):
+    """``[BLOCK_U, BLOCK_G]``: each query head's logit of each key of ``tile`` (-inf past ``G``), one
+    ``tl.dot`` against the transposed query group ``q_t [BLOCK_D, BLOCK_G]`` (its columns past ``G``
+    zero): a reduction a query head over the head dimension ran latency-bound on the GPU."""
+    logits = tl.dot(tile, q_t, input_precision=PRECISION) * scale
+    return tl.where((tl.arange(0, BLOCK_G) < G)[None, :], logits, float("-inf"))
 
 
 @triton.jit
@@ -55,7 +51,7 @@ def _outlier_gap_blocks_kernel(
     q_sb, q_sh, q_sg, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh, mk_sb, mk_sh,
     ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh, pt_sb, pt_sh,
     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, LEAVING_IGNORED: tl.constexpr,
-    BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr,
 ):
     block = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
@@ -72,7 +68,10 @@ def _outlier_gap_blocks_kernel(
     tl.store(mask_at, tl.zeros([BLOCK_U], tl.uint8), mask=marked != 0)
     held = marked != 0
     sizes = tl.load(size_ptr + b * sz_sb + h * sz_sh + ids, mask=ok, other=1)
-    q_row = q_ptr + b * q_sb + h * q_sh
+    # the query group transposed, ``[BLOCK_D, BLOCK_G]``: a ``tl.dot`` operand (zero past ``G``)
+    heads_g = tl.arange(0, BLOCK_G)
+    q_t = tl.load(q_ptr + b * q_sb + h * q_sh + heads_g[None, :] * q_sg + dims[:, None],
+                  mask=(heads_g < G)[None, :] & d_ok[:, None], other=0.0).to(tl.float32)
     # the base of a unit's mass: a decode unit's tokens at its mean key, a prompt unit's other tokens
     # at theirs (two masked loads into one tile: a unit is one or the other)
     base = tl.load(mean_ptr + b * mn_sb + h * mn_sh + ids[:, None] * mn_su + dims[None, :],
@@ -81,14 +80,14 @@ def _outlier_gap_blocks_kernel(
                     mask=prompt[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     count = tl.where(prompt, tl.load(rest_count_ptr + b * rc_sb + h * rc_sh + ids, mask=prompt, other=0.0),
                      tl.maximum(sizes, 1).to(tl.float32))
-    top = _query_logits(base, q_row, q_sg, dims, d_ok, scale, G, BLOCK_U, BLOCK_G) + tl.log(count)[:, None]
+    top = _query_logits(base, q_t, scale, G, BLOCK_G, PRECISION) + tl.log(count)[:, None]
     # a running logsumexp over the outlier keys: ``top + log(total)``
     total = tl.where(top > float("-inf"), 1.0, 0.0)
     for j in tl.static_range(M):
         real = prompt & (tl.load(valid_ptr + b * ov_sb + h * ov_sh + ids * ov_su + j, mask=prompt, other=0) != 0)
         key = tl.load(keys_ptr + b * ok_sb + h * ok_sh + ids[:, None] * ok_su + j * ok_sm + dims[None, :],
                       mask=real[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        logit = tl.where(real[:, None], _query_logits(key, q_row, q_sg, dims, d_ok, scale, G, BLOCK_U, BLOCK_G),
+        logit = tl.where(real[:, None], _query_logits(key, q_t, scale, G, BLOCK_G, PRECISION),
                          float("-inf"))
         new_top = tl.maximum(top, logit)
         shift = tl.where(new_top > float("-inf"), new_top, 0.0)
@@ -111,6 +110,13 @@ def _outlier_gap_blocks_kernel(
     tl.store(out + 2 * parts_sk, best_held, mask=real_column)
     tl.store(out + 3 * parts_sk, tl.sum(tl.where(counted, tl.exp(log_mass - shift[None, :]), 0.0), axis=0),
              mask=real_column)
+
+
+def _dot_precision(key_dtype: torch.dtype) -> str:
+    """tf32 runs on tensor cores and is exact for 16-bit keys and a 16-bit query (its 10 mantissa bits
+    hold bf16's 7 and float16's 10); a query group's float32 mean (``group="mean"``) rounds to 10 bits,
+    about 1e-3 of a logit. float32 keys get the exact float32 product."""
+    return "ieee" if key_dtype == torch.float32 else "tf32"
 
 
 @implement("triton", "score_gap_outlier_fire", supports=triton_runs_on)
@@ -153,7 +159,8 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
         *outliers.keys.stride()[:4], *outliers.valid.stride()[:3], *outliers.rest_mean.stride()[:3],
         *outliers.rest_count.stride()[:2], *parts.stride()[1:3],
         D=dim, G=per_head, M=outliers.keys.shape[3], LEAVING_IGNORED=trigger.leaving == "ignored",
-        BLOCK_U=block, BLOCK_D=block_d, BLOCK_G=triton.next_power_of_2(per_head),
+        BLOCK_U=block, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(per_head)),
+        PRECISION=_dot_precision(outliers.keys.dtype),
     )
     decide_from_parts(trigger, state, parts, fire, mass=True, rank=False, decision=decision)
     return fire

@@ -262,9 +262,11 @@ def test_the_fused_op_refuses_the_options_it_does_not_implement(option):
         dispatch.bind("triton", DEVICE).score_gap_fire(trigger, state, _scores(gen, state), 0.25)
 
 
-def _with_outlier_keys(gen: torch.Generator, state: ScoreGapState, dim: int, m: int) -> None:
-    """The unit table's float16 mean keys and selectable mask, and a random ``OutlierKeys`` for
-    its prompt units: some outliers missing, some units with no other token, some with no outlier."""
+def _with_outlier_keys(gen: torch.Generator, state: ScoreGapState, dim: int, m: int,
+                       dtype: torch.dtype = torch.float32) -> None:
+    """The unit table's float16 mean keys and selectable mask, and a random ``OutlierKeys`` (keys of
+    ``dtype``) for its prompt units: some outliers missing, some units with no other token, some with
+    no outlier."""
     from kvpolicy.triggers.outlier_keys import OutlierKeys
 
     units = state.layer.units
@@ -277,14 +279,17 @@ def _with_outlier_keys(gen: torch.Generator, state: ScoreGapState, dim: int, m: 
     rest_count = torch.randint(0, 20, (batch, heads, prompt), generator=gen).float()
     rest_count[:, :, 5:10] = 0.0  # every token an outlier
     state.outliers = OutlierKeys(
-        keys=(3 * torch.randn(batch, heads, prompt, m, dim, generator=gen)).to(DEVICE),
-        valid=valid.to(DEVICE), rest_mean=torch.randn(batch, heads, prompt, dim, generator=gen).to(DEVICE),
+        keys=(3 * torch.randn(batch, heads, prompt, m, dim, generator=gen)).to(DEVICE, dtype),
+        valid=valid.to(DEVICE), rest_mean=torch.randn(batch, heads, prompt, dim, generator=gen).to(DEVICE, dtype),
         rest_count=rest_count.to(DEVICE))
 
 
-@pytest.mark.parametrize("group", ["each", "mean"])
+# bfloat16 keys and query (each query head's own: a group's float32 mean rounds to tf32): the
+# kernel's tf32 product, exact for 16-bit operands, on the GPU
+@pytest.mark.parametrize("group, dtype", [("each", torch.float32), ("mean", torch.float32),
+                                          ("each", torch.bfloat16)])
 @pytest.mark.parametrize("leaving, admit, follow, cap", [("ignored", "room", 0.0, 0), ("unheld", "evict", 1.5, 6)])
-def test_score_gap_outlier_fire_matches_reference(group, leaving, admit, follow, cap):
+def test_score_gap_outlier_fire_matches_reference(group, dtype, leaving, admit, follow, cap):
     """The fused outlier op (scoring included) against ``reference_step.score_gap_outlier_fire``:
     decisions and state bit for bit, the gap to float32 rounding, over steps and several blocks of
     units; a head dimension that is not a power of two; 3 query heads a KV head."""
@@ -297,12 +302,12 @@ def test_score_gap_outlier_fire_matches_reference(group, leaving, admit, follow,
                            margins=(99.0, margin) if cap else (), estimate="outlier", outliers=3, group=group)
         trigger.validate()
         ref = _state(gen, batch=3, heads=2, units=400, room=12, prompt_units=300, admit=admit, above=follow > 0)
-        _with_outlier_keys(gen, ref, dim=24, m=3)
+        _with_outlier_keys(gen, ref, dim=24, m=3, dtype=dtype)
         if seed == 2:  # every row has a selection: with the largest margin some keep it
             ref.has_selection.fill_(True)
         fast = copy.deepcopy(ref)
         for step in range(3):
-            query = torch.randn(3, 6, 24, generator=gen).to(DEVICE)
+            query = torch.randn(3, 6, 24, generator=gen).to(DEVICE, dtype)
             had = ref.has_selection.clone()
             want = reference_step.score_gap_outlier_fire(trigger, ref, query, 0.2)
             got = triton_ops.score_gap_outlier_fire(trigger, fast, query.clone(), 0.2)
