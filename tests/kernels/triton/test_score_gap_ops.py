@@ -289,13 +289,18 @@ def _with_outlier_keys(gen: torch.Generator, state: ScoreGapState, dim: int, m: 
 @pytest.mark.parametrize("group, dtype", [("each", torch.float32), ("mean", torch.float32),
                                           ("each", torch.bfloat16)])
 @pytest.mark.parametrize("leaving, admit, follow, cap", [("ignored", "room", 0.0, 0), ("unheld", "evict", 1.5, 6)])
-def test_score_gap_outlier_fire_matches_reference(group, dtype, leaving, admit, follow, cap):
+def test_score_gap_outlier_fire_matches_reference(group, dtype, leaving, admit, follow, cap, monkeypatch):
     """The fused outlier op (scoring included) against ``reference_step.score_gap_outlier_fire``:
     decisions and state bit for bit, the gap to float32 rounding, over steps and several blocks of
-    units; a head dimension that is not a power of two; 3 query heads a KV head."""
+    units (a program a block, then, at seed 1, one program a row looping over all 7); a head
+    dimension that is not a power of two; 3 query heads a KV head."""
+    from kvpolicy.kernels.triton import score_gap_outlier
+
     triton_ops = dispatch.bind("triton", DEVICE)
     by_gap = kept = 0
+    programs = score_gap_outlier.PROGRAMS
     for seed in range(3):
+        monkeypatch.setattr(score_gap_outlier, "PROGRAMS", 1 if seed == 1 else programs)
         gen = torch.Generator().manual_seed(100 + seed)
         margin = (-6.0, float(torch.randn(1, generator=gen)), 40.0)[seed]  # fires, some, keeps (but a cap)
         trigger = ScoreGap(margin=margin if not cap else 99.0, measure="mass", leaving=leaving, follow=follow, cap=cap,
