@@ -14,6 +14,13 @@ step profile_new_128k 120 $PROFILE --context 131072 --batch 1 --trigger "$TRIGGE
 step profile_reuse_128k 120 $PROFILE --context 131072 --batch 1 --trigger '{"name": "interval", "n": 1099511627776}' --out "$OUT/profile_reuse_128k.txt"
 step e2e_128k1 200 $E2E --contexts 131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_128k1.json"
 ;;
+tune)  # after the loop a program (PROGRAMS): the op's kernels at a few grid sizes, then the e2e cell
+step gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py
+for n in 512 256 1024 2048; do
+  step profile_p${n}_128k 100 python3 benchmarks/with_settings.py kvpolicy.kernels.triton.score_gap_outlier.PROGRAMS=$n -- ${PROFILE#python3 } --context 131072 --batch 1 --trigger "$TRIGGER" --out "$OUT/profile_p${n}_128k.txt"
+done
+step e2e_128k1 200 $E2E --contexts 131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_128k1.json"
+;;
 second)
 step e2e_128k4 280 $E2E --contexts 131072 --batches 4 --presets pariskv@gpu,louiskv@gpu --json "$OUT/e2e_128k4.json"
 step e2e_32k 200 $E2E --contexts 32768 --batches 1,4 --presets pariskv@gpu,louiskv@gpu --json "$OUT/e2e_32k.json"
