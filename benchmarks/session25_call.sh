@@ -14,12 +14,19 @@ step profile_new_128k 120 $PROFILE --context 131072 --batch 1 --trigger "$TRIGGE
 step profile_reuse_128k 120 $PROFILE --context 131072 --batch 1 --trigger '{"name": "interval", "n": 1099511627776}' --out "$OUT/profile_reuse_128k.txt"
 step e2e_128k1 200 $E2E --contexts 131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_128k1.json"
 ;;
-tune)  # after the loop a program (PROGRAMS): the op's kernels at a few grid sizes, then the e2e cell
+tune)  # after the loop a program (PROGRAMS): the op's kernels at a few grid sizes (1048576: a program a
+# block of units), then the e2e cells at the grid size whose two kernels took least
 step gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py
-for n in 512 256 1024 2048; do
-  step profile_p${n}_128k 100 python3 benchmarks/with_settings.py kvpolicy.kernels.triton.score_gap_outlier.PROGRAMS=$n -- ${PROFILE#python3 } --context 131072 --batch 1 --trigger "$TRIGGER" --out "$OUT/profile_p${n}_128k.txt"
+SET=kvpolicy.kernels.triton.score_gap_outlier.PROGRAMS
+for n in 1048576 2048 1024 512; do
+  step profile_p${n}_128k 100 python3 benchmarks/with_settings.py $SET=$n -- ${PROFILE#python3 } --context 131072 --batch 1 --trigger "$TRIGGER" --out "$OUT/profile_p${n}_128k.txt"
 done
-step e2e_128k1 200 $E2E --contexts 131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_128k1.json"
+best=$(for f in "$OUT"/profile_p*_128k.txt; do n=${f##*profile_p}; n=${n%_128k.txt}
+  awk -v n="$n" '/_outlier_gap_blocks_kernel|_decide_kernel/ {t += $3} END {print t, n}' "$f"; done | sort -n | head -1 | cut -d' ' -f2)
+echo "PROGRAMS=$best" | tee "$OUT/best.txt"
+for cell in "32768 1" "131072 1"; do set -- $cell
+  step e2e_${1}_${2} 200 python3 benchmarks/with_settings.py $SET=$best -- ${E2E#python3 } --contexts $1 --batches $2 --presets louiskv@gpu --json "$OUT/e2e_${1}_${2}.json"
+done
 ;;
 second)
 step e2e_128k4 280 $E2E --contexts 131072 --batches 4 --presets pariskv@gpu,louiskv@gpu --json "$OUT/e2e_128k4.json"

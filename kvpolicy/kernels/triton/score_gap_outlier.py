@@ -10,8 +10,8 @@ instead of taking the selector's unit scores:
    and marks the held units (as ``score_gap_fire``).
 2. ``_outlier_gap_blocks_kernel``, a few programs per (KV head, sequence) (``PROGRAMS`` in all),
    each looping over its share of the units a block at a time: a block's decode-unit means and
-   prompt-unit rest means in one tile, all its outlier keys in another, each scored against every
-   query head with one ``tl.dot``; per query head, the best unheld log mass and a running logsumexp
+   prompt-unit rest means in one tile, then its outlier keys a tile each, each tile scored against
+   every query head with one ``tl.dot``; per query head, the best unheld log mass and a running logsumexp
    of the held units'; it clears the marks it read.
 3. ``score_gap._decide_kernel`` over the ``H * G`` query heads' rows: the largest gap decides; it
    notes the layer's ``Decision`` when given one.
@@ -31,8 +31,8 @@ from ...errors import ConfigError
 from ..dispatch import implement, triton_runs_on
 from .score_gap import _scratch_mask, decide_from_parts, follow_and_mark, unsupported
 
-# outlier key elements of one tile (a block of units x their M keys x D): 16 units of 4 keys at D = 128
-_TILE_ELEMENTS = 8192
+# key elements of one tile (a block of units x D): 32 units at D = 128, 64 at D = 64
+_TILE_ELEMENTS = 4096
 # programs of the block pass over the whole grid (each loops over its share of the units): a few a
 # streaming multiprocessor, so the decide launch reads few parts
 PROGRAMS = 512
@@ -53,11 +53,11 @@ def _block_log_mass(first, b, h, q_t, scale, U, P,
                     mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
                     ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
                     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, BLOCK_U: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr):
     """``[BLOCK_U, BLOCK_G]``: the log mass of units ``first ..`` for each query head (``-inf`` where a
     unit is not selectable or past ``U``): a decode unit's tokens at its mean key; a prompt unit's
-    other tokens at their mean key and its outlier keys one by one, all of the block's outlier keys
-    in one tile and one ``tl.dot``."""
+    other tokens at their mean key and its outlier keys one by one, each tile of keys scored against
+    every query head with one ``tl.dot``."""
     ids = first + tl.arange(0, BLOCK_U).to(tl.int64)
     ok = ids < U
     dims = tl.arange(0, BLOCK_D)
@@ -74,22 +74,19 @@ def _block_log_mass(first, b, h, q_t, scale, U, P,
                     mask=prompt[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     count = tl.where(prompt, tl.load(rest_count_ptr + b * rc_sb + h * rc_sh + ids, mask=prompt, other=0.0),
                      tl.maximum(sizes, 1).to(tl.float32))
-    base_logit = _query_logits(base, q_t, scale, G, BLOCK_G, PRECISION) + tl.log(count)[:, None]
-    # the outlier keys: row ``u * BLOCK_M + j`` of the tile is unit ``u``'s key ``j``
-    rows = tl.arange(0, BLOCK_U * BLOCK_M)
-    row_unit = first + (rows // BLOCK_M).to(tl.int64)
-    j = rows % BLOCK_M
-    row_prompt = tl.reshape(tl.broadcast_to(prompt[:, None], (BLOCK_U, BLOCK_M)), (BLOCK_U * BLOCK_M,))
-    row_prompt = row_prompt & (j < M)
-    real = row_prompt & (tl.load(valid_ptr + b * ov_sb + h * ov_sh + row_unit * ov_su + j,
-                                 mask=row_prompt, other=0) != 0)
-    keys = tl.load(keys_ptr + b * ok_sb + h * ok_sh + row_unit[:, None] * ok_su + j[:, None] * ok_sm + dims[None, :],
-                   mask=real[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    outlier = tl.where(real[:, None], _query_logits(keys, q_t, scale, G, BLOCK_G, PRECISION), float("-inf"))
-    outlier = tl.reshape(outlier, (BLOCK_U, BLOCK_M, BLOCK_G))
-    top = tl.maximum(base_logit, tl.max(outlier, axis=1))
-    shift = tl.where(top > float("-inf"), top, 0.0)
-    total = tl.exp(base_logit - shift) + tl.sum(tl.exp(outlier - shift[:, None, :]), axis=1)
+    top = _query_logits(base, q_t, scale, G, BLOCK_G, PRECISION) + tl.log(count)[:, None]
+    # a running logsumexp over the outlier keys, one key a unit at a time: ``top + log(total)`` (all
+    # of a block's keys in one tile ran twice as long on an H100: session 25)
+    total = tl.where(top > float("-inf"), 1.0, 0.0)
+    for j in tl.static_range(M):
+        real = prompt & (tl.load(valid_ptr + b * ov_sb + h * ov_sh + ids * ov_su + j, mask=prompt, other=0) != 0)
+        key = tl.load(keys_ptr + b * ok_sb + h * ok_sh + ids[:, None] * ok_su + j * ok_sm + dims[None, :],
+                      mask=real[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        logit = tl.where(real[:, None], _query_logits(key, q_t, scale, G, BLOCK_G, PRECISION), float("-inf"))
+        new_top = tl.maximum(top, logit)
+        shift = tl.where(new_top > float("-inf"), new_top, 0.0)
+        total = total * tl.exp(top - shift) + tl.exp(logit - shift)
+        top = new_top
     return tl.where(selectable[:, None] & (top > float("-inf")), top + tl.log(total), float("-inf"))
 
 
@@ -101,7 +98,7 @@ def _outlier_gap_blocks_kernel(
     q_sb, q_sh, q_sg, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh, mk_sb, mk_sh,
     ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh, pt_sb, pt_sh,
     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, LEAVING_IGNORED: tl.constexpr,
-    BLOCK_U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     program = tl.program_id(0)
@@ -126,7 +123,7 @@ def _outlier_gap_blocks_kernel(
             mean_ptr, selectable_ptr, size_ptr, keys_ptr, valid_ptr, rest_ptr, rest_count_ptr,
             mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
             ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
-            D, G, M, BLOCK_U, BLOCK_M, BLOCK_D, BLOCK_G, PRECISION)
+            D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION)
         ids = first + tl.arange(0, BLOCK_U).to(tl.int64)
         ok = ids < U
         mask_at = mask_ptr + b * mk_sb + h * mk_sh + ids
@@ -188,9 +185,9 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
     mask = _scratch_mask(state, batch, heads, units, device)
     # measure "mass": no rank, so the scores and middle tensors are never read (any tensors)
     follow_and_mark(trigger, state, mask, table.size, state.gap, scale, rank=False)
-    per_head, outlier_count = group.shape[2], outliers.keys.shape[3]
-    block_d, block_m = triton.next_power_of_2(dim), triton.next_power_of_2(outlier_count)
-    block = max(16, min(_TILE_ELEMENTS // (block_d * block_m), triton.next_power_of_2(max(units, 1))))
+    per_head = group.shape[2]
+    block_d = triton.next_power_of_2(dim)
+    block = max(16, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(max(units, 1))))
     # a few blocks of units a program, so the decide launch combines few parts a row
     blocks = triton.cdiv(units, block)
     iters = triton.cdiv(blocks, max(1, min(blocks, triton.cdiv(PROGRAMS, heads * batch))))
@@ -205,9 +202,9 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
         *table.size.stride()[:2], *mask.stride()[:2],
         *outliers.keys.stride()[:4], *outliers.valid.stride()[:3], *outliers.rest_mean.stride()[:3],
         *outliers.rest_count.stride()[:2], *parts.stride()[1:3],
-        D=dim, G=per_head, M=outlier_count, LEAVING_IGNORED=trigger.leaving == "ignored",
-        BLOCK_U=block, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(per_head)),
-        PRECISION=_dot_precision(outliers.keys.dtype), num_warps=8 if block * block_m * block_d > 8192 else 4,
+        D=dim, G=per_head, M=outliers.keys.shape[3], LEAVING_IGNORED=trigger.leaving == "ignored",
+        BLOCK_U=block, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(per_head)),
+        PRECISION=_dot_precision(outliers.keys.dtype),
     )
     decide_from_parts(trigger, state, parts, fire, mass=True, rank=False, decision=decision)
     return fire
