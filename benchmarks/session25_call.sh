@@ -28,6 +28,12 @@ for cell in "32768 1" "131072 1"; do set -- $cell
   step e2e_${1}_${2} 200 python3 benchmarks/with_settings.py $SET=$best -- ${E2E#python3 } --contexts $1 --batches $2 --presets louiskv@gpu --json "$OUT/e2e_${1}_${2}.json"
 done
 ;;
+verify)  # a program a block again, the decide launch 64 parts at a time: its tests, the profile, the e2e cells
+step gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py
+step profile_128k 100 $PROFILE --context 131072 --batch 1 --trigger "$TRIGGER" --out "$OUT/profile_128k.txt"
+step e2e_32k 200 $E2E --contexts 32768 --batches 1,4 --presets louiskv@gpu --json "$OUT/e2e_32k.json"
+step e2e_128k1 150 $E2E --contexts 131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_128k1.json"
+;;
 second)
 step e2e_128k4 280 $E2E --contexts 131072 --batches 4 --presets pariskv@gpu,louiskv@gpu --json "$OUT/e2e_128k4.json"
 step e2e_32k 200 $E2E --contexts 32768 --batches 1,4 --presets pariskv@gpu,louiskv@gpu --json "$OUT/e2e_32k.json"

@@ -11,7 +11,8 @@ unit scoring, and every small launch of a replayed graph costs about what it run
    scores once, takes the block's best unheld unit and its held units' side (the weakest score,
    or a logsumexp of their estimated mass), and clears the marks it read. Blocks run in parallel:
    one program walking a head's whole table was latency-bound (24 us a layer at 4x128K, H200).
-3. ``_decide_kernel``, one program per sequence: combines the blocks and heads, and the largest
+3. ``_decide_kernel``, one program per sequence: combines the blocks (``_DECIDE_BLOCK`` at a time)
+   and heads, and the largest
    gap over the heads decides; given the layer's ``Decision``, it also writes the step's decision
    there (``note_decision``'s work, so the step launches no note).
 
@@ -41,6 +42,7 @@ from ..dispatch import implement, triton_runs_on
 from .step import note_rows
 
 _GAP_BLOCK = 1024  # units a program of the gap pass reads
+_DECIDE_BLOCK = 64  # blocks' parts the decide launch reads at a time, a row each
 
 
 @triton.jit
@@ -162,27 +164,44 @@ def _decide_kernel(
 ):
     b = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
-    blocks = tl.arange(0, BLOCK_S)
-    tile = (heads[:, None] < H) & (blocks[None, :] < S)
-    at = parts_ptr + b * pt_sb + heads[:, None] * pt_sh + blocks[None, :]
-    any_held = tl.sum(tl.load(at + parts_sk, mask=tile, other=0.0), axis=1) > 0
+    # the parts BLOCK_S blocks at a time (a whole row at once spilled registers: 18 us a layer at 256
+    # blocks a row on an H100, session 25), each head's sums, extremes and running logsumexp kept
+    held_count = tl.zeros([BLOCK_H], tl.float32)
+    above = tl.zeros([BLOCK_H], tl.float32)
+    candidates = tl.zeros([BLOCK_H], tl.float32)
+    best_unheld = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    weakest = tl.full([BLOCK_H], float("inf"), tl.float32)
+    top = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    for start in range(0, S, BLOCK_S):
+        blocks = start + tl.arange(0, BLOCK_S)
+        tile = (heads[:, None] < H) & (blocks[None, :] < S)
+        at = parts_ptr + b * pt_sb + heads[:, None] * pt_sh + blocks[None, :]
+        held_count += tl.sum(tl.load(at + parts_sk, mask=tile, other=0.0), axis=1)
+        if RANK:
+            above += tl.sum(tl.load(at, mask=tile, other=0.0), axis=1)
+            candidates += tl.sum(tl.load(at + 2 * parts_sk, mask=tile, other=0.0), axis=1)
+        elif MASS:
+            best_unheld = tl.maximum(best_unheld, tl.max(tl.load(at, mask=tile, other=float("-inf")), axis=1))
+            tops = tl.load(at + 2 * parts_sk, mask=tile, other=float("-inf"))
+            sums = tl.load(at + 3 * parts_sk, mask=tile, other=0.0)
+            new_top = tl.maximum(top, tl.max(tops, axis=1))
+            old_shift = tl.where((top > float("-inf")) & (top < float("inf")), top, 0.0)
+            new_shift = tl.where((new_top > float("-inf")) & (new_top < float("inf")), new_top, 0.0)
+            total = tl.where(total > 0, total * tl.exp(old_shift - new_shift), total)
+            total += tl.sum(sums * tl.exp(tops - new_shift[:, None]), axis=1)
+            top = new_top
+        else:
+            best_unheld = tl.maximum(best_unheld, tl.max(tl.load(at, mask=tile, other=float("-inf")), axis=1))
+            weakest = tl.minimum(weakest, tl.min(tl.load(at + 2 * parts_sk, mask=tile, other=float("inf")), axis=1))
+    any_held = held_count > 0
     if RANK:
-        above = tl.sum(tl.load(at, mask=tile, other=0.0), axis=1)
-        any_candidate = tl.sum(tl.load(at + 2 * parts_sk, mask=tile, other=0.0), axis=1) > 0
-        gap = tl.where(~any_held & any_candidate, float("inf"), above)
+        gap = tl.where(~any_held & (candidates > 0), float("inf"), above)
     elif MASS:
-        best_unheld = tl.max(tl.load(at, mask=tile, other=float("-inf")), axis=1)
-        tops = tl.load(at + 2 * parts_sk, mask=tile, other=float("-inf"))
-        sums = tl.load(at + 3 * parts_sk, mask=tile, other=0.0)
-        top = tl.max(tops, axis=1)
-        shift = tl.where((top > float("-inf")) & (top < float("inf")), top, 0.0)
-        total = tl.sum(sums * tl.exp(tops - shift[:, None]), axis=1)
         some = top > float("-inf")
         held_mass = tl.where(some, top + tl.log(tl.where(some, total, 1.0)), float("-inf"))
         gap = best_unheld - held_mass
     else:
-        best_unheld = tl.max(tl.load(at, mask=tile, other=float("-inf")), axis=1)
-        weakest = tl.min(tl.load(at + 2 * parts_sk, mask=tile, other=float("inf")), axis=1)
         gap = tl.where(any_held, best_unheld - weakest,
                        tl.where(best_unheld > float("-inf"), float("inf"), float("-inf")))
     gap = tl.where(heads < H, gap, float("-inf"))
@@ -295,7 +314,7 @@ def decide_from_parts(trigger, state, parts: torch.Tensor, fire: torch.Tensor, m
         float(margin), float(margin - trigger.follow) if follow else 0.0, int(trigger.cap),
         noted.view(torch.uint8), count, boundary.view(torch.uint8), slot, reselect.view(torch.uint8), boundary.stride(0),
         MASS=mass, RANK=rank, FOLLOW=follow, CAP=cap, NOTE=note,
-        BLOCK_H=triton.next_power_of_2(rows), BLOCK_S=triton.next_power_of_2(blocks),
+        BLOCK_H=triton.next_power_of_2(rows), BLOCK_S=min(_DECIDE_BLOCK, triton.next_power_of_2(blocks)),
     )
 
 

@@ -8,11 +8,11 @@ instead of taking the selector's unit scores:
 
 1. ``score_gap._follow_kernel``: follows the token that left the local window in the held list
    and marks the held units (as ``score_gap_fire``).
-2. ``_outlier_gap_blocks_kernel``, a few programs per (KV head, sequence) (``PROGRAMS`` in all),
-   each looping over its share of the units a block at a time: a block's decode-unit means and
-   prompt-unit rest means in one tile, then its outlier keys a tile each, each tile scored against
-   every query head with one ``tl.dot``; per query head, the best unheld log mass and a running logsumexp
-   of the held units'; it clears the marks it read.
+2. ``_outlier_gap_blocks_kernel``, one program per block of units of each (KV head, sequence):
+   the block's decode-unit means and prompt-unit rest means in one tile, then its outlier keys a
+   tile each, each tile scored against every query head with one ``tl.dot``, and a running
+   logsumexp a unit; then, per query head, the block's best unheld log mass and its held units'
+   logsumexp parts, and clears the marks it read.
 3. ``score_gap._decide_kernel`` over the ``H * G`` query heads' rows: the largest gap decides; it
    notes the layer's ``Decision`` when given one.
 
@@ -33,9 +33,6 @@ from .score_gap import _scratch_mask, decide_from_parts, follow_and_mark, unsupp
 
 # key elements of one tile (a block of units x D): 32 units at D = 128, 64 at D = 64
 _TILE_ELEMENTS = 4096
-# programs of the block pass over the whole grid (each loops over its share of the units): a few a
-# streaming multiprocessor, so the decide launch reads few parts
-PROGRAMS = 512
 
 
 @triton.jit
@@ -94,14 +91,13 @@ def _block_log_mass(first, b, h, q_t, scale, U, P,
 def _outlier_gap_blocks_kernel(
     q_ptr, mean_ptr, selectable_ptr, size_ptr, mask_ptr, at_selection_ptr,
     keys_ptr, valid_ptr, rest_ptr, rest_count_ptr, parts_ptr,
-    scale, U, P, iters, parts_sk,
+    scale, U, P, parts_sk,
     q_sb, q_sh, q_sg, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh, mk_sb, mk_sh,
     ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh, pt_sb, pt_sh,
     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, LEAVING_IGNORED: tl.constexpr,
-    BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    program = tl.program_id(0)
+    block = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     # the query group transposed, ``[BLOCK_D, BLOCK_G]``: a ``tl.dot`` operand (zero past ``G``)
@@ -109,48 +105,34 @@ def _outlier_gap_blocks_kernel(
     columns = tl.arange(0, BLOCK_G)
     q_t = tl.load(q_ptr + b * q_sb + h * q_sh + columns[None, :] * q_sg + dims[:, None],
                   mask=(columns < G)[None, :] & (dims < D)[:, None], other=0.0).to(tl.float32)
-    opened_at = P + tl.load(at_selection_ptr + b)  # units from here on opened since the selection
-    # per query head, over this program's ``iters`` blocks of units: the best unheld log mass, the
-    # held units' count and their running logsumexp (``held_top + log(held_total)``)
-    best_unheld = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    held_count = tl.zeros([BLOCK_G], tl.float32)
-    held_top = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    held_total = tl.zeros([BLOCK_G], tl.float32)
-    for step in tl.range(0, iters):
-        first = (program * iters + step).to(tl.int64) * BLOCK_U
-        log_mass = _block_log_mass(
-            first, b, h, q_t, scale, U, P,
-            mean_ptr, selectable_ptr, size_ptr, keys_ptr, valid_ptr, rest_ptr, rest_count_ptr,
-            mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
-            ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
-            D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION)
-        ids = first + tl.arange(0, BLOCK_U).to(tl.int64)
-        ok = ids < U
-        mask_at = mask_ptr + b * mk_sb + h * mk_sh + ids
-        marked = tl.load(mask_at, mask=ok, other=0)
-        tl.store(mask_at, tl.zeros([BLOCK_U], tl.uint8), mask=marked != 0)  # cleared for the next step
-        held = marked != 0
-        finite = log_mass > float("-inf")
-        candidate = ~held[:, None] & finite
-        if LEAVING_IGNORED:  # units opened since the selection that the buffer did not admit
-            candidate = candidate & (ids < opened_at)[:, None]
-        counted = held[:, None] & finite
-        best_unheld = tl.maximum(best_unheld, tl.max(tl.where(candidate, log_mass, float("-inf")), axis=0))
-        held_count += tl.sum(counted.to(tl.float32), axis=0)
-        # the running logsumexp, shifted by the largest held log mass so far (0 while none is finite)
-        new_top = tl.maximum(held_top, tl.max(tl.where(counted, log_mass, float("-inf")), axis=0))
-        old_shift = tl.where((held_top > float("-inf")) & (held_top < float("inf")), held_top, 0.0)
-        new_shift = tl.where((new_top > float("-inf")) & (new_top < float("inf")), new_top, 0.0)
-        held_total = tl.where(held_total > 0, held_total * tl.exp(old_shift - new_shift), 0.0)
-        held_total += tl.sum(tl.where(counted, tl.exp(log_mass - new_shift[None, :]), 0.0), axis=0)
-        held_top = new_top
+    first = block.to(tl.int64) * BLOCK_U
+    log_mass = _block_log_mass(
+        first, b, h, q_t, scale, U, P,
+        mean_ptr, selectable_ptr, size_ptr, keys_ptr, valid_ptr, rest_ptr, rest_count_ptr,
+        mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
+        ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
+        D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION)
+    ids = first + tl.arange(0, BLOCK_U).to(tl.int64)
+    ok = ids < U
+    mask_at = mask_ptr + b * mk_sb + h * mk_sh + ids
+    marked = tl.load(mask_at, mask=ok, other=0)
+    tl.store(mask_at, tl.zeros([BLOCK_U], tl.uint8), mask=marked != 0)  # cleared for the next step
+    held = marked != 0
+    finite = log_mass > float("-inf")
+    candidate = ~held[:, None] & finite
+    if LEAVING_IGNORED:  # units opened since the selection that the buffer did not admit
+        candidate = candidate & (ids < P + tl.load(at_selection_ptr + b))[:, None]
+    counted = held[:, None] & finite
     # per query head (row h * G + g of the parts), as ``score_gap._gap_blocks_kernel``'s measure "mass"
-    out = parts_ptr + b * pt_sb + (h * G + columns) * pt_sh + program
+    out = parts_ptr + b * pt_sb + (h * G + columns) * pt_sh + block
     real_column = columns < G
-    tl.store(out, best_unheld, mask=real_column)
-    tl.store(out + parts_sk, held_count, mask=real_column)
-    tl.store(out + 2 * parts_sk, held_top, mask=real_column)
-    tl.store(out + 3 * parts_sk, held_total, mask=real_column)
+    tl.store(out, tl.max(tl.where(candidate, log_mass, float("-inf")), axis=0), mask=real_column)
+    tl.store(out + parts_sk, tl.sum(counted.to(tl.float32), axis=0), mask=real_column)
+    best_held = tl.max(tl.where(counted, log_mass, float("-inf")), axis=0)
+    shift = tl.where((best_held > float("-inf")) & (best_held < float("inf")), best_held, 0.0)
+    tl.store(out + 2 * parts_sk, best_held, mask=real_column)
+    tl.store(out + 3 * parts_sk, tl.sum(tl.where(counted, tl.exp(log_mass - shift[None, :]), 0.0), axis=0),
+             mask=real_column)
 
 
 def _dot_precision(key_dtype: torch.dtype) -> str:
@@ -188,16 +170,15 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
     per_head = group.shape[2]
     block_d = triton.next_power_of_2(dim)
     block = max(16, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(max(units, 1))))
-    # a few blocks of units a program, so the decide launch combines few parts a row
+    # a program a block: a few blocks a program, looping, ran at 74-79 us a layer against 50 at 1x128K
+    # on an H100 (session 25: fewer programs in flight)
     blocks = triton.cdiv(units, block)
-    iters = triton.cdiv(blocks, max(1, min(blocks, triton.cdiv(PROGRAMS, heads * batch))))
-    programs = triton.cdiv(blocks, iters)
     rows = heads * per_head
-    parts = torch.empty(4, batch, rows, programs, dtype=torch.float32, device=device)
-    _outlier_gap_blocks_kernel[(programs, heads, batch)](
+    parts = torch.empty(4, batch, rows, blocks, dtype=torch.float32, device=device)
+    _outlier_gap_blocks_kernel[(blocks, heads, batch)](
         group, table.key_mean, table.selectable.view(torch.uint8), table.size, mask, state.units_at_selection,
         outliers.keys, outliers.valid.view(torch.uint8), outliers.rest_mean, outliers.rest_count, parts,
-        float(scale), units, int(table.num_prompt_units), iters, parts.stride(0),
+        float(scale), units, int(table.num_prompt_units), parts.stride(0),
         *group.stride()[:3], *table.key_mean.stride()[:3], *table.selectable.stride()[:2],
         *table.size.stride()[:2], *mask.stride()[:2],
         *outliers.keys.stride()[:4], *outliers.valid.stride()[:3], *outliers.rest_mean.stride()[:3],

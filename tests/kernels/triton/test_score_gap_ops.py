@@ -108,10 +108,15 @@ def _assert_same_step(got: torch.Tensor, want: torch.Tensor, fast: ScoreGapState
 @pytest.mark.parametrize("leaving", ["unheld", "ignored"])
 @pytest.mark.parametrize("admit, follow, cap", [("room", 0.0, 0), ("evict", 0.0, 3), ("room", 1.5, 0),
                                                 ("evict", math.inf, 0)])
-def test_score_gap_fire_matches_reference(measure, leaving, admit, follow, cap):
+def test_score_gap_fire_matches_reference(measure, leaving, admit, follow, cap, monkeypatch):
+    from kvpolicy.kernels.triton import score_gap
+
     triton_ops = dispatch.bind("triton", DEVICE)
     by_gap = kept = 0
+    decide_block = score_gap._DECIDE_BLOCK
     for seed in range(3):
+        # at seed 1 the decide launch reads the blocks' parts one at a time (its running merges)
+        monkeypatch.setattr(score_gap, "_DECIDE_BLOCK", 1 if seed == 1 else decide_block)
         gen = torch.Generator().manual_seed(seed)
         # margins below and past any gap of these scores (rows that fire, rows that keep), and one between
         # (a count of units for rank: under any, past any, and a few)
@@ -292,15 +297,15 @@ def _with_outlier_keys(gen: torch.Generator, state: ScoreGapState, dim: int, m: 
 def test_score_gap_outlier_fire_matches_reference(group, dtype, leaving, admit, follow, cap, monkeypatch):
     """The fused outlier op (scoring included) against ``reference_step.score_gap_outlier_fire``:
     decisions and state bit for bit, the gap to float32 rounding, over steps and several blocks of
-    units (a program a block, then, at seed 1, one program a row looping over all 7); a head
-    dimension that is not a power of two; 3 query heads a KV head."""
-    from kvpolicy.kernels.triton import score_gap_outlier
+    units (at seed 1 the decide launch reads their parts one at a time: its running logsumexp); a
+    head dimension that is not a power of two; 3 query heads a KV head."""
+    from kvpolicy.kernels.triton import score_gap
 
     triton_ops = dispatch.bind("triton", DEVICE)
     by_gap = kept = 0
-    programs = score_gap_outlier.PROGRAMS
+    decide_block = score_gap._DECIDE_BLOCK
     for seed in range(3):
-        monkeypatch.setattr(score_gap_outlier, "PROGRAMS", 1 if seed == 1 else programs)
+        monkeypatch.setattr(score_gap, "_DECIDE_BLOCK", 1 if seed == 1 else decide_block)
         gen = torch.Generator().manual_seed(100 + seed)
         margin = (-6.0, float(torch.randn(1, generator=gen)), 40.0)[seed]  # fires, some, keeps (but a cap)
         trigger = ScoreGap(margin=margin if not cap else 99.0, measure="mass", leaving=leaving, follow=follow, cap=cap,
