@@ -321,9 +321,11 @@ def outlier_log_mass(outliers, units, query: torch.Tensor, scale: float, each: b
     log_mass = log_mass + torch.log(units.size.clamp(min=1).float()).unsqueeze(2)
     prompt = outliers.rest_count.shape[-1]
     if prompt:
-        outlier = torch.einsum("bhgd,bhumd->bhgum", group, outliers.keys.float()) * scale
+        outlier = torch.einsum("bhgd,bhumd->bhgum", group, outliers.keys.float())
+        outlier = outlier * (outliers.key_scale * scale).unsqueeze(2).unsqueeze(-1)
         outlier = outlier.masked_fill(~outliers.valid.unsqueeze(2), float("-inf"))
-        rest = torch.einsum("bhgd,bhud->bhgu", group, outliers.rest_mean.float()) * scale
+        rest = torch.einsum("bhgd,bhud->bhgu", group, outliers.rest_mean.float())
+        rest = rest * (outliers.rest_scale * scale).unsqueeze(2)
         rest = rest + torch.log(outliers.rest_count).unsqueeze(2)  # -inf where every token is an outlier
         log_mass[..., :prompt] = torch.logsumexp(torch.cat([outlier, rest.unsqueeze(-1)], dim=-1), dim=-1)
     return log_mass.masked_fill(~units.selectable.unsqueeze(2), float("-inf"))

@@ -9,7 +9,10 @@ its outliers at their own logits plus the rest at their mean key's logit (EVAL.m
 summaries that keep their outlier keys").
 
 Taken once, at the layer's prefill (the prompt's keys do not change), in whole-tensor ops on the
-pool's device with no host read, then kept on the unit table's device.
+pool's device with no host read, then kept on the unit table's device as int8 with a float32 scale a
+unit (its largest element's magnitude over 127): the trigger reads them every step, and int8 halves
+those bytes against bf16. Rounded so, SmolLM2's held-out needle cells answered as with 16-bit keys
+(EVAL.md, "Outlier keys in 8 bits").
 """
 
 from __future__ import annotations
@@ -22,10 +25,31 @@ from ..kernels.reference import pool_rows
 
 
 class OutlierKeys(NamedTuple):
-    keys: torch.Tensor  # (B, H, P, m, D) the pool's dtype: each prompt unit's m keys farthest from its mean
+    keys: torch.Tensor  # (B, H, P, m, D) int8: each prompt unit's m keys farthest from its mean, over key_scale
+    key_scale: torch.Tensor  # (B, H, P) float32: what a unit's ``keys`` are multiples of
     valid: torch.Tensor  # (B, H, P, m) bool: which are real (a unit of fewer than m + 1 tokens has fewer)
-    rest_mean: torch.Tensor  # (B, H, P, D) the pool's dtype: the mean key of the unit's other tokens
+    rest_mean: torch.Tensor  # (B, H, P, D) int8: the mean key of the unit's other tokens, over rest_scale
+    rest_scale: torch.Tensor  # (B, H, P) float32: what a unit's ``rest_mean`` is a multiple of
     rest_count: torch.Tensor  # (B, H, P) float32: how many those are (0 where every token is an outlier)
+
+    def key_values(self) -> torch.Tensor:
+        """``keys`` as float32 values."""
+        return self.keys.float() * self.key_scale[..., None, None]
+
+    def rest_values(self) -> torch.Tensor:
+        """``rest_mean`` as float32 values."""
+        return self.rest_mean.float() * self.rest_scale[..., None]
+
+
+def to_int8(values: torch.Tensor, unit_dims: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` (float) as int8 multiples of a scale a unit (its last ``unit_dims`` dimensions share
+    one: the largest magnitude over 127), and those scales (float32)."""
+    dims = tuple(range(-unit_dims, 0))
+    scale = values.abs().amax(dim=dims).float() / 127.0
+    divisor = scale.clamp(min=torch.finfo(torch.float32).tiny)
+    for _ in range(unit_dims):
+        divisor = divisor.unsqueeze(-1)
+    return torch.round(values.float() / divisor).clamp(-127, 127).to(torch.int8), scale
 
 
 def take_outlier_keys(units, store, m: int) -> OutlierKeys:
@@ -38,9 +62,11 @@ def take_outlier_keys(units, store, m: int) -> OutlierKeys:
     length = units.order_len - units.decode_tokens  # the prompt units' positions of ``order``
     device = units.size.device
     out = OutlierKeys(
-        keys=torch.zeros(batch, heads, prompt, m, dim, dtype=keys.dtype, device=device),
+        keys=torch.zeros(batch, heads, prompt, m, dim, dtype=torch.int8, device=device),
+        key_scale=torch.zeros(batch, heads, prompt, dtype=torch.float32, device=device),
         valid=torch.zeros(batch, heads, prompt, m, dtype=torch.bool, device=device),
-        rest_mean=torch.zeros(batch, heads, prompt, dim, dtype=keys.dtype, device=device),
+        rest_mean=torch.zeros(batch, heads, prompt, dim, dtype=torch.int8, device=device),
+        rest_scale=torch.zeros(batch, heads, prompt, dtype=torch.float32, device=device),
         rest_count=torch.zeros(batch, heads, prompt, dtype=torch.float32, device=device),
     )
     if prompt == 0 or length == 0:
@@ -105,5 +131,7 @@ def _take_one_sequence(units, store, b: int, prompt: int, length: int, m: int) -
     rest_count = (size - valid.sum(-1)).clamp(min=0).float()
     rest_mean = (total[..., :prompt, :] - outlier_sum) / rest_count.clamp(min=1).unsqueeze(-1)
     device = units.size.device
-    return (torch.stack(chosen_keys, dim=-2)[0].to(device=device, dtype=keys.dtype), valid[0].to(device),
-            rest_mean[0].to(device=device, dtype=keys.dtype), rest_count[0].to(device))
+    chosen, key_scale = to_int8(torch.stack(chosen_keys, dim=-2)[0], unit_dims=2)
+    rest_mean, rest_scale = to_int8(rest_mean[0], unit_dims=1)
+    return (chosen.to(device), key_scale.to(device), valid[0].to(device), rest_mean.to(device),
+            rest_scale.to(device), rest_count[0].to(device))

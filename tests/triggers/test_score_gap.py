@@ -481,7 +481,24 @@ def test_outlier_estimate_counts_the_m_keys_farthest_from_the_mean():
     assert _step(two, _toward_needle())
     kept = two.trigger_state
     assert kept.outliers.valid[0, 0, 7].all() and float(kept.outliers.rest_count[0, 0, 7]) == PAGE - 2
-    assert float(kept.outliers.keys[0, 0, 7, 0, DECOY_DIM]) > 11 and float(kept.outliers.keys[0, 0, 7, 1, NEEDLE_DIM]) > 7
+    keys = kept.outliers.key_values()
+    assert float(keys[0, 0, 7, 0, DECOY_DIM]) > 11 and float(keys[0, 0, 7, 1, NEEDLE_DIM]) > 7
+
+
+def test_outlier_keys_are_kept_as_int8_within_half_a_step_of_their_values():
+    # a unit's scale is its largest magnitude over 127, so each value is rounded by at most half of it;
+    # a unit of zeros keeps zeros (scale 0), and the largest element is exact
+    from kvpolicy.triggers.outlier_keys import to_int8
+
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randn(2, 3, 5, 4, 16, generator=gen) * torch.rand(2, 3, 5, 1, 1, generator=gen) * 20
+    values[0, 0, 1] = 0.0
+    kept, scale = to_int8(values, unit_dims=2)
+    assert kept.dtype == torch.int8 and scale.shape == (2, 3, 5)
+    back = kept.float() * scale[..., None, None]
+    assert ((back - values).abs() <= scale[..., None, None] / 2 + 1e-6).all()
+    assert float(scale[0, 0, 1]) == 0.0 and not back[0, 0, 1].any()
+    torch.testing.assert_close(back.abs().amax(dim=(-1, -2)), values.abs().amax(dim=(-1, -2)))
 
 
 def test_outlier_estimate_with_group_each_fires_for_one_query_heads_outlier():

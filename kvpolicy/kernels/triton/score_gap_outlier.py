@@ -17,8 +17,10 @@ instead of taking the selector's unit scores:
    notes the layer's ``Decision`` when given one.
 
 The sums run in another order than the reference's einsums and its logsumexp is a running one,
-and tf32 products (16-bit keys) round a float32 group-mean query, so gaps agree to float32
-rounding (1e-3 of a logit with a mean query), not bitwise. No host reads: a captured step replays.
+and the products run in tf32 for a 16-bit query (exact: int8 outlier keys and rest means, float16
+decode means and bfloat16 queries fit its 10 mantissa bits; each row's scale applies after the
+product) and in float32 for a float32 one (a group's mean), so gaps agree to float32 rounding, not
+bitwise. No host reads: a captured step replays.
 """
 
 from __future__ import annotations
@@ -36,18 +38,19 @@ _TILE_ELEMENTS = 4096
 
 
 @triton.jit
-def _query_logits(tile, q_t, scale, G: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr):
-    """``[BLOCK_U, BLOCK_G]``: each query head's logit of each key of ``tile`` (-inf past ``G``), one
-    ``tl.dot`` against the transposed query group ``q_t [BLOCK_D, BLOCK_G]`` (its columns past ``G``
-    zero): a reduction a query head over the head dimension ran latency-bound on the GPU."""
-    logits = tl.dot(tile, q_t, input_precision=PRECISION) * scale
+def _query_logits(tile, q_t, row_scale, G: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr):
+    """``[BLOCK_U, BLOCK_G]``: each query head's logit of each key of ``tile`` times its row's
+    ``row_scale`` (-inf past ``G``), one ``tl.dot`` against the transposed query group ``q_t
+    [BLOCK_D, BLOCK_G]`` (its columns past ``G`` zero): a reduction a query head over the head
+    dimension ran latency-bound on the GPU. Scaled after the product, so int8 keys stay exact in tf32."""
+    logits = tl.dot(tile, q_t, input_precision=PRECISION) * row_scale[:, None]
     return tl.where((tl.arange(0, BLOCK_G) < G)[None, :], logits, float("-inf"))
 
 
 @triton.jit
 def _block_log_mass(first, b, h, q_t, scale, U, P,
-                    mean_ptr, selectable_ptr, size_ptr, keys_ptr, valid_ptr, rest_ptr, rest_count_ptr,
-                    mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
+                    mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr,
+                    rest_scale_ptr, rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
                     ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
                     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, BLOCK_U: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr):
@@ -69,9 +72,13 @@ def _block_log_mass(first, b, h, q_t, scale, U, P,
                    mask=decode[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     base += tl.load(rest_ptr + b * rs_sb + h * rs_sh + ids[:, None] * rs_su + dims[None, :],
                     mask=prompt[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    count = tl.where(prompt, tl.load(rest_count_ptr + b * rc_sb + h * rc_sh + ids, mask=prompt, other=0.0),
+    # per prompt unit (one stride for its count and both int8 scales: the launcher checks)
+    per_unit = b * rc_sb + h * rc_sh + ids
+    count = tl.where(prompt, tl.load(rest_count_ptr + per_unit, mask=prompt, other=0.0),
                      tl.maximum(sizes, 1).to(tl.float32))
-    top = _query_logits(base, q_t, scale, G, BLOCK_G, PRECISION) + tl.log(count)[:, None]
+    rest_scale = tl.where(prompt, tl.load(rest_scale_ptr + per_unit, mask=prompt, other=0.0), 1.0)
+    top = _query_logits(base, q_t, rest_scale * scale, G, BLOCK_G, PRECISION) + tl.log(count)[:, None]
+    key_scale = tl.load(key_scale_ptr + per_unit, mask=prompt, other=0.0) * scale
     # a running logsumexp over the outlier keys, one key a unit at a time: ``top + log(total)`` (all
     # of a block's keys in one tile ran twice as long on an H100: session 25)
     total = tl.where(top > float("-inf"), 1.0, 0.0)
@@ -79,7 +86,7 @@ def _block_log_mass(first, b, h, q_t, scale, U, P,
         real = prompt & (tl.load(valid_ptr + b * ov_sb + h * ov_sh + ids * ov_su + j, mask=prompt, other=0) != 0)
         key = tl.load(keys_ptr + b * ok_sb + h * ok_sh + ids[:, None] * ok_su + j * ok_sm + dims[None, :],
                       mask=real[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        logit = tl.where(real[:, None], _query_logits(key, q_t, scale, G, BLOCK_G, PRECISION), float("-inf"))
+        logit = tl.where(real[:, None], _query_logits(key, q_t, key_scale, G, BLOCK_G, PRECISION), float("-inf"))
         new_top = tl.maximum(top, logit)
         shift = tl.where(new_top > float("-inf"), new_top, 0.0)
         total = total * tl.exp(top - shift) + tl.exp(logit - shift)
@@ -90,7 +97,7 @@ def _block_log_mass(first, b, h, q_t, scale, U, P,
 @triton.jit
 def _outlier_gap_blocks_kernel(
     q_ptr, mean_ptr, selectable_ptr, size_ptr, mask_ptr, at_selection_ptr,
-    keys_ptr, valid_ptr, rest_ptr, rest_count_ptr, parts_ptr,
+    keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr, rest_count_ptr, parts_ptr,
     scale, U, P, parts_sk,
     q_sb, q_sh, q_sg, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh, mk_sb, mk_sh,
     ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh, pt_sb, pt_sh,
@@ -108,8 +115,8 @@ def _outlier_gap_blocks_kernel(
     first = block.to(tl.int64) * BLOCK_U
     log_mass = _block_log_mass(
         first, b, h, q_t, scale, U, P,
-        mean_ptr, selectable_ptr, size_ptr, keys_ptr, valid_ptr, rest_ptr, rest_count_ptr,
-        mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
+        mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
+        rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
         ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
         D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION)
     ids = first + tl.arange(0, BLOCK_U).to(tl.int64)
@@ -135,13 +142,6 @@ def _outlier_gap_blocks_kernel(
              mask=real_column)
 
 
-def _dot_precision(key_dtype: torch.dtype) -> str:
-    """tf32 runs on tensor cores and is exact for 16-bit keys and a 16-bit query (its 10 mantissa bits
-    hold bf16's 7 and float16's 10); a query group's float32 mean (``group="mean"``) rounds to 10 bits,
-    about 1e-3 of a logit. float32 keys get the exact float32 product."""
-    return "ieee" if key_dtype == torch.float32 else "tf32"
-
-
 @implement("triton", "score_gap_outlier_fire", supports=triton_runs_on)
 def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *, decision=None) -> torch.Tensor:
     """Three launches of ``reference_step.score_gap_outlier_fire`` (the last also writes ``decision``)."""
@@ -164,6 +164,10 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
                     ("outlier rest means", outliers.rest_mean)):
         if t.stride(-1) != 1:
             raise ValueError(f"triton score_gap_outlier_fire: {name} must be contiguous in its last dim")
+    if not (outliers.key_scale.stride() == outliers.rest_scale.stride() == outliers.rest_count.stride()):
+        raise ValueError("triton score_gap_outlier_fire: the outlier keys' scales and rest counts must share "
+                         f"strides, got {outliers.key_scale.stride()}, {outliers.rest_scale.stride()} and "
+                         f"{outliers.rest_count.stride()}")
     mask = _scratch_mask(state, batch, heads, units, device)
     # measure "mass": no rank, so the scores and middle tensors are never read (any tensors)
     follow_and_mark(trigger, state, mask, table.size, state.gap, scale, rank=False)
@@ -177,7 +181,8 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
     parts = torch.empty(4, batch, rows, blocks, dtype=torch.float32, device=device)
     _outlier_gap_blocks_kernel[(blocks, heads, batch)](
         group, table.key_mean, table.selectable.view(torch.uint8), table.size, mask, state.units_at_selection,
-        outliers.keys, outliers.valid.view(torch.uint8), outliers.rest_mean, outliers.rest_count, parts,
+        outliers.keys, outliers.key_scale, outliers.valid.view(torch.uint8), outliers.rest_mean, outliers.rest_scale,
+        outliers.rest_count, parts,
         float(scale), units, int(table.num_prompt_units), parts.stride(0),
         *group.stride()[:3], *table.key_mean.stride()[:3], *table.selectable.stride()[:2],
         *table.size.stride()[:2], *mask.stride()[:2],
@@ -185,7 +190,7 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
         *outliers.rest_count.stride()[:2], *parts.stride()[1:3],
         D=dim, G=per_head, M=outliers.keys.shape[3], LEAVING_IGNORED=trigger.leaving == "ignored",
         BLOCK_U=block, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(per_head)),
-        PRECISION=_dot_precision(outliers.keys.dtype),
+        PRECISION="ieee" if group.dtype == torch.float32 else "tf32",  # see the module's docstring
     )
     decide_from_parts(trigger, state, parts, fire, mass=True, rank=False, decision=decision)
     return fire

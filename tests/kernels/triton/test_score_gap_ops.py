@@ -267,12 +267,10 @@ def test_the_fused_op_refuses_the_options_it_does_not_implement(option):
         dispatch.bind("triton", DEVICE).score_gap_fire(trigger, state, _scores(gen, state), 0.25)
 
 
-def _with_outlier_keys(gen: torch.Generator, state: ScoreGapState, dim: int, m: int,
-                       dtype: torch.dtype = torch.float32) -> None:
-    """The unit table's float16 mean keys and selectable mask, and a random ``OutlierKeys`` (keys of
-    ``dtype``) for its prompt units: some outliers missing, some units with no other token, some with
-    no outlier."""
-    from kvpolicy.triggers.outlier_keys import OutlierKeys
+def _with_outlier_keys(gen: torch.Generator, state: ScoreGapState, dim: int, m: int) -> None:
+    """The unit table's float16 mean keys and selectable mask, and a random int8 ``OutlierKeys`` for its
+    prompt units: some outliers missing, some units with no other token, some with no outlier."""
+    from kvpolicy.triggers.outlier_keys import OutlierKeys, to_int8
 
     units = state.layer.units
     batch, heads, capacity = units.size.shape
@@ -283,14 +281,15 @@ def _with_outlier_keys(gen: torch.Generator, state: ScoreGapState, dim: int, m: 
     valid[:, :, :5] = False  # no outlier: the rest alone
     rest_count = torch.randint(0, 20, (batch, heads, prompt), generator=gen).float()
     rest_count[:, :, 5:10] = 0.0  # every token an outlier
-    state.outliers = OutlierKeys(
-        keys=(3 * torch.randn(batch, heads, prompt, m, dim, generator=gen)).to(DEVICE, dtype),
-        valid=valid.to(DEVICE), rest_mean=torch.randn(batch, heads, prompt, dim, generator=gen).to(DEVICE, dtype),
-        rest_count=rest_count.to(DEVICE))
+    keys, key_scale = to_int8(3 * torch.randn(batch, heads, prompt, m, dim, generator=gen), unit_dims=2)
+    rest, rest_scale = to_int8(torch.randn(batch, heads, prompt, dim, generator=gen), unit_dims=1)
+    state.outliers = OutlierKeys(keys=keys.to(DEVICE), key_scale=key_scale.to(DEVICE), valid=valid.to(DEVICE),
+                                 rest_mean=rest.to(DEVICE), rest_scale=rest_scale.to(DEVICE),
+                                 rest_count=rest_count.to(DEVICE))
 
 
-# bfloat16 keys and query (each query head's own: a group's float32 mean rounds to tf32): the
-# kernel's tf32 product, exact for 16-bit operands, on the GPU
+# a bfloat16 query (each query head's own): the kernel's tf32 product, exact for it and the int8 and
+# float16 keys, on the GPU; a float32 query (a group's mean too): a float32 product
 @pytest.mark.parametrize("group, dtype", [("each", torch.float32), ("mean", torch.float32),
                                           ("each", torch.bfloat16)])
 @pytest.mark.parametrize("leaving, admit, follow, cap", [("ignored", "room", 0.0, 0), ("unheld", "evict", 1.5, 6)])
@@ -312,7 +311,7 @@ def test_score_gap_outlier_fire_matches_reference(group, dtype, leaving, admit, 
                            margins=(99.0, margin) if cap else (), estimate="outlier", outliers=3, group=group)
         trigger.validate()
         ref = _state(gen, batch=3, heads=2, units=400, room=12, prompt_units=300, admit=admit, above=follow > 0)
-        _with_outlier_keys(gen, ref, dim=24, m=3, dtype=dtype)
+        _with_outlier_keys(gen, ref, dim=24, m=3)
         if seed == 2:  # every row has a selection: with the largest margin some keep it
             ref.has_selection.fill_(True)
         fast = copy.deepcopy(ref)
@@ -339,10 +338,11 @@ def test_outlier_log_mass_counts_each_outlier_by_its_own_logit():
     units = SimpleNamespace(key_mean=torch.zeros(1, 1, 3, dim, dtype=torch.float16),
                             size=torch.tensor([[[4, 2, 5]]]), selectable=torch.tensor([[[True, True, False]]]))
     units.key_mean[0, 0, 1, 0] = 1.0
-    outliers = OutlierKeys(keys=torch.zeros(1, 1, 1, 2, dim), valid=torch.tensor([[[[True, False]]]]),
-                           rest_mean=torch.zeros(1, 1, 1, dim), rest_count=torch.tensor([[[3.0]]]))
-    outliers.keys[0, 0, 0, 0, 1] = 2.0
-    outliers.keys[0, 0, 0, 1, 1] = 50.0  # not a real outlier: never counted
+    outliers = OutlierKeys(keys=torch.zeros(1, 1, 1, 2, dim, dtype=torch.int8), key_scale=torch.tensor([[[0.5]]]),
+                           valid=torch.tensor([[[[True, False]]]]), rest_mean=torch.zeros(1, 1, 1, dim, dtype=torch.int8),
+                           rest_scale=torch.tensor([[[1.0]]]), rest_count=torch.tensor([[[3.0]]]))
+    outliers.keys[0, 0, 0, 0, 1] = 4  # 4 x the scale 0.5: 2.0
+    outliers.keys[0, 0, 0, 1, 1] = 100  # not a real outlier: never counted
     query = torch.zeros(1, 2, dim)
     query[0, :, 0] = 1.0
     query[0, 0, 1], query[0, 1, 1] = 2.0, -2.0  # head 0 sees the outlier at 4, head 1 at -4; their mean at 0
