@@ -1,4 +1,4 @@
-"""Triton score-gap trigger ops: its step (``score_gap_fire``), three launches where the
+"""Triton score-gap trigger ops: its step (``score_gap_fire``), three launches (four past 64 blocks a row) where the
 reference (``kernels/reference_step.py``) takes about sixty small ones, and its bookkeeping after
 a re-selection (``score_gap_selected``), one launch where the reference takes about twenty.
 
@@ -11,7 +11,8 @@ unit scoring, and every small launch of a replayed graph costs about what it run
    scores once, takes the block's best unheld unit and its held units' side (the weakest score,
    or a logsumexp of their estimated mass), and clears the marks it read. Blocks run in parallel:
    one program walking a head's whole table was latency-bound (24 us a layer at 4x128K, H200).
-3. ``_decide_kernel``, one program per sequence: combines the blocks (``_DECIDE_BLOCK`` at a time)
+3. ``_decide_kernel``, one program per sequence: combines the blocks (``_DECIDE_BLOCK`` at a time;
+   past that many a row, ``_row_parts_kernel`` first makes them one a row, a few rows a program)
    and heads, and the largest
    gap over the heads decides; given the layer's ``Decision``, it also writes the step's decision
    there (``note_decision``'s work, so the step launches no note).
@@ -42,7 +43,8 @@ from ..dispatch import implement, triton_runs_on
 from .step import note_rows
 
 _GAP_BLOCK = 1024  # units a program of the gap pass reads
-_DECIDE_BLOCK = 64  # blocks' parts the decide launch reads at a time, a row each
+_DECIDE_BLOCK = 64  # blocks' parts the decide launch reads at a time, a row each (more: a stage a row first)
+_ROW_BLOCK = 4  # rows a program of that stage combines
 
 
 @triton.jit
@@ -155,24 +157,18 @@ def _gap_blocks_kernel(
 
 
 @triton.jit
-def _decide_kernel(
-    parts_ptr, has_ptr, above_ptr, open_ptr, seen_open_ptr, fire_ptr, out_gap_ptr,
-    age_ptr, H, S, parts_sk, pt_sb, pt_sh, margin, follow_margin, cap,
-    noted_ptr, count_ptr, boundary_ptr, slot_ptr, reselect_ptr, boundary_sb,
-    MASS: tl.constexpr, RANK: tl.constexpr, FOLLOW: tl.constexpr, CAP: tl.constexpr, NOTE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    heads = tl.arange(0, BLOCK_H)
-    # the parts BLOCK_S blocks at a time (a whole row at once spilled registers: 18 us a layer at 256
-    # blocks a row on an H100, session 25), each head's sums, extremes and running logsumexp kept
-    held_count = tl.zeros([BLOCK_H], tl.float32)
-    above = tl.zeros([BLOCK_H], tl.float32)
-    candidates = tl.zeros([BLOCK_H], tl.float32)
-    best_unheld = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    weakest = tl.full([BLOCK_H], float("inf"), tl.float32)
-    top = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_H], tl.float32)
+def _combine_parts(parts_ptr, b, heads, H, S, parts_sk, pt_sb, pt_sh,
+                   MASS: tl.constexpr, RANK: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Rows ``heads`` of sequence ``b``'s block parts combined, ``BLOCK_S`` blocks at a time: the held
+    count; with ``RANK`` the counts above and of candidates; else the best unheld score and, with
+    ``MASS``, the held units' running logsumexp (``top``, ``total``), or the weakest held score."""
+    held_count = tl.zeros(heads.shape, tl.float32)
+    above = tl.zeros(heads.shape, tl.float32)
+    candidates = tl.zeros(heads.shape, tl.float32)
+    best_unheld = tl.full(heads.shape, float("-inf"), tl.float32)
+    weakest = tl.full(heads.shape, float("inf"), tl.float32)
+    top = tl.full(heads.shape, float("-inf"), tl.float32)
+    total = tl.zeros(heads.shape, tl.float32)
     for start in range(0, S, BLOCK_S):
         blocks = start + tl.arange(0, BLOCK_S)
         tile = (heads[:, None] < H) & (blocks[None, :] < S)
@@ -194,6 +190,45 @@ def _decide_kernel(
         else:
             best_unheld = tl.maximum(best_unheld, tl.max(tl.load(at, mask=tile, other=float("-inf")), axis=1))
             weakest = tl.minimum(weakest, tl.min(tl.load(at + 2 * parts_sk, mask=tile, other=float("inf")), axis=1))
+    return held_count, above, candidates, best_unheld, weakest, top, total
+
+
+@triton.jit
+def _row_parts_kernel(parts_ptr, out_ptr, H, S, parts_sk, pt_sb, pt_sh, out_sk, out_sb, out_sh,
+                      MASS: tl.constexpr, RANK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr):
+    """``BLOCK_H`` rows of a sequence's block parts combined into one block's parts each (as
+    ``_combine_parts``), so the decide launch, one program a sequence, reads a part a row."""
+    heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    b = tl.program_id(1).to(tl.int64)
+    held_count, above, candidates, best_unheld, weakest, top, total = _combine_parts(
+        parts_ptr, b, heads, H, S, parts_sk, pt_sb, pt_sh, MASS, RANK, BLOCK_S)
+    out = out_ptr + b * out_sb + heads * out_sh
+    ok = heads < H
+    tl.store(out + out_sk, held_count, mask=ok)
+    if RANK:
+        tl.store(out, above, mask=ok)
+        tl.store(out + 2 * out_sk, candidates, mask=ok)
+    elif MASS:
+        tl.store(out, best_unheld, mask=ok)
+        tl.store(out + 2 * out_sk, top, mask=ok)
+        tl.store(out + 3 * out_sk, total, mask=ok)
+    else:
+        tl.store(out, best_unheld, mask=ok)
+        tl.store(out + 2 * out_sk, weakest, mask=ok)
+
+
+@triton.jit
+def _decide_kernel(
+    parts_ptr, has_ptr, above_ptr, open_ptr, seen_open_ptr, fire_ptr, out_gap_ptr,
+    age_ptr, H, S, parts_sk, pt_sb, pt_sh, margin, follow_margin, cap,
+    noted_ptr, count_ptr, boundary_ptr, slot_ptr, reselect_ptr, boundary_sb,
+    MASS: tl.constexpr, RANK: tl.constexpr, FOLLOW: tl.constexpr, CAP: tl.constexpr, NOTE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)
+    held_count, above, candidates, best_unheld, weakest, top, total = _combine_parts(
+        parts_ptr, b, heads, H, S, parts_sk, pt_sb, pt_sh, MASS, RANK, BLOCK_S)
     any_held = held_count > 0
     if RANK:
         gap = tl.where(~any_held & (candidates > 0), float("inf"), above)
@@ -234,7 +269,7 @@ def _scratch_mask(state, batch: int, heads: int, units: int, device: torch.devic
 
 @implement("triton", "score_gap_fire", supports=triton_runs_on)
 def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float, *, decision=None) -> torch.Tensor:
-    """Three launches of ``reference_step.score_gap_fire`` (the last also writes ``decision``)."""
+    """Three or four launches of ``reference_step.score_gap_fire`` (the last also writes ``decision``)."""
     batch, heads, units = scores.shape
     layer = state.layer
     table = layer.units
@@ -300,6 +335,16 @@ def decide_from_parts(trigger, state, parts: torch.Tensor, fire: torch.Tensor, m
     layer = state.layer
     table = layer.units
     rows, blocks = parts.shape[2], parts.shape[3]
+    if blocks > _DECIDE_BLOCK:
+        # one program a sequence reading every row's blocks ran latency-bound (15 us a layer at 256
+        # blocks a row, H100, session 25): first a part a row, from programs of a few rows each
+        row_parts = torch.empty(4, parts.shape[1], rows, 1, dtype=parts.dtype, device=parts.device)
+        _row_parts_kernel[(triton.cdiv(rows, _ROW_BLOCK), parts.shape[1])](
+            parts, row_parts, rows, blocks, parts.stride(0), *parts.stride()[1:3],
+            row_parts.stride(0), *row_parts.stride()[1:3],
+            MASS=mass, RANK=rank, BLOCK_H=_ROW_BLOCK, BLOCK_S=_DECIDE_BLOCK,
+        )
+        parts, blocks = row_parts, 1
     follow = trigger.follow > 0 and state.above is not None
     margin = trigger.margin_of(layer.layer_idx)  # a host number per layer: a captured step keeps its own
     above = state.above.reselect if follow else state.has_selection  # read only when following

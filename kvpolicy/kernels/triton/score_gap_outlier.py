@@ -1,5 +1,5 @@
 """Triton score-gap trigger step with outlier keys (op ``score_gap_outlier_fire``): the reference
-(``reference_step.score_gap_outlier_fire``) in three launches, scoring included.
+(``reference_step.score_gap_outlier_fire``) in three launches (four past 64 blocks a row), scoring included.
 
 ``estimate="outlier"`` estimates a prompt unit's attention mass from its few keys that stand out
 of it, one by one, plus its other tokens at their mean key (``triggers/outlier_keys.py``), for
@@ -144,7 +144,7 @@ def _outlier_gap_blocks_kernel(
 
 @implement("triton", "score_gap_outlier_fire", supports=triton_runs_on)
 def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *, decision=None) -> torch.Tensor:
-    """Three launches of ``reference_step.score_gap_outlier_fire`` (the last also writes ``decision``)."""
+    """Three or four launches of ``reference_step.score_gap_outlier_fire`` (the last also writes ``decision``)."""
     layer = state.layer
     table, outliers = layer.units, state.outliers
     batch, q_heads, dim = query.shape

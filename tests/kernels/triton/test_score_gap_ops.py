@@ -115,7 +115,8 @@ def test_score_gap_fire_matches_reference(measure, leaving, admit, follow, cap, 
     by_gap = kept = 0
     decide_block = score_gap._DECIDE_BLOCK
     for seed in range(3):
-        # at seed 1 the decide launch reads the blocks' parts one at a time (its running merges)
+        # at seed 1 a row stage combines the blocks' parts, reading them one at a time (its running
+        # merges), before the decide launch
         monkeypatch.setattr(score_gap, "_DECIDE_BLOCK", 1 if seed == 1 else decide_block)
         gen = torch.Generator().manual_seed(seed)
         # margins below and past any gap of these scores (rows that fire, rows that keep), and one between
@@ -296,7 +297,7 @@ def _with_outlier_keys(gen: torch.Generator, state: ScoreGapState, dim: int, m: 
 def test_score_gap_outlier_fire_matches_reference(group, dtype, leaving, admit, follow, cap, monkeypatch):
     """The fused outlier op (scoring included) against ``reference_step.score_gap_outlier_fire``:
     decisions and state bit for bit, the gap to float32 rounding, over steps and several blocks of
-    units (at seed 1 the decide launch reads their parts one at a time: its running logsumexp); a
+    units (at seed 1 a row stage combines their parts one at a time: its running logsumexp); a
     head dimension that is not a power of two; 3 query heads a KV head."""
     from kvpolicy.kernels.triton import score_gap
 
@@ -339,8 +340,9 @@ def test_outlier_log_mass_counts_each_outlier_by_its_own_logit():
                             size=torch.tensor([[[4, 2, 5]]]), selectable=torch.tensor([[[True, True, False]]]))
     units.key_mean[0, 0, 1, 0] = 1.0
     outliers = OutlierKeys(keys=torch.zeros(1, 1, 1, 2, dim, dtype=torch.int8), key_scale=torch.tensor([[[0.5]]]),
-                           valid=torch.tensor([[[[True, False]]]]), rest_mean=torch.zeros(1, 1, 1, dim, dtype=torch.int8),
-                           rest_scale=torch.tensor([[[1.0]]]), rest_count=torch.tensor([[[3.0]]]))
+                           valid=torch.tensor([[[[True, False]]]]),
+                           rest_mean=torch.zeros(1, 1, 1, dim, dtype=torch.int8), rest_scale=torch.tensor([[[1.0]]]),
+                           rest_count=torch.tensor([[[3.0]]]))
     outliers.keys[0, 0, 0, 0, 1] = 4  # 4 x the scale 0.5: 2.0
     outliers.keys[0, 0, 0, 1, 1] = 100  # not a real outlier: never counted
     query = torch.zeros(1, 2, dim)
