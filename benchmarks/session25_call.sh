@@ -14,27 +14,14 @@ step profile_new_128k 120 $PROFILE --context 131072 --batch 1 --trigger "$TRIGGE
 step profile_reuse_128k 120 $PROFILE --context 131072 --batch 1 --trigger '{"name": "interval", "n": 1099511627776}' --out "$OUT/profile_reuse_128k.txt"
 step e2e_128k1 200 $E2E --contexts 131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_128k1.json"
 ;;
-tune)  # after the loop a program (PROGRAMS): the op's kernels at a few grid sizes (1048576: a program a
-# block of units), then the e2e cells at the grid size whose two kernels took least
-step gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py
-SET=kvpolicy.kernels.triton.score_gap_outlier.PROGRAMS
-for n in 1048576 2048 1024 512; do
-  step profile_p${n}_128k 100 python3 benchmarks/with_settings.py $SET=$n -- ${PROFILE#python3 } --context 131072 --batch 1 --trigger "$TRIGGER" --out "$OUT/profile_p${n}_128k.txt"
-done
-best=$(for f in "$OUT"/profile_p*_128k.txt; do n=${f##*profile_p}; n=${n%_128k.txt}
-  awk -v n="$n" '/_outlier_gap_blocks_kernel|_decide_kernel/ {t += $3} END {print t, n}' "$f"; done | sort -n | head -1 | cut -d' ' -f2)
-echo "PROGRAMS=$best" | tee "$OUT/best.txt"
-for cell in "32768 1" "131072 1"; do set -- $cell
-  step e2e_${1}_${2} 200 python3 benchmarks/with_settings.py $SET=$best -- ${E2E#python3 } --contexts $1 --batches $2 --presets louiskv@gpu --json "$OUT/e2e_${1}_${2}.json"
-done
-;;
-verify)  # a program a block again, the decide launch 64 parts at a time: its tests, the profile, the e2e cells
+# (mode tune, removed: the op's PROGRAMS at a few grid sizes, as at ed9f729 (r2) and 4384738 (r3); PROGRAMS is gone)
+verify)  # the shipped op (int8 outlier keys and the row stage since r4): its tests, the profile, the e2e cells
 step gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py
 step profile_128k 100 $PROFILE --context 131072 --batch 1 --trigger "$TRIGGER" --out "$OUT/profile_128k.txt"
 step e2e_32k 200 $E2E --contexts 32768 --batches 1,4 --presets louiskv@gpu --json "$OUT/e2e_32k.json"
 step e2e_128k1 150 $E2E --contexts 131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_128k1.json"
 ;;
-second)
+second)  # on an H200: the 4x128K cell an H100 cannot hold, and 32K beside it
 step e2e_128k4 280 $E2E --contexts 131072 --batches 4 --presets pariskv@gpu,louiskv@gpu --json "$OUT/e2e_128k4.json"
 step e2e_32k 200 $E2E --contexts 32768 --batches 1,4 --presets pariskv@gpu,louiskv@gpu --json "$OUT/e2e_32k.json"
 ;;
