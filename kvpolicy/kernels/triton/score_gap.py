@@ -1,6 +1,7 @@
-"""Triton score-gap trigger ops: its step (``score_gap_fire``), three launches (four past 64 blocks a row) where the
-reference (``kernels/reference_step.py``) takes about sixty small ones, and its bookkeeping after
-a re-selection (``score_gap_selected``), one launch where the reference takes about twenty.
+"""Triton score-gap trigger ops: its step (``score_gap_fire``), three launches (four past 64 blocks
+a row) where the reference (``kernels/reference_step.py``) takes about sixty small ones, and its
+bookkeeping after a re-selection (``score_gap_selected``), one launch where the reference takes
+about twenty.
 
 On a step that keeps its selection the first is what the louiskv preset's trigger adds to the
 unit scoring, and every small launch of a replayed graph costs about what it runs, so it is fused:

@@ -1,5 +1,6 @@
 """Triton score-gap trigger step with outlier keys (op ``score_gap_outlier_fire``): the reference
-(``reference_step.score_gap_outlier_fire``) in three launches (four past 64 blocks a row), scoring included.
+(``reference_step.score_gap_outlier_fire``) in three launches (four past 64 blocks a row), scoring
+included.
 
 ``estimate="outlier"`` estimates a prompt unit's attention mass from its few keys that stand out
 of it, one by one, plus its other tokens at their mean key (``triggers/outlier_keys.py``), for
