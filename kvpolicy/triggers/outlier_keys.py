@@ -11,8 +11,8 @@ summaries that keep their outlier keys").
 Taken once, at the layer's prefill (the prompt's keys do not change), in whole-tensor ops on the
 pool's device with no host read, then kept on the unit table's device as int8 with a float32 scale a
 unit (its largest element's magnitude over 127): the trigger reads them every step, and int8 halves
-those bytes against bf16. Rounded so, SmolLM2's held-out needle cells answered as with 16-bit keys
-(EVAL.md, "Outlier keys in 8 bits").
+those bytes against bf16. Rounded so, SmolLM2's and Gemma 3's needle cells answered as with 16-bit
+keys (EVAL.md, "Outlier keys in 8 bits").
 """
 
 from __future__ import annotations
@@ -36,19 +36,13 @@ class OutlierKeys(NamedTuple):
         """``keys`` as float32 values."""
         return self.keys.float() * self.key_scale[..., None, None]
 
-    def rest_values(self) -> torch.Tensor:
-        """``rest_mean`` as float32 values."""
-        return self.rest_mean.float() * self.rest_scale[..., None]
-
 
 def to_int8(values: torch.Tensor, unit_dims: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``values`` (float) as int8 multiples of a scale a unit (its last ``unit_dims`` dimensions share
     one: the largest magnitude over 127), and those scales (float32)."""
     dims = tuple(range(-unit_dims, 0))
     scale = values.abs().amax(dim=dims).float() / 127.0
-    divisor = scale.clamp(min=torch.finfo(torch.float32).tiny)
-    for _ in range(unit_dims):
-        divisor = divisor.unsqueeze(-1)
+    divisor = scale.clamp(min=torch.finfo(torch.float32).tiny).reshape(*scale.shape, *[1] * unit_dims)
     return torch.round(values.float() / divisor).clamp(-127, 127).to(torch.int8), scale
 
 
