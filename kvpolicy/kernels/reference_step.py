@@ -347,7 +347,14 @@ def _fire_on_gap(trigger, state, gap: torch.Tensor) -> torch.Tensor:
     ``trigger``'s margin for this layer, or no selection yet, or (``follow``) the layer above
     re-selected and the gap is over the lowered margin; ``state.gap`` gets the largest gap."""
     gap = gap.flatten(1).amax(-1)  # (B,): the worst KV head (or query head) decides
-    margin = trigger.margin_of(state.layer.layer_idx)
+    layer_idx = state.layer.layer_idx
+    every = getattr(trigger, "every", 1)
+    if every > 1:
+        # the steps between the measured ones keep the selection: no gap (the layer's step counted)
+        measured = (state.steps + layer_idx) % every == 0
+        state.steps.add_(1)
+        gap = gap.masked_fill(~measured, float("-inf"))
+    margin = trigger.margin_of(layer_idx)
     fire = (gap > margin) | ~state.has_selection
     if trigger.follow > 0 and state.above is not None:
         # the layer above decided this step already (its ``reselect``, on the device)

@@ -69,6 +69,8 @@ class ScoreGapState:
     held_scratch: torch.Tensor | None = None
     # (B,) long: steps since the last selection, this one included (counted where ``cap`` is set)
     age: torch.Tensor | None = None
+    # (B,) long: the layer's steps so far (counted where ``every`` > 1: which steps measure the gap)
+    steps: torch.Tensor | None = None
     # ``estimate="outlier"``: each prompt unit's outlier keys, taken from the pool at attach
     outliers: OutlierKeys | None = None
 
@@ -127,9 +129,13 @@ class ScoreGap(Trigger):
     # a margin per layer (``margins[i]`` for layer ``i``; ``margin`` for the layers past its end): the
     # gap's scale and rate differ by layer; empty: ``margin`` everywhere
     margins: tuple = ()
+    # measure the gap every ``every``-th step only (layer ``i`` at the steps ``s`` where ``(s + i) % every``
+    # is 0, so each step measures ``1/every`` of the layers); between them the layer keeps its selection
+    # (unless it has none, or ``cap`` says). 1: every step. The trigger's bytes a step fall by ``every``
+    every: int = 1
     # the spec names these only when set (``Policy.to_dict``): eval cells of the old settings resume
     SPEC_OMITS_AT_DEFAULT = {"estimate": "mean", "cap": 0, "group": "mean", "count": 0.0, "margins": (),
-                             "outliers": 1}
+                             "outliers": 1, "every": 1}
 
     def margin_of(self, layer_idx: int) -> float:
         """The margin of layer ``layer_idx`` (``margins``, else ``margin``)."""
@@ -158,6 +164,8 @@ class ScoreGap(Trigger):
         if self.outliers != 1 and self.estimate != "outlier":
             raise ConfigError(f"score_gap trigger: outliers is read by estimate 'outlier' only; got estimate "
                               f"{self.estimate!r}")
+        if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
+            raise ConfigError(f"score_gap trigger: every must be an integer >= 1 (1: every step), got {self.every!r}")
         if not isinstance(self.cap, int) or isinstance(self.cap, bool) or self.cap < 0:
             raise ConfigError(f"score_gap trigger: cap must be an integer >= 0 (0: no cap), got {self.cap!r}")
         if not isinstance(self.margins, (list, tuple)) or any(
@@ -174,6 +182,7 @@ class ScoreGap(Trigger):
             has_selection=torch.zeros(batch, dtype=torch.bool, device=device),
             gap=torch.zeros(batch, dtype=torch.float32, device=device),
             age=torch.zeros(batch, dtype=torch.long, device=device),
+            steps=torch.zeros(batch, dtype=torch.long, device=device),
         )
 
     def attach(self, state: ScoreGapState, layer: Any) -> None:

@@ -190,6 +190,8 @@ def test_the_decision_is_per_sequence():
     # its outlier keys are taken at prefill: the step reads no host state
     ("room", {"name": "score_gap", "margin": -1.0, "measure": "mass", "leaving": "ignored", "estimate": "outlier",
               "outliers": 4, "group": "each"}),
+    ("room", {"name": "score_gap", "margin": -1.0, "measure": "mass", "leaving": "ignored", "estimate": "outlier",
+              "outliers": 4, "group": "each", "every": 2}),  # which steps measure is counted on the device
 ])
 def test_the_step_replays_with_frozen_host_state(admit, trigger):
     steps = 30
@@ -225,6 +227,8 @@ def test_the_step_replays_with_frozen_host_state(admit, trigger):
     # the op that scores the outlier keys itself (ops.score_gap_outlier_fire)
     {"name": "score_gap", "margin": -1.0, "measure": "mass", "leaving": "ignored", "estimate": "outlier",
      "outliers": 2, "group": "each"},
+    {"name": "score_gap", "margin": -1.0, "measure": "mass", "leaving": "ignored", "estimate": "outlier",
+     "outliers": 2, "group": "each", "every": 2},
 ])
 @pytest.mark.parametrize("admit", ["room", "evict"])
 def test_the_fused_step_decides_as_the_reference(trigger, admit):
@@ -392,6 +396,16 @@ def test_margins_set_a_margin_per_layer():
     assert fired == [(True, True), (False, True), (False, True)]
 
 
+@pytest.mark.parametrize("estimate", [{}, {"measure": "mass", "estimate": "outlier", "outliers": 2, "group": "each"}])
+def test_every_measures_the_gap_at_one_step_in_every_each_layer_at_its_own(estimate):
+    # layer 0 measures at steps 0, 3, 6, layer 1 at 2, 5: the turn to page 7 at step 1 fires in
+    # each at its next measured step; both fire at step 0, where they have no selection yet
+    first, second = _two_layers({"name": "score_gap", "margin": 1.0, "every": 3, **estimate})
+    fired = [(_step(first, _toward(page)), _step(second, _toward(page))) for page in (2, 7, 7, 7, 7)]
+    assert fired == [(True, True), (False, False), (False, True), (True, False), (False, False)]
+    assert float(first.trigger_state.gap[0]) == -1e4  # a step it did not measure has no gap
+
+
 def test_count_also_fires_on_the_rank_count():
     state = _layer({"name": "score_gap", "margin": 50.0, "measure": "mass", "count": 0.5})
     fired = [_step(state, _toward(page)) for page in (2, 2, 7, 7)]
@@ -405,12 +419,14 @@ def test_new_options_are_checked_and_named_in_the_spec_only_when_set():
         ScoreGap(cap=-1).validate()
     with pytest.raises(ConfigError, match="group must be one of mean, each"):
         ScoreGap(group="max").validate()
+    with pytest.raises(ConfigError, match="every must be an integer >= 1"):
+        ScoreGap(every=0).validate()
     plain = kvpolicy.Policy(trigger={"name": "score_gap", "margin": -2.5, "measure": "mass", "leaving": "ignored"},
                             prefill_units="kmeans", selector="top_budget").to_dict()["trigger"]
     assert set(plain) == {"name", "margin", "measure", "follow", "leaving"}  # the eval's cell keys stay
     capped = kvpolicy.Policy(trigger={"name": "score_gap", "measure": "rank", "cap": 4},
                              prefill_units="kmeans", selector="top_budget").to_dict()["trigger"]
-    assert capped["cap"] == 4 and capped["measure"] == "rank" and "group" not in capped
+    assert capped["cap"] == 4 and capped["measure"] == "rank" and "group" not in capped and "every" not in capped
 
 
 def test_group_each_fires_for_one_query_head_the_group_mean_hides():

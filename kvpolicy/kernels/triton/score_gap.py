@@ -49,12 +49,24 @@ _ROW_BLOCK = 4  # rows a program of that stage combines
 
 
 @triton.jit
+def _measures(steps_ptr, b, offset, EVERY: tl.constexpr):
+    """Whether sequence ``b``'s layer measures the gap at this step (``ScoreGap.every``: its step
+    count plus the layer's ``offset`` a multiple of ``EVERY``); always with ``EVERY`` 1 (no load)."""
+    if EVERY == 1:
+        measures = True
+    else:
+        measures = (tl.load(steps_ptr + b) + offset) % EVERY == 0
+    return measures
+
+
+@triton.jit
 def _follow_kernel(
     size_ptr, open_ptr, seen_open_ptr, seen_size_ptr, admitted_ptr, seen_admitted_ptr,
-    held_ptr, held_end_ptr, held_count_ptr, kept_ptr, mask_ptr, scores_ptr, middle_ptr,
-    U, R, scale,
+    held_ptr, held_end_ptr, held_count_ptr, kept_ptr, mask_ptr, scores_ptr, middle_ptr, steps_ptr,
+    U, R, scale, offset,
     sz_sb, sz_sh, ss_sb, ad_sb, sa_sb, hl_sb, hl_sh, he_sb, he_sh, hc_sb, kp_sb, mk_sb, mk_sh, sc_sb, sc_sh,
-    EVICT: tl.constexpr, LEAVING_UNHELD: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
+    EVICT: tl.constexpr, LEAVING_UNHELD: tl.constexpr, RANK: tl.constexpr, EVERY: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     h = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
@@ -79,6 +91,8 @@ def _follow_kernel(
     position = tl.minimum(count, R - 1)
     kept = tl.load(kept_ptr + b * kp_sb + h)  # read only when evicting
     mask_at = mask_ptr + b * mk_sb + h * mk_sh
+    # marks only where this step measures the gap: the block pass that clears them runs only then
+    marking = _measures(steps_ptr, b, offset, EVERY)
     # measure "rank": the held units' mean score (each held unit listed once)
     held_sum = tl.sum(tl.zeros([BLOCK_R], tl.float32), axis=0)
     held_n = tl.sum(tl.zeros([BLOCK_R], tl.float32), axis=0)
@@ -96,7 +110,10 @@ def _follow_kernel(
             ids = tl.where(drop & (old == unit), -1, ids)
         tl.store(held_at + rows, ids, mask=ok & (ids != old))
         tl.store(end_at + rows, new_end, mask=ok & (new_end != end))
-        tl.store(mask_at + ids, tl.full([BLOCK_R], 1, tl.uint8), mask=ok & (ids >= 0) & (ids < U))
+        marks = ok & (ids >= 0) & (ids < U)
+        if EVERY > 1:  # (a where, not an and: the interpreter makes a vector-and-scalar and int32)
+            marks = tl.where(marking, marks, False)
+        tl.store(mask_at + ids, tl.full([BLOCK_R], 1, tl.uint8), mask=marks)
         if RANK:
             real = ok & (ids >= 0) & (ids < U)
             s = tl.load(scores_ptr + b * sc_sb + h * sc_sh + tl.maximum(ids, 0), mask=real,
@@ -113,14 +130,17 @@ def _follow_kernel(
 
 @triton.jit
 def _gap_blocks_kernel(
-    scores_ptr, size_ptr, mask_ptr, at_selection_ptr, parts_ptr, middle_ptr,
-    scale, U, num_prompt_units, parts_sk, H,
+    scores_ptr, size_ptr, mask_ptr, at_selection_ptr, parts_ptr, middle_ptr, steps_ptr,
+    scale, U, num_prompt_units, parts_sk, H, offset,
     sc_sb, sc_sh, sz_sb, sz_sh, mk_sb, mk_sh, pt_sb, pt_sh,
-    MASS: tl.constexpr, RANK: tl.constexpr, LEAVING_IGNORED: tl.constexpr, BLOCK_U: tl.constexpr,
+    MASS: tl.constexpr, RANK: tl.constexpr, LEAVING_IGNORED: tl.constexpr, EVERY: tl.constexpr,
+    BLOCK_U: tl.constexpr,
 ):
     block = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
+    if not _measures(steps_ptr, b, offset, EVERY):
+        return  # a step between measured ones: nothing marked, and the decide launch reads no part
     ids = block * BLOCK_U + tl.arange(0, BLOCK_U).to(tl.int64)
     ok = ids < U
     s = tl.load(scores_ptr + b * sc_sb + h * sc_sh + ids, mask=ok, other=float("-inf")) * scale
@@ -221,10 +241,10 @@ def _row_parts_kernel(parts_ptr, out_ptr, H, S, parts_sk, pt_sb, pt_sh, out_sk, 
 @triton.jit
 def _decide_kernel(
     parts_ptr, has_ptr, above_ptr, open_ptr, seen_open_ptr, fire_ptr, out_gap_ptr,
-    age_ptr, H, S, parts_sk, pt_sb, pt_sh, margin, follow_margin, cap,
+    age_ptr, steps_ptr, H, S, parts_sk, pt_sb, pt_sh, margin, follow_margin, cap, offset,
     noted_ptr, count_ptr, boundary_ptr, slot_ptr, reselect_ptr, boundary_sb,
     MASS: tl.constexpr, RANK: tl.constexpr, FOLLOW: tl.constexpr, CAP: tl.constexpr, NOTE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+    EVERY: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
@@ -244,6 +264,9 @@ def _decide_kernel(
     # the worst head decides; a NaN head (nothing held or unheld, in mass) makes a NaN gap, as amax
     nan = tl.max((gap != gap).to(tl.int32), axis=0) > 0
     worst = tl.where(nan, float("nan"), tl.max(tl.where(gap != gap, float("-inf"), gap), axis=0))
+    if EVERY > 1:  # a step between measured ones has no gap (its block parts were not written)
+        worst = tl.where(_measures(steps_ptr, b, offset, EVERY), worst, float("-inf"))
+        tl.store(steps_ptr + b, tl.load(steps_ptr + b) + 1)
     fire = (worst > margin) | (tl.load(has_ptr + b) == 0)
     if FOLLOW:  # the layer above re-selected at this step: a lower margin
         fire = fire | ((tl.load(above_ptr + b) != 0) & (worst > follow_margin))
@@ -297,13 +320,20 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float, *, decisi
     blocks = triton.cdiv(units, block)
     parts = torch.empty(4, batch, heads, blocks, dtype=torch.float32, device=device)
     _gap_blocks_kernel[(blocks, heads, batch)](
-        scores, table.size, mask, state.units_at_selection, parts, middle,
-        float(scale), units, int(table.num_prompt_units), parts.stride(0), heads,
+        scores, table.size, mask, state.units_at_selection, parts, middle, state.steps,
+        float(scale), units, int(table.num_prompt_units), parts.stride(0), heads, step_offset(trigger, layer),
         *scores.stride()[:2], *table.size.stride()[:2], *mask.stride()[:2], *parts.stride()[1:3],
-        MASS=mass, RANK=rank, LEAVING_IGNORED=trigger.leaving == "ignored", BLOCK_U=block,
+        MASS=mass, RANK=rank, LEAVING_IGNORED=trigger.leaving == "ignored", EVERY=trigger.every,
+        BLOCK_U=block,
     )
     decide_from_parts(trigger, state, parts, fire, mass, rank, decision)
     return fire
+
+
+def step_offset(trigger, layer) -> int:
+    """The layer's offset in ``trigger.every``'s steps: layer ``i`` measures at the steps ``s`` where
+    ``(s + i) % every`` is 0 (``reference_step._fire_on_gap``)."""
+    return layer.layer_idx % trigger.every
 
 
 def follow_and_mark(trigger, state, mask: torch.Tensor, scores: torch.Tensor, middle: torch.Tensor,
@@ -318,12 +348,12 @@ def follow_and_mark(trigger, state, mask: torch.Tensor, scores: torch.Tensor, mi
     kept = store.kept if evict else store.admitted  # read only when evicting
     _follow_kernel[(heads, batch)](
         table.size, table.open_unit, state.seen_open, state.seen_size, store.admitted, state.seen_admitted,
-        state.held, state.held_end, state.held_count, kept, mask, scores, middle,
-        mask.shape[-1], room, float(scale),
+        state.held, state.held_end, state.held_count, kept, mask, scores, middle, state.steps,
+        mask.shape[-1], room, float(scale), step_offset(trigger, layer),
         *table.size.stride()[:2], state.seen_size.stride(0), store.admitted.stride(0),
         state.seen_admitted.stride(0), *state.held.stride()[:2], *state.held_end.stride()[:2],
         state.held_count.stride(0), kept.stride(0), *mask.stride()[:2], *scores.stride()[:2],
-        EVICT=evict, LEAVING_UNHELD=trigger.leaving == "unheld", RANK=rank,
+        EVICT=evict, LEAVING_UNHELD=trigger.leaving == "unheld", RANK=rank, EVERY=trigger.every,
         BLOCK_R=min(4096, triton.next_power_of_2(room)),
     )
 
@@ -356,10 +386,11 @@ def decide_from_parts(trigger, state, parts: torch.Tensor, fire: torch.Tensor, m
     noted, count, boundary, slot, reselect = decision if note else (fire, age, fire.view(1, -1), age, fire)
     _decide_kernel[(fire.shape[0],)](
         parts, state.has_selection.view(torch.uint8), above.view(torch.uint8), table.open_unit, state.seen_open,
-        fire.view(torch.uint8), state.gap, age, rows, blocks, parts.stride(0), *parts.stride()[1:3],
+        fire.view(torch.uint8), state.gap, age, state.steps, rows, blocks, parts.stride(0), *parts.stride()[1:3],
         float(margin), float(margin - trigger.follow) if follow else 0.0, int(trigger.cap),
+        step_offset(trigger, layer),
         noted.view(torch.uint8), count, boundary.view(torch.uint8), slot, reselect.view(torch.uint8), boundary.stride(0),
-        MASS=mass, RANK=rank, FOLLOW=follow, CAP=cap, NOTE=note,
+        MASS=mass, RANK=rank, FOLLOW=follow, CAP=cap, NOTE=note, EVERY=trigger.every,
         BLOCK_H=triton.next_power_of_2(rows), BLOCK_S=min(_DECIDE_BLOCK, triton.next_power_of_2(blocks)),
     )
 

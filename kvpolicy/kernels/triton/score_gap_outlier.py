@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ...errors import ConfigError
 from ..dispatch import implement, triton_runs_on
-from .score_gap import _scratch_mask, decide_from_parts, follow_and_mark, unsupported
+from .score_gap import _measures, _scratch_mask, decide_from_parts, follow_and_mark, step_offset, unsupported
 
 # key elements of one tile (a block of units x D): 32 units at D = 128, 64 at D = 64
 _TILE_ELEMENTS = 4096
@@ -98,16 +98,19 @@ def _block_log_mass(first, b, h, q_t, scale, U, P,
 @triton.jit
 def _outlier_gap_blocks_kernel(
     q_ptr, mean_ptr, selectable_ptr, size_ptr, mask_ptr, at_selection_ptr,
-    keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr, rest_count_ptr, parts_ptr,
-    scale, U, P, parts_sk,
+    keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr, rest_count_ptr, parts_ptr, steps_ptr,
+    scale, U, P, parts_sk, offset,
     q_sb, q_sh, q_sg, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh, mk_sb, mk_sh,
     ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh, pt_sb, pt_sh,
     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, LEAVING_IGNORED: tl.constexpr,
-    BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr,
+    EVERY: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     block = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
+    if not _measures(steps_ptr, b, offset, EVERY):
+        return  # a step between measured ones (``ScoreGap.every``): no key is read
     # the query group transposed, ``[BLOCK_D, BLOCK_G]``: a ``tl.dot`` operand (zero past ``G``)
     dims = tl.arange(0, BLOCK_D)
     columns = tl.arange(0, BLOCK_G)
@@ -183,13 +186,14 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
     _outlier_gap_blocks_kernel[(blocks, heads, batch)](
         group, table.key_mean, table.selectable.view(torch.uint8), table.size, mask, state.units_at_selection,
         outliers.keys, outliers.key_scale, outliers.valid.view(torch.uint8), outliers.rest_mean, outliers.rest_scale,
-        outliers.rest_count, parts,
-        float(scale), units, int(table.num_prompt_units), parts.stride(0),
+        outliers.rest_count, parts, state.steps,
+        float(scale), units, int(table.num_prompt_units), parts.stride(0), step_offset(trigger, layer),
         *group.stride()[:3], *table.key_mean.stride()[:3], *table.selectable.stride()[:2],
         *table.size.stride()[:2], *mask.stride()[:2],
         *outliers.keys.stride()[:4], *outliers.valid.stride()[:3], *outliers.rest_mean.stride()[:3],
         *outliers.rest_count.stride()[:2], *parts.stride()[1:3],
         D=dim, G=per_head, M=outliers.keys.shape[3], LEAVING_IGNORED=trigger.leaving == "ignored",
+        EVERY=trigger.every,
         BLOCK_U=block, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(per_head)),
         PRECISION="ieee" if group.dtype == torch.float32 else "tf32",  # see the module's docstring
     )

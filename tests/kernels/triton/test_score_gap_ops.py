@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(
     reason="Triton needs a CUDA device or TRITON_INTERPRET=1",
 )
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-STATE_TENSORS = ("held", "held_end", "held_count", "seen_open", "seen_size", "seen_admitted", "has_selection", "age")
+STATE_TENSORS = ("held", "held_end", "held_count", "seen_open", "seen_size", "seen_admitted", "has_selection", "age",
+                 "steps")
 
 
 def _state(gen: torch.Generator, batch: int, heads: int, units: int, room: int, prompt_units: int,
@@ -61,7 +62,7 @@ def _state(gen: torch.Generator, batch: int, heads: int, units: int, room: int, 
         seen_admitted=admitted - ints(0, 2, batch, heads),
         held_end=ints(0, room + 3, batch, heads, room), units_at_selection=ints(0, units - prompt_units, batch),
         above=SimpleNamespace(reselect=torch.rand(batch, generator=gen) < 0.5) if above else None,
-        age=ints(0, 5, batch),
+        age=ints(0, 5, batch), steps=ints(0, 7, batch),
     )
     return _to(state, DEVICE)
 
@@ -106,9 +107,10 @@ def _assert_same_step(got: torch.Tensor, want: torch.Tensor, fast: ScoreGapState
 
 @pytest.mark.parametrize("measure", ["weakest", "mass", "rank"])
 @pytest.mark.parametrize("leaving", ["unheld", "ignored"])
-@pytest.mark.parametrize("admit, follow, cap", [("room", 0.0, 0), ("evict", 0.0, 3), ("room", 1.5, 0),
-                                                ("evict", math.inf, 0)])
-def test_score_gap_fire_matches_reference(measure, leaving, admit, follow, cap, monkeypatch):
+# ``every`` 3: a sequence's layer measures the gap at one step in three (its steps counted), skipping the rest
+@pytest.mark.parametrize("admit, follow, cap, every", [("room", 0.0, 0, 1), ("evict", 0.0, 3, 1), ("room", 1.5, 0, 3),
+                                                       ("evict", math.inf, 0, 1)])
+def test_score_gap_fire_matches_reference(measure, leaving, admit, follow, cap, every, monkeypatch):
     from kvpolicy.kernels.triton import score_gap
 
     triton_ops = dispatch.bind("triton", DEVICE)
@@ -127,7 +129,7 @@ def test_score_gap_fire_matches_reference(measure, leaving, admit, follow, cap, 
             margin = (-8.0, float(torch.randn(1, generator=gen)), 8.0)[seed]
         # with a cap, the margin comes from ``margins`` (this layer is index 1)
         trigger = ScoreGap(margin=margin if not cap else 99.0, measure=measure, leaving=leaving, follow=follow,
-                           cap=cap, margins=(99.0, margin) if cap else ())
+                           cap=cap, margins=(99.0, margin) if cap else (), every=every)
         # past one block of units (1,024), so the running logsumexp rescales; one case a follow value
         # with a held list past one block of the follow-up (4,096 rows), evicting and dropping
         room, units = (5000, 6000) if (measure, leaving, admit) == ("mass", "unheld", "evict") else (12, 1500)
@@ -293,8 +295,10 @@ def _with_outlier_keys(gen: torch.Generator, state: ScoreGapState, dim: int, m: 
 # float16 keys, on the GPU; a float32 query (a group's mean too): a float32 product
 @pytest.mark.parametrize("group, dtype", [("each", torch.float32), ("mean", torch.float32),
                                           ("each", torch.bfloat16)])
-@pytest.mark.parametrize("leaving, admit, follow, cap", [("ignored", "room", 0.0, 0), ("unheld", "evict", 1.5, 6)])
-def test_score_gap_outlier_fire_matches_reference(group, dtype, leaving, admit, follow, cap, monkeypatch):
+@pytest.mark.parametrize("leaving, admit, follow, cap, every", [("ignored", "room", 0.0, 0, 1),
+                                                                ("unheld", "evict", 1.5, 6, 1),
+                                                                ("ignored", "room", 0.0, 0, 2)])
+def test_score_gap_outlier_fire_matches_reference(group, dtype, leaving, admit, follow, cap, every, monkeypatch):
     """The fused outlier op (scoring included) against ``reference_step.score_gap_outlier_fire``:
     decisions and state bit for bit, the gap to float32 rounding, over steps and several blocks of
     units (at seed 1 a row stage combines their parts one at a time: its running logsumexp); a
@@ -309,7 +313,8 @@ def test_score_gap_outlier_fire_matches_reference(group, dtype, leaving, admit, 
         gen = torch.Generator().manual_seed(100 + seed)
         margin = (-6.0, float(torch.randn(1, generator=gen)), 40.0)[seed]  # fires, some, keeps (but a cap)
         trigger = ScoreGap(margin=margin if not cap else 99.0, measure="mass", leaving=leaving, follow=follow, cap=cap,
-                           margins=(99.0, margin) if cap else (), estimate="outlier", outliers=3, group=group)
+                           margins=(99.0, margin) if cap else (), estimate="outlier", outliers=3, group=group,
+                           every=every)
         trigger.validate()
         ref = _state(gen, batch=3, heads=2, units=400, room=12, prompt_units=300, admit=admit, above=follow > 0)
         _with_outlier_keys(gen, ref, dim=24, m=3)
