@@ -20,7 +20,9 @@ unit scoring, and every small launch of a replayed graph costs about what it run
 
 Measure ``rank``: the first launch also takes the held units' mean score (over the held list, a unit
 listed once), the second counts the unheld units above it per block, the third sums the counts.
-``cap``: the third launch counts the selection's age. ``margins``: each layer's launch takes its own
+``cap``: the third launch counts the selection's age. ``every``: it also counts the layer's steps, and
+on a step that does not measure the gap the first launch marks nothing, the second returns at once
+(reading no score or key) and the third keeps the selection. ``margins``: each layer's launch takes its own
 margin. ``estimate="outlier"`` is its own op (``score_gap_outlier.py``); the reference-only options
 (the other ``estimate``s, ``group="each"`` without outliers, ``count``) are refused with a
 ConfigError (``unsupported``), at attach and here.
