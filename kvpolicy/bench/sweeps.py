@@ -53,7 +53,8 @@ def e2e(model, *, contexts: Iterable[int], batches: Iterable[int], cells: Preset
     ``budget-floor`` (full-graph at the budget's context: the best any policy can do on the
     stack), the other ``full_kinds``, then each preset at each placement and DecodeGraph branch
     kind; louiskv at ``interval(n)`` (``rate``), never re-selecting after its first step
-    (``/reuse``; ``/score_gap_reuse``: the preset's SmolLM2 trigger, score_gap, reusing) and at
+    (``/reuse``; ``/score_gap_reuse``: the preset's SmolLM2 trigger, score_gap, reusing;
+    ``/score_gap_every2_reuse``: the same measuring at one step in two) and at
     every step (``/every_step``); ``unit_cache_rows``: the policies' GPU unit cache
     (``Policy.unit_cache_rows``). A policy row carries its ``miss_fraction``. ``stickiness``:
     louiskv's re-selecting rows run once per value, with unit scores biased by up to that much
@@ -75,6 +76,9 @@ def e2e(model, *, contexts: Iterable[int], batches: Iterable[int], cells: Preset
                         # the preset's trigger for SmolLM2 (score_gap) at a margin it never passes:
                         # its step cost, reusing
                         + [("score_gap_reuse", {**BUILTIN_TRIGGER[EMBEDDED_ID], "margin": 1e9}, 0.0)]
+                        # the same measuring the gap at one step in two (``every``: half its bytes a step)
+                        + [("score_gap_every2_reuse", {**BUILTIN_TRIGGER[EMBEDDED_ID], "margin": 1e9, "every": 2},
+                            0.0)]
                         + [("every_step" + tag, {"name": "every_step"}, bias) for tag, bias in tags])
     full_kinds = list(full_kinds)
     for context in contexts:
