@@ -53,12 +53,9 @@ _ROW_BLOCK = 4  # rows a program of that stage combines
 @triton.jit
 def _measures(steps_ptr, b, offset, EVERY: tl.constexpr):
     """Whether sequence ``b``'s layer measures the gap at this step (``ScoreGap.every``: its step
-    count plus the layer's ``offset`` a multiple of ``EVERY``); always with ``EVERY`` 1 (no load)."""
-    if EVERY == 1:
-        measures = True
-    else:
-        measures = (tl.load(steps_ptr + b) + offset) % EVERY == 0
-    return measures
+    count plus the layer's ``offset`` a multiple of ``EVERY``). Called under ``if EVERY > 1`` only,
+    so the default step (``EVERY`` 1) compiles as it did without it."""
+    return (tl.load(steps_ptr + b) + offset) % EVERY == 0
 
 
 @triton.jit
@@ -93,8 +90,8 @@ def _follow_kernel(
     position = tl.minimum(count, R - 1)
     kept = tl.load(kept_ptr + b * kp_sb + h)  # read only when evicting
     mask_at = mask_ptr + b * mk_sb + h * mk_sh
-    # marks only where this step measures the gap: the block pass that clears them runs only then
-    marking = _measures(steps_ptr, b, offset, EVERY)
+    if EVERY > 1:  # marks only where this step measures the gap: the block pass that clears them runs only then
+        marking = _measures(steps_ptr, b, offset, EVERY)
     # measure "rank": the held units' mean score (each held unit listed once)
     held_sum = tl.sum(tl.zeros([BLOCK_R], tl.float32), axis=0)
     held_n = tl.sum(tl.zeros([BLOCK_R], tl.float32), axis=0)
@@ -141,8 +138,9 @@ def _gap_blocks_kernel(
     block = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
-    if not _measures(steps_ptr, b, offset, EVERY):
-        return  # a step between measured ones: nothing marked, and the decide launch reads no part
+    if EVERY > 1:
+        if not _measures(steps_ptr, b, offset, EVERY):
+            return  # a step between measured ones: nothing marked, and the decide launch reads no part
     ids = block * BLOCK_U + tl.arange(0, BLOCK_U).to(tl.int64)
     ok = ids < U
     s = tl.load(scores_ptr + b * sc_sb + h * sc_sh + ids, mask=ok, other=float("-inf")) * scale

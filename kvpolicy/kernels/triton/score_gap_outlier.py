@@ -109,8 +109,9 @@ def _outlier_gap_blocks_kernel(
     block = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
-    if not _measures(steps_ptr, b, offset, EVERY):
-        return  # a step between measured ones (``ScoreGap.every``): no key is read
+    if EVERY > 1:
+        if not _measures(steps_ptr, b, offset, EVERY):
+            return  # a step between measured ones (``ScoreGap.every``): no key is read
     # the query group transposed, ``[BLOCK_D, BLOCK_G]``: a ``tl.dot`` operand (zero past ``G``)
     dims = tl.arange(0, BLOCK_D)
     columns = tl.arange(0, BLOCK_G)
