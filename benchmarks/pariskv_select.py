@@ -332,7 +332,7 @@ def measure_selection(args: argparse.Namespace, batch: int, context: int, device
     tiers = selector.tiers_for(args.head_dim // index.subspaces)
     votes_per_rank = torch.tensor(analytic.tier_weights(tiers), dtype=torch.int32, device=device)
     width = selector.candidates_for(index.capacity, retrieval)
-    rule = (selector.floor_for(retrieval), selector.candidate_fraction, analytic.CANDIDATE_BANDS)
+    rule = selector.rule_for(retrieval)
     max_votes = index.subspaces * tiers
     group = query.view(batch, args.kv_heads, -1, args.head_dim)
     timed = _timer(device, args.repeats)

@@ -168,7 +168,8 @@ def _pariskv(model: Any = None, **options: Any) -> Policy:
     63 ranked centroids per subspace; 4 tiers, 15 at 4 dims; for Gemma 3 each query head's votes,
     a key keeping its best head's: ``pariskv_votes``) pick candidates by zone length as
     ParisKV's code does (``kvpolicy.analytic.CANDIDATE_BANDS``: 0.5 of the zone below 5K tokens,
-    0.25 to 10K, 0.2 to 30K, 0.1 beyond), at least twice the retrieval budget, and their 4-bit
+    0.25 to 10K, 0.2 to 30K, 0.1 beyond; held so that a longer zone never keeps fewer:
+    ``hold_count``), at least twice the retrieval budget, and their 4-bit
     estimates of q.k the final ones; the pipeline's files are listed in ``kvpolicy.analytic``'s
     docstring. Sink 4,
     local 64 and an update buffer of 64 tokens (a quarter of the retrieval budget if smaller),

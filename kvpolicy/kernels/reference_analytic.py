@@ -8,6 +8,8 @@ Encodings are those of ``kvpolicy.analytic``.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 
 import torch
@@ -166,19 +168,35 @@ def query_votes(
 
 
 def candidate_count(
-    valid_count: torch.Tensor, floor: int, fraction: float, bands: Sequence[tuple[int, float]] = ()
+    valid_count: torch.Tensor,
+    floor: int,
+    fraction: float,
+    bands: Sequence[tuple[int, float]] = (),
+    hold: bool = False,
 ) -> torch.Tensor:
     """Candidates to keep per row, ``valid_count``'s shape, long: ``max(floor, ceil(n * share(n)))``.
 
     ``n`` (``valid_count``, long) is the row's tokens in the retrieval zone; ``share(n)`` is
     ``fraction``, or for ``n`` below a band's bound the first such band's share if larger
     (``bands``: ``(bound, share)`` pairs, bounds ascending; ``analytic.CANDIDATE_BANDS``).
-    The product is rounded up in float32, as every backend computes it.
+    The product is rounded up in float32, as every backend computes it. ``hold``: never fewer
+    than a shorter zone keeps (``held_counts``).
     """
     share = torch.full(valid_count.shape, fraction, dtype=torch.float32, device=valid_count.device)
     for bound, band in reversed(tuple(bands)):  # the smallest bound that n is below wins
         share = torch.where(valid_count < bound, max(band, fraction), share)
-    return torch.ceil(valid_count.float() * share).long().clamp(min=floor)
+    count = torch.ceil(valid_count.float() * share).long().clamp(min=floor)
+    for bound, held in held_counts(bands, fraction, hold):
+        count = torch.where(valid_count >= bound, count.clamp(min=held), count)
+    return count
+
+
+def held_counts(bands: Sequence[tuple[int, float]], fraction: float, hold: bool) -> list[tuple[int, int]]:
+    """``(bound, count)`` per band: from ``bound`` tokens on, at least the ``count`` that a zone one
+    token shorter keeps (all 0 unless ``hold``). ParisKV's bands drop the count at each bound: 2,500
+    candidates at 4,999 tokens, 1,250 at 5,000; held, it stays 2,500 until a quarter of the zone
+    passes it (EVAL.md, "pariskv's held candidate count")."""
+    return [(int(bound), math.ceil((bound - 1) * max(share, fraction)) if hold else 0) for bound, share in bands]
 
 
 def collision_candidates(
@@ -191,6 +209,7 @@ def collision_candidates(
     floor: int,
     fraction: float,
     bands: Sequence[tuple[int, float]] = (),
+    hold: bool = False,
 ) -> torch.Tensor:
     """The best-voted keys of the retrieval zone, ``(B, H, width)`` long positions in
     increasing order, then -1.
@@ -199,7 +218,7 @@ def collision_candidates(
     ``(B, H, G, S, 256)`` (``query_votes(per_head=True)``): a key's votes are then its best
     head's; ``key_centroids``: ``(B, H, N, S)`` uint8; ``token_valid``: ``(B, N)`` bool; ``indexed``: ``()`` long, positions
     ``[0, indexed)`` are voted on. A row keeps ``candidate_count`` of its ``n`` voted tokens
-    (``floor``, ``fraction``, ``bands``), at most ``width``: the same keys as
+    (``floor``, ``fraction``, ``bands``, ``hold``), at most ``width``: the same keys as
     ``candidate_topk(collision_count(...), width)`` cut there (most votes first, ties to the
     lower position), listed by position, so the rerank reads the codes in address order.
     ``max_votes``: the largest vote a key can have (the Triton version sizes its histogram
@@ -217,7 +236,7 @@ def collision_candidates(
         counted = table_votes(table, key_centroids)
     votes = torch.where(voted, counted, -1)
     best = candidate_topk(votes, width)
-    keep = candidate_count(voted.sum(-1), floor, fraction, bands)  # (B, H)
+    keep = candidate_count(voted.sum(-1), floor, fraction, bands, hold)  # (B, H)
     best = torch.where(torch.arange(width, device=best.device) < keep[..., None], best, -1)
     # by position, the -1 tail last
     ordered = torch.where(best >= 0, best, n).sort(-1).values

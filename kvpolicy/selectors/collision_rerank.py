@@ -63,6 +63,12 @@ class CollisionRerank(Selector):
     ``min_candidates`` times the retrieval budget. A zone that fits the budget is therefore
     selected whole (ParisKV attends everything under about 2,000 tokens).
 
+    ``hold_count`` (default True): never fewer candidates than a shorter zone keeps. ParisKV's
+    bands drop the count at each bound (2,500 at 4,999 tokens, 1,250 at 5,000; 6,000 at 29,999,
+    3,000 at 30,000); held, the count stays until the next band's share passes it. Measured on
+    Gemma 3 at 8K (EVAL.md, "pariskv's held candidate count"): ParisKV's 2,028 candidates miss the
+    needle's first digit (vote rank ~2,000); the held 2,500 find it. False: ParisKV's exact rule.
+
     Why a floor of twice the budget: with a floor of one budget, wherever 10% of the tokens is
     less than the budget (under ~4.4K tokens at budget 512) the candidates *are* the selection
     and the rerank does nothing. ParisKV's own regime (top-k 2048, 10% of 30K+ tokens) reranks
@@ -85,6 +91,7 @@ class CollisionRerank(Selector):
 
     candidate_fraction: float = analytic.DEFAULT_CANDIDATE_FRACTION
     min_candidates: float = 2.0
+    hold_count: bool = True
     tiers: int | None = None
     votes: str = "group_mean"
     reads = AnalyticIndex
@@ -97,6 +104,8 @@ class CollisionRerank(Selector):
             raise ConfigError(
                 f"collision_rerank: candidate_fraction must be a number in (0, 1] (ParisKV: about 0.1), got {fraction!r}"
             )
+        if not isinstance(self.hold_count, bool):
+            raise ConfigError(f"collision_rerank: hold_count must be True or False, got {self.hold_count!r}")
         floor = self.min_candidates
         if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not floor >= 1:
             raise ConfigError(
@@ -134,11 +143,15 @@ class CollisionRerank(Selector):
                 return max(share, self.candidate_fraction)
         return self.candidate_fraction
 
+    def rule_for(self, retrieval: int) -> tuple:
+        """The count rule's arguments (``reference_analytic.candidate_count``'s after the count)."""
+        return self.floor_for(retrieval), self.candidate_fraction, analytic.CANDIDATE_BANDS, self.hold_count
+
     def keep_for(self, zone: int, retrieval: int) -> int:
         """Candidates kept for a zone of ``zone`` tokens at retrieval budget ``retrieval`` (a host
         mirror of the device's ``reference_analytic.candidate_count``, before the width's cut)."""
         count = reference_analytic.candidate_count(
-            torch.tensor([zone]), self.floor_for(retrieval), self.candidate_fraction, analytic.CANDIDATE_BANDS
+            torch.tensor([zone]), *self.rule_for(retrieval)
         )
         return int(count[0])
 
@@ -168,8 +181,7 @@ class CollisionRerank(Selector):
         group = query.view(batch, kv_heads, q_heads // kv_heads, dim)
         votes_per_rank = _votes_on(tiers, device)
         width = self.candidates_for(positions, capacity)
-        floor = self.floor_for(capacity)
-        rule = (floor, self.candidate_fraction, analytic.CANDIDATE_BANDS)
+        rule = self.rule_for(capacity)
         max_votes = index.subspaces * tiers  # a key's votes: at most `tiers` in each subspace
         # the fused ops, where the bound table has them (dispatch.OPS names them)
         query_votes = getattr(ops, "query_votes", None)

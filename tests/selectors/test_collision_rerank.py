@@ -28,7 +28,7 @@ def _index(n, dim=16, heads=2, batch=1, buffer=4, seed=0, drop=0.0):
     [(100, 0.5), (4_999, 0.5), (5_000, 0.25), (9_999, 0.25), (10_000, 0.2), (29_999, 0.2), (30_000, 0.1), (10**6, 0.1)],
 )
 def test_the_candidate_share_follows_paris_kv_by_zone_length(zone, share):
-    selector = CollisionRerank()
+    selector = CollisionRerank(hold_count=False)
     assert selector.fraction_for(zone) == share
     assert selector.keep_for(zone, retrieval=10) == max(20, math.ceil(zone * share))
     # a larger candidate_fraction wins in every band; a smaller one only from 30K on
@@ -43,6 +43,24 @@ def test_the_device_count_is_the_host_rule():
     assert got.tolist() == [max(3, math.ceil(z * selector.fraction_for(z))) for z in zones.tolist()]
 
 
+@pytest.mark.parametrize(
+    "zone, paris_kv, held",
+    [(4_999, 2_500, 2_500), (5_000, 1_250, 2_500), (8_109, 2_028, 2_500), (10_000, 2_000, 2_500),
+     (12_501, 2_501, 2_501), (30_000, 3_000, 6_000), (60_001, 6_001, 6_001)],
+)
+def test_the_held_count_never_falls_where_paris_kv_drops_at_a_bound(zone, paris_kv, held):
+    assert CollisionRerank(hold_count=False).keep_for(zone, retrieval=10) == paris_kv
+    assert CollisionRerank().keep_for(zone, retrieval=10) == held
+
+
+def test_the_held_count_rises_with_the_zone_and_the_width_holds_it():
+    selector = CollisionRerank()
+    zones = torch.arange(70_000)
+    counts = reference_analytic.candidate_count(zones, *selector.rule_for(50))
+    assert bool((counts[1:] >= counts[:-1]).all())
+    assert selector.candidates_for(70_000, 50) >= int(counts.max())
+
+
 @pytest.mark.parametrize("capacity", [300, 4_999, 5_000, 12_000, 40_000])
 def test_the_width_holds_the_rule_for_every_zone_up_to_capacity(capacity):
     selector = CollisionRerank()
@@ -53,9 +71,10 @@ def test_the_width_holds_the_rule_for_every_zone_up_to_capacity(capacity):
     assert width <= min(capacity, int(counts.max()) + 1)  # no wider than it needs
 
 
+@pytest.mark.parametrize("hold", [True, False])
 @pytest.mark.parametrize("zone", [900, 1_300])
 @pytest.mark.parametrize("op", ["rerank_select", "rerank"])
-def test_the_zone_length_sets_how_many_candidates_are_reranked(zone, op, monkeypatch):
+def test_the_zone_length_sets_how_many_candidates_are_reranked(zone, op, hold, monkeypatch):
     index, gen = _index(zone)
     ops = dispatch.Ops("reference", torch.device("cpu")) if op == "rerank_select" else composed_ops()
     seen = []
@@ -66,10 +85,12 @@ def test_the_zone_length_sets_how_many_candidates_are_reranked(zone, op, monkeyp
         return reranked(rotated, codes, weight, norms, candidates, *rest)
 
     monkeypatch.setattr(ops, op, spy)
-    selector = CollisionRerank(min_candidates=1.0)
+    selector = CollisionRerank(min_candidates=1.0, hold_count=hold)
     monkeypatch.setattr(analytic, "CANDIDATE_BANDS", ((1_000, 0.5), (2_000, 0.25)))  # the same rule, scaled down
     selector.select(torch.randn(1, 2, 16, generator=gen), index, 20, ops)
-    assert seen[0].tolist() == [[math.ceil(zone * (0.5 if zone < 1_000 else 0.25))] * 2]
+    share = 0.5 if zone < 1_000 else 0.25
+    held = math.ceil(999 * 0.5) if hold and zone >= 1_000 else 0  # 1,300 tokens keep what 999 keep
+    assert seen[0].tolist() == [[max(held, math.ceil(zone * share))] * 2]
 
 
 @pytest.mark.parametrize("extra", [0, 1])
@@ -286,6 +307,8 @@ def test_head_max_refuses_ops_without_per_head_tables(monkeypatch):
         CollisionRerank(votes="head_max").select(torch.randn(1, 4, 16, generator=gen), index, 20, ops)
     with pytest.raises(ConfigError, match="votes must be one of group_mean, head_max, got 'max'"):
         CollisionRerank(votes="max").validate()
+    with pytest.raises(ConfigError, match="hold_count must be True or False, got 1"):
+        CollisionRerank(hold_count=1).validate()
 
 
 def test_pariskv_votes_per_head_for_gemma_only():

@@ -273,7 +273,7 @@ def test_preset_defaults():
         ({"selector": {"name": "collision_rerank", "candidate_fraction": 1.5}}, "candidate_fraction"),
         ({"selector": {"name": "collision_rerank", "min_candidates": 0.5}}, "min_candidates .* must be a number >= 1"),
         ({"selector": {"name": "collision_rerank", "tiers": 9}}, "tiers must be None .* or an integer in 1..8"),
-        ({"selector": {"name": "collision_rerank", "rho": 9}}, "has no option.*rho.*its options: candidate_fraction, "
+        ({"selector": {"name": "collision_rerank", "rho": 9}}, "has no option.*rho.*its options: candidate_fraction, hold_count, "
                                                                "min_candidates, tiers"),
     ],
 )

@@ -216,10 +216,31 @@ def _as_words(key_centroids: torch.Tensor) -> torch.Tensor | None:
 
 
 @triton.jit
+def _length_rule(
+    n, FLOOR, fraction,
+    bound0, share0, held0, bound1, share1, held1, bound2, share2, held2, bound3, share3, held3,
+):
+    """ParisKV's length rule (reference_analytic.candidate_count): the smallest band n is below
+    wins; from each band's bound on, at least its held count (0 unless the rule holds)."""
+    share = fraction
+    share = tl.where(n < bound3, tl.maximum(share3, fraction), share)
+    share = tl.where(n < bound2, tl.maximum(share2, fraction), share)
+    share = tl.where(n < bound1, tl.maximum(share1, fraction), share)
+    share = tl.where(n < bound0, tl.maximum(share0, fraction), share)
+    wanted = n.to(tl.float32) * share
+    whole = wanted.to(tl.int32)  # wanted >= 0: truncation, then up where a fraction remains (= ceil)
+    keep = tl.maximum(whole + (whole.to(tl.float32) < wanted).to(tl.int32), FLOOR)
+    keep = tl.where(n >= bound0, tl.maximum(keep, held0), keep)
+    keep = tl.where(n >= bound1, tl.maximum(keep, held1), keep)
+    keep = tl.where(n >= bound2, tl.maximum(keep, held2), keep)
+    return tl.where(n >= bound3, tl.maximum(keep, held3), keep)
+
+
+@triton.jit
 def _threshold_kernel(
     hist_ptr, start_ptr, ties_ptr, level_ptr, take_ptr,
     CHUNKS, WIDTH, FLOOR, fraction,
-    bound0, share0, bound1, share1, bound2, share2, bound3, share3,
+    bound0, share0, held0, bound1, share1, held1, bound2, share2, held2, bound3, share3, held3,
     BINS: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -233,15 +254,10 @@ def _threshold_kernel(
         total += tl.sum(block, axis=0)
     total = tl.where(bins > 0, total, 0)  # bin 0: not voted on
     n = tl.sum(total, axis=0)
-    # ParisKV's length rule (reference_analytic.candidate_count): the smallest band n is below wins
-    share = fraction
-    share = tl.where(n < bound3, tl.maximum(share3, fraction), share)
-    share = tl.where(n < bound2, tl.maximum(share2, fraction), share)
-    share = tl.where(n < bound1, tl.maximum(share1, fraction), share)
-    share = tl.where(n < bound0, tl.maximum(share0, fraction), share)
-    wanted = n.to(tl.float32) * share
-    whole = wanted.to(tl.int32)  # wanted >= 0: truncation, then up where a fraction remains (= ceil)
-    keep = tl.maximum(whole + (whole.to(tl.float32) < wanted).to(tl.int32), FLOOR)
+    keep = _length_rule(
+        n, FLOOR, fraction,
+        bound0, share0, held0, bound1, share1, held1, bound2, share2, held2, bound3, share3, held3,
+    )
     take = tl.minimum(tl.minimum(keep, n), WIDTH)
     # keys with at least bin b's vote; the threshold is the highest bin that reaches `take`
     at_least = tl.sum(total, axis=0) - tl.cumsum(total, axis=0) + total
@@ -384,7 +400,7 @@ def _votes_fused_kernel(
 def _compact_fused_kernel(
     votes_ptr, suffix_ptr, row_hist_ptr, done_ptr, out_ptr,
     N, CHUNKS, WIDTH, FILL, FLOOR, fraction,
-    bound0, share0, bound1, share1, bound2, share2, bound3, share3,
+    bound0, share0, held0, bound1, share1, held1, bound2, share2, held2, bound3, share3, held3,
     CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr, CHUNKS_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -405,14 +421,10 @@ def _compact_fused_kernel(
     if tl.atomic_add(done_ptr + row, 1, sem="acq_rel") == CHUNKS - 1:
         tl.store(row_hist_ptr + row * BINS + bins, tl.zeros([BINS], dtype=tl.int32))
         tl.store(done_ptr + row, 0)
-    share = fraction
-    share = tl.where(n < bound3, tl.maximum(share3, fraction), share)
-    share = tl.where(n < bound2, tl.maximum(share2, fraction), share)
-    share = tl.where(n < bound1, tl.maximum(share1, fraction), share)
-    share = tl.where(n < bound0, tl.maximum(share0, fraction), share)
-    wanted = n.to(tl.float32) * share
-    whole = wanted.to(tl.int32)
-    keep = tl.maximum(whole + (whole.to(tl.float32) < wanted).to(tl.int32), FLOOR)
+    keep = _length_rule(
+        n, FLOOR, fraction,
+        bound0, share0, held0, bound1, share1, held1, bound2, share2, held2, bound3, share3, held3,
+    )
     take = tl.minimum(tl.minimum(keep, n), WIDTH)
     at_least = n - tl.cumsum(total, axis=0) + total
     level = tl.max(tl.where((at_least >= take) & (bins > 0), bins, 0), axis=0)
@@ -457,12 +469,15 @@ def _compact_fused_kernel(
                  mask=(place >= take) & (place < WIDTH) & (f0 + tl.arange(0, SUB) < FILL))
 
 
-def _bands(bands: Sequence[tuple[int, float]]) -> list:
+def _bands(bands: Sequence[tuple[int, float]], fraction: float, hold: bool) -> list:
+    """The length rule's bands as kernel arguments: bound, share and held count of each."""
     bands = list(bands)
     if len(bands) > _MAX_BANDS:
         raise ValueError(f"triton collision_candidates: at most {_MAX_BANDS} length bands, got {len(bands)}")
-    bands += [(0, 0.0)] * (_MAX_BANDS - len(bands))  # bound 0: no n is below it
-    return [value for bound, share in bands for value in (int(bound), float(share))]
+    held = [count for _, count in reference_analytic.held_counts(bands, fraction, hold)]
+    rows = [(int(bound), float(share), count) for (bound, share), count in zip(bands, held)]
+    rows += [(0, 0.0, 0)] * (_MAX_BANDS - len(rows))  # bound 0: no n is below it, nothing held
+    return [value for row in rows for value in row]
 
 
 def collision_candidates(
@@ -475,6 +490,7 @@ def collision_candidates(
     floor: int,
     fraction: float,
     bands: Sequence[tuple[int, float]] = (),
+    hold: bool = False,
 ) -> torch.Tensor:
     """Candidates ``(B, H, width)`` long, by position, -1 tail; see ``reference_analytic.collision_candidates``
     (a ``(B, H, G, S, 256)`` table: each query head's, a key's votes its best head's)."""
@@ -495,7 +511,7 @@ def collision_candidates(
         raise ValueError(f"triton collision_candidates: max_votes must be an int in 0..32765 (int16 votes), got {max_votes!r}")
     # the length rule as kernel arguments, checked before any launch: a call refused between the
     # votes and the compaction would leave the row histograms (self-clearing scratch) dirty
-    rule = (int(floor), float(fraction), *_bands(bands))
+    rule = (int(floor), float(fraction), *_bands(bands, float(fraction), bool(hold)))
     width = int(width)
     rows = batch * heads
     if rows == 0 or n == 0 or width == 0:

@@ -306,24 +306,28 @@ def small_chunks(monkeypatch, request):
 
 
 @pytest.mark.parametrize(
-    "n, tiers, indexed, width, floor, fraction, bands",
+    "n, tiers, indexed, width, floor, fraction, bands, hold",
     [
-        (1100, 4, 1000, 600, 40, 0.1, ((300, 0.5), (600, 0.25), (900, 0.2))),  # the rule's last band
-        (1100, 4, 500, 600, 40, 0.1, ((300, 0.5), (600, 0.25), (900, 0.2))),  # a lower band, indexed < n
-        (700, 1, 700, 700, 90, 0.05, ()),  # votes 0..16: ties everywhere, the floor decides
-        (700, 4, 650, 120, 10, 0.5, ()),  # the width cuts the rule's count
-        (700, 4, 650, 700, 900, 0.1, ()),  # the floor exceeds the zone: every voted token
-        (300, 4, 0, 50, 10, 0.1, ()),  # nothing indexed yet: all -1
+        (1100, 4, 1000, 600, 40, 0.1, ((300, 0.5), (600, 0.25), (900, 0.2)), False),  # the rule's last band
+        (1100, 4, 500, 600, 40, 0.1, ((300, 0.5), (600, 0.25), (900, 0.2)), False),  # a lower band, indexed < n
+        # ~400 voted: a quarter is 100, the count held from the bound at 300 is 150
+        (1100, 4, 500, 600, 40, 0.1, ((300, 0.5), (600, 0.25), (900, 0.2)), True),
+        (700, 1, 700, 700, 90, 0.05, (), False),  # votes 0..16: ties everywhere, the floor decides
+        (700, 4, 650, 120, 10, 0.5, (), False),  # the width cuts the rule's count
+        (700, 4, 650, 700, 900, 0.1, (), False),  # the floor exceeds the zone: every voted token
+        (300, 4, 0, 50, 10, 0.1, (), False),  # nothing indexed yet: all -1
     ],
 )
-def test_collision_candidates_matches_reference_exactly(small_chunks, n, tiers, indexed, width, floor, fraction, bands):
+def test_collision_candidates_matches_reference_exactly(
+    small_chunks, n, tiers, indexed, width, floor, fraction, bands, hold
+):
     batch, heads, dim, subspaces = 2, 2, 64, 16
     keys, query = _encoded(n + tiers, batch, heads, n, dim, subspaces, (1 << tiers) - 1)
     table = reference_analytic.vote_table(query.centroids, analytic.tier_weights(tiers))
     pool = torch.zeros(batch, heads, n + 37, subspaces, dtype=torch.uint8)  # a pool with spare room
     pool[:, :, :n] = keys.centroids
     token_valid = torch.rand(batch, n + 37, generator=_gen(n)) > 0.2
-    args = (torch.tensor(indexed), width, subspaces * tiers, floor, fraction, bands)
+    args = (torch.tensor(indexed), width, subspaces * tiers, floor, fraction, bands, hold)
     want = reference_analytic.collision_candidates(table, pool, token_valid, *args)
     on = [t.to(DEVICE) for t in (table, pool, token_valid)]
     got = small_chunks(*on, args[0].to(DEVICE), *args[1:])
@@ -331,7 +335,9 @@ def test_collision_candidates_matches_reference_exactly(small_chunks, n, tiers, 
     # the reference is the composed ops' set, listed by position
     voted = (token_valid & (torch.arange(n + 37) < indexed))[:, None].expand(batch, heads, n + 37)
     votes = reference_analytic.collision_count(query.centroids, pool, voted, analytic.tier_weights(tiers))
-    keep = reference_analytic.candidate_count(voted.sum(-1), floor, fraction, bands).clamp(max=width)
+    keep = reference_analytic.candidate_count(voted.sum(-1), floor, fraction, bands, hold).clamp(max=width)
+    if hold:  # the held count is what this case checks
+        assert bool((keep > reference_analytic.candidate_count(voted.sum(-1), floor, fraction, bands)).all())
     for b in range(batch):
         for h in range(heads):
             best = reference_analytic.candidate_topk(votes[b : b + 1, h : h + 1], width)[0, 0, : int(keep[b, h])]
