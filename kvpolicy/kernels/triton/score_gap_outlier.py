@@ -36,6 +36,8 @@ from .score_gap import _measures, _scratch_mask, decide_from_parts, follow_and_m
 
 # key elements of one tile (a block of units x D): 32 units at D = 128, 64 at D = 64
 _TILE_ELEMENTS = 4096
+# warps a program of the blocks kernel (Triton's default; benchmarks/session27_call.sh times others)
+_BLOCKS_WARPS = 4
 
 
 @triton.jit
@@ -63,30 +65,33 @@ def _block_log_mass(first, b, h, q_t, scale, U, P,
     ok = ids < U
     dims = tl.arange(0, BLOCK_D)
     d_ok = dims < D
+    # the loads are masked by position alone, so all of them issue at once: masks from loaded flags
+    # (selectable, then a key's valid flag) chained three dependent loads. A unit that is not
+    # selectable may hold anything (never written): its row is dropped at the end, row by row.
+    in_prompt = ok & (ids < P)
+    in_decode = ok & (ids >= P)
     selectable = ok & (tl.load(selectable_ptr + b * sl_sb + h * sl_sh + ids, mask=ok, other=0) != 0)
-    prompt = selectable & (ids < P)
-    decode = selectable & (ids >= P)
     sizes = tl.load(size_ptr + b * sz_sb + h * sz_sh + ids, mask=ok, other=1)
     # a decode unit's tokens at its mean key, a prompt unit's other tokens at theirs (two masked
     # loads into one tile: a unit is one or the other)
     base = tl.load(mean_ptr + b * mn_sb + h * mn_sh + ids[:, None] * mn_su + dims[None, :],
-                   mask=decode[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                   mask=in_decode[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     base += tl.load(rest_ptr + b * rs_sb + h * rs_sh + ids[:, None] * rs_su + dims[None, :],
-                    mask=prompt[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                    mask=in_prompt[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     # per prompt unit (one stride for its count and both int8 scales: the launcher checks)
     per_unit = b * rc_sb + h * rc_sh + ids
-    count = tl.where(prompt, tl.load(rest_count_ptr + per_unit, mask=prompt, other=0.0),
+    count = tl.where(in_prompt, tl.load(rest_count_ptr + per_unit, mask=in_prompt, other=0.0),
                      tl.maximum(sizes, 1).to(tl.float32))
-    rest_scale = tl.where(prompt, tl.load(rest_scale_ptr + per_unit, mask=prompt, other=0.0), 1.0)
+    rest_scale = tl.where(in_prompt, tl.load(rest_scale_ptr + per_unit, mask=in_prompt, other=0.0), 1.0)
     top = _query_logits(base, q_t, rest_scale * scale, G, BLOCK_G, PRECISION) + tl.log(count)[:, None]
-    key_scale = tl.load(key_scale_ptr + per_unit, mask=prompt, other=0.0) * scale
+    key_scale = tl.load(key_scale_ptr + per_unit, mask=in_prompt, other=0.0) * scale
     # a running logsumexp over the outlier keys, one key a unit at a time: ``top + log(total)`` (all
     # of a block's keys in one tile ran twice as long on an H100: session 25)
     total = tl.where(top > float("-inf"), 1.0, 0.0)
     for j in tl.static_range(M):
-        real = prompt & (tl.load(valid_ptr + b * ov_sb + h * ov_sh + ids * ov_su + j, mask=prompt, other=0) != 0)
+        real = in_prompt & (tl.load(valid_ptr + b * ov_sb + h * ov_sh + ids * ov_su + j, mask=in_prompt, other=0) != 0)
         key = tl.load(keys_ptr + b * ok_sb + h * ok_sh + ids[:, None] * ok_su + j * ok_sm + dims[None, :],
-                      mask=real[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                      mask=in_prompt[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         logit = tl.where(real[:, None], _query_logits(key, q_t, key_scale, G, BLOCK_G, PRECISION), float("-inf"))
         new_top = tl.maximum(top, logit)
         shift = tl.where(new_top > float("-inf"), new_top, 0.0)
@@ -197,6 +202,7 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
         EVERY=trigger.every,
         BLOCK_U=block, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(per_head)),
         PRECISION="ieee" if group.dtype == torch.float32 else "tf32",  # see the module's docstring
+        num_warps=_BLOCKS_WARPS,
     )
     decide_from_parts(trigger, state, parts, fire, mass=True, rank=False, decision=decision)
     return fire
