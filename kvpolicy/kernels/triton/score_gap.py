@@ -48,6 +48,7 @@ from .step import note_rows
 _GAP_BLOCK = 1024  # units a program of the gap pass reads
 _DECIDE_BLOCK = 64  # blocks' parts the decide launch reads at a time, a row each (more: a stage a row first)
 _ROW_BLOCK = 4  # rows a program of that stage combines
+_ROW_SPAN = 64  # blocks' parts a program of that stage reads at a time (a power of two)
 
 
 @triton.jit
@@ -373,7 +374,7 @@ def decide_from_parts(trigger, state, parts: torch.Tensor, fire: torch.Tensor, m
         _row_parts_kernel[(triton.cdiv(rows, _ROW_BLOCK), parts.shape[1])](
             parts, row_parts, rows, blocks, parts.stride(0), *parts.stride()[1:3],
             row_parts.stride(0), *row_parts.stride()[1:3],
-            MASS=mass, RANK=rank, BLOCK_H=_ROW_BLOCK, BLOCK_S=_DECIDE_BLOCK,
+            MASS=mass, RANK=rank, BLOCK_H=_ROW_BLOCK, BLOCK_S=min(_ROW_SPAN, triton.next_power_of_2(blocks)),
         )
         parts, blocks = row_parts, 1
     follow = trigger.follow > 0 and state.above is not None

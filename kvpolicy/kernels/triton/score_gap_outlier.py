@@ -38,6 +38,19 @@ from .score_gap import _measures, _scratch_mask, decide_from_parts, follow_and_m
 _TILE_ELEMENTS = 4096
 # warps a program of the blocks kernel (Triton's default; benchmarks/session27_call.sh times others)
 _BLOCKS_WARPS = 4
+# the outlier keys' product: "tf32" (float32 operands) or "query" (the 16-bit query's own type, when it
+# is one); and the key loop's software-pipeline stages (0: unrolled). benchmarks/outlier_blocks.py times them
+_KEY_PRODUCT = "tf32"
+_KEY_STAGES = 0
+
+
+def _key_dtype(query_dtype: torch.dtype):
+    """The outlier keys' operand type in the blocks kernel's product (``_KEY_PRODUCT``)."""
+    if _KEY_PRODUCT == "query" and query_dtype in (torch.float16, torch.bfloat16):
+        return tl.float16 if query_dtype == torch.float16 else tl.bfloat16
+    if _KEY_PRODUCT not in ("tf32", "query"):
+        raise ValueError(f"score_gap_outlier._KEY_PRODUCT must be 'tf32' or 'query', got {_KEY_PRODUCT!r}")
+    return tl.float32
 
 
 @triton.jit
@@ -46,7 +59,10 @@ def _query_logits(tile, q_t, row_scale, G: tl.constexpr, BLOCK_G: tl.constexpr, 
     ``row_scale`` (-inf past ``G``), one ``tl.dot`` against the transposed query group ``q_t
     [BLOCK_D, BLOCK_G]`` (its columns past ``G`` zero): a reduction a query head over the head
     dimension ran latency-bound on the GPU. Scaled after the product, so int8 keys stay exact in tf32."""
-    logits = tl.dot(tile, q_t, input_precision=PRECISION) * row_scale[:, None]
+    if tile.dtype == tl.float32:
+        logits = tl.dot(tile, q_t, input_precision=PRECISION) * row_scale[:, None]
+    else:
+        logits = tl.dot(tile, q_t, out_dtype=tl.float32) * row_scale[:, None]
     return tl.where((tl.arange(0, BLOCK_G) < G)[None, :], logits, float("-inf"))
 
 
@@ -56,7 +72,8 @@ def _block_log_mass(first, b, h, q_t, scale, U, P,
                     rest_scale_ptr, rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
                     ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
                     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, BLOCK_U: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr,
+                    KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr):
     """``[BLOCK_U, BLOCK_G]``: the log mass of units ``first ..`` for each query head (``-inf`` where a
     unit is not selectable or past ``U``): a decode unit's tokens at its mean key; a prompt unit's
     other tokens at their mean key and its outlier keys one by one, each tile of keys scored against
@@ -88,16 +105,34 @@ def _block_log_mass(first, b, h, q_t, scale, U, P,
     # a running logsumexp over the outlier keys, one key a unit at a time: ``top + log(total)`` (all
     # of a block's keys in one tile ran twice as long on an H100: session 25)
     total = tl.where(top > float("-inf"), 1.0, 0.0)
-    for j in tl.static_range(M):
-        real = in_prompt & (tl.load(valid_ptr + b * ov_sb + h * ov_sh + ids * ov_su + j, mask=in_prompt, other=0) != 0)
-        key = tl.load(keys_ptr + b * ok_sb + h * ok_sh + ids[:, None] * ok_su + j * ok_sm + dims[None, :],
-                      mask=in_prompt[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        logit = tl.where(real[:, None], _query_logits(key, q_t, key_scale, G, BLOCK_G, PRECISION), float("-inf"))
-        new_top = tl.maximum(top, logit)
-        shift = tl.where(new_top > float("-inf"), new_top, 0.0)
-        total = total * tl.exp(top - shift) + tl.exp(logit - shift)
-        top = new_top
+    keys_at = keys_ptr + b * ok_sb + h * ok_sh + ids[:, None] * ok_su + dims[None, :]
+    valid_at = valid_ptr + b * ov_sb + h * ov_sh + ids * ov_su
+    key_mask = in_prompt[:, None] & d_ok[None, :]
+    # the keys' product in the query's own 16-bit type where KEY_DTYPE says so (exact: int8 keys and a
+    # 16-bit query; half the shared memory of tf32's float32 operands)
+    q_keys = q_t.to(KEY_DTYPE)
+    if KEY_STAGES > 0:  # a loop Triton software-pipelines: the next keys' loads in flight during a product
+        for j in tl.range(0, M, num_stages=KEY_STAGES):
+            top, total = _outlier_key_step(j, top, total, keys_at, valid_at, key_mask, in_prompt, q_keys, key_scale,
+                                           ok_sm, G, BLOCK_G, PRECISION, KEY_DTYPE)
+    else:
+        for j in tl.static_range(M):
+            top, total = _outlier_key_step(j, top, total, keys_at, valid_at, key_mask, in_prompt, q_keys, key_scale,
+                                           ok_sm, G, BLOCK_G, PRECISION, KEY_DTYPE)
     return tl.where(selectable[:, None] & (top > float("-inf")), top + tl.log(total), float("-inf"))
+
+
+@triton.jit
+def _outlier_key_step(j, top, total, keys_at, valid_at, key_mask, in_prompt, q_keys, key_scale, ok_sm,
+                      G: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr):
+    """The running logsumexp ``(top, total)`` of each unit's log masses after its outlier key ``j``."""
+    real = in_prompt & (tl.load(valid_at + j, mask=in_prompt, other=0) != 0)
+    key = tl.load(keys_at + j * ok_sm, mask=key_mask, other=0).to(KEY_DTYPE)
+    logit = tl.where(real[:, None], _query_logits(key, q_keys, key_scale, G, BLOCK_G, PRECISION), float("-inf"))
+    new_top = tl.maximum(top, logit)
+    shift = tl.where(new_top > float("-inf"), new_top, 0.0)
+    total = total * tl.exp(top - shift) + tl.exp(logit - shift)
+    return new_top, total
 
 
 @triton.jit
@@ -109,7 +144,7 @@ def _outlier_gap_blocks_kernel(
     ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh, pt_sb, pt_sh,
     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, LEAVING_IGNORED: tl.constexpr,
     EVERY: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr,
 ):
     block = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
@@ -128,7 +163,7 @@ def _outlier_gap_blocks_kernel(
         mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
         rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
         ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
-        D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION)
+        D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES)
     ids = first + tl.arange(0, BLOCK_U).to(tl.int64)
     ok = ids < U
     mask_at = mask_ptr + b * mk_sb + h * mk_sh + ids
@@ -202,6 +237,7 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
         EVERY=trigger.every,
         BLOCK_U=block, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(per_head)),
         PRECISION="ieee" if group.dtype == torch.float32 else "tf32",  # see the module's docstring
+        KEY_DTYPE=_key_dtype(group.dtype), KEY_STAGES=_KEY_STAGES,
         num_warps=_BLOCKS_WARPS,
     )
     decide_from_parts(trigger, state, parts, fire, mass=True, rank=False, decision=decision)

@@ -293,23 +293,33 @@ def _with_outlier_keys(gen: torch.Generator, state: ScoreGapState, dim: int, m: 
 
 # a bfloat16 query (each query head's own): the kernel's tf32 product, exact for it and the int8 and
 # float16 keys, on the GPU; a float32 query (a group's mean too): a float32 product
-@pytest.mark.parametrize("group, dtype", [("each", torch.float32), ("mean", torch.float32),
-                                          ("each", torch.bfloat16)])
+# and, with a bfloat16 query, the blocks kernel's other settings (benchmarks/outlier_blocks.py times
+# them): the key loop software-pipelined with a wide row stage; the keys' product in bfloat16 (exact
+# too), on the GPU only
+@pytest.mark.parametrize("group, dtype, product, stages, row_span", [
+    ("each", torch.float32, "tf32", 0, 64), ("mean", torch.float32, "tf32", 0, 64),
+    ("each", torch.bfloat16, "tf32", 0, 64), ("each", torch.bfloat16, "tf32", 2, 256),
+    pytest.param("each", torch.bfloat16, "query", 0, 64, marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="Triton's interpreter multiplies bfloat16 tiles as their raw bits"))])
 @pytest.mark.parametrize("leaving, admit, follow, cap, every", [("ignored", "room", 0.0, 0, 1),
                                                                 ("unheld", "evict", 1.5, 6, 1),
                                                                 ("ignored", "room", 0.0, 0, 2)])
-def test_score_gap_outlier_fire_matches_reference(group, dtype, leaving, admit, follow, cap, every, monkeypatch):
+def test_score_gap_outlier_fire_matches_reference(group, dtype, product, stages, row_span, leaving, admit, follow,
+                                                  cap, every, monkeypatch):
     """The fused outlier op (scoring included) against ``reference_step.score_gap_outlier_fire``:
     decisions and state bit for bit, the gap to float32 rounding, over steps and several blocks of
-    units (at seed 1 a row stage combines their parts one at a time: its running logsumexp); a
-    head dimension that is not a power of two; 3 query heads a KV head."""
-    from kvpolicy.kernels.triton import score_gap
+    units (at seed 1 a row stage combines their parts, one at a time or all at once: its running
+    logsumexp); a head dimension that is not a power of two; 3 query heads a KV head."""
+    from kvpolicy.kernels.triton import score_gap, score_gap_outlier
 
     triton_ops = dispatch.bind("triton", DEVICE)
     by_gap = kept = 0
     decide_block = score_gap._DECIDE_BLOCK
+    monkeypatch.setattr(score_gap_outlier, "_KEY_PRODUCT", product)
+    monkeypatch.setattr(score_gap_outlier, "_KEY_STAGES", stages)
     for seed in range(3):
         monkeypatch.setattr(score_gap, "_DECIDE_BLOCK", 1 if seed == 1 else decide_block)
+        monkeypatch.setattr(score_gap, "_ROW_SPAN", 1 if seed == 1 and row_span < 256 else row_span)
         gen = torch.Generator().manual_seed(100 + seed)
         margin = (-6.0, float(torch.randn(1, generator=gen)), 40.0)[seed]  # fires, some, keeps (but a cap)
         trigger = ScoreGap(margin=margin if not cap else 99.0, measure="mass", leaving=leaving, follow=follow, cap=cap,

@@ -1,0 +1,189 @@
+"""The outlier score-gap trigger's fused op (``score_gap_outlier_fire``) at decode sizes, one setting of
+its kernels' module constants at a time: each checked against the reference, then timed.
+
+A replay runs the op once for each of ``--layers`` trigger states (each its own tables, so the
+replay reads them from HBM as a decode step does, not from the L2), as a CUDA graph. Prints us per
+layer, the blocks kernel's share from the CUDA profiler, and the bytes it must read a layer over
+its time (GB/s). Usage (GPU):
+    python3 benchmarks/outlier_blocks.py [--context 131072] [--batch 1] [--only base,stages2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from collections import defaultdict
+from types import SimpleNamespace
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kvpolicy.bench.timing import time_replay_ms
+from kvpolicy.kernels import dispatch, reference_step
+from kvpolicy.triggers.outlier_keys import OutlierKeys, to_int8
+from kvpolicy.triggers.score_gap import ScoreGap, ScoreGapState
+
+GAP = "kvpolicy.kernels.triton.score_gap"
+OUTLIER = "kvpolicy.kernels.triton.score_gap_outlier"
+# the settings compared: name -> {module: {constant: value}} (the first is the shipped defaults)
+VARIANTS = {
+    "base": {},
+    "warps2": {OUTLIER: {"_BLOCKS_WARPS": 2}},
+    "stages2": {OUTLIER: {"_KEY_STAGES": 2}},
+    "stages3": {OUTLIER: {"_KEY_STAGES": 3}},
+    "bf16": {OUTLIER: {"_KEY_PRODUCT": "query"}},
+    "bf16+stages2": {OUTLIER: {"_KEY_PRODUCT": "query", "_KEY_STAGES": 2}},
+    "tile2048": {OUTLIER: {"_TILE_ELEMENTS": 2048}},
+    "tile8192": {OUTLIER: {"_TILE_ELEMENTS": 8192}},
+    "rows1x256": {GAP: {"_ROW_BLOCK": 1, "_ROW_SPAN": 256}},
+    "rows2x256": {GAP: {"_ROW_BLOCK": 2, "_ROW_SPAN": 256}},
+}
+
+
+def trigger_state(gen: torch.Generator, batch: int, heads: int, prompt_units: int, unit_size: int, budget: int,
+                  dim: int, outliers: int, device: torch.device) -> ScoreGapState:
+    """A louiskv layer's trigger state mid-decode: ``prompt_units`` prompt units of ``unit_size`` tokens
+    with their int8 outlier keys, a few decode units, and a held selection filling ``budget`` tokens."""
+    units = prompt_units + 64
+    room = budget // unit_size
+    held = torch.stack([torch.randperm(prompt_units, generator=gen)[:room] for _ in range(batch * heads)])
+    size = torch.full((batch, heads, units), unit_size)
+    size[..., prompt_units + 8:] = 0  # decode units not opened yet
+    open_unit = torch.full((batch,), prompt_units + 7)
+    table = SimpleNamespace(size=size, open_unit=open_unit, num_prompt_units=prompt_units, capacity=units,
+                            decode_units=torch.full((batch,), 8),
+                            key_mean=torch.randn(batch, heads, units, dim, generator=gen).half(),
+                            selectable=size > 0)
+    store = SimpleNamespace(admitted=torch.zeros(batch, heads, dtype=torch.long),
+                            kept=torch.zeros(batch, heads, dtype=torch.long), retrieval_capacity=room * unit_size)
+    layer = SimpleNamespace(units=table, store=store, policy=SimpleNamespace(admit="room"), layer_idx=1,
+                            reselect=torch.zeros(batch, dtype=torch.bool))
+    keys, key_scale = to_int8(3 * torch.randn(batch, heads, prompt_units, outliers, dim, generator=gen), unit_dims=2)
+    rest, rest_scale = to_int8(torch.randn(batch, heads, prompt_units, dim, generator=gen), unit_dims=1)
+    state = ScoreGapState(
+        has_selection=torch.ones(batch, dtype=torch.bool), layer=layer, gap=torch.zeros(batch),
+        held=held.view(batch, heads, room), held_count=torch.full((batch, heads), room),
+        seen_open=open_unit.clone(), seen_size=torch.full((batch, heads), unit_size),
+        seen_admitted=torch.zeros(batch, heads, dtype=torch.long),
+        held_end=torch.arange(1, room + 1).mul(unit_size).expand(batch, heads, room).contiguous(),
+        units_at_selection=torch.full((batch,), 8), age=torch.zeros(batch, dtype=torch.long),
+        steps=torch.zeros(batch, dtype=torch.long),
+        outliers=OutlierKeys(keys=keys, key_scale=key_scale, valid=torch.ones(batch, heads, prompt_units, outliers,
+                                                                             dtype=torch.bool),
+                             rest_mean=rest, rest_scale=rest_scale,
+                             rest_count=torch.full((batch, heads, prompt_units), float(unit_size - outliers))))
+    return _to(state, device)
+
+
+def _to(obj, device):
+    for name, value in vars(obj).items():
+        if isinstance(value, torch.Tensor):
+            setattr(obj, name, value.to(device))
+        elif isinstance(value, SimpleNamespace):
+            _to(value, device)
+    return obj
+
+
+def apply(settings: dict) -> dict:
+    """Set the module constants ``settings`` names; returns the values they replace."""
+    replaced = {}
+    for module_name, values in settings.items():
+        module = sys.modules[module_name]
+        for name, value in values.items():
+            if not hasattr(module, name):
+                raise SystemExit(f"outlier_blocks: {module_name} has no {name!r}")
+            replaced.setdefault(module_name, {})[name] = getattr(module, name)
+            setattr(module, name, value)
+    return replaced
+
+
+def kernel_us(fn, steps: int = 5) -> dict[str, float]:
+    """GPU microseconds a call of ``fn`` spends in each kernel, by name (the CUDA profiler)."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += event.device_time / steps
+    return dict(totals)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=131072)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--query-heads", type=int, default=32)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--unit-size", type=int, default=16)
+    parser.add_argument("--outliers", type=int, default=4)
+    parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--only", default="", help=f"comma-separated variants of {', '.join(VARIANTS)}")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("outlier_blocks needs a CUDA device", file=sys.stderr)
+        return 2
+    names = [n for n in args.only.split(",") if n] or list(VARIANTS)
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        print(f"outlier_blocks: unknown variants {unknown}; choose from {list(VARIANTS)}", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    ops = dispatch.bind("triton", device)
+    __import__(OUTLIER)
+    gen = torch.Generator().manual_seed(0)
+    prompt_units = args.context // args.unit_size
+    states = [trigger_state(gen, args.batch, args.kv_heads, prompt_units, args.unit_size, args.budget, args.dim,
+                            args.outliers, device) for _ in range(args.layers)]
+    queries = [torch.randn(args.batch, args.query_heads, args.dim, generator=gen).to(device, torch.bfloat16)
+               for _ in states]
+    trigger = ScoreGap(margin=1e9, measure="mass", leaving="ignored", estimate="outlier", outliers=args.outliers,
+                       group="each")
+    trigger.validate()
+    scale = args.dim ** -0.5
+    reference = copy.deepcopy(states[0])
+    want_fire = reference_step.score_gap_outlier_fire(trigger, reference, queries[0], scale)
+    # the bytes the blocks kernel must read a layer: each prompt unit's int8 keys and rest mean, their
+    # scales, counts and valid flags; each unit's selectable flag, size and held mark
+    per_prompt_unit = (args.outliers + 1) * args.dim + 3 * 4 + args.outliers
+    table_bytes = args.batch * args.kv_heads * (prompt_units * per_prompt_unit + (prompt_units + 64) * (1 + 8 + 1))
+    print(f"score_gap_outlier_fire, {args.batch}x{args.context}, {args.kv_heads} KV heads, {args.query_heads} query "
+          f"heads, D={args.dim}, {args.outliers} outliers, {args.layers} layers; blocks kernel reads "
+          f"{table_bytes / 1e6:.1f} MB a layer")
+    print(f"{'variant':14s} {'us/layer':>9s} {'blocks us':>10s} {'GB/s':>7s} {'other kernels (us/layer)'}")
+    for name in names:
+        replaced = apply(VARIANTS[name])
+        try:
+            check = copy.deepcopy(states[0])
+            got_fire = ops.score_gap_outlier_fire(trigger, check, queries[0], scale)
+            if not torch.equal(got_fire, want_fire) or not torch.allclose(check.gap, reference.gap, rtol=1e-4,
+                                                                           atol=1e-4):
+                print(f"{name:14s} DIFFERS from the reference: gap {check.gap.tolist()} against "
+                      f"{reference.gap.tolist()}")
+                continue
+
+            def step():
+                for state, query in zip(states, queries):
+                    ops.score_gap_outlier_fire(trigger, state, query, scale)
+
+            ms = time_replay_ms(step, device, args.repeats)
+            kernels = kernel_us(step)
+            blocks = sum(us for k, us in kernels.items() if "blocks" in k) / args.layers
+            others = ", ".join(f"{k.strip('_')} {us / args.layers:.1f}" for k, us in sorted(kernels.items())
+                               if "blocks" not in k)
+            print(f"{name:14s} {1e3 * ms / args.layers:9.1f} {blocks:10.1f} {table_bytes / blocks / 1e3:7.0f} {others}",
+                  flush=True)
+        finally:
+            apply(replaced)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
