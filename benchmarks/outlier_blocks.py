@@ -38,6 +38,9 @@ VARIANTS = {
     "tile8192": {OUTLIER: {"_TILE_ELEMENTS": 8192}},
     "rows1x256": {GAP: {"_ROW_BLOCK": 1, "_ROW_SPAN": 256}},
     "rows2x256": {GAP: {"_ROW_BLOCK": 2, "_ROW_SPAN": 256}},
+    "bf16+tile8192": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 8192}},
+    "bf16+stages2+tile8192": {OUTLIER: {"_KEY_PRODUCT": "query", "_KEY_STAGES": 2, "_TILE_ELEMENTS": 8192}},
+    "bf16+stages2+w2": {OUTLIER: {"_KEY_PRODUCT": "query", "_KEY_STAGES": 2, "_BLOCKS_WARPS": 2}},
 }
 
 
@@ -120,6 +123,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=36)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--only", default="", help=f"comma-separated variants of {', '.join(VARIANTS)}")
+    parser.add_argument("--best-settings", default=None,
+                        help="write the fastest variant's settings here, one MODULE.NAME=VALUE a line "
+                             "(benchmarks/with_settings.py's arguments)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("outlier_blocks needs a CUDA device", file=sys.stderr)
@@ -151,7 +157,8 @@ def main(argv=None) -> int:
     print(f"score_gap_outlier_fire, {args.batch}x{args.context}, {args.kv_heads} KV heads, {args.query_heads} query "
           f"heads, D={args.dim}, {args.outliers} outliers, {args.layers} layers; blocks kernel reads "
           f"{table_bytes / 1e6:.1f} MB a layer")
-    print(f"{'variant':14s} {'us/layer':>9s} {'blocks us':>10s} {'GB/s':>7s} {'other kernels (us/layer)'}")
+    print(f"{'variant':22s} {'us/layer':>9s} {'blocks us':>10s} {'GB/s':>7s} {'other kernels (us/layer)'}")
+    timed = {}
     for name in names:
         replaced = apply(VARIANTS[name])
         try:
@@ -159,7 +166,7 @@ def main(argv=None) -> int:
             got_fire = ops.score_gap_outlier_fire(trigger, check, queries[0], scale)
             if not torch.equal(got_fire, want_fire) or not torch.allclose(check.gap, reference.gap, rtol=1e-4,
                                                                            atol=1e-4):
-                print(f"{name:14s} DIFFERS from the reference: gap {check.gap.tolist()} against "
+                print(f"{name:22s} DIFFERS from the reference: gap {check.gap.tolist()} against "
                       f"{reference.gap.tolist()}")
                 continue
 
@@ -168,14 +175,21 @@ def main(argv=None) -> int:
                     ops.score_gap_outlier_fire(trigger, state, query, scale)
 
             ms = time_replay_ms(step, device, args.repeats)
+            timed[name] = ms
             kernels = kernel_us(step)
             blocks = sum(us for k, us in kernels.items() if "blocks" in k) / args.layers
             others = ", ".join(f"{k.strip('_')} {us / args.layers:.1f}" for k, us in sorted(kernels.items())
                                if "blocks" not in k)
-            print(f"{name:14s} {1e3 * ms / args.layers:9.1f} {blocks:10.1f} {table_bytes / blocks / 1e3:7.0f} {others}",
+            print(f"{name:22s} {1e3 * ms / args.layers:9.1f} {blocks:10.1f} {table_bytes / blocks / 1e3:7.0f} {others}",
                   flush=True)
         finally:
             apply(replaced)
+    if args.best_settings and timed:
+        best = min(timed, key=timed.get)
+        print(f"fastest: {best}")
+        with open(args.best_settings, "w") as out:
+            out.writelines(f"{module}.{name}={value!r}\n" for module, values in VARIANTS[best].items()
+                           for name, value in values.items())
     return 0
 
 
