@@ -2,7 +2,8 @@
 # Session 28's GPU calls: the outlier trigger's kernel settings side by side (benchmarks/outlier_blocks.py),
 # then the step end to end. Usage: bash benchmarks/session28_call.sh OUTDIR TAR MODE [SETTINGS...]
 # MODE kernels: tests and the settings' times; e2e: end to end with SETTINGS (MODULE.NAME=VALUE for
-# with_settings.py); all: tests, the settings' times at 1x128K, end to end with the fastest of them
+# with_settings.py); all: tests, the settings' times at 1x128K, end to end with the fastest of them;
+# parts: the blocks kernel's parts against the reference at head dim 128
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 MODE=${3:?}; shift 3
 tests() {  # the score-gap ops against the reference, the new settings too
@@ -22,9 +23,12 @@ kernels) tests
   step blocks_128k 240 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1
   step blocks_4x32k 240 python3 benchmarks/outlier_blocks.py --context 32768 --batch 4 ;;
 e2e) e2e "$@" ;;
+parts)  # the blocks kernel's parts against the reference at head dim 128, then the settings' repeatability
+  step parts_tests 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py -k head_dim_128
+  step blocks_128k 200 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --only base,stages2,bf16+tile8192 ;;
 all) tests
   step blocks_128k 240 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --best-settings "$OUT/best.txt"
   e2e $(cat "$OUT/best.txt")
   step blocks_4x32k 240 python3 benchmarks/outlier_blocks.py --context 32768 --batch 4 ;;
-*) echo "session28_call.sh: MODE must be kernels, e2e or all, got '$MODE'" >&2; exit 2 ;;
+*) echo "session28_call.sh: MODE must be kernels, e2e, parts or all, got '$MODE'" >&2; exit 2 ;;
 esac

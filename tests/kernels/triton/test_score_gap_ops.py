@@ -370,3 +370,70 @@ def test_outlier_log_mass_counts_each_outlier_by_its_own_logit():
     assert (each[..., 2] == float("-inf")).all()
     mean = reference_step.outlier_log_mass(outliers, units, query, 1.0, each=False)
     torch.testing.assert_close(mean[0, 0, 0, 0], torch.tensor(math.log(4.0)))
+
+
+def _reference_parts(state, query: torch.Tensor, scale: float, block: int) -> torch.Tensor:
+    """``(4, B, H * G, blocks)``: the blocks kernel's parts as the reference's unit log masses give them
+    (``trigger.leaving == "ignored"``): the best candidate, the held units counted, their largest log
+    mass and the exp-sum below it, a block of ``block`` units each."""
+    units = state.layer.units
+    log_mass = reference_step.outlier_log_mass(state.outliers, units, query, scale, each=True)
+    batch, heads, per_head, count = log_mass.shape
+    held = torch.zeros(batch, heads, count + 1, dtype=torch.bool, device=log_mass.device)
+    held.scatter_(2, state.held.clamp(min=-1).where(state.held >= 0, count), True)
+    held = held[..., :count].unsqueeze(2).expand_as(log_mass)
+    ids = torch.arange(count, device=log_mass.device)
+    opened = ids.view(1, -1) >= (units.num_prompt_units + state.units_at_selection).view(-1, 1)
+    finite = log_mass > float("-inf")
+    candidate = ~held & finite & ~opened.view(batch, 1, 1, count)
+    counted = held & finite
+    pad = -count % block
+
+    def blocks(t, fill):
+        return torch.nn.functional.pad(t, (0, pad), value=fill).reshape(batch, heads * per_head, -1, block)
+
+    best = blocks(log_mass.where(candidate, float("-inf")), float("-inf")).amax(-1)
+    held_count = blocks(counted.float(), 0.0).sum(-1)
+    top = blocks(log_mass.where(counted, float("-inf")), float("-inf")).amax(-1)
+    shift = top.where(top.isfinite(), 0.0)
+    total = (blocks(log_mass.where(counted, float("-inf")), float("-inf")) - shift.unsqueeze(-1)).exp().sum(-1)
+    return torch.stack([best, held_count, top, total])
+
+
+# the blocks kernel at a real head dimension (128: 32 units a block by default, as a decode step runs
+# it; the tests above, at 24, take 128 units a block), in each setting benchmarks/outlier_blocks.py times
+@pytest.mark.parametrize("tile, stages, warps", [(4096, 0, 4), (4096, 2, 4), (8192, 0, 4), (8192, 2, 4),
+                                                 (2048, 0, 4), (4096, 0, 2)])
+def test_outlier_blocks_parts_match_reference_at_head_dim_128(tile, stages, warps, monkeypatch):
+    """Each block's parts (best candidate, held count, held top and exp-sum) for each query head, from
+    the fused op, against the reference's unit log masses: which block and row differs, if one does."""
+    from kvpolicy.bench.trigger_states import decode_trigger_state
+    from kvpolicy.kernels.triton import score_gap_outlier
+
+    monkeypatch.setattr(score_gap_outlier, "_TILE_ELEMENTS", tile)
+    monkeypatch.setattr(score_gap_outlier, "_KEY_STAGES", stages)
+    monkeypatch.setattr(score_gap_outlier, "_BLOCKS_WARPS", warps)
+    captured = []
+    decide = score_gap_outlier.decide_from_parts
+    monkeypatch.setattr(score_gap_outlier, "decide_from_parts",
+                        lambda trigger, state, parts, *args, **kw: (captured.append(parts.clone()),
+                                                                    decide(trigger, state, parts, *args, **kw)))
+    gen = torch.Generator(DEVICE).manual_seed(7)
+    prompt_units = 4096 if DEVICE.type == "cuda" else 200
+    state = decode_trigger_state(gen, batch=2, heads=2, prompt_units=prompt_units, unit_size=16, budget=512,
+                                 dim=128, outliers=4)
+    state.outliers.valid[..., 1::3, 2] = False  # some outliers missing
+    state.outliers.rest_count[..., ::5] = 0.0  # some units all outliers
+    query = torch.randn(2, 8, 128, generator=gen, device=DEVICE).bfloat16()
+    trigger = ScoreGap(margin=1e9, measure="mass", leaving="ignored", estimate="outlier", outliers=4, group="each")
+    trigger.validate()
+    dispatch.bind("triton", DEVICE).score_gap_outlier_fire(trigger, state, query, 0.09)
+    got = captured[0]
+    block = max(16, min(tile // 128, 1 << (state.layer.units.capacity - 1).bit_length()))  # as the launcher's
+    want = _reference_parts(state, query, 0.09, block)
+    for k, what in enumerate(("best candidate", "held count", "held top", "held exp-sum")):
+        bad = ~torch.isclose(got[k], want[k], rtol=1e-5, atol=1e-5, equal_nan=True)
+        where = bad.nonzero().tolist()[:5]
+        assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} parts differ, first at (b, row, block) "
+                               f"{where}: {[float(got[k][tuple(i)]) for i in where]} != "
+                               f"{[float(want[k][tuple(i)]) for i in where]}")
