@@ -40,6 +40,12 @@ VARIANTS = {
     "bf16+tile8192": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 8192}},
     "bf16+stages2+tile8192": {OUTLIER: {"_KEY_PRODUCT": "query", "_KEY_STAGES": 2, "_TILE_ELEMENTS": 8192}},
     "bf16+stages2+w2": {OUTLIER: {"_KEY_PRODUCT": "query", "_KEY_STAGES": 2, "_BLOCKS_WARPS": 2}},
+    # around the fastest of session 28's first run (bf16+tile8192)
+    "bf16+tile8192+rows1x256": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 8192},
+                                GAP: {"_ROW_BLOCK": 1, "_ROW_SPAN": 256}},
+    "bf16+tile8192+w8": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 8192, "_BLOCKS_WARPS": 8}},
+    "bf16+tile16384": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 16384}},
+    "bf16+tile16384+w8": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 16384, "_BLOCKS_WARPS": 8}},
 }
 
 

@@ -25,7 +25,7 @@ kernels) tests
 e2e) e2e "$@" ;;
 parts)  # the blocks kernel's parts against the reference at head dim 128, then the settings' repeatability
   step parts_tests 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py -k head_dim_128
-  step blocks_128k 200 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --only base,stages2,bf16+tile8192 ;;
+  step blocks_128k 200 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --only base,stages2,bf16+tile8192,bf16+tile8192+rows1x256,bf16+tile8192+w8,bf16+tile16384,bf16+tile16384+w8 ;;
 all) tests
   step blocks_128k 240 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --best-settings "$OUT/best.txt"
   e2e $(cat "$OUT/best.txt")
