@@ -402,9 +402,15 @@ def _reference_parts(state, query: torch.Tensor, scale: float, block: int) -> to
 
 # the blocks kernel at a real head dimension (128: 32 units a block by default, as a decode step runs
 # it; the tests above, at 24, take 128 units a block), in each setting benchmarks/outlier_blocks.py times
-@pytest.mark.parametrize("tile, stages, warps", [(4096, 0, 4), (4096, 2, 4), (8192, 0, 4), (8192, 2, 4),
-                                                 (2048, 0, 4), (4096, 0, 2)])
-def test_outlier_blocks_parts_match_reference_at_head_dim_128(tile, stages, warps, monkeypatch):
+ON_GPU_ONLY = pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="Triton's interpreter multiplies bfloat16 tiles as their raw bits")
+
+
+@pytest.mark.parametrize("tile, stages, warps, product", [
+    (4096, 0, 4, "tf32"), (4096, 2, 4, "tf32"), (8192, 0, 4, "tf32"), (8192, 2, 4, "tf32"), (2048, 0, 4, "tf32"),
+    (4096, 0, 2, "tf32"), pytest.param(8192, 0, 4, "query", marks=ON_GPU_ONLY),
+    pytest.param(8192, 2, 4, "query", marks=ON_GPU_ONLY), pytest.param(16384, 0, 8, "query", marks=ON_GPU_ONLY)])
+def test_outlier_blocks_parts_match_reference_at_head_dim_128(tile, stages, warps, product, monkeypatch):
     """Each block's parts (best candidate, held count, held top and exp-sum) for each query head, from
     the fused op, against the reference's unit log masses: which block and row differs, if one does."""
     from kvpolicy.bench.trigger_states import decode_trigger_state
@@ -413,6 +419,7 @@ def test_outlier_blocks_parts_match_reference_at_head_dim_128(tile, stages, warp
     monkeypatch.setattr(score_gap_outlier, "_TILE_ELEMENTS", tile)
     monkeypatch.setattr(score_gap_outlier, "_KEY_STAGES", stages)
     monkeypatch.setattr(score_gap_outlier, "_BLOCKS_WARPS", warps)
+    monkeypatch.setattr(score_gap_outlier, "_KEY_PRODUCT", product)
     captured = []
     decide = score_gap_outlier.decide_from_parts
     monkeypatch.setattr(score_gap_outlier, "decide_from_parts",
