@@ -21,6 +21,9 @@ pytestmark = pytest.mark.skipif(
     reason="Triton needs a CUDA device or TRITON_INTERPRET=1",
 )
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# a bfloat16 product: Triton's interpreter multiplies bfloat16 tiles as their raw bits (triton 3.9)
+ON_GPU_ONLY = pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="Triton's interpreter multiplies bfloat16 tiles as their raw bits")
 STATE_TENSORS = ("held", "held_end", "held_count", "seen_open", "seen_size", "seen_admitted", "has_selection", "age",
                  "steps")
 
@@ -299,8 +302,7 @@ def _with_outlier_keys(gen: torch.Generator, state: ScoreGapState, dim: int, m: 
 @pytest.mark.parametrize("group, dtype, product, stages, row_span", [
     ("each", torch.float32, "tf32", 0, 64), ("mean", torch.float32, "tf32", 0, 64),
     ("each", torch.bfloat16, "tf32", 0, 64), ("each", torch.bfloat16, "tf32", 2, 256),
-    pytest.param("each", torch.bfloat16, "query", 0, 64, marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="Triton's interpreter multiplies bfloat16 tiles as their raw bits"))])
+    pytest.param("each", torch.bfloat16, "query", 0, 64, marks=ON_GPU_ONLY)])
 @pytest.mark.parametrize("leaving, admit, follow, cap, every", [("ignored", "room", 0.0, 0, 1),
                                                                 ("unheld", "evict", 1.5, 6, 1),
                                                                 ("ignored", "room", 0.0, 0, 2)])
@@ -402,10 +404,6 @@ def _reference_parts(state, query: torch.Tensor, scale: float, block: int) -> to
 
 # the blocks kernel at a real head dimension (128: 32 units a block by default, as a decode step runs
 # it; the tests above, at 24, take 128 units a block), in each setting benchmarks/outlier_blocks.py times
-ON_GPU_ONLY = pytest.mark.skipif(not torch.cuda.is_available(),
-                                 reason="Triton's interpreter multiplies bfloat16 tiles as their raw bits")
-
-
 @pytest.mark.parametrize("tile, stages, warps, product", [
     (4096, 0, 4, "tf32"), (4096, 2, 4, "tf32"), (8192, 0, 4, "tf32"), (8192, 2, 4, "tf32"), (2048, 0, 4, "tf32"),
     (4096, 0, 2, "tf32"), pytest.param(8192, 0, 4, "query", marks=ON_GPU_ONLY),
