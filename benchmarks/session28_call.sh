@@ -3,7 +3,7 @@
 # then the step end to end. Usage: bash benchmarks/session28_call.sh OUTDIR TAR MODE [SETTINGS...]
 # MODE kernels: tests and the settings' times; e2e: end to end with SETTINGS (MODULE.NAME=VALUE for
 # with_settings.py); all: tests, the settings' times at 1x128K, end to end with the fastest of them;
-# parts: the blocks kernel's parts against the reference at head dim 128
+# parts: the blocks kernel's parts against the reference at head dim 128, settings, end to end
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 MODE=${3:?}; shift 3
 tests() {  # the score-gap ops against the reference, the new settings too
@@ -23,12 +23,11 @@ kernels) tests
   step blocks_128k 240 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1
   step blocks_4x32k 240 python3 benchmarks/outlier_blocks.py --context 32768 --batch 4 ;;
 e2e) e2e "$@" ;;
-parts)  # the blocks kernel's parts against the reference at head dim 128, then the settings' repeatability
+parts)  # the blocks kernel's parts against the reference at head dim 128, the settings around the fastest
+  # (each checked against the reference, and run twice), then end to end with the fastest that agrees
   step parts_tests 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py -k head_dim_128
-  step blocks_128k 200 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --only base,stages2,bf16+tile8192,bf16+tile8192+rows1x256,bf16+tile8192+w8,bf16+tile16384,bf16+tile16384+w8 ;;
-all) tests
-  step blocks_128k 240 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --best-settings "$OUT/best.txt"
-  e2e $(cat "$OUT/best.txt")
-  step blocks_4x32k 240 python3 benchmarks/outlier_blocks.py --context 32768 --batch 4 ;;
+  step blocks_128k 200 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --best-settings "$OUT/best.txt" \
+    --only base,stages2,bf16+tile8192,bf16+tile8192+rows1x256,bf16+tile8192+w8,bf16+tile16384,bf16+tile16384+w8
+  e2e $(cat "$OUT/best.txt") ;;
 *) echo "session28_call.sh: MODE must be kernels, e2e, parts or all, got '$MODE'" >&2; exit 2 ;;
 esac
