@@ -349,6 +349,17 @@ def encode_query(
     return EncodedQuery(rotated, ids, _tiers_on(rho, rotated.device))
 
 
+def head_logit_queries(query_group: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """Each query head rotated and scaled so that a key's 4-bit estimate with it is an attention
+    logit: ``rotate(q) * |q| * D**-0.5``, ``(..., D)`` float32 (``rerank="head_softmax"``).
+
+    The 4-bit estimate with a unit rotated query is ``q·k / |q|``; times ``|q|`` it is ``q·k``, and
+    ``D**-0.5`` is the softmax scale kvpolicy's oracle and score estimates use.
+    """
+    query = query_group.float()
+    return rotate(query, signs) * (query.norm(dim=-1, keepdim=True) * query.shape[-1] ** -0.5)
+
+
 @functools.cache
 def _tiers_on(rho: int, device: torch.device) -> torch.Tensor:
     # cached on the device: a captured decode step must not copy from the host

@@ -2,8 +2,9 @@
 
 Same conventions as ``reference``: batched over (sequence, KV head), fixed output shapes, no
 host reads of tensor values (graph-capturable). Queries come one per KV head: for GQA the
-caller averages the group's queries first, so ``H`` is the number of KV heads everywhere.
-Encodings are those of ``kvpolicy.analytic``.
+caller averages the group's queries first, so ``H`` is the number of KV heads everywhere; the
+rerank ops also take one query per head of the group, ``(B, H, G, D)`` (``rerank="head_softmax"``:
+``head_softmax_scores``). Encodings are those of ``kvpolicy.analytic``.
 """
 
 from __future__ import annotations
@@ -103,11 +104,63 @@ def rerank_scores(
     (B, H, C)`` long token indices (-1 = none).
     """
     listed = candidates >= 0
+    values, scale = _candidate_values(codes, weight, norms, candidates)
+    dot = torch.einsum("bhcd,bhd->bhc", values, query_rotated.float())
+    return torch.where(listed, scale * dot, float("-inf"))
+
+
+def _candidate_values(codes, weight, norms, candidates):
+    """The candidates' dequantised codes ``(B, H, C, D)`` and ``norms * weight`` ``(B, H, C)``."""
     index = candidates.clamp(min=0)
     picked = codes.gather(2, index.unsqueeze(-1).expand(*index.shape, codes.shape[-1]))
-    dot = torch.einsum("bhcd,bhd->bhc", dequantize(picked), query_rotated.float())
-    scale = (weight.float() * norms.float()).gather(2, index)
-    return torch.where(listed, scale * dot, float("-inf"))
+    return dequantize(picked), (weight.float() * norms.float()).gather(2, index)
+
+
+def head_softmax_scores(
+    query_logits: torch.Tensor,
+    codes: torch.Tensor,
+    weight: torch.Tensor,
+    norms: torch.Tensor,
+    candidates: torch.Tensor,
+) -> torch.Tensor:
+    """Each candidate's estimated attention mass summed over the query heads of its group, as a log,
+    ``(B, H, C)`` float32, ``-inf`` where -1 (``rerank="head_softmax"``).
+
+    ``query_logits (B, H, G, D)``: each query head's rotated query scaled so that its 4-bit
+    estimate is an attention logit (``analytic.head_logit_queries``); the other arguments as in
+    ``rerank_scores``. Each head's logits are softmaxed over the row's listed candidates and the
+    group's softmaxes summed; the log of that sum ranks as the sum does, but where a tail
+    candidate's mass underflows float32 in every head it still ranks by its logits instead of
+    tying at 0. The group's mean query can rank low a token that one head attends (EVAL.md,
+    "pariskv's held count on SmolLM2 at 8K": the lost needle digit); its own head's softmax keeps it.
+    """
+    listed = candidates >= 0
+    values, scale = _candidate_values(codes, weight, norms, candidates)
+    logits = scale.unsqueeze(2) * torch.einsum("bhcd,bhgd->bhgc", values, query_logits.float())
+    logits = logits.masked_fill(~listed.unsqueeze(2), float("-inf"))
+    # log of the summed softmaxes; a row with no candidate is NaN here and -inf below
+    mass = torch.logsumexp(torch.log_softmax(logits, dim=-1), dim=2)
+    return torch.where(listed, mass, float("-inf"))
+
+
+def candidate_scores(
+    query: torch.Tensor,
+    codes: torch.Tensor,
+    weight: torch.Tensor,
+    norms: torch.Tensor,
+    candidates: torch.Tensor,
+) -> torch.Tensor:
+    """The rerank's score of each candidate (higher is better), ``(B, H, C)`` float32: ``rerank_scores``
+    for one query a KV head ``(B, H, D)`` (``rerank="group_mean"``), ``head_softmax_scores`` for one
+    per query head ``(B, H, G, D)`` (``rerank="head_softmax"``)."""
+    if query.dim() == 3:
+        return rerank_scores(query, codes, weight, norms, candidates)
+    if query.dim() == 4:
+        return head_softmax_scores(query, codes, weight, norms, candidates)
+    raise ValueError(
+        f"rerank: the query must be (B, H, D) (the group's mean, rotated) or (B, H, G, D) (each head's "
+        f"logit query), got shape {tuple(query.shape)}"
+    )
 
 
 def topk_of_candidates(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
@@ -133,10 +186,11 @@ def rerank(
 ) -> torch.Tensor:
     """Top-``k`` candidates by estimated ``q·k``, ``(B, H, k)`` long token indices, best first.
 
-    Shapes as in ``rerank_scores``; candidates -1 are ignored and the tail is -1 where fewer
-    than ``k`` are listed. Never touches full-precision keys.
+    Shapes as in ``rerank_scores``, or a query per head of the group (``candidate_scores``);
+    candidates -1 are ignored and the tail is -1 where fewer than ``k`` are listed. Never touches
+    full-precision keys.
     """
-    scores = rerank_scores(query_rotated, codes, weight, norms, candidates)
+    scores = candidate_scores(query_rotated, codes, weight, norms, candidates)
     return topk_of_candidates(scores, candidates, k)
 
 
@@ -262,14 +316,15 @@ def rerank_select(
     reranked candidates. ``(unit_ids (B, H, R) long, num_units (B, H) long, slots (B, H, R)
     long, valid (B, H, R) bool)``, the fields of a ``Selection``.
 
-    ``query_rotated``, ``codes``, ``weight``, ``norms``: as in ``rerank_scores``;
+    ``query_rotated``, ``codes``, ``weight``, ``norms``: as in ``rerank_scores`` (or a query per
+    head of the group, ``(B, H, G, D)``: ``candidate_scores``);
     ``candidates (B, H, W)``: positions in increasing order, then -1 (``collision_candidates``);
     ``token_valid (B, N)`` bool; ``slots (N,)`` long, the slot of each position; ``indexed``,
     ``next_position``: ``()`` long, the update buffer is positions ``[indexed, next_position)``.
 
     Rows ``[0, b)``, ``b = min(next_position - indexed, R)``: the buffer's positions
     ``indexed + r`` (valid where ``token_valid``). Rows ``[b, R)``: the ``R - b`` candidates of
-    the highest ``rerank_scores``, ties to the lower position, listed by position (so a pool is
+    the highest ``candidate_scores``, ties to the lower position, listed by position (so a pool is
     read in address order), then -1 rows where fewer are listed. ``unit_ids`` is the position
     where ``valid``, else -1; ``slots`` is ``slots[position]`` (``slots[0]`` for an empty row);
     ``num_units`` counts the valid rows.
@@ -277,7 +332,7 @@ def rerank_select(
     batch, heads, n, _ = codes.shape
     width = candidates.shape[-1]
     device = codes.device
-    scores = rerank_scores(query_rotated, codes, weight, norms, candidates) + 0.0  # -0.0 ties +0.0
+    scores = candidate_scores(query_rotated, codes, weight, norms, candidates) + 0.0  # -0.0 ties +0.0
     buffered = (next_position - indexed).clamp(min=0, max=capacity)
     # rank by (score desc, position asc): positions first, then a stable sort on the scores
     by_position = torch.where(candidates >= 0, candidates, n).sort(-1)

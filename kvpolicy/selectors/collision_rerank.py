@@ -27,6 +27,9 @@ def _votes_on(tiers: int, device: torch.device) -> torch.Tensor:
 # who votes for the candidates: the GQA group's mean query (ParisKV's), or each query head, a key
 # keeping its best head's votes
 VOTES = ("group_mean", "head_max")
+# how the candidates are ranked: the 4-bit estimate of the group's mean query (ParisKV's), or each
+# query head's own estimate as a logit, softmaxed over the candidates and summed over the group
+RERANKS = ("group_mean", "head_softmax")
 
 
 @functools.cache
@@ -80,6 +83,16 @@ class CollisionRerank(Selector):
     indexed so far, so the selection does not depend on how much room was reserved (eager and
     replayed steps choose the same tokens).
 
+    ``rerank="head_softmax"`` ranks the candidates by each query head's own 4-bit estimate of
+    ``q·k``, scaled as an attention logit (``D**-0.5``), softmaxed over the candidates and summed
+    over the group (``reference_analytic.head_softmax_scores``): the oracle's score, over the
+    candidates and on the codes. Where one head of a group attends a token that the mean query
+    ranks low, the mean's rerank cuts it (EVAL.md, "pariskv's held count on SmolLM2 at 8K": a
+    needle digit with 0.985 of its group's mass, 597th of the mean's estimates against a cut of
+    440); its head's softmax keeps it. It costs G estimates a candidate where the mean costs one.
+    Only the reference backend has it for now: the Triton ``rerank`` and ``rerank_select`` refuse
+    it with a ``ConfigError`` (on a GPU, pass ``backend="reference"``).
+
     The kernels (``kvpolicy.analytic``'s module docstring maps the pipeline's files): with ops
     ``query_votes``, ``collision_candidates`` and ``rerank_select`` bound (every backend has
     them), one launch for the query, three for the votes and the candidates (two in a call too
@@ -94,11 +107,14 @@ class CollisionRerank(Selector):
     hold_count: bool = True
     tiers: int | None = None
     votes: str = "group_mean"
+    rerank: str = "group_mean"
     reads = AnalyticIndex
 
     def validate(self) -> None:
         if self.votes not in VOTES:
             raise ConfigError(f"collision_rerank: votes must be one of {', '.join(VOTES)}, got {self.votes!r}")
+        if self.rerank not in RERANKS:
+            raise ConfigError(f"collision_rerank: rerank must be one of {', '.join(RERANKS)}, got {self.rerank!r}")
         fraction = self.candidate_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ConfigError(
@@ -119,6 +135,14 @@ class CollisionRerank(Selector):
             raise ConfigError(
                 f"collision_rerank: tiers must be None (6, or the subspace's dims if fewer) or an integer in "
                 f"1..{analytic.MAX_SUBSPACE_DIMS}, got {self.tiers!r}"
+            )
+
+    def validate_in(self, policy) -> None:
+        if self.rerank == "head_softmax" and policy.backend == "triton":
+            raise ConfigError(
+                "collision_rerank: rerank='head_softmax' has no Triton version (the triton backend's rerank and "
+                "rerank_select refuse it); accepted with backend='triton': rerank='group_mean'. For head_softmax, "
+                "use backend='reference'"
             )
 
     def tiers_for(self, dims: int) -> int:
@@ -164,6 +188,11 @@ class CollisionRerank(Selector):
         # + 1: the device rounds in float32, this in float64
         return min(capacity, max(self.floor_for(retrieval), widest + 1))
 
+    def rerank_query(self, rotated: torch.Tensor, group: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+        """The rerank ops' query: the group's mean, rotated (``rotated (B, H, D)``), or with
+        ``rerank="head_softmax"`` each head of ``group (B, H, G, D)`` as a logit query."""
+        return analytic.head_logit_queries(group, signs) if self.rerank == "head_softmax" else rotated
+
     def score(self, query_group, units):
         raise NotImplementedError("collision_rerank selects tokens of an analytic index directly (select)")
 
@@ -201,8 +230,8 @@ class CollisionRerank(Selector):
             if rerank_select is not None:
                 # the rerank, its top-k and the buffer-first composition in one op
                 return Selection(*rerank_select(
-                    rotated, index.codes, index.weight, index.norms, candidates, index.token_valid, index.slots,
-                    index.indexed, index.next_position, capacity,
+                    self.rerank_query(rotated, group, index.signs), index.codes, index.weight, index.norms, candidates,
+                    index.token_valid, index.slots, index.indexed, index.next_position, capacity,
                 ))
         else:
             encoded = analytic.encode_query(group.float().mean(2), index.signs, index.subspaces, (1 << tiers) - 1)
@@ -218,7 +247,8 @@ class CollisionRerank(Selector):
             rank = torch.arange(width, device=device)
             candidates = torch.where(rank < keep.view(batch, 1, 1), candidates, -1)
         best = ops.rerank(
-            rotated, index.codes, index.weight, index.norms, candidates, capacity
+            self.rerank_query(rotated, group, index.signs), index.codes, index.weight, index.norms, candidates,
+            capacity,
         )  # (B, H, R) positions, best first, -1 pads
 
         # the update buffer's tokens first (always attended), then the best retrieved ones

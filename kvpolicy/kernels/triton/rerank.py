@@ -6,6 +6,10 @@ the low and high nibbles, looks the 3 magnitude bits up in the 8 levels, applies
 and dots with the query's even and odd coordinates; ``norm * weight`` scales the result. The
 final top-k of the candidates is ``torch.topk`` on the device, shared with the reference so
 both rank identically.
+
+Only the group's mean query (``rerank="group_mean"``): a query per head of the group
+(``rerank="head_softmax"``, ``(B, H, G, D)``) is refused with a ``ConfigError``
+(``refuse_head_softmax``); the reference backend has it.
 """
 
 from __future__ import annotations
@@ -15,11 +19,24 @@ import triton
 import triton.language as tl
 
 from ...analytic import magnitude_levels
+from ...errors import ConfigError
 from ..dispatch import implement, triton_runs_on
 from ..reference_analytic import topk_of_candidates
 
 # candidates per program: BLOCK_C * D / 2 code bytes in registers (8 KiB at D=128)
 _BLOCK_C = 128
+
+
+def refuse_head_softmax(op: str, query: torch.Tensor) -> None:
+    """Raise ``ConfigError`` for a query per head of the group (``rerank="head_softmax"``): its
+    per-head softmax over the candidates needs a pass over every candidate's estimate before the
+    top-k, which the Triton rerank kernels do not make."""
+    if query.dim() == 4:
+        raise ConfigError(
+            f"triton {op}: collision_rerank's rerank='head_softmax' (a query per head of the group, "
+            f"{tuple(query.shape)}) has no Triton version; accepted here: rerank='group_mean'. "
+            f"For head_softmax, use backend='reference'"
+        )
 
 
 @triton.jit
@@ -108,6 +125,8 @@ def rerank(
     candidates: torch.Tensor,
     k: int,
 ) -> torch.Tensor:
-    """Top-``k`` candidates by estimated ``q·k``, ``(B, H, k)`` long; see ``reference_analytic.rerank``."""
+    """Top-``k`` candidates by estimated ``q·k``, ``(B, H, k)`` long; see ``reference_analytic.rerank``.
+    A query per head of the group (``rerank="head_softmax"``) is refused (``refuse_head_softmax``)."""
+    refuse_head_softmax("rerank", query_rotated)
     scores = rerank_scores(query_rotated, codes, weight, norms, candidates)
     return topk_of_candidates(scores, candidates, k)

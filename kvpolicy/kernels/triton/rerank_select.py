@@ -30,6 +30,10 @@ The chosen set and layout are ``reference_analytic.rerank_select``'s, up to floa
 the scores (a sum in another order): a candidate whose score is within about 1e-6 (relative)
 of the k-th best may be swapped with one at the threshold (the tests allow 1e-5). Exact ties
 (equal float32 scores) go to the lower position in both.
+
+Only the group's mean query (``rerank="group_mean"``): the score pass writes each candidate's key
+as it estimates it, and a per-head softmax over the candidates (``rerank="head_softmax"``) would
+need every estimate first; a ``(B, H, G, D)`` query is refused with a ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from ...analytic import nibble_values
 from ..dispatch import OPS, implement, triton_runs_on
 from .. import reference_analytic
 from . import scratch
+from .rerank import refuse_head_softmax
 
 # candidates per program of the score and split passes (at most; SUB per step inside one):
 # about _CHUNKS_PER_ROW programs a row, so 32 rows (4 x 8 heads) fill the GPU at 128K (13K
@@ -705,7 +710,10 @@ def rerank_select(
     """``(unit_ids, num_units, slots, valid)``; see ``reference_analytic.rerank_select``.
 
     ``method``: "radix", "split" or "torch" (the module docstring); None: ``method_for(width)``.
+    Only the group's mean query: a query per head of the group (``rerank="head_softmax"``,
+    ``(B, H, G, D)``) is refused with a ``ConfigError`` (``rerank.refuse_head_softmax``).
     """
+    refuse_head_softmax("rerank_select", query_rotated)
     args = (query_rotated, codes, weight, norms, candidates, token_valid, slots, indexed, next_position)
     _check(*args)
     method = method or method_for(candidates.shape[-1])
