@@ -25,8 +25,12 @@ from kvpolicy.triggers.score_gap import ScoreGap
 
 GAP = "kvpolicy.kernels.triton.score_gap"
 OUTLIER = "kvpolicy.kernels.triton.score_gap_outlier"
-# the settings compared: name -> {module: {constant: value}} (the first is the shipped defaults)
+# the settings compared: name -> {module: {constant: value}}, each over session 27's settings (its
+# name "base"), but "shipped", the modules' own
+SESSION27 = {OUTLIER: {"_KEY_PRODUCT": "tf32", "_TILE_ELEMENTS": 4096, "_KEY_STAGES": 0, "_BLOCKS_WARPS": 4},
+             GAP: {"_ROW_BLOCK": 4, "_ROW_SPAN": 64}}
 VARIANTS = {
+    "shipped": None,
     "base": {},
     "warps2": {OUTLIER: {"_BLOCKS_WARPS": 2}},
     "stages2": {OUTLIER: {"_KEY_STAGES": 2}},
@@ -47,6 +51,17 @@ VARIANTS = {
     "bf16+tile16384": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 16384}},
     "bf16+tile16384+w8": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 16384, "_BLOCKS_WARPS": 8}},
 }
+
+
+def settings_of(name: str) -> dict:
+    """Variant ``name``'s settings in full: session 27's with its own over them (none for "shipped")."""
+    variant = VARIANTS[name]
+    if variant is None:
+        return {}
+    merged = {module: dict(values) for module, values in SESSION27.items()}
+    for module, values in variant.items():
+        merged.setdefault(module, {}).update(values)
+    return merged
 
 
 def apply(settings: dict) -> dict:
@@ -127,7 +142,7 @@ def main(argv=None) -> int:
     print(f"{'variant':22s} {'us/layer':>9s} {'blocks us':>10s} {'GB/s':>7s} {'other kernels (us/layer)'}")
     timed = {}
     for name in names:
-        replaced = apply(VARIANTS[name])
+        replaced = apply(settings_of(name))
         try:
             check, again = copy.deepcopy(states[0]), copy.deepcopy(states[0])
             got_fire = ops.score_gap_outlier_fire(trigger, check, queries[0], scale)
@@ -158,7 +173,7 @@ def main(argv=None) -> int:
         best = min(timed, key=timed.get)
         print(f"fastest: {best}")
         with open(args.best_settings, "w") as out:
-            out.writelines(f"{module}.{name}={value!r}\n" for module, values in VARIANTS[best].items()
+            out.writelines(f"{module}.{name}={value!r}\n" for module, values in settings_of(best).items()
                            for name, value in values.items())
     return 0
 

@@ -18,9 +18,10 @@ instead of taking the selector's unit scores:
    notes the layer's ``Decision`` when given one.
 
 The sums run in another order than the reference's einsums and its logsumexp is a running one,
-and the products run in tf32 for a 16-bit query (exact: int8 outlier keys and rest means, float16
-decode means and bfloat16 queries fit its 10 mantissa bits; each row's scale applies after the
-product) and in float32 for a float32 one (a group's mean), so gaps agree to float32 rounding, not
+and for a 16-bit query the outlier keys' products run in its type and the rest means' and decode
+means' in tf32 (all exact: int8 keys fit a 16-bit type's mantissa; int8 rest means, float16 decode
+means and bfloat16 queries fit tf32's 10 bits; each row's scale applies after the product, sums in
+float32), and in float32 for a float32 query (a group's mean), so gaps agree to float32 rounding, not
 bitwise. No host reads: a captured step replays.
 """
 
@@ -34,22 +35,26 @@ from ...errors import ConfigError
 from ..dispatch import implement, triton_runs_on
 from .score_gap import _measures, _scratch_mask, decide_from_parts, follow_and_mark, step_offset, unsupported
 
-# key elements of one tile (a block of units x D): 32 units at D = 128, 64 at D = 64
-_TILE_ELEMENTS = 4096
-# warps a program of the blocks kernel (Triton's default; benchmarks/session27_call.sh times others)
-_BLOCKS_WARPS = 4
-# the outlier keys' product: "tf32" (float32 operands) or "query" (the 16-bit query's own type, when it
-# is one); and the key loop's software-pipeline stages (0: unrolled). benchmarks/outlier_blocks.py times them
-_KEY_PRODUCT = "tf32"
+# The blocks kernel's settings (benchmarks/outlier_blocks.py times them side by side; session 28, H100,
+# 1x128K: 28.0 us a layer as set here, against 33.5 with float32 key operands and 39.6 pipelined).
+# Key elements of one tile (a block of units x D): 64 units at D = 128.
+_TILE_ELEMENTS = 8192
+_BLOCKS_WARPS = 4  # warps a program
+# the outlier keys' product: "query" (the 16-bit query's own type, when it is one: half the shared
+# memory of float32 operands) or "tf32" (float32 operands); and the key loop's software-pipeline stages
+# (0: unrolled)
+_KEY_PRODUCT = "query"
 _KEY_STAGES = 0
 
 
-def _key_dtype(query_dtype: torch.dtype):
-    """The outlier keys' operand type in the blocks kernel's product (``_KEY_PRODUCT``)."""
-    if _KEY_PRODUCT == "query" and query_dtype in (torch.float16, torch.bfloat16):
-        return tl.float16 if query_dtype == torch.float16 else tl.bfloat16
+def _key_dtype(query_dtype: torch.dtype, device: torch.device):
+    """The outlier keys' operand type in the blocks kernel's product (``_KEY_PRODUCT``). Triton's
+    interpreter (on the CPU) multiplies bfloat16 tiles as their raw bits, so there the product takes
+    float32 operands, exact too."""
     if _KEY_PRODUCT not in ("tf32", "query"):
         raise ValueError(f"score_gap_outlier._KEY_PRODUCT must be 'tf32' or 'query', got {_KEY_PRODUCT!r}")
+    if _KEY_PRODUCT == "query" and device.type == "cuda" and query_dtype in (torch.float16, torch.bfloat16):
+        return tl.float16 if query_dtype == torch.float16 else tl.bfloat16
     return tl.float32
 
 
@@ -237,7 +242,7 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
         EVERY=trigger.every,
         BLOCK_U=block, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(per_head)),
         PRECISION="ieee" if group.dtype == torch.float32 else "tf32",  # see the module's docstring
-        KEY_DTYPE=_key_dtype(group.dtype), KEY_STAGES=_KEY_STAGES,
+        KEY_DTYPE=_key_dtype(group.dtype, device), KEY_STAGES=_KEY_STAGES,
         num_warps=_BLOCKS_WARPS,
     )
     decide_from_parts(trigger, state, parts, fire, mass=True, rank=False, decision=decision)
