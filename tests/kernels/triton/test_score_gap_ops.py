@@ -402,13 +402,16 @@ def _reference_parts(state, query: torch.Tensor, scale: float, block: int) -> to
     return torch.stack([best, held_count, top, total])
 
 
-# the blocks kernel at a real head dimension (128: 32 units a block by default, as a decode step runs
-# it; the tests above, at 24, take 128 units a block), in each setting benchmarks/outlier_blocks.py times
-@pytest.mark.parametrize("tile, stages, warps, product", [
-    (4096, 0, 4, "tf32"), (4096, 2, 4, "tf32"), (8192, 0, 4, "tf32"), (8192, 2, 4, "tf32"), (2048, 0, 4, "tf32"),
-    (4096, 0, 2, "tf32"), pytest.param(8192, 0, 4, "query", marks=ON_GPU_ONLY),
-    pytest.param(8192, 2, 4, "query", marks=ON_GPU_ONLY), pytest.param(16384, 0, 8, "query", marks=ON_GPU_ONLY)])
-def test_outlier_blocks_parts_match_reference_at_head_dim_128(tile, stages, warps, product, monkeypatch):
+# the blocks kernel at a real head dimension (128: 32 to 128 units a block, as a decode step runs it;
+# the tests above, at 24, take 256), in each setting benchmarks/outlier_blocks.py times
+# (and the shipped settings at SmolLM2's and Gemma 3's head dimensions, 64 and 256)
+@pytest.mark.parametrize("dim, tile, stages, warps, product", [
+    (128, 4096, 0, 4, "tf32"), (128, 4096, 2, 4, "tf32"), (128, 8192, 0, 4, "tf32"), (128, 8192, 2, 4, "tf32"),
+    (128, 2048, 0, 4, "tf32"), (128, 4096, 0, 2, "tf32"), pytest.param(128, 8192, 0, 4, "query", marks=ON_GPU_ONLY),
+    pytest.param(128, 8192, 2, 4, "query", marks=ON_GPU_ONLY), pytest.param(128, 16384, 0, 8, "query", marks=ON_GPU_ONLY),
+    pytest.param(64, 8192, 0, 4, "query", marks=ON_GPU_ONLY), pytest.param(256, 8192, 0, 4, "query", marks=ON_GPU_ONLY),
+    (64, 8192, 0, 4, "tf32"), (256, 8192, 0, 4, "tf32")])
+def test_outlier_blocks_parts_match_reference_at_real_head_dims(dim, tile, stages, warps, product, monkeypatch):
     """Each block's parts (best candidate, held count, held top and exp-sum) for each query head, from
     the fused op, against the reference's unit log masses: which block and row differs, if one does."""
     from kvpolicy.bench.trigger_states import decode_trigger_state
@@ -426,16 +429,16 @@ def test_outlier_blocks_parts_match_reference_at_head_dim_128(tile, stages, warp
     gen = torch.Generator(DEVICE).manual_seed(7)
     prompt_units = 4096 if DEVICE.type == "cuda" else 200
     state = decode_trigger_state(gen, batch=2, heads=2, prompt_units=prompt_units, unit_size=16, budget=512,
-                                 dim=128, outliers=4)
+                                 dim=dim, outliers=4)
     state.outliers.valid[..., 1::3, 2] = False  # some outliers missing
     state.outliers.rest_count[..., ::5] = 0.0  # some units all outliers
-    query = torch.randn(2, 8, 128, generator=gen, device=DEVICE).bfloat16()
+    query = torch.randn(2, 8, dim, generator=gen, device=DEVICE).bfloat16()
     trigger = ScoreGap(margin=1e9, measure="mass", leaving="ignored", estimate="outlier", outliers=4, group="each")
     trigger.validate()
-    dispatch.bind("triton", DEVICE).score_gap_outlier_fire(trigger, state, query, 0.09)
+    dispatch.bind("triton", DEVICE).score_gap_outlier_fire(trigger, state, query, dim ** -0.5)
     got = captured[0]
-    block = max(16, min(tile // 128, 1 << (state.layer.units.capacity - 1).bit_length()))  # as the launcher's
-    want = _reference_parts(state, query, 0.09, block)
+    block = max(16, min(tile // dim, 1 << (state.layer.units.capacity - 1).bit_length()))  # as the launcher's
+    want = _reference_parts(state, query, dim ** -0.5, block)
     for k, what in enumerate(("best candidate", "held count", "held top", "held exp-sum")):
         bad = ~torch.isclose(got[k], want[k], rtol=1e-5, atol=1e-5, equal_nan=True)
         where = bad.nonzero().tolist()[:5]
