@@ -10,7 +10,7 @@ unit scoring, and every small launch of a replayed graph costs about what it run
    local window in the held list and marks the held units in that head's row of a byte mask.
 2. ``_gap_blocks_kernel``, one program per block of units of each (head, sequence): reads the
    scores once, takes the block's best unheld unit and its held units' side (the weakest score,
-   or a logsumexp of their estimated mass), and clears the marks it read. Blocks run in parallel:
+   or a logsumexp of their estimated mass), and, last, clears its units' marks. Blocks run in parallel:
    one program walking a head's whole table was latency-bound (24 us a layer at 4x128K, H200).
 3. ``_decide_kernel``, one program per sequence: combines the blocks (``_DECIDE_BLOCK`` at a time;
    past that many a row, ``_row_parts_kernel`` first makes them one a row, a few rows a program)
@@ -146,9 +146,7 @@ def _gap_blocks_kernel(
     ok = ids < U
     s = tl.load(scores_ptr + b * sc_sb + h * sc_sh + ids, mask=ok, other=float("-inf")) * scale
     mask_at = mask_ptr + b * mk_sb + h * mk_sh + ids
-    marked = tl.load(mask_at, mask=ok, other=0)
-    tl.store(mask_at, tl.zeros([BLOCK_U], tl.uint8), mask=marked != 0)
-    held = marked != 0
+    held = tl.load(mask_at, mask=ok, other=0) != 0
     if MASS:
         sizes = tl.load(size_ptr + b * sz_sb + h * sz_sh + ids, mask=ok, other=1)
         s = s + tl.log(tl.maximum(sizes, 1).to(tl.float32))
@@ -176,6 +174,17 @@ def _gap_blocks_kernel(
         tl.store(out + 3 * parts_sk, tl.sum(tl.where(counted, tl.exp(s - shift), 0.0), axis=0))
     elif not RANK:
         tl.store(out + 2 * parts_sk, tl.min(tl.where(counted, s, float("inf")), axis=0))
+    clear_marks(mask_at, ok, BLOCK_U)
+
+
+@triton.jit
+def clear_marks(mask_at, ok, BLOCK_U: tl.constexpr):
+    """A block pass's last act: its units' held marks cleared for the next step, after a barrier. The
+    compiler may load the marks again in another layout for a reduction, in other warps of the program;
+    a clear before such a load lost held units (session 28, H100: held units missing from the parts, run to
+    run differently). All of the block's units are cleared, so the store depends on no mark."""
+    tl.debug_barrier()
+    tl.store(mask_at, tl.zeros([BLOCK_U], tl.uint8), mask=ok)
 
 
 @triton.jit

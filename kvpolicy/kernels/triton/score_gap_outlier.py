@@ -13,7 +13,7 @@ instead of taking the selector's unit scores:
    the block's decode-unit means and prompt-unit rest means in one tile, then its outlier keys a
    tile each, each tile scored against every query head with one ``tl.dot``, and a running
    logsumexp a unit; then, per query head, the block's best unheld log mass and its held units'
-   logsumexp parts, and clears the marks it read.
+   logsumexp parts, and, last, clears its units' marks (``score_gap.clear_marks``).
 3. ``score_gap._decide_kernel`` over the ``H * G`` query heads' rows: the largest gap decides; it
    notes the layer's ``Decision`` when given one.
 
@@ -33,7 +33,8 @@ import triton.language as tl
 
 from ...errors import ConfigError
 from ..dispatch import implement, triton_runs_on
-from .score_gap import _measures, _scratch_mask, decide_from_parts, follow_and_mark, step_offset, unsupported
+from .score_gap import (_measures, _scratch_mask, clear_marks, decide_from_parts, follow_and_mark, step_offset,
+                        unsupported)
 
 # The blocks kernel's settings (benchmarks/outlier_blocks.py times them side by side; session 28, H100,
 # 1x128K: 28.0 us a layer as set here, against 33.5 with float32 key operands and 39.6 pipelined).
@@ -172,9 +173,7 @@ def _outlier_gap_blocks_kernel(
     ids = first + tl.arange(0, BLOCK_U).to(tl.int64)
     ok = ids < U
     mask_at = mask_ptr + b * mk_sb + h * mk_sh + ids
-    marked = tl.load(mask_at, mask=ok, other=0)
-    tl.store(mask_at, tl.zeros([BLOCK_U], tl.uint8), mask=marked != 0)  # cleared for the next step
-    held = marked != 0
+    held = tl.load(mask_at, mask=ok, other=0) != 0
     finite = log_mass > float("-inf")
     candidate = ~held[:, None] & finite
     if LEAVING_IGNORED:  # units opened since the selection that the buffer did not admit
@@ -190,6 +189,7 @@ def _outlier_gap_blocks_kernel(
     tl.store(out + 2 * parts_sk, best_held, mask=real_column)
     tl.store(out + 3 * parts_sk, tl.sum(tl.where(counted, tl.exp(log_mass - shift[None, :]), 0.0), axis=0),
              mask=real_column)
+    clear_marks(mask_at, ok, BLOCK_U)
 
 
 @implement("triton", "score_gap_outlier_fire", supports=triton_runs_on)
