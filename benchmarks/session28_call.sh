@@ -29,5 +29,9 @@ parts)  # the blocks kernel's parts against the reference at head dim 128, the s
   step blocks_128k 200 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --best-settings "$OUT/best.txt" \
     --only shipped,base,stages2,bf16+tile8192,bf16+tile8192+rows1x256,bf16+tile8192+w8,bf16+tile16384,bf16+tile16384+w8
   e2e $(cat "$OUT/best.txt") ;;
-*) echo "session28_call.sh: MODE must be kernels, e2e, parts or all, got '$MODE'" >&2; exit 2 ;;
+fix)  # after the marks' clear moved last: the parts at real head dims, the ops tests, the settings again
+  step parts_tests 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py -k real_head_dims
+  step ops_tests 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py -k "not real_head_dims"
+  step blocks_128k 120 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --only shipped,base,bf16+tile8192+rows1x256 ;;
+*) echo "session28_call.sh: MODE must be kernels, e2e, parts, fix or all, got '$MODE'" >&2; exit 2 ;;
 esac
