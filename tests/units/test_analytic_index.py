@@ -274,7 +274,7 @@ def test_preset_defaults():
         ({"selector": {"name": "collision_rerank", "min_candidates": 0.5}}, "min_candidates .* must be a number >= 1"),
         ({"selector": {"name": "collision_rerank", "tiers": 9}}, "tiers must be None .* or an integer in 1..8"),
         ({"selector": {"name": "collision_rerank", "rho": 9}}, "has no option.*rho.*its options: candidate_fraction, hold_count, "
-                                                               "min_candidates, tiers"),
+                                                               "min_candidates, rerank, tiers"),
     ],
 )
 def test_config_errors_name_accepted_values(options, message):

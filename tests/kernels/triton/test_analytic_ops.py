@@ -916,3 +916,38 @@ def test_analytic_append_refuses_misshaped_inputs():
     with pytest.raises(ValueError, match=r"key \(1, 3, 32\)"):
         analytic_append.analytic_append(*tensors, analytic.srht_signs(32, 0), 4, 4, key, torch.ones(1, dtype=torch.bool),
                                         torch.tensor(3))
+
+
+# -- rerank="head_softmax" (a query per head of the group) has no Triton version ---------------
+
+
+def test_triton_rerank_ops_refuse_a_query_per_head():
+    from kvpolicy.errors import ConfigError
+
+    inputs = _select_inputs(5, 1, 2, 200, 32, 4, 100, [[100, 100]], 180, 4, device=DEVICE)
+    per_head = inputs[0].unsqueeze(2).expand(1, 2, 3, 32).contiguous()  # (B, H, G, D)
+    # the reference takes it (each head's softmax summed) ...
+    reference_analytic.rerank_select(*[t.cpu() for t in [per_head, *inputs[1:]]], 40)
+    # ... the Triton ops name it and what they accept
+    message = r"collision_rerank.s rerank=.head_softmax. \(a query per head of the group, \(1, 2, 3, 32\)\) has no Triton version; " \
+              r"accepted here: rerank='group_mean'"
+    with pytest.raises(ConfigError, match="triton rerank_select: " + message):
+        dispatch.get("rerank_select", "triton", DEVICE)(per_head, *inputs[1:], 40)
+    with pytest.raises(ConfigError, match="triton rerank: " + message):
+        dispatch.get("rerank", "triton", DEVICE)(per_head, *inputs[1:5], 40)
+
+
+def test_a_head_softmax_selection_on_bound_triton_ops_is_refused():
+    # backend "auto" on a GPU binds the Triton ops: the selection itself refuses, it never falls back
+    from kvpolicy.errors import ConfigError
+    from kvpolicy.selectors import CollisionRerank
+    from kvpolicy.units import Analytic
+
+    gen = _gen(6)
+    keys = torch.randn(1, 2, 300, 32, generator=gen, device="cpu").to(DEVICE)
+    index = Analytic(update_buffer=4).build_index(keys, torch.ones(1, 300, dtype=torch.bool, device=DEVICE),
+                                                  "triton", layer_idx=0)
+    query = torch.randn(1, 6, 32, generator=gen).to(DEVICE)
+    selector = CollisionRerank(rerank="head_softmax", candidate_fraction=0.5, min_candidates=1.0)
+    with pytest.raises(ConfigError, match="triton rerank_select: collision_rerank's rerank='head_softmax'"):
+        selector.select(query, index, 40, dispatch.bind("triton", DEVICE))
