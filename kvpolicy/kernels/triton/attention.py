@@ -41,8 +41,10 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # stage 1 aims at this many programs per SM on long parts: several resident CTAs hide memory
 # latency and shrink the last wave's tail (2, 4 and 8 measured on an H200; 8 was best)
 PROGRAMS_PER_SM = 8
-# ... but gives each split at least this many K/V tiles, so short parts stay in one split
-MIN_TILES_PER_SPLIT = 4
+# ... down to one K/V tile a split: a budget's 2,048 tokens at batch 1 (8 rows) then run as 256
+# programs, not 64 (session 29, H100: 9.2 against 14.6 us a layer for a GPU pool's rows by slot, 6.5
+# against 9.7 for a dense part; 1, 2 and 4 measured, docs/bench/session29/t1)
+MIN_TILES_PER_SPLIT = 1
 # ... and a part at most this many splits: stage 2 walks a row's splits serially, which
 # dominated when few rows (batch * kv_head = 1) had over 500 splits
 MAX_SPLITS = 256

@@ -90,14 +90,17 @@ def test_long_part_split_many_ways_agrees(split_tokens):
     _assert_close(out, _expected(query, parts, 0.125), torch.float32)
 
 
-def test_split_choice_fills_the_gpu_for_long_parts_only():
+def test_split_choice_fills_the_gpu_down_to_one_tile_a_split():
     block = attention._block_n(128)
     # B=4, H=8: 32 rows of programs
     long_tiles = attention._tiles_per_split(32768, 32, block, 132, None)
     assert 32 * triton.cdiv(32768 // block, long_tiles) >= 2 * 132
+    assert triton.cdiv(32768 // block, long_tiles) <= attention.MAX_SPLITS
     assert attention._tiles_per_split(64, 32, block, 132, None) == 1  # one split, one tile
-    short_tiles = attention._tiles_per_split(256, 32, block, 132, None)
-    assert triton.cdiv(256 // block, short_tiles) == 1
+    # a 2,048-token budget at B=1, H=8: a tile a split, 32 splits a row (256 programs, not 64)
+    budget_tiles = attention._tiles_per_split(2048, 8, block, 132, None)
+    assert budget_tiles == attention.MIN_TILES_PER_SPLIT == 1
+    assert triton.cdiv(2048 // block, budget_tiles) == 32
     # forced split size, as the long-part test uses: 300 tokens in 64-token splits
     assert triton.cdiv(triton.cdiv(300, 64), attention._tiles_per_split(300, 2, 64, 132, 64)) == 5
 
