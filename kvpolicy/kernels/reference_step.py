@@ -299,10 +299,34 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
     held = held_units_mask(state.held, layer.units.capacity).unsqueeze(2)
     log_mass = _without_opened_units(trigger, state, log_mass, held)
     finite = log_mass > float("-inf")
-    best_unheld = log_mass.masked_fill(held | ~finite, float("-inf")).amax(-1)
+    unheld = log_mass.masked_fill(held | ~finite, float("-inf"))
+    if getattr(trigger, "challengers", 0):
+        unheld = _challenged(trigger, state, unheld)
+    best_unheld = unheld.amax(-1)
     held_mass = torch.logsumexp(log_mass.masked_fill(~held | ~finite, float("-inf")), dim=-1)
     fire = _fire_on_gap(trigger, state, best_unheld - held_mass)
     return _count_age_and_note(trigger, state, fire, decision)
+
+
+def _challenged(trigger, state, unheld: torch.Tensor) -> torch.Tensor:
+    """``unheld (B, H, G, U)`` (``-inf`` where held) as this step competes (``ScoreGap.challengers``):
+    whole on a measured step, which also keeps its ``trigger.challengers`` strongest units in
+    ``state.challengers``; on the steps between, only those units. A sequence with no challenger left
+    (none kept yet, or a selection took one) measures whole too, so a re-selection does not leave the
+    steps after it watching the units it now holds."""
+    count = min(trigger.challengers, unheld.shape[-1])
+    if state.challengers is None or state.challengers.shape[:-1] != unheld.shape[:-1]:
+        state.challengers = torch.full((*unheld.shape[:-1], count), -1, dtype=torch.long, device=unheld.device)
+    ids = state.challengers
+    listed = ids >= 0
+    still_unheld = unheld.gather(-1, ids.clamp(min=0)) > float("-inf")
+    stale = (listed & ~still_unheld).flatten(1).any(-1) | ~listed.flatten(1).any(-1)  # (B,)
+    measured = ((state.steps + state.layer.layer_idx) % trigger.every == 0) | stale
+    measured = measured.view(-1, 1, 1, 1)
+    strongest = unheld.topk(count, dim=-1)
+    ids.copy_(torch.where(measured, strongest.indices.masked_fill(strongest.values == float("-inf"), -1), ids))
+    kept = torch.zeros_like(unheld, dtype=torch.bool).scatter_(-1, ids.clamp(min=0), ids >= 0)
+    return torch.where(measured, unheld, unheld.masked_fill(~kept, float("-inf")))
 
 
 def outlier_log_mass(outliers, units, query: torch.Tensor, scale: float, each: bool) -> torch.Tensor:
@@ -350,10 +374,12 @@ def _fire_on_gap(trigger, state, gap: torch.Tensor) -> torch.Tensor:
     layer_idx = state.layer.layer_idx
     every = getattr(trigger, "every", 1)
     if every > 1:
-        # the steps between the measured ones keep the selection: no gap (the layer's step counted)
+        # the steps between the measured ones keep the selection: no gap (the layer's step counted),
+        # unless ``challengers`` measured them against the units the last measured step found strongest
         measured = (state.steps + layer_idx) % every == 0
         state.steps.add_(1)
-        gap = gap.masked_fill(~measured, float("-inf"))
+        if not getattr(trigger, "challengers", 0):
+            gap = gap.masked_fill(~measured, float("-inf"))
     margin = trigger.margin_of(layer_idx)
     fire = (gap > margin) | ~state.has_selection
     if trigger.follow > 0 and state.above is not None:

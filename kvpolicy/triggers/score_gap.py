@@ -73,6 +73,8 @@ class ScoreGapState:
     steps: torch.Tensor | None = None
     # ``estimate="outlier"``: each prompt unit's outlier keys, taken from the pool at attach
     outliers: OutlierKeys | None = None
+    # ``challengers``: (B, H, G, C) long, the unheld units a measured step found strongest (-1: none)
+    challengers: torch.Tensor | None = None
 
 
 MEASURES = ("weakest", "mass", "rank")
@@ -133,9 +135,14 @@ class ScoreGap(Trigger):
     # is 0, so each step measures ``1/every`` of the layers); between them the layer keeps its selection
     # (unless it has none, or ``cap`` says). 1: every step. The trigger's bytes a step fall by ``every``
     every: int = 1
+    # with ``every`` > 1 and ``estimate="outlier"`` (reference only, an experiment): a measured step also
+    # keeps, per query head, the ``challengers`` unheld units of largest estimated mass, and the steps
+    # between measure the gap against those units alone instead of keeping the selection (a unit can only
+    # rise past them unseen until the next measured step). 0: off
+    challengers: int = 0
     # the spec names these only when set (``Policy.to_dict``): eval cells of the old settings resume
     SPEC_OMITS_AT_DEFAULT = {"estimate": "mean", "cap": 0, "group": "mean", "count": 0.0, "margins": (),
-                             "outliers": 1, "every": 1}
+                             "outliers": 1, "every": 1, "challengers": 0}
 
     def margin_of(self, layer_idx: int) -> float:
         """The margin of layer ``layer_idx`` (``margins``, else ``margin``)."""
@@ -166,6 +173,12 @@ class ScoreGap(Trigger):
                               f"{self.estimate!r}")
         if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
             raise ConfigError(f"score_gap trigger: every must be an integer >= 1 (1: every step), got {self.every!r}")
+        if not isinstance(self.challengers, int) or isinstance(self.challengers, bool) or self.challengers < 0:
+            raise ConfigError(f"score_gap trigger: challengers must be an integer >= 0 (0: off), got "
+                              f"{self.challengers!r}")
+        if self.challengers and (self.estimate != "outlier" or self.every < 2):
+            raise ConfigError(f"score_gap trigger: challengers needs estimate 'outlier' and every >= 2 (it measures "
+                              f"the steps between measured ones); got estimate {self.estimate!r}, every {self.every!r}")
         if not isinstance(self.cap, int) or isinstance(self.cap, bool) or self.cap < 0:
             raise ConfigError(f"score_gap trigger: cap must be an integer >= 0 (0: no cap), got {self.cap!r}")
         if not isinstance(self.margins, (list, tuple)) or any(

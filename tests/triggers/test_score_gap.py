@@ -406,6 +406,47 @@ def test_every_measures_the_gap_at_one_step_in_every_each_layer_at_its_own(estim
     assert float(first.trigger_state.gap[0]) == -1e4  # a step it did not measure has no gap
 
 
+def _hinting(page: int, hint: int) -> torch.Tensor:
+    q = _toward(page)
+    q[..., hint] = 0.2  # page ``hint`` the strongest unheld page (under RUNNER_UP), far under the margin
+    return q
+
+
+@pytest.mark.parametrize("turn, challengers, expected", [
+    (7, 1, [True, False, True]),  # page 7 is the challenger: the step between measures it and fires
+    (5, 1, [True, False, False, True]),  # page 5 is not: it waits for the measured step 3
+    (7, 0, [True, False, False, True]),  # no challengers: the steps between keep the selection
+])
+def test_challengers_measure_the_steps_between_against_the_strongest_unheld_units(turn, challengers, expected):
+    # step 0 measures (no selection yet) and keeps page 2, which the selection then holds; so step 1
+    # measures whole again and keeps the strongest unheld page, 7 (the query's hint); step 2 is between
+    trigger = {"name": "score_gap", "margin": 1.0, "measure": "mass", "estimate": "outlier", "outliers": 2,
+               "group": "each", "every": 3, "challengers": challengers}
+    state = _layer(trigger)
+    queries = [_hinting(2, 7), _hinting(2, 7)] + [_toward(turn)] * (len(expected) - 2)
+    assert [_step(state, q) for q in queries] == expected
+    assert turn in _attended_pages(state)
+    if challengers:
+        assert state.trigger_state.challengers.shape == (1, H, HQ // H, challengers)
+
+
+def test_challengers_are_checked_and_refused_by_the_fused_op():
+    with pytest.raises(ConfigError, match="challengers must be an integer >= 0"):
+        ScoreGap(challengers=-1).validate()
+    with pytest.raises(ConfigError, match="challengers needs estimate 'outlier' and every >= 2"):
+        ScoreGap(challengers=4, measure="mass", estimate="outlier", every=1).validate()
+    with pytest.raises(ConfigError, match="challengers needs estimate 'outlier' and every >= 2"):
+        ScoreGap(challengers=4, every=2).validate()
+    trigger = {"name": "score_gap", "margin": 1.0, "measure": "mass", "estimate": "outlier", "group": "each",
+               "every": 2, "challengers": 4}
+    with pytest.raises(ConfigError, match="challengers=4 \\(accepted: 0\\)"):
+        _layer(trigger, backend="triton")
+    spec = kvpolicy.Policy(trigger=trigger, prefill_units="kmeans", selector="top_budget").to_dict()["trigger"]
+    assert spec["challengers"] == 4
+    assert "challengers" not in kvpolicy.Policy(trigger={**trigger, "challengers": 0}, prefill_units="kmeans",
+                                                selector="top_budget").to_dict()["trigger"]
+
+
 def test_count_also_fires_on_the_rank_count():
     state = _layer({"name": "score_gap", "margin": 50.0, "measure": "mass", "count": 0.5})
     fired = [_step(state, _toward(page)) for page in (2, 2, 7, 7)]
