@@ -38,6 +38,9 @@ ParisKV's pipeline, file by file (the ``pariskv`` preset composes the first thre
 - ``kvpolicy/kernels/triton/rerank_select.py``: op ``rerank_select``, the candidates' 4-bit
   estimates, their exact top-k (a radix select on the scores' bits) and the selection's rows
   (the update buffer's first, then the chosen tokens by position) in five launches and a memset.
+- ``kvpolicy/kernels/triton/head_softmax.py``: ``rerank="head_softmax"``'s scores for ``rerank``
+  and ``rerank_select`` (each query head's softmax over the candidates, summed; the codes read
+  once for the group's heads), in three launches that replace the score pass.
 - ``kvpolicy/kernels/triton/analytic_append.py``: op ``analytic_append``, a leaving token
   encoded and written into the index, the flush and the counter, in one launch.
 - ``kvpolicy/kernels/triton/analytic_encode.py``: op ``analytic_encode``, the prompt's keys encoded

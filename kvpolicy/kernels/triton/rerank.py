@@ -7,9 +7,8 @@ and dots with the query's even and odd coordinates; ``norm * weight`` scales the
 final top-k of the candidates is ``torch.topk`` on the device, shared with the reference so
 both rank identically.
 
-Only the group's mean query (``rerank="group_mean"``): a query per head of the group
-(``rerank="head_softmax"``, ``(B, H, G, D)``) is refused with a ``ConfigError``
-(``refuse_head_softmax``); the reference backend has it.
+A query per head of the group (``rerank="head_softmax"``, ``(B, H, G, D)``) is scored by
+``head_softmax.py``'s kernels instead (each head's softmax over the candidates, summed).
 """
 
 from __future__ import annotations
@@ -19,24 +18,12 @@ import triton
 import triton.language as tl
 
 from ...analytic import magnitude_levels
-from ...errors import ConfigError
 from ..dispatch import implement, triton_runs_on
 from ..reference_analytic import topk_of_candidates
+from . import head_softmax
 
 # candidates per program: BLOCK_C * D / 2 code bytes in registers (8 KiB at D=128)
 _BLOCK_C = 128
-
-
-def refuse_head_softmax(op: str, query: torch.Tensor) -> None:
-    """Raise ``ConfigError`` for a query per head of the group (``rerank="head_softmax"``): its
-    per-head softmax over the candidates needs a pass over every candidate's estimate before the
-    top-k, which the Triton rerank kernels do not make."""
-    if query.dim() == 4:
-        raise ConfigError(
-            f"triton {op}: collision_rerank's rerank='head_softmax' (a query per head of the group, "
-            f"{tuple(query.shape)}) has no Triton version; accepted here: rerank='group_mean'. "
-            f"For head_softmax, use backend='reference'"
-        )
 
 
 @triton.jit
@@ -126,7 +113,29 @@ def rerank(
     k: int,
 ) -> torch.Tensor:
     """Top-``k`` candidates by estimated ``q·k``, ``(B, H, k)`` long; see ``reference_analytic.rerank``.
-    A query per head of the group (``rerank="head_softmax"``) is refused (``refuse_head_softmax``)."""
-    refuse_head_softmax("rerank", query_rotated)
-    scores = rerank_scores(query_rotated, codes, weight, norms, candidates)
+    A query per head of the group (``rerank="head_softmax"``, ``(B, H, G, D)``) ranks by
+    ``head_softmax.scores`` (``reference_analytic.candidate_scores``)."""
+    scores = candidate_scores(query_rotated, codes, weight, norms, candidates)
     return topk_of_candidates(scores, candidates, k)
+
+
+def candidate_scores(
+    query: torch.Tensor,
+    codes: torch.Tensor,
+    weight: torch.Tensor,
+    norms: torch.Tensor,
+    candidates: torch.Tensor,
+) -> torch.Tensor:
+    """The rerank's score per candidate ``(B, H, C)`` float32 for either query shape; see
+    ``reference_analytic.candidate_scores``."""
+    if query.dim() == 3:  # the group's mean: rerank_scores checks it
+        return rerank_scores(query, codes, weight, norms, candidates)
+    head_softmax.check_query("rerank", query, codes)
+    batch, heads, n, _ = codes.shape
+    if (tuple(weight.shape) != (batch, heads, n) or tuple(norms.shape) != (batch, heads, n)
+            or candidates.dim() != 3 or tuple(candidates.shape[:2]) != (batch, heads)):
+        raise ValueError(
+            f"triton rerank: weight {tuple(weight.shape)}, norms {tuple(norms.shape)} or candidates "
+            f"{tuple(candidates.shape)} do not fit codes {tuple(codes.shape)}"
+        )
+    return head_softmax.scores(query, codes, weight, norms, candidates)

@@ -31,9 +31,10 @@ the scores (a sum in another order): a candidate whose score is within about 1e-
 of the k-th best may be swapped with one at the threshold (the tests allow 1e-5). Exact ties
 (equal float32 scores) go to the lower position in both.
 
-Only the group's mean query (``rerank="group_mean"``): the score pass writes each candidate's key
-as it estimates it, and a per-head softmax over the candidates (``rerank="head_softmax"``) would
-need every estimate first; a ``(B, H, G, D)`` query is refused with a ``ConfigError``.
+A query per head of the group (``rerank="head_softmax"``, ``(B, H, G, D)``): a head's softmax needs
+every candidate's estimate before any key, so ``head_softmax.py``'s three launches replace the score
+pass (the codes still read once, for all the heads), writing the same keys and first histogram;
+every method's later passes are unchanged.
 """
 
 from __future__ import annotations
@@ -45,8 +46,7 @@ import triton.language as tl
 from ...analytic import nibble_values
 from ..dispatch import OPS, implement, triton_runs_on
 from .. import reference_analytic
-from . import scratch
-from .rerank import refuse_head_softmax
+from . import head_softmax, scratch
 
 # candidates per program of the score and split passes (at most; SUB per step inside one):
 # about _CHUNKS_PER_ROW programs a row, so 32 rows (4 x 8 heads) fill the GPU at 128K (13K
@@ -679,14 +679,15 @@ def method_for(width: int) -> str:
 
 
 def _check(query_rotated, codes, weight, norms, candidates, token_valid, slots, indexed, next_position):
+    head_softmax.check_query("rerank_select", query_rotated, codes)
     batch, heads, n, half = codes.shape
     width = candidates.shape[-1]
-    if (tuple(query_rotated.shape) != (batch, heads, 2 * half) or tuple(weight.shape) != (batch, heads, n)
+    if (tuple(weight.shape) != (batch, heads, n)
             or tuple(norms.shape) != (batch, heads, n) or tuple(candidates.shape[:2]) != (batch, heads)
             or candidates.dim() != 3 or tuple(token_valid.shape) != (batch, n) or tuple(slots.shape) != (n,)
             or indexed.numel() != 1 or next_position.numel() != 1):
         raise ValueError(
-            f"triton rerank_select: query {tuple(query_rotated.shape)}, weight {tuple(weight.shape)}, norms "
+            f"triton rerank_select: weight {tuple(weight.shape)}, norms "
             f"{tuple(norms.shape)}, candidates {tuple(candidates.shape)}, token_valid {tuple(token_valid.shape)} "
             f"or slots {tuple(slots.shape)} do not fit codes {tuple(codes.shape)} (or the counters are not one value)"
         )
@@ -710,10 +711,9 @@ def rerank_select(
     """``(unit_ids, num_units, slots, valid)``; see ``reference_analytic.rerank_select``.
 
     ``method``: "radix", "split" or "torch" (the module docstring); None: ``method_for(width)``.
-    Only the group's mean query: a query per head of the group (``rerank="head_softmax"``,
-    ``(B, H, G, D)``) is refused with a ``ConfigError`` (``rerank.refuse_head_softmax``).
+    ``query_rotated``: the group's mean ``(B, H, D)``, or a query per head of the group ``(B, H, G,
+    D)`` (``rerank="head_softmax"``: ``head_softmax.keys`` scores the candidates).
     """
-    refuse_head_softmax("rerank_select", query_rotated)
     args = (query_rotated, codes, weight, norms, candidates, token_valid, slots, indexed, next_position)
     _check(*args)
     method = method or method_for(candidates.shape[-1])
@@ -744,6 +744,10 @@ def _code_words(codes: torch.Tensor) -> torch.Tensor | None:
 
 
 def _score_launch(query_rotated, codes, weight, norms, candidates, keys, row_hist, chunk, chunks, wide):
+    if query_rotated.dim() == 4:  # rerank="head_softmax": each head's softmax, the same keys
+        head_softmax.keys(query_rotated, codes, weight, norms, candidates, keys, row_hist, chunk,
+                          "wide" if wide else "radix", _RADIX_BINS, _RADIX_LEVELS)
+        return
     batch, heads, n, half = codes.shape
     width = candidates.shape[-1]
     values = nibble_values(2 * half, codes.device)  # cached on the device
@@ -873,13 +877,16 @@ def _split(
     above = torch.empty(rows, capacity, 2, dtype=torch.int32, device=device)
     tied = torch.empty(rows, max(1, width), 4, dtype=torch.int32, device=device)
     values = nibble_values(2 * half, device)  # cached on the device
-    _score_kernel[(rows, chunks)](
-        query_rotated, codes, weight, norms, candidates, keys, hist,
-        heads, width, chunks,
-        *query_rotated.stride(), *codes.stride(), *weight.stride(), *norms.stride(), *candidates.stride(),
-        values,
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), CHUNK=chunk, SUB=_SCORE_SUB, BINS=_BINS1,
-    )
+    if query_rotated.dim() == 4:  # rerank="head_softmax": each head's softmax, the same keys
+        head_softmax.keys(query_rotated, codes, weight, norms, candidates, keys, hist, chunk, "split", _BINS1)
+    else:
+        _score_kernel[(rows, chunks)](
+            query_rotated, codes, weight, norms, candidates, keys, hist,
+            heads, width, chunks,
+            *query_rotated.stride(), *codes.stride(), *weight.stride(), *norms.stride(), *candidates.stride(),
+            values,
+            HALF=half, BLOCK_HALF=triton.next_power_of_2(half), CHUNK=chunk, SUB=_SCORE_SUB, BINS=_BINS1,
+        )
     _threshold_kernel[(rows,)](hist, indexed, next_position, starts, row_state, chunks, capacity,
                                BINS=_BINS1, CHUNK_BLOCK=_CHUNK_BLOCK)
     _split_kernel[(rows, chunks)](

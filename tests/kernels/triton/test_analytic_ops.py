@@ -3,6 +3,8 @@ fresh random inputs."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -622,7 +624,7 @@ def _assert_selects_like_reference(got, want, inputs, capacity, tolerance=1e-5):
     assert ids.dtype == slots.dtype == count.dtype == torch.long and valid.dtype == torch.bool
     assert ids.shape == slots.shape == valid.shape == want_ids.shape and count.shape == want_count.shape
     inputs = [t.cpu() for t in inputs]
-    scores = reference_analytic.rerank_scores(*inputs[:5])
+    scores = reference_analytic.candidate_scores(*inputs[:5])  # either query shape
     cands, slot_of = inputs[4], inputs[6]
     buffered = int((inputs[8] - inputs[7]).clamp(0, capacity))
     assert torch.equal(count, want_count) and torch.equal(valid, want_valid)
@@ -918,36 +920,162 @@ def test_analytic_append_refuses_misshaped_inputs():
                                         torch.tensor(3))
 
 
-# -- rerank="head_softmax" (a query per head of the group) has no Triton version ---------------
+# -- rerank="head_softmax": a query per head of the group, (B, H, G, D) ----------------------
 
 
-def test_triton_rerank_ops_refuse_a_query_per_head():
-    from kvpolicy.errors import ConfigError
+@pytest.fixture
+def small_head_softmax(monkeypatch):
+    """head_softmax.py's passes at interpreter sizes: several steps a chunk and chunks a normaliser step."""
+    from kvpolicy.kernels.triton import head_softmax
 
+    monkeypatch.setattr(head_softmax, "_LOGITS_SUB", 16)
+    monkeypatch.setattr(head_softmax, "_MASS_SUB", 32)
+    monkeypatch.setattr(head_softmax, "_CHUNK_BLOCK", 2)
+    monkeypatch.setattr(head_softmax, "_CHUNKS_PER_ROW", 4)
+    return head_softmax
+
+
+def _per_head(inputs, seed, group):
+    """``inputs`` with the query replaced by ``group`` random query heads a KV head, each as its
+    logit query (``analytic.head_logit_queries``, the selector's), rotated by the keys' signs."""
+    batch, heads, dim = inputs[0].shape
+    queries = torch.randn(batch, heads, group, dim, generator=_gen(seed + 7))
+    signs = analytic.srht_signs(dim, seed)  # _encoded's
+    return [analytic.head_logit_queries(queries, signs).to(inputs[0].device), *inputs[1:]]
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("count", [300, 77, 16])  # 300 and 77: a partial chunk and step
+def test_head_softmax_rerank_matches_reference(small_head_softmax, group, count):
+    from kvpolicy.kernels.triton import rerank as triton_rerank
+
+    keys, query = _encoded(count, 2, 2, 400, 32, 4, 3)
+    cands = _candidates(count, 2, 2, 400, count)  # about 20% -1
+    cands[1, 1] = -1  # a row with no candidate
+    inputs = _per_head([query.rotated, keys.codes, keys.weight, keys.norms, cands], count, group)
+    want = reference_analytic.head_softmax_scores(*inputs)
+    got = triton_rerank.candidate_scores(*[t.to(DEVICE) for t in inputs]).cpu()
+    listed = cands >= 0
+    assert torch.equal(got == float("-inf"), ~listed)
+    torch.testing.assert_close(got[listed], want[listed], rtol=1e-5, atol=1e-5)
+    # each head's softmax sums to one: the group's masses to G (a row with candidates)
+    mass = torch.where(listed, got.exp(), 0.0).sum(-1)
+    torch.testing.assert_close(mass[listed.any(-1)], torch.full_like(mass[listed.any(-1)], float(group)))
+
+    want_top = reference_analytic.rerank(*inputs, 40)
+    got_top = dispatch.get("rerank", "triton", DEVICE)(*[t.to(DEVICE) for t in inputs], 40).cpu()
+    assert torch.equal(got_top.sort(-1).values, want_top.sort(-1).values)
+    assert got_top[1, 1].tolist() == [-1] * 40
+
+
+def test_head_softmax_rerank_reads_a_strided_pool_and_query(small_head_softmax):
+    keys, query = _encoded(3, 1, 2, 64, 32, 4, 3)
+    codes = torch.zeros(1, 2, 100, 16, dtype=torch.uint8)
+    codes[:, :, 10:74] = keys.codes  # the used rows of a bigger pool
+    cands = torch.tensor([[[5, -1, 7, 63, 20], [-1, -1, -1, -1, -1]]])
+    inputs = _per_head([query.rotated, keys.codes, keys.weight, keys.norms, cands], 3, 4)
+    wide = torch.zeros(1, 2, 4, 64)
+    wide[..., ::2] = inputs[0]  # every other coordinate: a strided query
+    want = reference_analytic.rerank(*inputs, 6)
+    got = dispatch.get("rerank", "triton", DEVICE)(
+        wide.to(DEVICE)[..., ::2], codes.to(DEVICE)[:, :, 10:74], *[t.to(DEVICE) for t in inputs[2:]], 6).cpu()
+    assert torch.equal(got, want)
+    assert got[0, 1].tolist() == [-1] * 6 and got[0, 0, 4:].tolist() == [-1, -1]
+
+
+@pytest.mark.parametrize(
+    "group, n, width, listed, indexed, buffered, capacity",
+    [
+        (4, 900, 500, [[480, 300], [500, 10]], 850, 7, 120),  # several chunks; a row with fewer than k
+        (1, 600, 300, [[300, 300], [0, 299]], 560, 0, 64),  # one head; no buffer; an empty row
+        (4, 600, 300, [[300, 300], [0, 299]], 560, 0, 64),
+        (3, 300, 40, [[40, 40], [40, 40]], 280, 20, 64),  # width below the budget: a -1 tail
+    ],
+)
+def test_rerank_select_head_softmax_matches_reference(small_select, small_head_softmax, group, n, width, listed,
+                                                      indexed, buffered, capacity):
+    inputs = _per_head(_select_inputs(n + width, 2, 2, n, 32, 4, width, listed, indexed, buffered), n + width, group)
+    want = reference_analytic.rerank_select(*inputs, capacity)
+    got = small_select(*[t.to(DEVICE) for t in inputs], capacity)
+    _assert_selects_like_reference(got, want, inputs, capacity)
+
+
+@pytest.mark.parametrize("method", ["radix", "torch", "split"])
+@pytest.mark.parametrize(
+    "width, listed, buffered",
+    [
+        (100, [[100, 100], [60, 0]], 3),  # one chunk at the default sizes
+        (0, [[0, 0], [0, 0]], 3),  # no candidates: the buffer's rows, then -1
+        (100, [[100, 100], [60, 0]], 300),  # the buffer fills the budget
+    ],
+)
+def test_rerank_select_head_softmax_edges_at_the_default_sizes(method, width, listed, buffered):
+    from kvpolicy.kernels.triton import rerank_select
+
+    inputs = _per_head(_select_inputs(width + buffered, 2, 2, 300, 32, 4, width, listed, 280, buffered), 1, 4)
+    want = reference_analytic.rerank_select(*inputs, 40)
+    got = rerank_select.rerank_select(*[t.to(DEVICE) for t in inputs], 40, method=method)
+    _assert_selects_like_reference(got, want, inputs, 40)
+
+
+def test_head_softmax_breaks_exact_ties_by_position(small_select, small_head_softmax):
+    # one code, weight and norm for every candidate: every head's logits tie, so every score does
+    inputs = _per_head(_select_inputs(4, 1, 2, 500, 32, 4, 300, [[300, 200]], 480, 3), 4, 4)
+    inputs[1] = inputs[1][:, :, :1].expand_as(inputs[1]).contiguous()
+    inputs[2] = torch.ones_like(inputs[2])
+    inputs[3] = torch.ones_like(inputs[3])
+    want = reference_analytic.rerank_select(*inputs, 100)
+    got = [t.cpu() for t in small_select(*[t.to(DEVICE) for t in inputs], 100)]
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert got[0][0, 0, 3:].tolist() == inputs[4][0, 0, :97].tolist()
+
+
+def test_the_rerank_ops_name_the_query_shapes_they_take():
     inputs = _select_inputs(5, 1, 2, 200, 32, 4, 100, [[100, 100]], 180, 4, device=DEVICE)
-    per_head = inputs[0].unsqueeze(2).expand(1, 2, 3, 32).contiguous()  # (B, H, G, D)
-    # the reference takes it (each head's softmax summed) ...
-    reference_analytic.rerank_select(*[t.cpu() for t in [per_head, *inputs[1:]]], 40)
-    # ... the Triton ops name it and what they accept
-    message = r"collision_rerank.s rerank=.head_softmax. \(a query per head of the group, \(1, 2, 3, 32\)\) has no Triton version; " \
-              r"accepted here: rerank='group_mean'"
-    with pytest.raises(ConfigError, match="triton rerank_select: " + message):
-        dispatch.get("rerank_select", "triton", DEVICE)(per_head, *inputs[1:], 40)
-    with pytest.raises(ConfigError, match="triton rerank: " + message):
-        dispatch.get("rerank", "triton", DEVICE)(per_head, *inputs[1:5], 40)
+    per_head = _per_head(inputs, 5, 3)[0]
+    accepted = (r"accepted: \(B, H, D\) = \(1, 2, 32\) \(rerank='group_mean': the group's mean, rotated\) or "
+                r"\(B, H, G, D\) = \(1, 2, G, 32\) \(rerank='head_softmax': each query head's logit query\)")
+    bad = {"5 dims": per_head[None], "2 dims": inputs[0][0], "head_dim": per_head[..., :16],
+           "KV heads": per_head[:, :1]}
+    for query in bad.values():
+        shape = re.escape(str(tuple(query.shape)))
+        with pytest.raises(ValueError, match=f"triton rerank_select: query {shape} does not fit codes "
+                                             r"\(1, 2, 200, 16\); " + accepted):
+            dispatch.get("rerank_select", "triton", DEVICE)(query, *inputs[1:], 40)
+        if query.dim() != 3:  # a (B, H, D) query is rerank_scores', which names it with the others
+            with pytest.raises(ValueError, match=f"triton rerank: query {shape} does not fit codes "
+                                                 r"\(1, 2, 200, 16\); " + accepted):
+                dispatch.get("rerank", "triton", DEVICE)(query, *inputs[1:5], 40)
+    with pytest.raises(ValueError, match=r"triton rerank: weight \(1, 2, 199\), .* do not fit codes"):
+        dispatch.get("rerank", "triton", DEVICE)(per_head, inputs[1], inputs[2][..., :199], *inputs[3:5], 40)
 
 
-def test_a_head_softmax_selection_on_bound_triton_ops_is_refused():
-    # backend "auto" on a GPU binds the Triton ops: the selection itself refuses, it never falls back
-    from kvpolicy.errors import ConfigError
-    from kvpolicy.selectors import CollisionRerank
-    from kvpolicy.units import Analytic
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("method", [None, "radix", "split", "torch"])
+@pytest.mark.parametrize("batch, n, width, group", [(4, 131072, 13108, 4), (1, 32768, 6554, 4), (2, 32768, 3001, 8)])
+def test_head_softmax_at_decode_sizes(method, batch, n, width, group):
+    # ParisKV's shape: 8 KV heads, head_dim 128, a 2K budget, G query heads a KV head (SmolLM2's 3,
+    # Gemma 3's 4; 8 for a wider group); candidates not a multiple of any chunk
+    heads, dim, capacity = 8, 128, 1980
+    gen = torch.Generator(device=DEVICE).manual_seed(n + group)
+    queries = torch.randn(batch, heads, group, dim, generator=gen, device=DEVICE)
+    query = analytic.head_logit_queries(queries, analytic.srht_signs(dim, 0).to(DEVICE))
+    codes = torch.randint(0, 256, (batch, heads, n + 64, dim // 2), generator=gen, device=DEVICE, dtype=torch.uint8)
+    weight = 1 + 0.1 * torch.rand(batch, heads, n + 64, generator=gen, device=DEVICE)
+    norms = 1 + torch.rand(batch, heads, n + 64, generator=gen, device=DEVICE)
+    cands = torch.rand(batch, heads, n, generator=gen, device=DEVICE).topk(width, -1).indices.sort(-1).values
+    cands[0, 0, width // 2:] = -1  # a row with fewer candidates
+    token_valid = torch.ones(batch, n + 64, dtype=torch.bool, device=DEVICE)
+    slots = torch.arange(n + 64, device=DEVICE)
+    inputs = [query, codes, weight, norms, cands, token_valid, slots, torch.tensor(n, device=DEVICE),
+              torch.tensor(n + 63, device=DEVICE)]
+    from kvpolicy.kernels.triton import rerank as triton_rerank
 
-    gen = _gen(6)
-    keys = torch.randn(1, 2, 300, 32, generator=gen, device="cpu").to(DEVICE)
-    index = Analytic(update_buffer=4).build_index(keys, torch.ones(1, 300, dtype=torch.bool, device=DEVICE),
-                                                  "triton", layer_idx=0)
-    query = torch.randn(1, 6, 32, generator=gen).to(DEVICE)
-    selector = CollisionRerank(rerank="head_softmax", candidate_fraction=0.5, min_candidates=1.0)
-    with pytest.raises(ConfigError, match="triton rerank_select: collision_rerank's rerank='head_softmax'"):
-        selector.select(query, index, 40, dispatch.bind("triton", DEVICE))
+    want_scores = reference_analytic.head_softmax_scores(*inputs[:5])
+    got_scores = triton_rerank.candidate_scores(*inputs[:5])
+    listed = cands >= 0
+    torch.testing.assert_close(got_scores[listed], want_scores[listed], rtol=1e-5, atol=1e-5)
+    want = reference_analytic.rerank_select(*inputs, capacity)
+    got = dispatch.get("rerank_select", "triton", DEVICE)(*inputs, capacity, method=method)
+    _assert_selects_like_reference(got, [t.cpu() for t in want], inputs, capacity)
