@@ -89,14 +89,15 @@ class CollisionRerank(Selector):
     candidates and on the codes. Where one head of a group attends a token that the mean query
     ranks low, the mean's rerank cuts it (EVAL.md, "pariskv's held count on SmolLM2 at 8K": a
     needle digit with 0.985 of its group's mass, 597th of the mean's estimates against a cut of
-    440); its head's softmax keeps it. It costs G estimates a candidate where the mean costs one.
-    Only the reference backend has it for now: the Triton ``rerank`` and ``rerank_select`` refuse
-    it with a ``ConfigError`` (on a GPU, pass ``backend="reference"``).
+    440); its head's softmax keeps it. It costs G estimates a candidate where the mean costs one
+    (the codes still read once: ``kvpolicy/kernels/triton/head_softmax.py``), and on the triton
+    backend two more launches for the softmaxes' sums.
 
     The kernels (``kvpolicy.analytic``'s module docstring maps the pipeline's files): with ops
     ``query_votes``, ``collision_candidates`` and ``rerank_select`` bound (every backend has
     them), one launch for the query, three for the votes and the candidates (two in a call too
-    small for the GPU), five for the rerank, its top-k and the selection's rows; the
+    small for the GPU), five for the rerank, its top-k and the selection's rows (seven with
+    ``rerank="head_softmax"``); the
     retrieved tokens are then
     listed by position (the pool read in address order), after the buffer's. Otherwise ``collision_count`` and
     ``candidate_topk``, then ``rerank`` (best first) and the composition in PyTorch.
@@ -135,14 +136,6 @@ class CollisionRerank(Selector):
             raise ConfigError(
                 f"collision_rerank: tiers must be None (6, or the subspace's dims if fewer) or an integer in "
                 f"1..{analytic.MAX_SUBSPACE_DIMS}, got {self.tiers!r}"
-            )
-
-    def validate_in(self, policy) -> None:
-        if self.rerank == "head_softmax" and policy.backend == "triton":
-            raise ConfigError(
-                "collision_rerank: rerank='head_softmax' has no Triton version (the triton backend's rerank and "
-                "rerank_select refuse it); accepted with backend='triton': rerank='group_mean'. For head_softmax, "
-                "use backend='reference'"
             )
 
     def tiers_for(self, dims: int) -> int:

@@ -161,8 +161,9 @@ def test_the_fused_ops_select_what_the_composed_ops_select(monkeypatch):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("method, votes", [("auto", "group_mean"), ("radix", "group_mean"), ("auto", "head_max")])
-def test_the_fused_selection_launches_only_its_kernels(monkeypatch, method, votes):
+@pytest.mark.parametrize("method, votes, rerank", [("auto", "group_mean", "group_mean"), ("radix", "group_mean", "group_mean"),
+                                                  ("auto", "head_max", "group_mean"), ("auto", "group_mean", "head_softmax")])
+def test_the_fused_selection_launches_only_its_kernels(monkeypatch, method, votes, rerank):
     # query_votes 1, collision_candidates 2, rerank_select 5 (the radix method, which auto takes),
     # with either votes; nothing else computes on the device, not even a memset
     # (allocations and views launch nothing), so a captured step replays exactly these
@@ -206,7 +207,7 @@ def test_the_fused_selection_launches_only_its_kernels(monkeypatch, method, vote
                                    torch.ones(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool))
     ops = dispatch.bind("triton", torch.device("cpu"))
     query = torch.randn(1, 4, 32, generator=gen)
-    selector = CollisionRerank(votes=votes)
+    selector = CollisionRerank(votes=votes, rerank=rerank)
     selector.select(query, index, 40, ops)  # cached tables and scratch made
     launches.clear()
     with Record() as record:
@@ -218,8 +219,18 @@ def test_the_fused_selection_launches_only_its_kernels(monkeypatch, method, vote
     # the row histograms for the next call (self-clearing scratch: no memset)
     selected = ["_radix_score_kernel", "_radix_level_kernel", "_radix_level_kernel", "_radix_level_kernel",
                 "_radix_place_kernel"]
+    if rerank == "head_softmax":
+        # head_softmax.py's three passes in place of the score pass; the heads' logit queries are
+        # made in PyTorch (analytic.head_logit_queries: the rotation, each head's norm, the scale)
+        selected[:1] = ["_logits_kernel", "_normalizer_kernel", "_mass_kernel"]
     assert launches == ["_query_votes_sort_kernel", "_votes_kernel", "_compact_fused_kernel", *selected]
-    assert record.ops == []
+    logit_query = []
+    if rerank == "head_softmax":  # the PyTorch ops of the heads' logit queries, nothing else
+        with Record() as alone:
+            analytic.head_logit_queries(query.view(1, 2, 2, 32), index.signs)
+        logit_query = alone.ops
+        assert logit_query
+    assert record.ops == logit_query
     assert int(selection.num_units.sum()) == 2 * 40
 
 

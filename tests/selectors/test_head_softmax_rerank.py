@@ -1,7 +1,9 @@
 """collision_rerank's rerank="head_softmax": each query head's 4-bit logit, softmaxed over the
-candidates and summed over the group, against the group mean's rerank (ParisKV's) and by hand."""
+candidates and summed over the group, against the group mean's rerank (ParisKV's), by hand and on the Triton ops."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -106,12 +108,50 @@ def test_a_bad_rerank_names_the_accepted_ones():
         preset("pariskv", selector={"name": "collision_rerank", "rerank": "mean"})
 
 
-def test_the_triton_backend_refuses_it_when_the_policy_is_built():
-    with pytest.raises(ConfigError, match="rerank='head_softmax' has no Triton version .*accepted with "
-                                          "backend='triton': rerank='group_mean'"):
-        preset("pariskv", backend="triton", selector={"name": "collision_rerank", "rerank": "head_softmax"})
-    assert preset("pariskv", backend="reference",
-                  selector={"name": "collision_rerank", "rerank": "head_softmax"}).selector.rerank == "head_softmax"
+def test_the_triton_backend_takes_it():
+    for backend in ("triton", "reference"):
+        policy = preset("pariskv", backend=backend, selector={"name": "collision_rerank", "rerank": "head_softmax"})
+        assert policy.selector.rerank == "head_softmax"
+
+
+# the Triton ops on this test's CPU index: the interpreter only (on a GPU machine
+# test_analytic_ops's decode-size test covers the ops on the device)
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("group, fused", [(4, True), (3, True), (1, True), (4, False)])
+def test_it_selects_on_triton_what_it_selects_on_the_reference(monkeypatch, group, fused):
+    # GQA ``group``, 2 KV heads, a flush and a partly filled buffer; the fused rerank_select or
+    # (without query_votes bound) the composed ops' rerank
+    from kvpolicy.kernels import dispatch
+    from kvpolicy.kernels.triton import collision_candidates, head_softmax
+
+    monkeypatch.setattr(collision_candidates, "_CHUNK", 256)
+    monkeypatch.setattr(collision_candidates, "_SUB", 64)
+    monkeypatch.setattr(head_softmax, "_LOGITS_SUB", 32)
+    gen = torch.Generator().manual_seed(group)
+    keys = torch.randn(1, 2, 700, 32, generator=gen)
+    index = Analytic(update_buffer=5).build_index(keys, torch.rand(1, 700, generator=gen) > 0.1, "reference",
+                                                  layer_idx=0)
+    for slot in range(8):
+        index.append_leaving_token(torch.tensor(700 + slot), torch.randn(1, 2, 32, generator=gen),
+                                   torch.ones(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool))
+    query = torch.randn(1, 2 * group, 32, generator=gen)
+    selector = CollisionRerank(rerank="head_softmax", candidate_fraction=0.3, min_candidates=1.0)
+    ops = dispatch.bind("triton", torch.device("cpu"))
+    if not fused:
+        ops = dispatch.Ops("triton", torch.device("cpu"))  # a table of its own, changed below
+        monkeypatch.setattr(ops, "query_votes", None)
+    want = selector.select(query, index, 60, "reference")
+    got = selector.select(query, index, 60, ops)
+    assert int(want.slot_valid.sum()) == 2 * 60
+    assert torch.equal(got.slot_valid, want.slot_valid) and torch.equal(got.num_units, want.num_units)
+    assert torch.equal(got.slots.sort(-1).values, want.slots.sort(-1).values)
+    assert torch.equal(got.unit_ids[..., :3], want.unit_ids[..., :3])  # 3 buffered tokens first
+    if group > 1:  # the group's mean query selects other tokens here: the heads' softmaxes decided
+        mean = CollisionRerank(candidate_fraction=0.3, min_candidates=1.0).select(query, index, 60, "reference")
+        assert not torch.equal(mean.slots.sort(-1).values, want.slots.sort(-1).values)
 
 
 def test_the_preset_keeps_the_group_mean_rerank():
