@@ -153,6 +153,14 @@ FAST_PROMPT_UNITS = {"name": "kmeans", "tokens_per_cluster": 16, "iters": 3, "in
 BUILTIN_PARISKV_VOTES: dict[str, str] = {"gemma-3-270m": "head_max"}
 
 
+# pariskv's rerank: each query head's 4-bit logits softmaxed over the candidates and summed over the
+# group (collision_rerank's rerank="head_softmax"), where ParisKV ranks by the group's mean query: at
+# least as good on every measured cell, better where one head attends a needle the mean ranks low
+# (EVAL.md, "pariskv's rerank per query head": SmolLM2 8K 45.3 against 39.1, 4K 82.8 against 76.6,
+# Gemma 3 8K 46.9 either way); G estimates a candidate where the mean costs one, the codes read once
+PARISKV_RERANK = "head_softmax"
+
+
 def pariskv_votes(model: Any = None) -> str:
     """The pariskv preset's collision votes for ``model`` (a model or its id): ``BUILTIN_PARISKV_VOTES``'s
     entry, else ParisKV's ``group_mean``."""
@@ -169,8 +177,10 @@ def _pariskv(model: Any = None, **options: Any) -> Policy:
     a key keeping its best head's: ``pariskv_votes``) pick candidates by zone length as
     ParisKV's code does (``kvpolicy.analytic.CANDIDATE_BANDS``: 0.5 of the zone below 5K tokens,
     0.25 to 10K, 0.2 to 30K, 0.1 beyond; held so that a longer zone never keeps fewer:
-    ``hold_count``), at least twice the retrieval budget, and their 4-bit
-    estimates of q.k the final ones; the pipeline's files are listed in ``kvpolicy.analytic``'s
+    ``hold_count``), at least twice the retrieval budget, and their 4-bit estimates of q.k pick the
+    final ones: each query head's as a logit, softmaxed over the candidates and summed over the
+    group (``PARISKV_RERANK``; ParisKV ranks by the group's mean query, ``rerank="group_mean"``);
+    the pipeline's files are listed in ``kvpolicy.analytic``'s
     docstring. Sink 4,
     local 64 and an update buffer of 64 tokens (a quarter of the retrieval budget if smaller),
     attended in full and indexed 64 at a time; all within the budget. ParisKV's own settings
@@ -179,8 +189,7 @@ def _pariskv(model: Any = None, **options: Any) -> Policy:
     budget = options.get("budget", DEFAULT_BUDGET)
     sink, local = options.get("sink", DEFAULT_SINK), options.get("local", DEFAULT_LOCAL)
     units = {"name": "analytic", "update_buffer": _update_buffer(budget, sink, local)}
-    votes = pariskv_votes(model)
-    selector = "collision_rerank" if votes == "group_mean" else {"name": "collision_rerank", "votes": votes}
+    selector = {"name": "collision_rerank", "votes": pariskv_votes(model), "rerank": PARISKV_RERANK}
     return _retrieval("pariskv", "every_step", units, units, selector, options)
 
 

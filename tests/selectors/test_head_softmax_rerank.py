@@ -154,6 +154,11 @@ def test_it_selects_on_triton_what_it_selects_on_the_reference(monkeypatch, grou
         assert not torch.equal(mean.slots.sort(-1).values, want.slots.sort(-1).values)
 
 
-def test_the_preset_keeps_the_group_mean_rerank():
-    assert preset("pariskv").selector.rerank == "group_mean"
-    assert preset("pariskv", model="gemma-3-270m").selector.rerank == "group_mean"
+def test_the_preset_reranks_per_query_head():
+    # presets.PARISKV_RERANK, whatever the model's votes; an explicit selector takes the option's default
+    assert preset("pariskv").selector.rerank == "head_softmax"
+    assert preset("pariskv", backend="triton").selector.rerank == "head_softmax"
+    gemma = preset("pariskv", model="gemma-3-270m").selector
+    assert (gemma.rerank, gemma.votes) == ("head_softmax", "head_max")
+    assert preset("pariskv", selector="collision_rerank").selector.rerank == "group_mean"
+    assert CollisionRerank().rerank == "group_mean"  # ParisKV's
