@@ -153,12 +153,13 @@ FAST_PROMPT_UNITS = {"name": "kmeans", "tokens_per_cluster": 16, "iters": 3, "in
 BUILTIN_PARISKV_VOTES: dict[str, str] = {"gemma-3-270m": "head_max"}
 
 
-# pariskv's rerank: each query head's 4-bit logits softmaxed over the candidates and summed over the
-# group (collision_rerank's rerank="head_softmax"), where ParisKV ranks by the group's mean query: at
-# least as good on every measured cell, better where one head attends a needle the mean ranks low
-# (EVAL.md, "pariskv's rerank per query head": SmolLM2 8K 45.3 against 39.1, 4K 82.8 against 76.6,
-# Gemma 3 8K 46.9 either way); G estimates a candidate where the mean costs one, the codes read once
-PARISKV_RERANK = "head_softmax"
+# pariskv's rerank: the GQA group's mean query's 4-bit estimate, as ParisKV ranks. Each query head's logits
+# softmaxed over the candidates and summed over the group (collision_rerank's rerank="head_softmax") are
+# at least as accurate on every measured cell (EVAL.md, "pariskv's rerank per query head": SmolLM2 8K
+# 45.3 against 39.1, 4K 82.8 against 76.6, Gemma 3 8K 46.9 either way), but its Triton passes cost 3.0
+# ms a step at 1x32K and 3.4 at 1x128K on an H100 (0.78x full attention at 1x32K against 1.02x;
+# BENCHMARKS.md, session 29): the default once its query build and logits pass run near bandwidth
+PARISKV_RERANK = "group_mean"
 
 
 def pariskv_votes(model: Any = None) -> str:
@@ -178,10 +179,9 @@ def _pariskv(model: Any = None, **options: Any) -> Policy:
     ParisKV's code does (``kvpolicy.analytic.CANDIDATE_BANDS``: 0.5 of the zone below 5K tokens,
     0.25 to 10K, 0.2 to 30K, 0.1 beyond; held so that a longer zone never keeps fewer:
     ``hold_count``), at least twice the retrieval budget, and their 4-bit estimates of q.k pick the
-    final ones: each query head's as a logit, softmaxed over the candidates and summed over the
-    group (``PARISKV_RERANK``; ParisKV ranks by the group's mean query, ``rerank="group_mean"``);
-    the pipeline's files are listed in ``kvpolicy.analytic``'s
-    docstring. Sink 4,
+    final ones: the group's mean query's, as ParisKV (``PARISKV_RERANK``; ``rerank="head_softmax"``
+    ranks by each query head's, softmaxed over the candidates and summed over the group: more
+    accurate, slower); the pipeline's files are listed in ``kvpolicy.analytic``'s docstring. Sink 4,
     local 64 and an update buffer of 64 tokens (a quarter of the retrieval budget if smaller),
     attended in full and indexed 64 at a time; all within the budget. ParisKV's own settings
     (sink 4, local 512, buffer 512, top-k 2048) are budget=3076, local=512 with

@@ -247,7 +247,7 @@ def test_preset_defaults():
     assert policy.trigger.registered_name == "every_step"
     assert policy.prefill_units == policy.decode_units == Analytic(update_buffer=64)
     assert policy.selector == CollisionRerank(candidate_fraction=0.1, min_candidates=2.0, tiers=None,
-                                              rerank="head_softmax")
+                                              rerank="group_mean")
     # a small budget shrinks the buffer to a quarter of the retrieval room
     assert kvpolicy.preset("pariskv", budget=96).prefill_units.update_buffer == 7
     assert Policy.from_dict(policy.to_dict()) == policy
