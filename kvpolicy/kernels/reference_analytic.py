@@ -203,10 +203,13 @@ def query_votes(
     subspaces: int,
     tier_weights: Sequence[int] | torch.Tensor,
     per_head: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    logit_queries: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """The GQA group's mean query, rotated, and its vote table: ``(rotated (B, H, D) float32,
     table (B, H, S, 256) int8)``; with ``per_head``, one table per query head of the group,
-    ``(B, H, G, S, 256)`` (the rotated query is still the group's mean: the rerank's).
+    ``(B, H, G, S, 256)`` (the rotated query is still the group's mean: the rerank's). With
+    ``logit_queries``, a third output: each query head's logit query ``(B, H, G, D)`` float32,
+    ``analytic.head_logit_queries`` (``rerank="head_softmax"``'s rerank query).
 
     ``query_group``: ``(B, H, G, D)`` (any float dtype), the query heads of each KV head;
     ``signs``: the layer's SRHT signs ``(D,)``; ``tier_weights``: the votes of each of the
@@ -218,7 +221,10 @@ def query_votes(
     weights = torch.as_tensor(tier_weights, dtype=torch.int32, device=query_group.device)
     encoded = analytic.encode_query(query_group.float().mean(2), signs, subspaces, weights.shape[0])
     voting = analytic.encode_query(query_group.float(), signs, subspaces, weights.shape[0]) if per_head else encoded
-    return encoded.rotated, vote_table(voting.centroids, weights).to(torch.int8)
+    table = vote_table(voting.centroids, weights).to(torch.int8)
+    if logit_queries:
+        return encoded.rotated, table, analytic.head_logit_queries(query_group, signs)
+    return encoded.rotated, table
 
 
 def candidate_count(

@@ -20,6 +20,12 @@ head): each ranks its own head's unit query into that head's table, ``(B, H, G, 
 programs of head 0 write the group mean's rotated coordinates (the rerank's query). ``G`` times
 the programs, each rotating two queries (the mean, its head).
 
+With ``logit_queries`` (``rerank="head_softmax"``), the same launch also writes each query head's
+logit query (``analytic.head_logit_queries``: its unit vector rotated, times its norm and
+``D**-0.5``), ``(B, H, G, D)``: each (row, subspace) program rotates its subspace's coordinates of
+every head of the group (``G x dims x D`` terms), where the selector built them with about twenty
+small PyTorch launches a layer before.
+
 Before session 10 (``RANKS = "count"``, kept for the benchmark's before/after rows): one program
 per block of 32 centroids, each ranking its block by counting the centroids ahead of it
 (``32 x 256`` comparisons) and repeating the prologue and all 256 scores, 8 programs per
@@ -124,13 +130,13 @@ def _subspace_rotation(unit, parity, in_j, inv_sqrt_d):
 
 @triton.jit
 def _query_votes_sort_kernel(
-    query_ptr, signs_ptr, weights_ptr, rotated_ptr, table_ptr,
+    query_ptr, signs_ptr, weights_ptr, rotated_ptr, table_ptr, logits_ptr,
     H, G, RHO,
     q_sb, q_sh, q_sg, q_sd,
     inv_sqrt_d, inv_sqrt_dims,
     D: tl.constexpr, LOG_D: tl.constexpr, BLOCK_G: tl.constexpr,
     S: tl.constexpr, DIMS: tl.constexpr, BLOCK_DIMS: tl.constexpr, CENTROIDS: tl.constexpr, IDS: tl.constexpr,
-    PER_HEAD: tl.constexpr,
+    PER_HEAD: tl.constexpr, LOGITS: tl.constexpr,
 ):
     # one program per (row, subspace): the prologue and the scores once, then the ranks by one
     # sort of the subspace's centroids (CENTROIDS x log^2 compare-swaps, where counting took
@@ -160,6 +166,22 @@ def _query_votes_sort_kernel(
     for bit in tl.static_range(LOG_D):
         parity ^= (both >> bit) & 1
     part = _subspace_rotation(unit, parity, in_j, inv_sqrt_d)
+    if LOGITS:
+        # each query head's logit query (analytic.head_logit_queries): its unit vector rotated, times
+        # its norm and D**-0.5; this subspace's coordinates of every head (G x DIMS x D terms), by one
+        # program of the row's subspace (with per-head tables, the programs of voting head 0)
+        if PER_HEAD:
+            writes = tl.program_id(2) == 0
+        else:
+            writes = True
+        if writes:
+            norms = tl.sqrt(tl.sum(heads * heads, axis=1))
+            units = heads / tl.maximum(norms, 1e-12)[:, None] * signs[None, :]
+            rotated_heads = tl.sum(tl.where((parity == 0)[None, :, :], units[:, None, :], -units[:, None, :]),
+                                   axis=2) * inv_sqrt_d
+            logit_query = rotated_heads * (norms * inv_sqrt_d)[:, None]
+            tl.store(logits_ptr + (row * G + g[:, None]) * D + i[None, :], logit_query,
+                     mask=(g < G)[:, None] & in_j[None, :])
     if PER_HEAD:
         voter = tl.program_id(2)
         if voter == 0:  # the rerank's query is still the group's mean: one program of the group writes it
@@ -210,9 +232,12 @@ def query_votes(
     subspaces: int,
     tier_weights: Sequence[int] | torch.Tensor,
     per_head: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    logit_queries: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """``(rotated (B, H, D) float32, table (B, H, S, 256) int8)``, with ``per_head`` one table per
-    query head ``(B, H, G, S, 256)``; see ``reference_analytic.query_votes``."""
+    query head ``(B, H, G, S, 256)``, with ``logit_queries`` a third, each query head's logit query
+    ``(B, H, G, D)`` float32 (``rerank="head_softmax"``'s, written by the same launch); see
+    ``reference_analytic.query_votes``."""
     batch, heads, group, dim = query_group.shape
     weights = torch.as_tensor(tier_weights, dtype=torch.int32, device=query_group.device)
     dims = dim // subspaces if subspaces else 0
@@ -224,25 +249,30 @@ def query_votes(
         )
     if per_head and RANKS != "sort":
         raise ValueError(f"triton query_votes: per-head tables take RANKS 'sort', not {RANKS!r}")
+    if logit_queries and RANKS != "sort":
+        raise ValueError(f"triton query_votes: logit queries take RANKS 'sort', not {RANKS!r}")
     device = query_group.device
     rotated = torch.empty(batch, heads, dim, dtype=torch.float32, device=device)
     voters = (group,) if per_head else ()
     table = torch.empty(batch, heads, *voters, subspaces, reference_analytic.NUM_IDS, dtype=torch.int8, device=device)
+    logits = torch.empty(batch, heads, group, dim, dtype=torch.float32, device=device) if logit_queries else None
+    outputs = (rotated, table, logits) if logit_queries else (rotated, table)
     if batch * heads == 0:
-        return rotated, table
+        return outputs
     common = (query_group, signs.float().contiguous(), weights.contiguous(), rotated, table,
+              *(() if RANKS == "count" else (rotated if logits is None else logits,)),
               heads, group, weights.shape[0], *query_group.stride(), 1.0 / math.sqrt(dim), 1.0 / math.sqrt(dims))
     shape = dict(D=dim, LOG_D=dim.bit_length() - 1, BLOCK_G=triton.next_power_of_2(group),
                  S=subspaces, DIMS=dims, BLOCK_DIMS=max(2, dims), CENTROIDS=1 << dims, IDS=reference_analytic.NUM_IDS)
     if RANKS == "sort":
         _query_votes_sort_kernel[(batch * heads, subspaces, *voters)](*common, **shape, PER_HEAD=per_head,
-                                                                      num_warps=_SORT_WARPS)
+                                                                      LOGITS=logit_queries, num_warps=_SORT_WARPS)
     elif RANKS == "count":
         block_c = min(32, 1 << dims)
         _query_votes_kernel[(batch * heads, subspaces, (1 << dims) // block_c)](*common, **shape, BLOCK_C=block_c)
     else:
         raise ValueError(f"triton query_votes: RANKS {RANKS!r}; accepted: sort, count")
-    return rotated, table
+    return outputs
 
 
 if "query_votes" in OPS:  # registered once dispatch.OPS names the op

@@ -269,6 +269,57 @@ def test_query_votes_per_head_takes_the_sort_ranks_only(monkeypatch):
                                 per_head=True)
 
 
+@pytest.mark.parametrize("per_head,batch,heads,group,dim,subspaces,tiers", [
+    (False, 1, 2, 4, 128, 16, 6), (False, 2, 2, 3, 64, 8, 4), (True, 2, 2, 3, 64, 8, 4), (True, 1, 2, 1, 16, 4, 2)])
+def test_query_votes_logit_queries_match_reference(per_head, batch, heads, group, dim, subspaces, tiers):
+    # rerank="head_softmax"'s query from the same launch: each head's analytic.head_logit_queries;
+    # the rotated query and the table as without it
+    from kvpolicy.kernels.triton import query_votes
+
+    gen = _gen(dim + group + 2)
+    signs = analytic.srht_signs(dim, 5)
+    weights = torch.tensor(analytic.tier_weights(tiers), dtype=torch.int32)
+    query = (torch.randn(batch, heads, group, dim, generator=gen) * 3).to(torch.bfloat16)
+    query[0, 0, 0] = 0  # a zero head: a zero logit query
+    want_rotated, want_table, want_logits = reference_analytic.query_votes(query, signs, subspaces, weights,
+                                                                          per_head=per_head, logit_queries=True)
+    torch.testing.assert_close(want_logits, analytic.head_logit_queries(query, signs), rtol=0, atol=0)
+    args = (query.to(DEVICE), signs.to(DEVICE), subspaces, weights.to(DEVICE))
+    rotated, table, logits = query_votes.query_votes(*args, per_head=per_head, logit_queries=True)
+    alone = query_votes.query_votes(*args, per_head=per_head)
+    assert len(alone) == 2 and torch.equal(rotated, alone[0]) and torch.equal(table, alone[1])
+    assert torch.equal(table.cpu(), want_table)
+    torch.testing.assert_close(rotated.cpu(), want_rotated, rtol=0, atol=1e-6)
+    assert logits.dtype == torch.float32 and logits.shape == (batch, heads, group, dim)
+    torch.testing.assert_close(logits.cpu(), want_logits, rtol=1e-5, atol=1e-6)
+    assert not logits[0, 0, 0].any()
+
+
+def test_query_votes_logit_queries_take_the_sort_ranks_only(monkeypatch):
+    from kvpolicy.kernels.triton import query_votes
+
+    monkeypatch.setattr(query_votes, "RANKS", "count")
+    with pytest.raises(ValueError, match="logit queries take RANKS 'sort', not 'count'"):
+        query_votes.query_votes(torch.zeros(1, 1, 2, 16, device=DEVICE), torch.ones(16, device=DEVICE), 4, [2, 1],
+                                logit_queries=True)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("batch, group, per_head", [(1, 4, False), (4, 4, True), (2, 8, False), (1, 3, False)])
+def test_query_votes_logit_queries_at_decode_sizes(batch, group, per_head):
+    # ParisKV's shape: 8 KV heads, head_dim 128, 16 subspaces of 8 dims, 6 tiers
+    from kvpolicy.kernels.triton import query_votes
+
+    gen = torch.Generator(device=DEVICE).manual_seed(batch * group)
+    signs = analytic.srht_signs(128, 0).to(DEVICE)
+    weights = torch.tensor(analytic.tier_weights(6), dtype=torch.int32, device=DEVICE)
+    query = (4 * torch.randn(batch, 8, group, 128, generator=gen, device=DEVICE)).to(torch.bfloat16)
+    rotated, table, logits = query_votes.query_votes(query, signs, 16, weights, per_head=per_head, logit_queries=True)
+    torch.testing.assert_close(logits, analytic.head_logit_queries(query, signs), rtol=1e-5, atol=1e-5)
+    want = reference_analytic.query_votes(query, signs, 16, weights, per_head=per_head)
+    torch.testing.assert_close(rotated, want[0], rtol=0, atol=1e-6)
+
+
 def test_query_votes_refuses_misshaped_inputs():
     from kvpolicy.kernels.triton import query_votes
 
