@@ -40,7 +40,8 @@ ParisKV's pipeline, file by file (the ``pariskv`` preset composes the first thre
   (the update buffer's first, then the chosen tokens by position) in five launches and a memset.
 - ``kvpolicy/kernels/triton/head_softmax.py``: ``rerank="head_softmax"``'s scores for ``rerank``
   and ``rerank_select`` (each query head's softmax over the candidates, summed; the codes read
-  once for the group's heads), in three launches that replace the score pass.
+  once for the group's heads), in two launches that replace the score pass (the heads' logit
+  queries come from ``query_votes(logit_queries=True)``'s launch).
 - ``kvpolicy/kernels/triton/analytic_append.py``: op ``analytic_append``, a leaving token
   encoded and written into the index, the flush and the counter, in one launch.
 - ``kvpolicy/kernels/triton/analytic_encode.py``: op ``analytic_encode``, the prompt's keys encoded

@@ -40,6 +40,13 @@ def _votes_per_head(query_votes) -> bool:
     return query_votes is not None and "per_head" in inspect.signature(query_votes).parameters
 
 
+def _votes_logit_queries(query_votes) -> bool:
+    """Whether a bound ``query_votes`` also writes each query head's logit query (``logit_queries``:
+    ``rerank="head_softmax"``'s rerank query in the same launch, where ``analytic.head_logit_queries``
+    costs about twenty small launches); every backend's op names the keyword where it has it."""
+    return query_votes is not None and "logit_queries" in inspect.signature(query_votes).parameters
+
+
 @register("selector", "collision_rerank")
 @dataclass
 class CollisionRerank(Selector):
@@ -91,12 +98,13 @@ class CollisionRerank(Selector):
     needle digit with 0.985 of its group's mass, 597th of the mean's estimates against a cut of
     440); its head's softmax keeps it. It costs G estimates a candidate where the mean costs one
     (the codes still read once: ``kvpolicy/kernels/triton/head_softmax.py``), and on the triton
-    backend two more launches for the softmaxes' sums.
+    backend one more launch for the softmaxes' sums; ``query_votes`` writes the heads' logit
+    queries in its launch (``logit_queries``).
 
     The kernels (``kvpolicy.analytic``'s module docstring maps the pipeline's files): with ops
     ``query_votes``, ``collision_candidates`` and ``rerank_select`` bound (every backend has
     them), one launch for the query, three for the votes and the candidates (two in a call too
-    small for the GPU), five for the rerank, its top-k and the selection's rows (seven with
+    small for the GPU), five for the rerank, its top-k and the selection's rows (six with
     ``rerank="head_softmax"``); the
     retrieved tokens are then
     listed by position (the pool read in address order), after the buffer's. Otherwise ``collision_count`` and
@@ -215,15 +223,18 @@ class CollisionRerank(Selector):
                               f"reference and triton backends have; this policy's ({ops.backend!r}) binds "
                               f"{getattr(query_votes, '__module__', None) or 'none'}'s")
         if query_votes is not None and collision_candidates is not None:
-            rotated, table = query_votes(group, index.signs, index.subspaces, votes_per_rank, **(
-                {"per_head": True} if per_head else {}))
+            # rerank="head_softmax": the heads' logit queries from the same launch, where the op makes them
+            logits_too = self.rerank == "head_softmax" and rerank_select is not None and _votes_logit_queries(
+                query_votes)
+            rotated, table, *logit_queries = query_votes(group, index.signs, index.subspaces, votes_per_rank, **(
+                {"per_head": True} if per_head else {}), **({"logit_queries": True} if logits_too else {}))
             candidates = collision_candidates(
                 table, index.centroids, index.token_valid, index.indexed, width, max_votes, *rule
             )  # (B, H, C), by position
             if rerank_select is not None:
                 # the rerank, its top-k and the buffer-first composition in one op
                 return Selection(*rerank_select(
-                    self.rerank_query(rotated, group, index.signs), index.codes, index.weight, index.norms, candidates,
+                    logit_queries[0] if logits_too else self.rerank_query(rotated, group, index.signs), index.codes, index.weight, index.norms, candidates,
                     index.token_valid, index.slots, index.indexed, index.next_position, capacity,
                 ))
         else:

@@ -220,17 +220,11 @@ def test_the_fused_selection_launches_only_its_kernels(monkeypatch, method, vote
     selected = ["_radix_score_kernel", "_radix_level_kernel", "_radix_level_kernel", "_radix_level_kernel",
                 "_radix_place_kernel"]
     if rerank == "head_softmax":
-        # head_softmax.py's three passes in place of the score pass; the heads' logit queries are
-        # made in PyTorch (analytic.head_logit_queries: the rotation, each head's norm, the scale)
-        selected[:1] = ["_logits_kernel", "_normalizer_kernel", "_mass_kernel"]
+        # head_softmax.py's two passes in place of the score pass (the logits' last program of a row
+        # makes its normalisers); the heads' logit queries come from query_votes' launch
+        selected[:1] = ["_logits_kernel", "_mass_kernel"]
     assert launches == ["_query_votes_sort_kernel", "_votes_kernel", "_compact_fused_kernel", *selected]
-    logit_query = []
-    if rerank == "head_softmax":  # the PyTorch ops of the heads' logit queries, nothing else
-        with Record() as alone:
-            analytic.head_logit_queries(query.view(1, 2, 2, 32), index.signs)
-        logit_query = alone.ops
-        assert logit_query
-    assert record.ops == logit_query
+    assert record.ops == []
     assert int(selection.num_units.sum()) == 2 * 40
 
 

@@ -4,21 +4,30 @@ log. For the ops ``rerank`` (the scores, then ``torch.topk``) and ``rerank_selec
 first histogram, then its top-k passes).
 
 A head's softmax needs its max and sum over every candidate of the row before any candidate's
-score, so three launches:
+score, so two launches:
 
-1. ``_logits_kernel``, one program per (row, chunk of candidates): reads each listed candidate's
-   packed codes once (``D / 2`` bytes), dequantises them once and dots them with each of the ``G``
-   query heads of its KV head (the values stay in registers across the heads); writes the ``G``
-   logits (-inf where not listed) and the chunk's max and sum of ``exp(logit - max)`` per head.
-2. ``_normalizer_kernel``, one program per row: each head's softmax denominator as a log,
-   ``max + log(sum)``, from its chunks'.
-3. ``_mass_kernel``, one program per (row, chunk): each candidate's log-sum-exp over the heads of
+1. ``_logits_kernel``, one program per (row, chunk of candidates), laid out as the group mean's score
+   pass (``rerank_select._radix_score_kernel``): a step of ``SUB`` candidates reads their packed codes
+   as one ``[SUB, D / 2]`` byte tile (a candidate's ``D / 2`` bytes contiguous), the next step's
+   candidate ids loaded a step ahead; the nibbles' values are looked up once and dotted with each of
+   the ``G`` query heads of its KV head (each head's query loaded as the score pass loads its one, in
+   the tile's column layout: no shuffle of the values between heads). Writes the ``G`` logits (-inf
+   where not listed) and the chunk's max and sum of ``exp(logit - max)`` per head; the row's last
+   program to finish (an atomic ticket, self-clearing scratch) combines its chunks' into each head's
+   softmax denominator as a log, ``max + log(sum)``.
+2. ``_mass_kernel``, one program per (row, chunk): each candidate's log-sum-exp over the heads of
    ``logit - normalizer``, written as ``OUTPUT`` says: the float score (``rerank``), or the key
    ``rerank_select``'s score pass writes with its histogram ("radix", "split") or alone ("wide").
 
 Per candidate: its codes, weight, norm and position once, its ``G`` logits written and read once
 (4 bytes each: 16 at G=4 against 64 bytes of codes at D=128). The sums run in another order than
 the reference's, so scores agree to float rounding (about 1e-6 relative), not bit for bit.
+
+Before (session 29): the logits pass held every head's query as one ``[G, D / 2]`` tile and picked
+a head's row out of it, and built each step's ``[SUB, G]`` logits tile, at every step (a layout
+change through shared memory per head); a third launch computed the normalisers; and the selector
+built the logit queries with ~20 PyTorch launches a layer (``query_votes(logit_queries=True)``
+writes them now). Measured then on an H100 at 1x128K: the logits pass 36.3 us a layer.
 """
 
 from __future__ import annotations
@@ -28,14 +37,18 @@ import triton
 import triton.language as tl
 
 from ...analytic import nibble_values
+from . import scratch
 
 OUTPUTS = ("scores", "radix", "split", "wide")
-# candidates a step of the logits pass: SUB x D / 2 code bytes and their values in registers, as
-# rerank_select's score pass at 128 holds, plus the G dots' terms (unmeasured on a GPU)
-_LOGITS_SUB = 64
+# candidates a step of the logits pass and its warps: SUB x D / 2 code bytes and their two value
+# tiles in registers across the G heads (32 + 32 registers a thread at 128 x 8 warps, D=128; the
+# group mean's pass at 128 x 4 holds one value tile at a time). Not measured on a GPU yet
+# (benchmarks/pariskv_select.py --rerank both times it)
+_LOGITS_SUB = 128
+_LOGITS_WARPS = 8
 # candidates a step of the mass pass (G logits each)
 _MASS_SUB = 256
-# chunks a step of the normaliser pass
+# chunks a step of the normaliser (the logits pass's last program of a row)
 _CHUNK_BLOCK = 64
 # the rerank op's chunk: about _CHUNKS_PER_ROW programs a row, at most _MAX_CHUNK candidates each
 _CHUNKS_PER_ROW = 32
@@ -44,7 +57,8 @@ _MAX_CHUNK = 4096
 
 @triton.jit
 def _logits_kernel(
-    query_ptr, codes_ptr, weight_ptr, norms_ptr, cand_ptr, values_ptr, logits_ptr, stats_ptr,
+    query_ptr, codes_ptr, weight_ptr, norms_ptr, cand_ptr, values_ptr, logits_ptr, stats_ptr, normalizer_ptr,
+    done_ptr,
     H, W, CHUNKS,
     q_sb, q_sh, q_sg, q_sd,
     code_sb, code_sh, code_sn, code_sd,
@@ -52,7 +66,7 @@ def _logits_kernel(
     norm_sb, norm_sh, norm_sn,
     cand_sb, cand_sh, cand_sc,
     G: tl.constexpr, BLOCK_G: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    CHUNK: tl.constexpr, SUB: tl.constexpr,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -61,18 +75,22 @@ def _logits_kernel(
     i = tl.arange(0, BLOCK_HALF)
     in_i = i < HALF
     heads = tl.arange(0, BLOCK_G)
-    # every head's query, loaded once: coordinate 2i is byte i's low nibble, 2i + 1 its high nibble
-    q_at = query_ptr + b * q_sb + h * q_sh + heads[:, None] * q_sg
-    q_in = (heads < G)[:, None] & in_i[None, :]
-    q_even = tl.load(q_at + (2 * i[None, :]) * q_sd, mask=q_in, other=0.0).to(tl.float32)
-    q_odd = tl.load(q_at + (2 * i[None, :] + 1) * q_sd, mask=q_in, other=0.0).to(tl.float32)
+    in_g = heads < G
+    q_base = query_ptr + b * q_sb + h * q_sh
+    cand_row = cand_ptr + b * cand_sb + h * cand_sh
     # each head's max and sum of exp(logit - max) over the chunk's candidates so far
     head_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     head_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
+    # the next step's candidates are loaded a step ahead (as the score pass), so a step waits on one
+    # load (its codes), not two
+    c = chunk * CHUNK + tl.arange(0, SUB).to(tl.int64)
+    cand_next = tl.load(cand_row + c * cand_sc, mask=c < W, other=-1).to(tl.int64)
     for s0 in range(0, CHUNK, SUB):
         c = chunk * CHUNK + s0 + tl.arange(0, SUB).to(tl.int64)
         in_c = c < W
-        cand = tl.load(cand_ptr + b * cand_sb + h * cand_sh + c * cand_sc, mask=in_c, other=-1).to(tl.int64)
+        cand = cand_next
+        ahead = c + SUB
+        cand_next = tl.load(cand_row + ahead * cand_sc, mask=(ahead < W) & (s0 + SUB < CHUNK), other=-1).to(tl.int64)
         listed = cand >= 0
         token = tl.maximum(cand, 0)
         rows = listed[:, None] & in_i[None, :]
@@ -80,52 +98,58 @@ def _logits_kernel(
             codes_ptr + b * code_sb + h * code_sh + token[:, None] * code_sn + i[None, :] * code_sd,
             mask=rows, other=0,
         ).to(tl.int32)
-        # the codes' values once for all G heads: the codes are the bytes that cost
+        # the codes' values once for all G heads: the codes are the bytes that cost; a masked byte
+        # is 0, whose value is the smallest level, so the masked terms are zeroed below
         low_val = tl.where(rows, tl.load(values_ptr + (packed & 15)), 0.0)
         high_val = tl.where(rows, tl.load(values_ptr + (packed >> 4)), 0.0)
         weight = tl.load(weight_ptr + b * weight_sb + h * weight_sh + token * weight_sn, mask=listed, other=0.0)
         norm = tl.load(norms_ptr + b * norm_sb + h * norm_sh + token * norm_sn, mask=listed, other=0.0)
         scale = weight.to(tl.float32) * norm.to(tl.float32)
-        logits = tl.full([SUB, BLOCK_G], float("-inf"), tl.float32)
+        step_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        step_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
         for g in tl.static_range(G):
-            # head g's query row, picked out of the tiles in registers
-            qe = tl.sum(tl.where(heads[:, None] == g, q_even, 0.0), axis=0)
-            qo = tl.sum(tl.where(heads[:, None] == g, q_odd, 0.0), axis=0)
-            dot = tl.sum(low_val * qe[None, :] + high_val * qo[None, :], axis=1)
+            # head g's query as the score pass loads its one (coordinate 2i: byte i's low nibble,
+            # 2i + 1 its high nibble): L1-resident after the first step
+            q_even = tl.load(q_base + g * q_sg + (2 * i) * q_sd, mask=in_i, other=0.0).to(tl.float32)
+            q_odd = tl.load(q_base + g * q_sg + (2 * i + 1) * q_sd, mask=in_i, other=0.0).to(tl.float32)
+            dot = tl.sum(low_val * q_even[None, :] + high_val * q_odd[None, :], axis=1)
             logit = tl.where(listed, scale * dot, float("-inf"))
             tl.store(logits_ptr + (row * G + g) * W + c, logit, mask=in_c)
-            logits = tl.where(heads[None, :] == g, logit[:, None], logits)
-        step_max = tl.maximum(head_max, tl.max(logits, axis=0))
-        # a head with no listed candidate yet has nothing to rescale (and -inf - -inf is NaN)
-        shift = tl.where(step_max > float("-inf"), step_max, 0.0)
-        head_sum = head_sum * tl.exp(head_max - shift) + tl.sum(tl.exp(logits - shift[None, :]), axis=0)
-        head_max = step_max
+            top = tl.max(logit, axis=0)
+            # a step with no listed candidate has nothing to sum (and -inf - -inf is NaN)
+            shift = tl.where(top > float("-inf"), top, 0.0)
+            total = tl.sum(tl.exp(logit - shift), axis=0)
+            step_max = tl.where(heads == g, top, step_max)
+            step_sum = tl.where(heads == g, total, step_sum)
+        new_max = tl.maximum(head_max, step_max)
+        shift = tl.where(new_max > float("-inf"), new_max, 0.0)
+        head_sum = head_sum * tl.exp(head_max - shift) + step_sum * tl.exp(step_max - shift)
+        head_max = new_max
     stats = stats_ptr + (row * CHUNKS + chunk) * 2 * G
-    tl.store(stats + heads, head_max, mask=heads < G)
-    tl.store(stats + G + heads, head_sum, mask=heads < G)
-
-
-@triton.jit
-def _normalizer_kernel(stats_ptr, normalizer_ptr, CHUNKS, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                       CHUNK_BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    heads = tl.arange(0, BLOCK_G)
-    in_g = heads < G
-    lanes = tl.arange(0, CHUNK_BLOCK)
-    top = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_G], dtype=tl.float32)
-    for c0 in range(0, CHUNKS, CHUNK_BLOCK):
-        c = c0 + lanes
-        at = stats_ptr + (row * CHUNKS + c)[:, None] * 2 * G + heads[None, :]
-        mask = (c < CHUNKS)[:, None] & in_g[None, :]
-        chunk_max = tl.load(at, mask=mask, other=float("-inf"))
-        chunk_sum = tl.load(at + G, mask=mask, other=0.0)
-        new_top = tl.maximum(top, tl.max(chunk_max, axis=0))
-        shift = tl.where(new_top > float("-inf"), new_top, 0.0)
-        total = total * tl.exp(top - shift) + tl.sum(chunk_sum * tl.exp(chunk_max - shift[None, :]), axis=0)
-        top = new_top
-    # total >= 1 where the head has a candidate (its max's own term); -inf where the row lists none
-    tl.store(normalizer_ptr + row * G + heads, top + tl.log(tl.maximum(total, 1.0)), mask=in_g)
+    tl.store(stats + heads, head_max, mask=in_g)
+    tl.store(stats + G + heads, head_sum, mask=in_g)
+    # the row's last program to finish combines its chunks' stats into the heads' normalisers; its
+    # ticket (acq_rel) comes after every program's stats (the barrier puts this program's stores
+    # first), and it leaves the ticket zero for the next call (self-clearing scratch)
+    tl.debug_barrier()
+    if tl.atomic_add(done_ptr + row, 1, sem="acq_rel") == CHUNKS - 1:
+        lanes = tl.arange(0, CHUNK_BLOCK)
+        top = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_G], dtype=tl.float32)
+        for c0 in range(0, CHUNKS, CHUNK_BLOCK):
+            k = c0 + lanes
+            at = stats_ptr + (row * CHUNKS + k)[:, None] * 2 * G + heads[None, :]
+            mask = (k < CHUNKS)[:, None] & in_g[None, :]
+            # other programs' stores: read past L1
+            chunk_max = tl.load(at, mask=mask, other=float("-inf"), cache_modifier=".cg")
+            chunk_sum = tl.load(at + G, mask=mask, other=0.0, cache_modifier=".cg")
+            new_top = tl.maximum(top, tl.max(chunk_max, axis=0))
+            shift = tl.where(new_top > float("-inf"), new_top, 0.0)
+            total = total * tl.exp(top - shift) + tl.sum(chunk_sum * tl.exp(chunk_max - shift[None, :]), axis=0)
+            top = new_top
+        # total >= 1 where the head has a candidate (its max's own term); -inf where the row lists none
+        tl.store(normalizer_ptr + row * G + heads, top + tl.log(tl.maximum(total, 1.0)), mask=in_g)
+        tl.store(done_ptr + row, 0)
 
 
 @triton.jit
@@ -214,7 +238,7 @@ def keys(
     levels: int = 1,
 ) -> None:
     """Each candidate's ``head_softmax`` score into ``out``, as ``output`` says (``OUTPUTS``, the
-    module docstring); three launches over chunks of ``chunk`` candidates (a power of two).
+    module docstring); two launches over chunks of ``chunk`` candidates (a power of two).
 
     ``query_logits (B, H, G, D)``; ``codes``, ``weight``, ``norms``, ``candidates (B, H, W)`` as in
     ``reference_analytic.head_softmax_scores``. ``out``: ``(B * H, W)`` contiguous, float32
@@ -235,15 +259,17 @@ def keys(
     stats = torch.empty(rows, chunks, 2, group, dtype=torch.float32, device=device)
     normalizer = torch.empty(rows, group, dtype=torch.float32, device=device)
     block_g = triton.next_power_of_2(group)
+    # zero between calls, as the logits pass's last program of a row leaves it: no fill launched
+    done = scratch.zeroed(device, "head_softmax.done", (rows,))
     _logits_kernel[(rows, chunks)](
-        query_logits, codes, weight, norms, candidates, nibble_values(2 * half, device), logits, stats,
+        query_logits, codes, weight, norms, candidates, nibble_values(2 * half, device), logits, stats, normalizer,
+        done,
         heads, width, chunks,
         *query_logits.stride(), *codes.stride(), *weight.stride(), *norms.stride(), *candidates.stride(),
         G=group, BLOCK_G=block_g, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        CHUNK=chunk, SUB=min(chunk, _LOGITS_SUB),
+        CHUNK=chunk, SUB=min(chunk, _LOGITS_SUB), CHUNK_BLOCK=min(_CHUNK_BLOCK, triton.next_power_of_2(chunks)),
+        num_warps=_LOGITS_WARPS,
     )
-    _normalizer_kernel[(rows,)](stats, normalizer, chunks, G=group, BLOCK_G=block_g,
-                                CHUNK_BLOCK=min(_CHUNK_BLOCK, triton.next_power_of_2(chunks)))
     _mass_kernel[(rows, chunks)](
         logits, normalizer, out, hist, width, chunks,
         G=group, BLOCK_G=block_g, CHUNK=chunk, SUB=min(chunk, _MASS_SUB), OUTPUT=output, BINS=bins, LEVELS=levels,

@@ -32,7 +32,7 @@ of the k-th best may be swapped with one at the threshold (the tests allow 1e-5)
 (equal float32 scores) go to the lower position in both.
 
 A query per head of the group (``rerank="head_softmax"``, ``(B, H, G, D)``): a head's softmax needs
-every candidate's estimate before any key, so ``head_softmax.py``'s three launches replace the score
+every candidate's estimate before any key, so ``head_softmax.py``'s two launches replace the score
 pass (the codes still read once, for all the heads), writing the same keys and first histogram;
 every method's later passes are unchanged.
 """

@@ -1082,6 +1082,63 @@ def test_head_softmax_breaks_exact_ties_by_position(small_select, small_head_sof
     assert got[0][0, 0, 3:].tolist() == inputs[4][0, 0, :97].tolist()
 
 
+@pytest.mark.parametrize("output", ["scores", "radix"])
+def test_head_softmax_leaves_its_ticket_zeroed_and_repeats(small_head_softmax, output):
+    # the logits pass's last program of a row computes the row's normalisers (an atomic ticket a
+    # row, self-clearing scratch): zero after each call, and a second call scores as the first
+    from kvpolicy.kernels.triton import rerank as triton_rerank
+    from kvpolicy.kernels.triton import scratch
+
+    keys, query = _encoded(11, 1, 2, 400, 32, 4, 3)
+    cands = _candidates(11, 1, 2, 400, 300)
+    inputs = [t.to(DEVICE) for t in _per_head([query.rotated, keys.codes, keys.weight, keys.norms, cands], 11, 4)]
+    if output == "scores":
+        first = triton_rerank.candidate_scores(*inputs)
+        again = triton_rerank.candidate_scores(*inputs)
+        torch.testing.assert_close(first, again, rtol=0, atol=0)
+    else:
+        rows, width = 2, cands.shape[-1]
+        outs = []
+        for _ in range(2):
+            out = torch.empty(rows, width, dtype=torch.int32, device=DEVICE)
+            hist = torch.zeros(rows, 4, 256, dtype=torch.int32, device=DEVICE)
+            small_head_softmax.keys(inputs[0], *inputs[1:5], out, hist, 64, "radix", 256, 4)
+            outs.append((out, hist))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        listed = int((cands >= 0).sum())
+        assert int(outs[0][1][:, 0].sum()) == listed  # the top digit of every listed key
+    assert not scratch.zeroed(DEVICE, "head_softmax.done", (2,)).any()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("batch, n, width, group", [(1, 131072, 13108, 4), (4, 131072, 13108, 4), (1, 32768, 6001, 3)])
+def test_head_softmax_scores_at_decode_sizes_from_query_votes(batch, n, width, group):
+    # the selector's path: the logit queries from query_votes(logit_queries=True), the scores from
+    # head_softmax.py's two passes, against the reference's on the same queries (each head's
+    # softmax sums to one)
+    from kvpolicy.kernels.triton import query_votes
+    from kvpolicy.kernels.triton import rerank as triton_rerank
+
+    heads, dim = 8, 128
+    gen = torch.Generator(device=DEVICE).manual_seed(n + batch)
+    signs = analytic.srht_signs(dim, 0).to(DEVICE)
+    weights = torch.tensor(analytic.tier_weights(6), dtype=torch.int32, device=DEVICE)
+    queries = torch.randn(batch, heads, group, dim, generator=gen, device=DEVICE).to(torch.bfloat16)
+    query = query_votes.query_votes(queries, signs, 16, weights, logit_queries=True)[2]
+    codes = torch.randint(0, 256, (batch, heads, n, dim // 2), generator=gen, device=DEVICE, dtype=torch.uint8)
+    weight = 1 + 0.1 * torch.rand(batch, heads, n, generator=gen, device=DEVICE)
+    norms = 1 + torch.rand(batch, heads, n, generator=gen, device=DEVICE)
+    cands = torch.rand(batch, heads, n, generator=gen, device=DEVICE).topk(width, -1).indices.sort(-1).values
+    cands[0, 0, width // 3:] = -1
+    want = reference_analytic.head_softmax_scores(query, codes, weight, norms, cands)
+    for _ in range(2):  # the second call on the scratch the first left
+        got = triton_rerank.candidate_scores(query, codes, weight, norms, cands)
+        listed = cands >= 0
+        torch.testing.assert_close(got[listed], want[listed], rtol=1e-5, atol=1e-5)
+        mass = torch.where(listed, got.exp(), 0.0).sum(-1)
+        torch.testing.assert_close(mass, torch.full_like(mass, float(group)), rtol=1e-4, atol=1e-4)
+
+
 def test_the_rerank_ops_name_the_query_shapes_they_take():
     inputs = _select_inputs(5, 1, 2, 200, 32, 4, 100, [[100, 100]], 180, 4, device=DEVICE)
     per_head = _per_head(inputs, 5, 3)[0]
