@@ -158,7 +158,9 @@ BUILTIN_PARISKV_VOTES: dict[str, str] = {"gemma-3-270m": "head_max"}
 # at least as accurate on every measured cell (EVAL.md, "pariskv's rerank per query head": SmolLM2 8K
 # 45.3 against 39.1, 4K 82.8 against 76.6, Gemma 3 8K 46.9 either way), but its Triton passes cost 3.0
 # ms a step at 1x32K and 3.4 at 1x128K on an H100 (0.78x full attention at 1x32K against 1.02x;
-# BENCHMARKS.md, session 29): the default once its query build and logits pass run near bandwidth
+# BENCHMARKS.md, session 29), in 17 launches a layer. They are two since (the logit queries from
+# query_votes, the normalisers in the logits pass), unmeasured (benchmarks/head_softmax_rerank.py):
+# the default once they run near group_mean's cost
 PARISKV_RERANK = "group_mean"
 
 

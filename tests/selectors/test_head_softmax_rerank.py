@@ -155,7 +155,7 @@ def test_it_selects_on_triton_what_it_selects_on_the_reference(monkeypatch, grou
 
 
 def test_the_preset_reranks_by_the_group_mean_until_head_softmax_is_fast():
-    # presets.PARISKV_RERANK, whatever the model's votes (head_softmax costs 3 ms a step on an H100);
+    # presets.PARISKV_RERANK, whatever the model's votes (head_softmax cost 3 ms a step on an H100 in session 29);
     # an explicit selector takes the option's default, and the preset takes head_softmax when asked
     assert preset("pariskv").selector.rerank == "group_mean"
     gemma = preset("pariskv", model="gemma-3-270m").selector
