@@ -43,7 +43,7 @@ OUTPUTS = ("scores", "radix", "split", "wide")
 # candidates a step of the logits pass and its warps: SUB x D / 2 code bytes and their two value
 # tiles in registers across the G heads (32 + 32 registers a thread at 128 x 8 warps, D=128; the
 # group mean's pass at 128 x 4 holds one value tile at a time). Not measured on a GPU yet
-# (benchmarks/pariskv_select.py --rerank both times it)
+# (benchmarks/head_softmax_rerank.py times six settings beside group_mean)
 _LOGITS_SUB = 128
 _LOGITS_WARPS = 8
 # candidates a step of the mass pass (G logits each)
