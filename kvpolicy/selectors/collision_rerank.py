@@ -233,8 +233,9 @@ class CollisionRerank(Selector):
             )  # (B, H, C), by position
             if rerank_select is not None:
                 # the rerank, its top-k and the buffer-first composition in one op
+                scored_by = logit_queries[0] if logits_too else self.rerank_query(rotated, group, index.signs)
                 return Selection(*rerank_select(
-                    logit_queries[0] if logits_too else self.rerank_query(rotated, group, index.signs), index.codes, index.weight, index.norms, candidates,
+                    scored_by, index.codes, index.weight, index.norms, candidates,
                     index.token_valid, index.slots, index.indexed, index.next_position, capacity,
                 ))
         else:
