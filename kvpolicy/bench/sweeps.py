@@ -54,7 +54,8 @@ def e2e(model, *, contexts: Iterable[int], batches: Iterable[int], cells: Preset
     stack), the other ``full_kinds``, then each preset at each placement and DecodeGraph branch
     kind; louiskv at ``interval(n)`` (``rate``), never re-selecting after its first step
     (``/reuse``; ``/score_gap_reuse``: the preset's SmolLM2 trigger, score_gap, reusing;
-    ``/score_gap_every2_reuse``: the same measuring at one step in two) and at
+    ``/score_gap_every2_reuse``: the same measuring at one step in two;
+    ``/score_gap_every4_challengers8_reuse``: the whole table at one step in four, 8 challengers) and at
     every step (``/every_step``); ``unit_cache_rows``: the policies' GPU unit cache
     (``Policy.unit_cache_rows``). A policy row carries its ``miss_fraction``. ``stickiness``:
     louiskv's re-selecting rows run once per value, with unit scores biased by up to that much
@@ -79,6 +80,10 @@ def e2e(model, *, contexts: Iterable[int], batches: Iterable[int], cells: Preset
                         # the same measuring the gap at one step in two (``every``: half its bytes a step)
                         + [("score_gap_every2_reuse", {**BUILTIN_TRIGGER[EMBEDDED_ID], "margin": 1e9, "every": 2},
                             0.0)]
+                        # one step in four reads the whole table, the others the held units and 8 challengers
+                        # a query head (a selection kept throughout, so none goes stale: its cheapest case)
+                        + [("score_gap_every4_challengers8_reuse",
+                            {**BUILTIN_TRIGGER[EMBEDDED_ID], "margin": 1e9, "every": 4, "challengers": 8}, 0.0)]
                         + [("every_step" + tag, {"name": "every_step"}, bias) for tag, bias in tags])
     full_kinds = list(full_kinds)
     for context in contexts:

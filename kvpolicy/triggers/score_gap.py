@@ -75,6 +75,8 @@ class ScoreGapState:
     outliers: OutlierKeys | None = None
     # ``challengers``: (B, H, G, C) long, the unheld units a measured step found strongest (-1: none)
     challengers: torch.Tensor | None = None
+    # (B, H) int32, the fused op's check of each KV head's challengers (``score_gap_challengers.py``)
+    challenger_flags: torch.Tensor | None = None
 
 
 MEASURES = ("weakest", "mass", "rank")
@@ -135,10 +137,10 @@ class ScoreGap(Trigger):
     # is 0, so each step measures ``1/every`` of the layers); between them the layer keeps its selection
     # (unless it has none, or ``cap`` says). 1: every step. The trigger's bytes a step fall by ``every``
     every: int = 1
-    # with ``every`` > 1 and ``estimate="outlier"`` (reference only, an experiment): a measured step also
-    # keeps, per query head, the ``challengers`` unheld units of largest estimated mass, and the steps
-    # between measure the gap against those units alone instead of keeping the selection (a unit can only
-    # rise past them unseen until the next measured step). 0: off
+    # with ``every`` > 1 and ``estimate="outlier"``: a measured step also keeps, per query head, the
+    # ``challengers`` unheld units of largest estimated mass, and the steps between measure the gap against
+    # those units alone instead of keeping the selection (a unit can only rise past them unseen until the
+    # next measured step); the fused op then reads only the held units' and challengers' keys. 0: off
     challengers: int = 0
     # the spec names these only when set (``Policy.to_dict``): eval cells of the old settings resume
     SPEC_OMITS_AT_DEFAULT = {"estimate": "mean", "cap": 0, "group": "mean", "count": 0.0, "margins": (),

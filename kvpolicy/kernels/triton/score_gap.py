@@ -43,6 +43,7 @@ import triton.language as tl
 
 from ...errors import ConfigError
 from ..dispatch import implement, triton_runs_on
+from .score_gap_challengers import check_challengers, measures_whole, merge_challengers, merge_span
 from .step import note_rows
 
 _GAP_BLOCK = 1024  # units a program of the gap pass reads
@@ -65,10 +66,12 @@ def _measures(steps_ptr, b, offset, EVERY: tl.constexpr):
 def _follow_kernel(
     size_ptr, open_ptr, seen_open_ptr, seen_size_ptr, admitted_ptr, seen_admitted_ptr,
     held_ptr, held_end_ptr, held_count_ptr, kept_ptr, mask_ptr, scores_ptr, middle_ptr, steps_ptr,
+    chal_ptr, flags_ptr, selectable_ptr,
     U, R, scale, offset,
     sz_sb, sz_sh, ss_sb, ad_sb, sa_sb, hl_sb, hl_sh, he_sb, he_sh, hc_sb, kp_sb, mk_sb, mk_sh, sc_sb, sc_sh,
+    ch_sb, ch_sh, sl_sb, sl_sh,
     EVICT: tl.constexpr, LEAVING_UNHELD: tl.constexpr, RANK: tl.constexpr, EVERY: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    CHALLENGERS: tl.constexpr, GC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_GC: tl.constexpr,
 ):
     h = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
@@ -93,8 +96,11 @@ def _follow_kernel(
     position = tl.minimum(count, R - 1)
     kept = tl.load(kept_ptr + b * kp_sb + h)  # read only when evicting
     mask_at = mask_ptr + b * mk_sb + h * mk_sh
-    if EVERY > 1:  # marks only where this step measures the gap: the block pass that clears them runs only then
-        marking = _measures(steps_ptr, b, offset, EVERY)
+    if EVERY > 1:
+        if not CHALLENGERS:
+            # marks only where this step measures the gap: the block pass that clears them runs only then
+            # (with challengers it runs every step, and reads the held units' marks on each)
+            marking = _measures(steps_ptr, b, offset, EVERY)
     # measure "rank": the held units' mean score (each held unit listed once)
     held_sum = tl.sum(tl.zeros([BLOCK_R], tl.float32), axis=0)
     held_n = tl.sum(tl.zeros([BLOCK_R], tl.float32), axis=0)
@@ -113,8 +119,9 @@ def _follow_kernel(
         tl.store(held_at + rows, ids, mask=ok & (ids != old))
         tl.store(end_at + rows, new_end, mask=ok & (new_end != end))
         marks = ok & (ids >= 0) & (ids < U)
-        if EVERY > 1:  # (a where, not an and: the interpreter makes a vector-and-scalar and int32)
-            marks = tl.where(marking, marks, False)
+        if EVERY > 1:
+            if not CHALLENGERS:  # (a where, not an and: the interpreter makes a vector-and-scalar int32)
+                marks = tl.where(marking, marks, False)
         tl.store(mask_at + ids, tl.full([BLOCK_R], 1, tl.uint8), mask=marks)
         if RANK:
             real = ok & (ids >= 0) & (ids < U)
@@ -125,6 +132,9 @@ def _follow_kernel(
             held_n += tl.sum(finite.to(tl.float32), axis=0)
     if RANK:
         tl.store(middle_ptr + b * tl.num_programs(0) + h, held_sum / tl.maximum(held_n, 1.0))
+    if CHALLENGERS:
+        check_challengers(chal_ptr, flags_ptr, selectable_ptr, mask_at, b, h, U, ch_sb, ch_sh, sl_sb, sl_sh,
+                          GC, BLOCK_GC)
     tl.store(held_count_ptr + b * hc_sb + h, count + add.to(tl.int64))
     tl.store(seen_size_ptr + b * ss_sb + h, size_now)
     tl.store(seen_admitted_ptr + b * sa_sb + h, admitted_now)
@@ -228,11 +238,20 @@ def _combine_parts(parts_ptr, b, heads, H, S, parts_sk, pt_sb, pt_sh,
 
 @triton.jit
 def _row_parts_kernel(parts_ptr, out_ptr, H, S, parts_sk, pt_sb, pt_sh, out_sk, out_sb, out_sh,
-                      MASS: tl.constexpr, RANK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr):
+                      cand_val_ptr, cand_id_ptr, chal_ptr, flags_ptr, steps_ptr, KV, N, cv_sb, cv_sr, ch_sb, offset,
+                      MASS: tl.constexpr, RANK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+                      CHALLENGERS: tl.constexpr, EVERY: tl.constexpr, C: tl.constexpr, BLOCK_KV: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
     """``BLOCK_H`` rows of a sequence's block parts combined into one block's parts each (as
-    ``_combine_parts``), so the decide launch, one program a sequence, reads a part a row."""
+    ``_combine_parts``), so the decide launch, one program a sequence, reads a part a row. With
+    ``CHALLENGERS``, on a step that read the whole table, the rows' challengers merged from the blocks'
+    ``N`` candidates (``score_gap_challengers.merge_challengers``; ``KV`` heads' flags say whether)."""
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     b = tl.program_id(1).to(tl.int64)
+    if CHALLENGERS:
+        if measures_whole(flags_ptr, steps_ptr, b, offset, KV, EVERY, BLOCK_KV):
+            merge_challengers(cand_val_ptr, cand_id_ptr, chal_ptr, b, heads, H, N, cv_sb, cv_sr, ch_sb, C, BLOCK_H,
+                              BLOCK_N)
     held_count, above, candidates, best_unheld, weakest, top, total = _combine_parts(
         parts_ptr, b, heads, H, S, parts_sk, pt_sb, pt_sh, MASS, RANK, BLOCK_S)
     out = out_ptr + b * out_sb + heads * out_sh
@@ -256,7 +275,7 @@ def _decide_kernel(
     age_ptr, steps_ptr, H, S, parts_sk, pt_sb, pt_sh, margin, follow_margin, cap, offset,
     noted_ptr, count_ptr, boundary_ptr, slot_ptr, reselect_ptr, boundary_sb,
     MASS: tl.constexpr, RANK: tl.constexpr, FOLLOW: tl.constexpr, CAP: tl.constexpr, NOTE: tl.constexpr,
-    EVERY: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+    EVERY: tl.constexpr, CHALLENGERS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
@@ -276,8 +295,9 @@ def _decide_kernel(
     # the worst head decides; a NaN head (nothing held or unheld, in mass) makes a NaN gap, as amax
     nan = tl.max((gap != gap).to(tl.int32), axis=0) > 0
     worst = tl.where(nan, float("nan"), tl.max(tl.where(gap != gap, float("-inf"), gap), axis=0))
-    if EVERY > 1:  # a step between measured ones has no gap (its block parts were not written)
-        worst = tl.where(_measures(steps_ptr, b, offset, EVERY), worst, float("-inf"))
+    if EVERY > 1:
+        if not CHALLENGERS:  # a step between measured ones has no gap (its block parts were not written)
+            worst = tl.where(_measures(steps_ptr, b, offset, EVERY), worst, float("-inf"))
         tl.store(steps_ptr + b, tl.load(steps_ptr + b) + 1)
     fire = (worst > margin) | (tl.load(has_ptr + b) == 0)
     if FOLLOW:  # the layer above re-selected at this step: a lower margin
@@ -349,43 +369,62 @@ def step_offset(trigger, layer) -> int:
 
 
 def follow_and_mark(trigger, state, mask: torch.Tensor, scores: torch.Tensor, middle: torch.Tensor,
-                    scale: float, rank: bool) -> None:
+                    scale: float, rank: bool, challengers: torch.Tensor | None = None,
+                    flags: torch.Tensor | None = None) -> None:
     """The first launch of a fused score-gap step (``_follow_kernel``): follow the leaving token in
     the held list and mark the held units in ``mask``; with ``rank``, the held units' mean of
-    ``scores * scale`` into ``middle`` (otherwise neither is read)."""
+    ``scores * scale`` into ``middle`` (otherwise neither is read). Given the ``(B, H, G, C)``
+    ``challengers``, each KV head's check of them into ``flags (B, H)`` (``check_challengers``)."""
     layer = state.layer
     table, store = layer.units, layer.store
     batch, heads, room = state.held.shape
     evict = layer.policy.admit == "evict"
     kept = store.kept if evict else store.admitted  # read only when evicting
+    challenging = challengers is not None
+    # without challengers, any tensors of the right kinds as placeholders (never read)
+    chal, flags, selectable = (challengers, flags, table.selectable.view(torch.uint8)) if challenging else (
+        state.held, state.held_count, mask)
+    per_head = chal.shape[-2] * chal.shape[-1] if challenging else 1
     _follow_kernel[(heads, batch)](
         table.size, table.open_unit, state.seen_open, state.seen_size, store.admitted, state.seen_admitted,
         state.held, state.held_end, state.held_count, kept, mask, scores, middle, state.steps,
+        chal, flags, selectable,
         mask.shape[-1], room, float(scale), step_offset(trigger, layer),
         *table.size.stride()[:2], state.seen_size.stride(0), store.admitted.stride(0),
         state.seen_admitted.stride(0), *state.held.stride()[:2], *state.held_end.stride()[:2],
         state.held_count.stride(0), kept.stride(0), *mask.stride()[:2], *scores.stride()[:2],
+        *chal.stride()[:2], *selectable.stride()[:2],
         EVICT=evict, LEAVING_UNHELD=trigger.leaving == "unheld", RANK=rank, EVERY=trigger.every,
-        BLOCK_R=min(4096, triton.next_power_of_2(room)),
+        CHALLENGERS=challenging, GC=per_head, BLOCK_R=min(4096, triton.next_power_of_2(room)),
+        BLOCK_GC=max(16, triton.next_power_of_2(per_head)),
     )
 
 
 def decide_from_parts(trigger, state, parts: torch.Tensor, fire: torch.Tensor, mass: bool, rank: bool,
-                      decision) -> None:
+                      decision, challenge=None) -> None:
     """The last launch of a fused score-gap step (``_decide_kernel``): combine the ``(4, B, rows,
     blocks)`` block parts (a row a KV head, or a query head), decide into ``fire`` with the layer's
-    margin, ``follow`` and ``cap``, and write ``decision`` when given."""
+    margin, ``follow`` and ``cap``, and write ``decision`` when given. ``challenge``: the outlier op's
+    ``(challengers, flags, candidate masses, candidate ids)`` (``score_gap_challengers``), merged by the
+    row stage, which then always runs."""
     layer = state.layer
     table = layer.units
     rows, blocks = parts.shape[2], parts.shape[3]
-    if blocks > _DECIDE_BLOCK:
+    if blocks > _DECIDE_BLOCK or challenge is not None:
         # one program a sequence reading every row's blocks ran latency-bound (15 us a layer at 256
         # blocks a row, H100, session 25): first a part a row, from programs of a few rows each
         row_parts = torch.empty(4, parts.shape[1], rows, 1, dtype=parts.dtype, device=parts.device)
+        # without challengers, any tensors of the right kinds as placeholders (never read)
+        chal, flags, cand_val, cand_id = challenge if challenge is not None else (
+            state.held, state.held_count, parts[0], state.held)
         _row_parts_kernel[(triton.cdiv(rows, _ROW_BLOCK), parts.shape[1])](
             parts, row_parts, rows, blocks, parts.stride(0), *parts.stride()[1:3],
             row_parts.stride(0), *row_parts.stride()[1:3],
+            cand_val, cand_id, chal, flags, state.steps, flags.shape[-1], cand_val.shape[-1], *cand_val.stride()[:2],
+            chal.stride(0), step_offset(trigger, layer),
             MASS=mass, RANK=rank, BLOCK_H=_ROW_BLOCK, BLOCK_S=min(_ROW_SPAN, triton.next_power_of_2(blocks)),
+            CHALLENGERS=challenge is not None, EVERY=trigger.every, C=chal.shape[-1] if challenge is not None else 1,
+            BLOCK_KV=triton.next_power_of_2(flags.shape[-1]), BLOCK_N=merge_span(cand_val.shape[-1]),
         )
         parts, blocks = row_parts, 1
     follow = trigger.follow > 0 and state.above is not None
@@ -403,7 +442,7 @@ def decide_from_parts(trigger, state, parts: torch.Tensor, fire: torch.Tensor, m
         step_offset(trigger, layer),
         noted.view(torch.uint8), count, boundary.view(torch.uint8), slot, reselect.view(torch.uint8), boundary.stride(0),
         MASS=mass, RANK=rank, FOLLOW=follow, CAP=cap, NOTE=note, EVERY=trigger.every,
-        BLOCK_H=triton.next_power_of_2(rows), BLOCK_S=min(_DECIDE_BLOCK, triton.next_power_of_2(blocks)),
+        CHALLENGERS=challenge is not None, BLOCK_H=triton.next_power_of_2(rows), BLOCK_S=min(_DECIDE_BLOCK, triton.next_power_of_2(blocks)),
     )
 
 
@@ -411,7 +450,7 @@ def unsupported(trigger) -> str | None:
     """Why the fused ops cannot run ``trigger``'s options (None where they can): the measures
     ``weakest``, ``mass`` and ``rank``, ``cap``, ``margins``, ``follow`` and both ``leaving``s, with
     ``estimate`` ``"mean"`` or ``"outlier"`` (its own op, ``score_gap_outlier_fire``), ``group="each"``
-    with ``"outlier"`` only, ``count=0`` and ``challengers=0`` (the others are the reference's)."""
+    with ``"outlier"`` only (``challengers`` too), and ``count=0`` (the others are the reference's)."""
     wrong = []
     if trigger.estimate not in ("mean", "outlier"):
         wrong.append(f"estimate={trigger.estimate!r} (accepted: 'mean', 'outlier')")
@@ -419,8 +458,6 @@ def unsupported(trigger) -> str | None:
         wrong.append(f"group={trigger.group!r} (accepted: 'mean'; 'each' with estimate 'outlier')")
     if trigger.count not in (0, 0.0):
         wrong.append(f"count={trigger.count!r} (accepted: 0)")
-    if getattr(trigger, "challengers", 0):
-        wrong.append(f"challengers={trigger.challengers!r} (accepted: 0)")
     if not wrong:
         return None
     return ("score_gap trigger: the triton backend's score_gap_fire does not implement " + ", ".join(wrong) +

@@ -17,6 +17,11 @@ instead of taking the selector's unit scores:
 3. ``score_gap._decide_kernel`` over the ``H * G`` query heads' rows: the largest gap decides; it
    notes the layer's ``Decision`` when given one.
 
+With ``challengers`` (``score_gap_challengers.py``) the first launch also checks each head's
+challengers, the blocks launch reads, between measured steps, only the held units' and the
+challengers' bytes (its loads masked by them) and, on measured ones, keeps each block's strongest
+candidates, and the row stage always runs, merging them into the next challengers.
+
 The sums run in another order than the reference's einsums and its logsumexp is a running one,
 and for a 16-bit query the outlier keys' products run in its type and the rest means' and decode
 means' in tf32 (all exact: int8 keys fit a 16-bit type's mantissa; int8 rest means, float16 decode
@@ -35,6 +40,7 @@ from ...errors import ConfigError
 from ..dispatch import implement, triton_runs_on
 from .score_gap import (_measures, _scratch_mask, clear_marks, decide_from_parts, follow_and_mark, step_offset,
                         unsupported)
+from .score_gap_challengers import block_challengers, challenger_buffers, is_challenger, measures_whole
 
 # The blocks kernel's settings (benchmarks/outlier_blocks.py times them side by side; session 28, H100,
 # 1x128K: 28.0 us a layer as set here, against 33.5 with float32 key operands and 39.6 pipelined).
@@ -73,19 +79,17 @@ def _query_logits(tile, q_t, row_scale, G: tl.constexpr, BLOCK_G: tl.constexpr, 
 
 
 @triton.jit
-def _block_log_mass(first, b, h, q_t, scale, U, P,
+def _block_log_mass(ids, ok, b, h, q_t, scale, P,
                     mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr,
                     rest_scale_ptr, rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
                     ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
                     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, BLOCK_U: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr,
                     KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr):
-    """``[BLOCK_U, BLOCK_G]``: the log mass of units ``first ..`` for each query head (``-inf`` where a
-    unit is not selectable or past ``U``): a decode unit's tokens at its mean key; a prompt unit's
-    other tokens at their mean key and its outlier keys one by one, each tile of keys scored against
-    every query head with one ``tl.dot``."""
-    ids = first + tl.arange(0, BLOCK_U).to(tl.int64)
-    ok = ids < U
+    """``[BLOCK_U, BLOCK_G]``: the log mass of units ``ids`` for each query head (``-inf`` where a unit
+    is not selectable or not ``ok``: no byte of it is read): a decode unit's tokens at its mean key; a
+    prompt unit's other tokens at their mean key and its outlier keys one by one, each tile of keys
+    scored against every query head with one ``tl.dot``."""
     dims = tl.arange(0, BLOCK_D)
     d_ok = dims < D
     # the loads are masked by position alone, so all of them issue at once: masks from loaded flags
@@ -145,44 +149,66 @@ def _outlier_key_step(j, top, total, keys_at, valid_at, key_mask, in_prompt, q_k
 def _outlier_gap_blocks_kernel(
     q_ptr, mean_ptr, selectable_ptr, size_ptr, mask_ptr, at_selection_ptr,
     keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr, rest_count_ptr, parts_ptr, steps_ptr,
-    scale, U, P, parts_sk, offset,
+    chal_ptr, flags_ptr, cand_val_ptr, cand_id_ptr,
+    scale, U, P, parts_sk, offset, H,
     q_sb, q_sh, q_sg, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh, mk_sb, mk_sh,
     ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh, pt_sb, pt_sh,
+    ch_sb, ch_sh, cv_sb, cv_sr,
     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, LEAVING_IGNORED: tl.constexpr,
     EVERY: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr,
+    C: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     block = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     if EVERY > 1:
-        if not _measures(steps_ptr, b, offset, EVERY):
-            return  # a step between measured ones (``ScoreGap.every``): no key is read
+        if C == 0:
+            if not _measures(steps_ptr, b, offset, EVERY):
+                return  # a step between measured ones (``ScoreGap.every``): no key is read
     # the query group transposed, ``[BLOCK_D, BLOCK_G]``: a ``tl.dot`` operand (zero past ``G``)
     dims = tl.arange(0, BLOCK_D)
     columns = tl.arange(0, BLOCK_G)
     q_t = tl.load(q_ptr + b * q_sb + h * q_sh + columns[None, :] * q_sg + dims[:, None],
                   mask=(columns < G)[None, :] & (dims < D)[:, None], other=0.0).to(tl.float32)
     first = block.to(tl.int64) * BLOCK_U
+    ids = first + tl.arange(0, BLOCK_U).to(tl.int64)
+    ok = ids < U
+    mask_at = mask_ptr + b * mk_sb + h * mk_sh + ids
+    if C > 0:  # challengers (``score_gap_challengers``): the whole block, or its held units and challengers
+        whole = measures_whole(flags_ptr, steps_ptr, b, offset, H, EVERY, BLOCK_H)
+        held = tl.load(mask_at, mask=ok, other=0) != 0
+        challenger = is_challenger(ids, chal_ptr + b * ch_sb + h * ch_sh, columns, G, C, BLOCK_U, BLOCK_G)
+        if whole:
+            scored = ok
+        else:  # the other units' bytes are not read
+            scored = ok & (held | (tl.max(challenger.to(tl.int32), axis=1) > 0))
+    else:
+        scored = ok
     log_mass = _block_log_mass(
-        first, b, h, q_t, scale, U, P,
+        ids, scored, b, h, q_t, scale, P,
         mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
         rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
         ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
         D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES)
-    ids = first + tl.arange(0, BLOCK_U).to(tl.int64)
-    ok = ids < U
-    mask_at = mask_ptr + b * mk_sb + h * mk_sh + ids
-    held = tl.load(mask_at, mask=ok, other=0) != 0
+    if C == 0:  # (loaded after the keys' loads issue: the shipped order)
+        held = tl.load(mask_at, mask=ok, other=0) != 0
     finite = log_mass > float("-inf")
     candidate = ~held[:, None] & finite
     if LEAVING_IGNORED:  # units opened since the selection that the buffer did not admit
         candidate = candidate & (ids < P + tl.load(at_selection_ptr + b))[:, None]
+    if C > 0:  # between measured steps only the challengers compete
+        candidate = tl.where(whole, candidate, candidate & challenger)
     counted = held[:, None] & finite
     # per query head (row h * G + g of the parts), as ``score_gap._gap_blocks_kernel``'s measure "mass"
     out = parts_ptr + b * pt_sb + (h * G + columns) * pt_sh + block
     real_column = columns < G
-    tl.store(out, tl.max(tl.where(candidate, log_mass, float("-inf")), axis=0), mask=real_column)
+    unheld = tl.where(candidate, log_mass, float("-inf"))
+    tl.store(out, tl.max(unheld, axis=0), mask=real_column)
+    if C > 0:
+        if whole:  # the block's strongest candidates, for the row stage to merge into the challengers
+            at = b * cv_sb + (h * G + columns) * cv_sr + block * C
+            block_challengers(unheld, first, cand_val_ptr + at, cand_id_ptr + at, real_column, C, BLOCK_U)
     tl.store(out + parts_sk, tl.sum(counted.to(tl.float32), axis=0), mask=real_column)
     best_held = tl.max(tl.where(counted, log_mass, float("-inf")), axis=0)
     shift = tl.where((best_held > float("-inf")) & (best_held < float("inf")), best_held, 0.0)
@@ -219,31 +245,40 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
                          f"strides, got {outliers.key_scale.stride()}, {outliers.rest_scale.stride()} and "
                          f"{outliers.rest_count.stride()}")
     mask = _scratch_mask(state, batch, heads, units, device)
-    # measure "mass": no rank, so the scores and middle tensors are never read (any tensors)
-    follow_and_mark(trigger, state, mask, table.size, state.gap, scale, rank=False)
     per_head = group.shape[2]
     block_d = triton.next_power_of_2(dim)
     block = max(16, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(max(units, 1))))
     # a program a block: a few blocks a program, looping, ran at 74-79 us a layer against 50 at 1x128K
     # on an H100 (session 25: fewer programs in flight)
     blocks = triton.cdiv(units, block)
+    challenge = None
+    if trigger.challengers:
+        challengers, flags, cand_val, cand_id = challenge = challenger_buffers(
+            trigger, state, batch, heads, per_head, units, blocks, device)
+    else:  # any tensors of the right kinds as placeholders (never read)
+        challengers, flags, cand_val, cand_id = state.held, state.held_count, mask, state.held
+    # measure "mass": no rank, so the scores and middle tensors are never read (any tensors)
+    follow_and_mark(trigger, state, mask, table.size, state.gap, scale, rank=False,
+                    challengers=challengers if challenge else None, flags=flags)
     rows = heads * per_head
     parts = torch.empty(4, batch, rows, blocks, dtype=torch.float32, device=device)
+    count = challengers.shape[-1] if challenge else 0
     _outlier_gap_blocks_kernel[(blocks, heads, batch)](
         group, table.key_mean, table.selectable.view(torch.uint8), table.size, mask, state.units_at_selection,
         outliers.keys, outliers.key_scale, outliers.valid.view(torch.uint8), outliers.rest_mean, outliers.rest_scale,
-        outliers.rest_count, parts, state.steps,
-        float(scale), units, int(table.num_prompt_units), parts.stride(0), step_offset(trigger, layer),
+        outliers.rest_count, parts, state.steps, challengers, flags, cand_val, cand_id,
+        float(scale), units, int(table.num_prompt_units), parts.stride(0), step_offset(trigger, layer), heads,
         *group.stride()[:3], *table.key_mean.stride()[:3], *table.selectable.stride()[:2],
         *table.size.stride()[:2], *mask.stride()[:2],
         *outliers.keys.stride()[:4], *outliers.valid.stride()[:3], *outliers.rest_mean.stride()[:3],
-        *outliers.rest_count.stride()[:2], *parts.stride()[1:3],
+        *outliers.rest_count.stride()[:2], *parts.stride()[1:3], *challengers.stride()[:2], *cand_val.stride()[:2],
         D=dim, G=per_head, M=outliers.keys.shape[3], LEAVING_IGNORED=trigger.leaving == "ignored",
         EVERY=trigger.every,
         BLOCK_U=block, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(per_head)),
         PRECISION="ieee" if group.dtype == torch.float32 else "tf32",  # see the module's docstring
         KEY_DTYPE=_key_dtype(group.dtype, device), KEY_STAGES=_KEY_STAGES,
+        C=count, BLOCK_H=triton.next_power_of_2(heads),
         num_warps=_BLOCKS_WARPS,
     )
-    decide_from_parts(trigger, state, parts, fire, mass=True, rank=False, decision=decision)
+    decide_from_parts(trigger, state, parts, fire, mass=True, rank=False, decision=decision, challenge=challenge)
     return fire

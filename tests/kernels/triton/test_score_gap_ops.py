@@ -117,7 +117,7 @@ def test_score_gap_fire_matches_reference(measure, leaving, admit, follow, cap, 
     from kvpolicy.kernels.triton import score_gap
 
     triton_ops = dispatch.bind("triton", DEVICE)
-    by_gap = kept = 0
+    by_gap = kept = between = 0
     decide_block = score_gap._DECIDE_BLOCK
     for seed in range(3):
         # at seed 1 a row stage combines the blocks' parts, reading them one at a time (its running
@@ -303,19 +303,20 @@ def _with_outlier_keys(gen: torch.Generator, state: ScoreGapState, dim: int, m: 
     ("each", torch.float32, "tf32", 0, 64), ("mean", torch.float32, "tf32", 0, 64),
     ("each", torch.bfloat16, "tf32", 0, 64), ("each", torch.bfloat16, "tf32", 2, 256),
     pytest.param("each", torch.bfloat16, "query", 0, 64, marks=ON_GPU_ONLY)])
-@pytest.mark.parametrize("leaving, admit, follow, cap, every", [("ignored", "room", 0.0, 0, 1),
-                                                                ("unheld", "evict", 1.5, 6, 1),
-                                                                ("ignored", "room", 0.0, 0, 2)])
+# ``challengers``: the steps between measured ones score the held units and the challengers alone
+@pytest.mark.parametrize("leaving, admit, follow, cap, every, challengers", [
+    ("ignored", "room", 0.0, 0, 1, 0), ("unheld", "evict", 1.5, 6, 1, 0), ("ignored", "room", 0.0, 0, 2, 0),
+    ("ignored", "room", 0.0, 0, 3, 4), ("unheld", "evict", 1.5, 0, 2, 2)])
 def test_score_gap_outlier_fire_matches_reference(group, dtype, product, stages, row_span, leaving, admit, follow,
-                                                  cap, every, monkeypatch):
+                                                  cap, every, challengers, monkeypatch):
     """The fused outlier op (scoring included) against ``reference_step.score_gap_outlier_fire``:
-    decisions and state bit for bit, the gap to float32 rounding, over steps and several blocks of
-    units (at seed 1 a row stage combines their parts, one at a time or all at once: its running
-    logsumexp); a head dimension that is not a power of two; 3 query heads a KV head."""
+    decisions and state bit for bit (the challengers as sets), the gap to float32 rounding, over steps
+    and several blocks of units (at seed 1 a row stage combines their parts, one at a time or all at
+    once: its running logsumexp); a head dimension that is not a power of two; 3 query heads a KV head."""
     from kvpolicy.kernels.triton import score_gap, score_gap_outlier
 
     triton_ops = dispatch.bind("triton", DEVICE)
-    by_gap = kept = 0
+    by_gap = kept = between = 0
     decide_block = score_gap._DECIDE_BLOCK
     monkeypatch.setattr(score_gap_outlier, "_KEY_PRODUCT", product)
     monkeypatch.setattr(score_gap_outlier, "_KEY_STAGES", stages)
@@ -326,25 +327,31 @@ def test_score_gap_outlier_fire_matches_reference(group, dtype, product, stages,
         margin = (-6.0, float(torch.randn(1, generator=gen)), 40.0)[seed]  # fires, some, keeps (but a cap)
         trigger = ScoreGap(margin=margin if not cap else 99.0, measure="mass", leaving=leaving, follow=follow, cap=cap,
                            margins=(99.0, margin) if cap else (), estimate="outlier", outliers=3, group=group,
-                           every=every)
+                           every=every, challengers=challengers)
         trigger.validate()
         ref = _state(gen, batch=3, heads=2, units=400, room=12, prompt_units=300, admit=admit, above=follow > 0)
         _with_outlier_keys(gen, ref, dim=24, m=3)
         if seed == 2:  # every row has a selection: with the largest margin some keep it
             ref.has_selection.fill_(True)
         fast = copy.deepcopy(ref)
-        for step in range(3):
+        for step in range(5 if challengers else 3):
             query = torch.randn(3, 6, 24, generator=gen).to(DEVICE, dtype)
             had = ref.has_selection.clone()
+            kept_before = None if ref.challengers is None else ref.challengers.clone()
             want = reference_step.score_gap_outlier_fire(trigger, ref, query, 0.2)
             got = triton_ops.score_gap_outlier_fire(trigger, fast, query.clone(), 0.2)
             _assert_same_step(got, want, fast, ref, f"seed {seed} step {step}")
+            if challengers:
+                assert torch.equal(fast.challengers.sort(-1).values, ref.challengers.sort(-1).values), \
+                    f"seed {seed} step {step}: challengers differ"
+                between += int(kept_before is not None and torch.equal(kept_before, ref.challengers))
             by_gap += int((want & had).sum())
             kept += int((~want).sum())
             look = torch.Generator().set_state(gen.get_state())
             _next_look(gen, ref)
             _next_look(look, fast)
     assert by_gap and kept, f"not both decisions were tested: {by_gap} fired on the gap, {kept} kept"
+    assert between or not challengers, "no step kept its challengers: the steps between were not tested"
 
 
 def test_outlier_log_mass_counts_each_outlier_by_its_own_logit():
