@@ -2,7 +2,11 @@
 # Session 30's GPU calls. Usage: bash benchmarks/session30_call.sh OUTDIR TAR MODE
 # MODE tests: the attention's GPU tests at a tile a split (MIN_TILES_PER_SPLIT=1) and the analytic ops'
 # (query_votes' logit queries, head_softmax's two-launch rewrite), then head_softmax_rerank.py;
-# e2e: pariskv with either rerank, louiskv at batch 4 at a tile a split
+# e2e: pariskv with either rerank, louiskv at batch 4 at a tile a split;
+# challengers: the score-gap trigger's challengers on the triton backend: its GPU tests, then louiskv end to
+# end at 1x32K and 1x128K (row score_gap_every4_challengers8_reuse), and the replayed step's kernels at 1x128K
+# with the preset's outlier trigger and with every=4, 8 challengers; paris: pariskv's reranks end to end
+E2E_ARGS="-m kvpolicy bench e2e --full-kinds full-graph --budget 2048 --steps 18 --compiled-layers"
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 case $3 in
 tests)
@@ -12,9 +16,21 @@ tests)
     --json "$OUT/head_softmax.json" ;;
 e2e)
   for r in head_softmax group_mean; do
-    step e2e_$r 170 python3 benchmarks/with_settings.py kvpolicy.presets.PARISKV_RERANK=$r -- $E2E \
+    step e2e_$r 170 python3 benchmarks/with_settings.py kvpolicy.presets.PARISKV_RERANK=$r -- $E2E_ARGS \
       --contexts 32768,131072 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_$r.json"
   done
   step e2e_louiskv_b4 200 $E2E --contexts 32768 --batches 4 --presets louiskv@gpu --json "$OUT/e2e_louiskv_b4.json" ;;
-*) echo "session30_call.sh: MODE must be tests or e2e, got '$3'" >&2; exit 2 ;;
+challengers)
+  step challenger_tests 200 python3 -m pytest -q -rs tests/kernels/triton/test_score_gap_ops.py tests/triggers/test_score_gap.py
+  step e2e_challengers 240 $E2E --contexts 32768,131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_challengers.json"
+  OUTLIER='"name": "score_gap", "measure": "mass", "margin": 1e9, "leaving": "ignored", "estimate": "outlier", "outliers": 4, "group": "each"'
+  P="python3 benchmarks/profile_step.py --placement gpu --batch 1 --rows 40 --preset louiskv --context 131072"
+  step profile_outlier 90 $P --trigger "{$OUTLIER}" --out "$OUT/profile_outlier.txt"
+  step profile_challengers 90 $P --trigger "{$OUTLIER, \"every\": 4, \"challengers\": 8}" --out "$OUT/profile_challengers.txt" ;;
+paris)
+  for r in head_softmax group_mean; do
+    step e2e_$r 170 python3 benchmarks/with_settings.py kvpolicy.presets.PARISKV_RERANK=$r -- $E2E_ARGS \
+      --contexts 32768,131072 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_$r.json"
+  done ;;
+*) echo "session30_call.sh: MODE must be tests, e2e, challengers or paris, got '$3'" >&2; exit 2 ;;
 esac
