@@ -4,8 +4,10 @@ its kernels' module constants at a time: each checked against the reference, the
 A replay runs the op once for each of ``--layers`` trigger states (each its own tables, so the
 replay reads them from HBM as a decode step does, not from the L2), as a CUDA graph. Prints us per
 layer, the blocks kernel's share from the CUDA profiler, and the bytes it must read a layer over
-its time (GB/s). Usage (GPU):
-    python3 benchmarks/outlier_blocks.py [--context 131072] [--batch 1] [--only base,stages2]
+its time (GB/s). ``--challengers C`` (shipped settings) then times the trigger with ``C`` challengers a
+query head: a measured step (the whole table; each call starts with none listed) and a step between
+measured ones (the held units and the challengers alone). Usage (GPU):
+    python3 benchmarks/outlier_blocks.py [--context 131072] [--batch 1] [--only base,stages2] [--challengers 8]
 """
 
 from __future__ import annotations
@@ -105,6 +107,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=36)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--only", default="", help=f"comma-separated variants of {', '.join(VARIANTS)}")
+    parser.add_argument("--challengers", type=int, default=0, help="also time the trigger with this many "
+                        "challengers a query head, a measured step and a step between")
     parser.add_argument("--best-settings", default=None,
                         help="write the fastest variant's settings here, one MODULE.NAME=VALUE a line "
                              "(benchmarks/with_settings.py's arguments)")
@@ -169,6 +173,8 @@ def main(argv=None) -> int:
                   flush=True)
         finally:
             apply(replaced)
+    if args.challengers:
+        time_challengers(args, states, queries, ops, scale, table_bytes)
     if args.best_settings and timed:
         best = min(timed, key=timed.get)
         print(f"fastest: {best}")
@@ -176,6 +182,43 @@ def main(argv=None) -> int:
             out.writelines(f"{module}.{name}={value!r}\n" for module, values in settings_of(best).items()
                            for name, value in values.items())
     return 0
+
+
+def time_challengers(args, states, queries, ops, scale: float, table_bytes: int) -> None:
+    """The shipped op with ``args.challengers`` challengers: a measured step (the challengers cleared
+    before each call, so it reads the whole table) and a step between (``every`` so large that no
+    timed step is a measured one; the first call lists the challengers). Checked against the reference
+    over a measured step and a step between first."""
+    for phase in ("whole", "between"):
+        trigger = ScoreGap(margin=1e9, measure="mass", leaving="ignored", estimate="outlier", outliers=args.outliers,
+                           group="each", every=1 << 20, challengers=args.challengers)
+        trigger.validate()
+        layers = [copy.deepcopy(state) for state in states]
+        reference, check = copy.deepcopy(layers[0]), copy.deepcopy(layers[0])
+        for _ in range(2):  # the first lists the challengers (none yet), the second measures against them
+            want = reference_step.score_gap_outlier_fire(trigger, reference, queries[0], scale)
+            got = ops.score_gap_outlier_fire(trigger, check, queries[0], scale)
+            if not torch.equal(got, want) or not torch.allclose(check.gap, reference.gap, rtol=1e-4, atol=1e-4):
+                print(f"challengers {phase}: DIFFERS from the reference: gap {check.gap.tolist()} against "
+                      f"{reference.gap.tolist()}")
+                return
+        for state, query in zip(layers, queries):
+            ops.score_gap_outlier_fire(trigger, state, query, scale)  # lists the challengers
+
+        def step():
+            for state, query in zip(layers, queries):
+                if phase == "whole":
+                    state.challengers.fill_(-1)
+                ops.score_gap_outlier_fire(trigger, state, query, scale)
+
+        ms = time_replay_ms(step, states[0].held.device, args.repeats)
+        kernels = kernel_us(step)
+        blocks = sum(us for k, us in kernels.items() if "blocks" in k) / args.layers
+        others = ", ".join(f"{k.strip('_')} {us / args.layers:.1f}" for k, us in sorted(kernels.items())
+                           if "blocks" not in k)
+        label = f"challengers {args.challengers} {phase}"
+        print(f"{label:22s} {1e3 * ms / args.layers:9.1f} {blocks:10.1f} {table_bytes / blocks / 1e3:7.0f} {others}",
+              flush=True)
 
 
 if __name__ == "__main__":

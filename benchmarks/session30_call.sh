@@ -5,7 +5,8 @@
 # e2e: pariskv with either rerank, louiskv at batch 4 at a tile a split;
 # challengers: the score-gap trigger's challengers on the triton backend: its GPU tests, then louiskv end to
 # end at 1x32K and 1x128K (row score_gap_every4_challengers8_reuse), and the replayed step's kernels at 1x128K
-# with the preset's outlier trigger and with every=4, 8 challengers; paris: pariskv's reranks end to end
+# with every=4, 8 challengers (and the preset's outlier trigger, given a 4th argument with-outlier-profile);
+# the blocks kernel with 8 challengers, a measured step and a step between (outlier_blocks.py); paris: pariskv's reranks end to end
 E2E_ARGS="-m kvpolicy bench e2e --full-kinds full-graph --budget 2048 --steps 18 --compiled-layers"
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 case $3 in
@@ -21,11 +22,13 @@ e2e)
   done
   step e2e_louiskv_b4 200 $E2E --contexts 32768 --batches 4 --presets louiskv@gpu --json "$OUT/e2e_louiskv_b4.json" ;;
 challengers)
-  step challenger_tests 200 python3 -m pytest -q -rs tests/kernels/triton/test_score_gap_ops.py tests/triggers/test_score_gap.py
+  step challenger_tests 200 python3 -m pytest -q -rs tests/kernels/triton/test_score_gap_ops.py tests/triggers/test_score_gap.py \
+    -k "outlier or challengers or fused"
+  step blocks_challengers 90 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --only shipped --challengers 8
   step e2e_challengers 240 $E2E --contexts 32768,131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_challengers.json"
   OUTLIER='"name": "score_gap", "measure": "mass", "margin": 1e9, "leaving": "ignored", "estimate": "outlier", "outliers": 4, "group": "each"'
   P="python3 benchmarks/profile_step.py --placement gpu --batch 1 --rows 40 --preset louiskv --context 131072"
-  step profile_outlier 90 $P --trigger "{$OUTLIER}" --out "$OUT/profile_outlier.txt"
+  [ "${4:-}" = with-outlier-profile ] && step profile_outlier 90 $P --trigger "{$OUTLIER}" --out "$OUT/profile_outlier.txt"
   step profile_challengers 90 $P --trigger "{$OUTLIER, \"every\": 4, \"challengers\": 8}" --out "$OUT/profile_challengers.txt" ;;
 paris)
   for r in head_softmax group_mean; do

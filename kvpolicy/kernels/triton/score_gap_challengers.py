@@ -11,7 +11,8 @@ comes (``every``), when one of its challengers is now held or not selectable, or
    (a flag a (sequence, KV head)).
 2. ``measures_whole``: the sequence's flags and step count say whether this step reads the whole
    table; the blocks launch then keeps each block's ``C`` strongest candidates per query head
-   (``block_challengers``), and otherwise scores only the held units and the challengers.
+   (``block_challengers``), and otherwise scores only the held units (from the held list, a chunk of it
+   a program, clearing their marks) and the challengers.
 3. ``merge_challengers``, in the row stage (a program a query head's row, run whenever challengers are
    on): on a whole step, the row's ``C`` strongest over the blocks' candidates become its challengers,
    in order of mass (ties: the lower unit id first).
@@ -53,17 +54,6 @@ def measures_whole(flags_ptr, steps_ptr, b, offset, H, EVERY: tl.constexpr, BLOC
     listed = tl.max(flags & 2, axis=0) > 0
     turn = (tl.load(steps_ptr + b) + offset) % EVERY == 0  # score_gap._measures (which imports this file)
     return turn | stale | (listed == 0)
-
-
-@triton.jit
-def is_challenger(ids, chal_at, columns, G, C: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_G: tl.constexpr):
-    """``[BLOCK_U, BLOCK_G]`` bool: unit ``ids[u]`` is one of query head ``g``'s challengers (``chal_at``:
-    the KV head's ``(G, C)`` ids, contiguous)."""
-    found = tl.zeros([BLOCK_U, BLOCK_G], tl.int32)
-    for c in tl.static_range(C):
-        ch = tl.load(chal_at + columns * C + c, mask=columns < G, other=-1)
-        found = tl.where(ids[:, None] == ch[None, :], 1, found)
-    return found != 0
 
 
 @triton.jit

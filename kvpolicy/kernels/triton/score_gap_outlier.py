@@ -18,9 +18,9 @@ instead of taking the selector's unit scores:
    notes the layer's ``Decision`` when given one.
 
 With ``challengers`` (``score_gap_challengers.py``) the first launch also checks each head's
-challengers, the blocks launch reads, between measured steps, only the held units' and the
-challengers' bytes (its loads masked by them) and, on measured ones, keeps each block's strongest
-candidates, and the row stage always runs, merging them into the next challengers.
+challengers; the blocks launch reads, between measured steps, only the held units (a chunk of the
+held list a program) and the challengers and, on measured ones, keeps each block's strongest
+candidates; and the row stage always runs, merging them into the next challengers.
 
 The sums run in another order than the reference's einsums and its logsumexp is a running one,
 and for a 16-bit query the outlier keys' products run in its type and the rest means' and decode
@@ -40,7 +40,7 @@ from ...errors import ConfigError
 from ..dispatch import implement, triton_runs_on
 from .score_gap import (_measures, _scratch_mask, clear_marks, decide_from_parts, follow_and_mark, step_offset,
                         unsupported)
-from .score_gap_challengers import block_challengers, challenger_buffers, is_challenger, measures_whole
+from .score_gap_challengers import block_challengers, challenger_buffers, measures_whole
 
 # The blocks kernel's settings (benchmarks/outlier_blocks.py times them side by side; session 28, H100,
 # 1x128K: 28.0 us a layer as set here, against 33.5 with float32 key operands and 39.6 pipelined).
@@ -146,18 +146,29 @@ def _outlier_key_step(j, top, total, keys_at, valid_at, key_mask, in_prompt, q_k
 
 
 @triton.jit
+def _running_logsumexp(top, total, log_mass):
+    """``(top, total)`` (a column's largest log mass and the exp-sum below it) after the rows of
+    ``log_mass [rows, columns]`` (``-inf``: none)."""
+    new_top = tl.maximum(top, tl.max(log_mass, axis=0))
+    old_shift = tl.where((top > float("-inf")) & (top < float("inf")), top, 0.0)
+    shift = tl.where((new_top > float("-inf")) & (new_top < float("inf")), new_top, 0.0)
+    total = total * tl.exp(old_shift - shift) + tl.sum(tl.exp(log_mass - shift[None, :]), axis=0)
+    return new_top, total
+
+
+@triton.jit
 def _outlier_gap_blocks_kernel(
     q_ptr, mean_ptr, selectable_ptr, size_ptr, mask_ptr, at_selection_ptr,
     keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr, rest_count_ptr, parts_ptr, steps_ptr,
-    chal_ptr, flags_ptr, cand_val_ptr, cand_id_ptr,
-    scale, U, P, parts_sk, offset, H,
+    chal_ptr, flags_ptr, cand_val_ptr, cand_id_ptr, held_ptr,
+    scale, U, P, parts_sk, offset, H, R,
     q_sb, q_sh, q_sg, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh, mk_sb, mk_sh,
     ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh, pt_sb, pt_sh,
-    ch_sb, ch_sh, cv_sb, cv_sr,
+    ch_sb, ch_sh, cv_sb, cv_sr, hl_sb, hl_sh,
     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, LEAVING_IGNORED: tl.constexpr,
     EVERY: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr,
-    C: tl.constexpr, BLOCK_H: tl.constexpr,
+    C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_GC: tl.constexpr,
 ):
     block = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
@@ -171,44 +182,70 @@ def _outlier_gap_blocks_kernel(
     columns = tl.arange(0, BLOCK_G)
     q_t = tl.load(q_ptr + b * q_sb + h * q_sh + columns[None, :] * q_sg + dims[:, None],
                   mask=(columns < G)[None, :] & (dims < D)[:, None], other=0.0).to(tl.float32)
+    out = parts_ptr + b * pt_sb + (h * G + columns) * pt_sh + block  # row h * G + g of the parts
+    real_column = columns < G
+    if C > 0:  # challengers (``score_gap_challengers``)
+        if not measures_whole(flags_ptr, steps_ptr, b, offset, H, EVERY, BLOCK_H):
+            # between measured steps: the held units, a chunk of the held list a program, and, in the
+            # first program, the challengers; no other unit's byte is read
+            top = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            total = tl.zeros([BLOCK_G], tl.float32)
+            count = tl.zeros([BLOCK_G], tl.float32)
+            for start in range(block * BLOCK_U, R, tl.num_programs(0) * BLOCK_U):
+                rows = start + tl.arange(0, BLOCK_U)
+                ids = tl.load(held_ptr + b * hl_sb + h * hl_sh + rows, mask=rows < R, other=-1)
+                listed = (ids >= 0) & (ids < U)
+                log_mass = _block_log_mass(
+                    ids, listed, b, h, q_t, scale, P,
+                    mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr,
+                    rest_scale_ptr, rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
+                    ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
+                    D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES)
+                counted = listed[:, None] & (log_mass > float("-inf"))
+                top, total = _running_logsumexp(top, total, tl.where(counted, log_mass, float("-inf")))
+                count += tl.sum(counted.to(tl.float32), axis=0)
+                # the follow launch marked them (a challenger's check reads the marks): cleared by id
+                tl.store(mask_ptr + b * mk_sb + h * mk_sh + ids, tl.zeros([BLOCK_U], tl.uint8), mask=listed)
+            best = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            if block == 0:  # query head g's challengers, rows g * C .. (none held: the check saw to that)
+                k = tl.arange(0, BLOCK_GC)
+                ids = tl.load(chal_ptr + b * ch_sb + h * ch_sh + k, mask=k < G * C, other=-1)
+                listed = (ids >= 0) & (ids < U)
+                log_mass = _block_log_mass(
+                    ids, listed, b, h, q_t, scale, P,
+                    mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr,
+                    rest_scale_ptr, rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
+                    ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
+                    D, G, M, BLOCK_GC, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES)
+                own = listed[:, None] & ((k // C)[:, None] == columns[None, :])
+                best = tl.max(tl.where(own, log_mass, float("-inf")), axis=0)
+            tl.store(out, best, mask=real_column)
+            tl.store(out + parts_sk, count, mask=real_column)
+            tl.store(out + 2 * parts_sk, top, mask=real_column)
+            tl.store(out + 3 * parts_sk, total, mask=real_column)
+            return
     first = block.to(tl.int64) * BLOCK_U
     ids = first + tl.arange(0, BLOCK_U).to(tl.int64)
     ok = ids < U
-    mask_at = mask_ptr + b * mk_sb + h * mk_sh + ids
-    if C > 0:  # challengers (``score_gap_challengers``): the whole block, or its held units and challengers
-        whole = measures_whole(flags_ptr, steps_ptr, b, offset, H, EVERY, BLOCK_H)
-        held = tl.load(mask_at, mask=ok, other=0) != 0
-        challenger = is_challenger(ids, chal_ptr + b * ch_sb + h * ch_sh, columns, G, C, BLOCK_U, BLOCK_G)
-        if whole:
-            scored = ok
-        else:  # the other units' bytes are not read
-            scored = ok & (held | (tl.max(challenger.to(tl.int32), axis=1) > 0))
-    else:
-        scored = ok
     log_mass = _block_log_mass(
-        ids, scored, b, h, q_t, scale, P,
+        ids, ok, b, h, q_t, scale, P,
         mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
         rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
         ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
         D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES)
-    if C == 0:  # (loaded after the keys' loads issue: the shipped order)
-        held = tl.load(mask_at, mask=ok, other=0) != 0
+    mask_at = mask_ptr + b * mk_sb + h * mk_sh + ids
+    held = tl.load(mask_at, mask=ok, other=0) != 0
     finite = log_mass > float("-inf")
     candidate = ~held[:, None] & finite
     if LEAVING_IGNORED:  # units opened since the selection that the buffer did not admit
         candidate = candidate & (ids < P + tl.load(at_selection_ptr + b))[:, None]
-    if C > 0:  # between measured steps only the challengers compete
-        candidate = tl.where(whole, candidate, candidate & challenger)
     counted = held[:, None] & finite
-    # per query head (row h * G + g of the parts), as ``score_gap._gap_blocks_kernel``'s measure "mass"
-    out = parts_ptr + b * pt_sb + (h * G + columns) * pt_sh + block
-    real_column = columns < G
+    # per query head, as ``score_gap._gap_blocks_kernel``'s measure "mass"
     unheld = tl.where(candidate, log_mass, float("-inf"))
     tl.store(out, tl.max(unheld, axis=0), mask=real_column)
-    if C > 0:
-        if whole:  # the block's strongest candidates, for the row stage to merge into the challengers
-            at = b * cv_sb + (h * G + columns) * cv_sr + block * C
-            block_challengers(unheld, first, cand_val_ptr + at, cand_id_ptr + at, real_column, C, BLOCK_U)
+    if C > 0:  # the block's strongest candidates, for the row stage to merge into the challengers
+        at = b * cv_sb + (h * G + columns) * cv_sr + block * C
+        block_challengers(unheld, first, cand_val_ptr + at, cand_id_ptr + at, real_column, C, BLOCK_U)
     tl.store(out + parts_sk, tl.sum(counted.to(tl.float32), axis=0), mask=real_column)
     best_held = tl.max(tl.where(counted, log_mass, float("-inf")), axis=0)
     shift = tl.where((best_held > float("-inf")) & (best_held < float("inf")), best_held, 0.0)
@@ -266,18 +303,21 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
     _outlier_gap_blocks_kernel[(blocks, heads, batch)](
         group, table.key_mean, table.selectable.view(torch.uint8), table.size, mask, state.units_at_selection,
         outliers.keys, outliers.key_scale, outliers.valid.view(torch.uint8), outliers.rest_mean, outliers.rest_scale,
-        outliers.rest_count, parts, state.steps, challengers, flags, cand_val, cand_id,
+        outliers.rest_count, parts, state.steps, challengers, flags, cand_val, cand_id, state.held,
         float(scale), units, int(table.num_prompt_units), parts.stride(0), step_offset(trigger, layer), heads,
+        state.held.shape[-1],
         *group.stride()[:3], *table.key_mean.stride()[:3], *table.selectable.stride()[:2],
         *table.size.stride()[:2], *mask.stride()[:2],
         *outliers.keys.stride()[:4], *outliers.valid.stride()[:3], *outliers.rest_mean.stride()[:3],
         *outliers.rest_count.stride()[:2], *parts.stride()[1:3], *challengers.stride()[:2], *cand_val.stride()[:2],
+        *state.held.stride()[:2],
         D=dim, G=per_head, M=outliers.keys.shape[3], LEAVING_IGNORED=trigger.leaving == "ignored",
         EVERY=trigger.every,
         BLOCK_U=block, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(per_head)),
         PRECISION="ieee" if group.dtype == torch.float32 else "tf32",  # see the module's docstring
         KEY_DTYPE=_key_dtype(group.dtype, device), KEY_STAGES=_KEY_STAGES,
         C=count, BLOCK_H=triton.next_power_of_2(heads),
+        BLOCK_GC=max(16, triton.next_power_of_2(per_head * count)),
         num_warps=_BLOCKS_WARPS,
     )
     decide_from_parts(trigger, state, parts, fire, mass=True, rank=False, decision=decision, challenge=challenge)
