@@ -30,10 +30,16 @@ challengers)
   P="python3 benchmarks/profile_step.py --placement gpu --batch 1 --rows 40 --preset louiskv --context 131072"
   [ "${4:-}" = with-outlier-profile ] && step profile_outlier 90 $P --trigger "{$OUTLIER}" --out "$OUT/profile_outlier.txt"
   step profile_challengers 90 $P --trigger "{$OUTLIER, \"every\": 4, \"challengers\": 8}" --out "$OUT/profile_challengers.txt" ;;
+challengers2)  # the third version (a launch of its own for the steps between; the next challengers from the C
+  # blocks of largest best candidate): its tests with challengers on the GPU, the blocks kernel, louiskv at 1x128K
+  step blocks_challengers 100 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --only shipped --challengers 8
+  step e2e_challengers 170 $E2E --contexts 131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_challengers.json"
+  step challenger_tests 120 python3 -m pytest -q -rs tests/kernels/triton/test_score_gap_ops.py tests/triggers/test_score_gap.py \
+    -k "challengers" ;;
 paris)
   for r in head_softmax group_mean; do
     step e2e_$r 170 python3 benchmarks/with_settings.py kvpolicy.presets.PARISKV_RERANK=$r -- $E2E_ARGS \
       --contexts 32768,131072 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_$r.json"
   done ;;
-*) echo "session30_call.sh: MODE must be tests, e2e, challengers or paris, got '$3'" >&2; exit 2 ;;
+*) echo "session30_call.sh: MODE must be tests, e2e, challengers, challengers2 or paris, got '$3'" >&2; exit 2 ;;
 esac

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from ...errors import ConfigError
 from ..dispatch import implement, triton_runs_on
-from .score_gap_challengers import check_challengers, measures_whole, merge_challengers, merge_span
+from .score_gap_challengers import check_challengers, measures_whole, merge_challengers
 from .step import note_rows
 
 _GAP_BLOCK = 1024  # units a program of the gap pass reads
@@ -238,20 +238,27 @@ def _combine_parts(parts_ptr, b, heads, H, S, parts_sk, pt_sb, pt_sh,
 
 @triton.jit
 def _row_parts_kernel(parts_ptr, out_ptr, H, S, parts_sk, pt_sb, pt_sh, out_sk, out_sb, out_sh,
-                      cand_val_ptr, cand_id_ptr, chal_ptr, flags_ptr, steps_ptr, KV, N, cv_sb, cv_sr, ch_sb, offset,
+                      flags_ptr, steps_ptr, mass_ptr, pool_v_ptr, pool_i_ptr, chal_ptr, KV, U, S_BETWEEN, offset,
+                      ms_sb, ms_sr, pl_sb, pl_sr, ch_sb,
                       MASS: tl.constexpr, RANK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
                       CHALLENGERS: tl.constexpr, EVERY: tl.constexpr, C: tl.constexpr, BLOCK_KV: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
+                      BLOCK_U: tl.constexpr):
     """``BLOCK_H`` rows of a sequence's block parts combined into one block's parts each (as
     ``_combine_parts``), so the decide launch, one program a sequence, reads a part a row. With
-    ``CHALLENGERS``, on a step that read the whole table, the rows' challengers merged from the blocks'
-    ``N`` candidates (``score_gap_challengers.merge_challengers``; ``KV`` heads' flags say whether)."""
+    ``CHALLENGERS`` (``score_gap_challengers``; ``KV`` heads' flags say which step this is): a step
+    between measured ones has ``S_BETWEEN`` parts a row (a chunk of the held list each); on a measured
+    one the rows' next challengers are merged from the candidates' masses (``merge_challengers``)."""
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     b = tl.program_id(1).to(tl.int64)
     if CHALLENGERS:
-        if measures_whole(flags_ptr, steps_ptr, b, offset, KV, EVERY, BLOCK_KV):
-            merge_challengers(cand_val_ptr, cand_id_ptr, chal_ptr, b, heads, H, N, cv_sb, cv_sr, ch_sb, C, BLOCK_H,
-                              BLOCK_N)
+        whole = measures_whole(flags_ptr, steps_ptr, b, offset, KV, EVERY, BLOCK_KV)
+        if whole:
+            rows = heads.to(tl.int64)
+            merge_challengers(parts_ptr + b * pt_sb + rows * pt_sh, mass_ptr + b * ms_sb + rows * ms_sr,
+                              pool_v_ptr + b * pl_sb + rows * pl_sr, pool_i_ptr + b * pl_sb + rows * pl_sr,
+                              chal_ptr + b * ch_sb + rows * C, heads < H, S, U, C, BLOCK_H, BLOCK_S, BLOCK_U)
+        else:
+            S = S_BETWEEN
     held_count, above, candidates, best_unheld, weakest, top, total = _combine_parts(
         parts_ptr, b, heads, H, S, parts_sk, pt_sb, pt_sh, MASS, RANK, BLOCK_S)
     out = out_ptr + b * out_sb + heads * out_sh
@@ -405,8 +412,7 @@ def decide_from_parts(trigger, state, parts: torch.Tensor, fire: torch.Tensor, m
     """The last launch of a fused score-gap step (``_decide_kernel``): combine the ``(4, B, rows,
     blocks)`` block parts (a row a KV head, or a query head), decide into ``fire`` with the layer's
     margin, ``follow`` and ``cap``, and write ``decision`` when given. ``challenge``: the outlier op's
-    ``(challengers, flags, candidate masses, candidate ids)`` (``score_gap_challengers``), merged by the
-    row stage, which then always runs."""
+    ``score_gap_challengers.Challenge``: the row stage then always runs, and merges the next challengers."""
     layer = state.layer
     table = layer.units
     rows, blocks = parts.shape[2], parts.shape[3]
@@ -414,17 +420,23 @@ def decide_from_parts(trigger, state, parts: torch.Tensor, fire: torch.Tensor, m
         # one program a sequence reading every row's blocks ran latency-bound (15 us a layer at 256
         # blocks a row, H100, session 25): first a part a row, from programs of a few rows each
         row_parts = torch.empty(4, parts.shape[1], rows, 1, dtype=parts.dtype, device=parts.device)
-        # without challengers, any tensors of the right kinds as placeholders (never read)
-        chal, flags, cand_val, cand_id = challenge if challenge is not None else (
-            state.held, state.held_count, parts[0], state.held)
+        if challenge is not None:
+            c = challenge
+            blocks = c.blocks  # a measured step's parts; a step between has c.chunks (the kernel picks)
+            chal_args = (c.flags, state.steps, c.mass, c.pool_mass, c.pool_ids, c.ids, c.flags.shape[-1],
+                         c.mass.shape[-1], c.chunks, step_offset(trigger, layer), *c.mass.stride()[:2],
+                         *c.pool_mass.stride()[:2], c.ids.stride(0))
+            chal_settings = dict(CHALLENGERS=True, EVERY=trigger.every, C=c.ids.shape[-1],
+                                 BLOCK_KV=triton.next_power_of_2(c.flags.shape[-1]), BLOCK_U=c.block)
+        else:  # any tensors of the right kinds as placeholders (never read)
+            chal_args = (state.held_count, state.steps, parts, parts, state.held, state.held, 1, 1, 1, 0, 0, 0, 0, 0,
+                         0)
+            chal_settings = dict(CHALLENGERS=False, EVERY=trigger.every, C=1, BLOCK_KV=1, BLOCK_U=16)
         _row_parts_kernel[(triton.cdiv(rows, _ROW_BLOCK), parts.shape[1])](
             parts, row_parts, rows, blocks, parts.stride(0), *parts.stride()[1:3],
-            row_parts.stride(0), *row_parts.stride()[1:3],
-            cand_val, cand_id, chal, flags, state.steps, flags.shape[-1], cand_val.shape[-1], *cand_val.stride()[:2],
-            chal.stride(0), step_offset(trigger, layer),
+            row_parts.stride(0), *row_parts.stride()[1:3], *chal_args,
             MASS=mass, RANK=rank, BLOCK_H=_ROW_BLOCK, BLOCK_S=min(_ROW_SPAN, triton.next_power_of_2(blocks)),
-            CHALLENGERS=challenge is not None, EVERY=trigger.every, C=chal.shape[-1] if challenge is not None else 1,
-            BLOCK_KV=triton.next_power_of_2(flags.shape[-1]), BLOCK_N=merge_span(cand_val.shape[-1]),
+            **chal_settings,
         )
         parts, blocks = row_parts, 1
     follow = trigger.follow > 0 and state.above is not None

@@ -10,22 +10,28 @@ comes (``every``), when one of its challengers is now held or not selectable, or
    are marked, whether one of its challengers is marked or not selectable, and whether it lists any
    (a flag a (sequence, KV head)).
 2. ``measures_whole``: the sequence's flags and step count say whether this step reads the whole
-   table; the blocks launch then keeps each block's ``C`` strongest candidates per query head
-   (``block_challengers``), and otherwise scores only the held units (from the held list, a chunk of it
-   a program, clearing their marks) and the challengers.
+   table. The blocks launch then does so, and also writes every candidate's mass; otherwise it returns
+   at once and ``score_gap_outlier._between_kernel`` scores only the held units (a chunk of the held
+   list a program, clearing their marks) and the challengers.
 3. ``merge_challengers``, in the row stage (a program a query head's row, run whenever challengers are
-   on): on a whole step, the row's ``C`` strongest over the blocks' candidates become its challengers,
-   in order of mass (ties: the lower unit id first).
+   on): on a whole step, the row's ``C`` strongest candidates become its challengers, in order of mass
+   (ties: the lower unit id first). They lie in the ``C`` blocks of largest best candidate (each block's
+   part), so only those blocks' masses are read.
+
+Measured on an H100 (session 30, ``benchmarks/outlier_blocks.py --challengers 8``): keeping each
+block's ``C`` strongest in the blocks launch (``C`` argmax passes a block) made a measured step's blocks
+kernel 80.3 us a layer against 28.1 without challengers, and scoring the steps between in the blocks
+launch itself (its loads masked to the held units and challengers) 29.8: a program a block, most with
+nothing to read, kept the launch as long as a whole one.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
-
-_MERGE_SPAN = 1024  # candidates the row stage reads at a time while merging (a power of two)
-
 
 @triton.jit
 def check_challengers(chal_ptr, flags_ptr, selectable_ptr, mask_at, b, h, U, ch_sb, ch_sh, sl_sb, sl_sh,
@@ -57,55 +63,84 @@ def measures_whole(flags_ptr, steps_ptr, b, offset, H, EVERY: tl.constexpr, BLOC
 
 
 @triton.jit
-def block_challengers(values, first, cand_val_at, cand_id_at, real_column, C: tl.constexpr, BLOCK_U: tl.constexpr):
-    """A block's ``C`` strongest of ``values [BLOCK_U, BLOCK_G]`` (``-inf``: no candidate) per column,
-    stored from ``cand_val_at`` / ``cand_id_at`` (a column's ``C`` in a row; id -1 where none)."""
-    rows = tl.arange(0, BLOCK_U)
-    for c in tl.static_range(C):
-        best = tl.max(values, axis=0)
-        arg = tl.argmax(values, axis=0)
-        tl.store(cand_val_at + c, best, mask=real_column)
-        tl.store(cand_id_at + c, tl.where(best > float("-inf"), first + arg, -1), mask=real_column)
-        values = tl.where(rows[:, None] == arg[None, :], float("-inf"), values)
+def _next_in_order(v_at, i_at, n, prev_v, prev_id, rows_ok, POSITIONS: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """Per row (``v_at``: ``[BLOCK_H]`` pointers to each row's ``n`` masses), the entry ranked right after
+    ``(prev_v, prev_id)`` by mass then lower id (``-inf``, a huge id where none): the id is the entry's
+    position where ``POSITIONS``, else read from ``i_at`` (-1: no entry)."""
+    none = 2 ** 62
+    run_v = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    run_id = tl.full([BLOCK_H], none, tl.int64)
+    for start in range(0, n, BLOCK_N):
+        k = start + tl.arange(0, BLOCK_N)
+        tile = rows_ok[:, None] & (k[None, :] < n)
+        v = tl.load(v_at[:, None] + k[None, :], mask=tile, other=float("-inf"))
+        if POSITIONS:
+            i = tl.where(tile, k[None, :].to(tl.int64), -1)
+        else:
+            i = tl.load(i_at[:, None] + k[None, :], mask=tile, other=-1)
+        after = (v < prev_v[:, None]) | ((v == prev_v[:, None]) & (i > prev_id[:, None]))
+        eligible = (i >= 0) & (v > float("-inf")) & after
+        v = tl.where(eligible, v, float("-inf"))
+        best = tl.max(v, axis=1)
+        best_id = tl.min(tl.where(eligible & (v == best[:, None]), i, none), axis=1)
+        better = (best > run_v) | ((best == run_v) & (best_id < run_id))
+        run_v = tl.where(better, best, run_v)
+        run_id = tl.where(better, best_id, run_id)
+    return run_v, run_id
 
 
 @triton.jit
-def merge_challengers(cand_val_ptr, cand_id_ptr, chal_ptr, b, heads, H, N, cv_sb, cv_sr, ch_sb,
-                      C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Rows ``heads`` of sequence ``b``: each row's ``C`` strongest of its ``N`` block candidates become its
-    challengers (row ``r`` at ``chal_ptr + b * ch_sb + r * C``), by mass then lower id; -1 past the last."""
+def merge_challengers(best_at, mass_at, pool_v_at, pool_i_at, chal_at, rows_ok, S, U,
+                      C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_U: tl.constexpr):
+    """Per row (each argument ``[BLOCK_H]`` pointers to the row's start): the ``C`` blocks of largest best
+    candidate (``best_at``: the blocks' parts, ``S`` of them) have their ``BLOCK_U`` candidate masses
+    (``mass_at``, by unit id) copied into the row's pool (``pool_v_at`` / ``pool_i_at``, ``C * BLOCK_U``);
+    the pool's ``C`` strongest, by mass then lower id, become the row's challengers (``chal_at``; -1
+    past the last)."""
+    units = tl.arange(0, BLOCK_U)
     prev_v = tl.full([BLOCK_H], float("inf"), tl.float32)
     prev_id = tl.full([BLOCK_H], -1, tl.int64)
-    none = 2 ** 62
     for c in tl.static_range(C):
-        run_v = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        run_id = tl.full([BLOCK_H], none, tl.int64)
-        for start in range(0, N, BLOCK_N):
-            k = start + tl.arange(0, BLOCK_N)
-            tile = (heads[:, None] < H) & (k[None, :] < N)
-            at = b * cv_sb + heads[:, None] * cv_sr + k[None, :]
-            v = tl.load(cand_val_ptr + at, mask=tile, other=float("-inf"))
-            i = tl.load(cand_id_ptr + at, mask=tile, other=-1)
-            # the ones ranked after the last taken: lower mass, or the same mass and a higher id
-            after = (v < prev_v[:, None]) | ((v == prev_v[:, None]) & (i > prev_id[:, None]))
-            eligible = (i >= 0) & (v > float("-inf")) & after
-            v = tl.where(eligible, v, float("-inf"))
-            best = tl.max(v, axis=1)
-            best_id = tl.min(tl.where(eligible & (v == best[:, None]), i, none), axis=1)
-            better = (best > run_v) | ((best == run_v) & (best_id < run_id))
-            run_v = tl.where(better, best, run_v)
-            run_id = tl.where(better, best_id, run_id)
-        found = run_v > float("-inf")
-        tl.store(chal_ptr + b * ch_sb + heads * C + c, tl.where(found, run_id, -1), mask=heads < H)
-        prev_v = tl.where(found, run_v, prev_v)
-        prev_id = tl.where(found, run_id, prev_id)
+        v, block = _next_in_order(best_at, best_at, S, prev_v, prev_id, rows_ok, True, BLOCK_H, BLOCK_S)
+        found = v > float("-inf")
+        ids = tl.where(found, block, 0)[:, None] * BLOCK_U + units[None, :]
+        take = (rows_ok & found)[:, None] & (ids < U)
+        tl.store(pool_v_at[:, None] + c * BLOCK_U + units[None, :],
+                 tl.load(mass_at[:, None] + ids, mask=take, other=float("-inf")), mask=rows_ok[:, None])
+        tl.store(pool_i_at[:, None] + c * BLOCK_U + units[None, :], tl.where(take, ids, -1), mask=rows_ok[:, None])
+        prev_v = tl.where(found, v, prev_v)
+        prev_id = tl.where(found, block, prev_id)
+    tl.debug_barrier()  # the pool was stored by other threads of this program
+    prev_v = tl.full([BLOCK_H], float("inf"), tl.float32)
+    prev_id = tl.full([BLOCK_H], -1, tl.int64)
+    for c in tl.static_range(C):
+        v, unit = _next_in_order(pool_v_at, pool_i_at, C * BLOCK_U, prev_v, prev_id, rows_ok, False, BLOCK_H,
+                                 BLOCK_U)
+        found = v > float("-inf")
+        tl.store(chal_at + c, tl.where(found, unit, -1), mask=rows_ok)
+        prev_v = tl.where(found, v, prev_v)
+        prev_id = tl.where(found, unit, prev_id)
 
 
-def challenger_buffers(trigger, state, batch: int, heads: int, per_head: int, units: int, blocks: int,
-                       device: torch.device):
-    """The state's ``(B, H, G, C)`` challengers (kept across steps: made, as the reference makes them, where
-    missing or of another shape) and ``(B, H)`` int32 flags, and this step's ``(B, H * G, blocks * C)``
-    block candidates (mass, unit id)."""
+class Challenge(NamedTuple):
+    """The tensors of a step with challengers: the state's ``(B, H, G, C)`` ids and ``(B, H)`` flags, and
+    this step's ``(B, H * G, U)`` candidate masses and ``(B, H * G, C * block)`` pool (masses, ids); the
+    launcher fills in the table's blocks and the held list's chunks."""
+    ids: torch.Tensor
+    flags: torch.Tensor
+    mass: torch.Tensor
+    pool_mass: torch.Tensor
+    pool_ids: torch.Tensor
+    block: int
+    blocks: int = 0
+    chunks: int = 0
+
+
+def challenger_buffers(trigger, state, batch: int, heads: int, per_head: int, units: int, block: int,
+                       device: torch.device) -> Challenge:
+    """The state's challengers (kept across steps: made, as the reference makes them, where missing or of
+    another shape) and flags, and this step's candidate masses and pool, for blocks of ``block`` units."""
     count = min(trigger.challengers, units)
     ids = state.challengers
     if ids is None or ids.shape[:-1] != (batch, heads, per_head) or ids.device != device:
@@ -113,15 +148,12 @@ def challenger_buffers(trigger, state, batch: int, heads: int, per_head: int, un
         state.challengers = ids
     if not ids.is_contiguous():
         raise ValueError("triton score_gap_outlier_fire: the challengers must be contiguous")
-    flags = getattr(state, "challenger_flags", None)
+    flags = state.challenger_flags
     if flags is None or flags.shape != (batch, heads) or flags.device != device:
         flags = torch.zeros(batch, heads, dtype=torch.int32, device=device)
         state.challenger_flags = flags
-    cand_val = torch.empty(batch, heads * per_head, blocks * ids.shape[-1], dtype=torch.float32, device=device)
-    cand_id = torch.empty(cand_val.shape, dtype=torch.long, device=device)
-    return ids, flags, cand_val, cand_id
-
-
-def merge_span(candidates: int) -> int:
-    """Candidates the row stage reads at a time while merging."""
-    return min(_MERGE_SPAN, triton.next_power_of_2(max(candidates, 1)))
+    rows = heads * per_head
+    mass = torch.empty(batch, rows, units, dtype=torch.float32, device=device)
+    pool_mass = torch.empty(batch, rows, ids.shape[-1] * block, dtype=torch.float32, device=device)
+    pool_ids = torch.empty(pool_mass.shape, dtype=torch.long, device=device)
+    return Challenge(ids, flags, mass, pool_mass, pool_ids, block)

@@ -40,7 +40,7 @@ from ...errors import ConfigError
 from ..dispatch import implement, triton_runs_on
 from .score_gap import (_measures, _scratch_mask, clear_marks, decide_from_parts, follow_and_mark, step_offset,
                         unsupported)
-from .score_gap_challengers import block_challengers, challenger_buffers, measures_whole
+from .score_gap_challengers import challenger_buffers, measures_whole
 
 # The blocks kernel's settings (benchmarks/outlier_blocks.py times them side by side; session 28, H100,
 # 1x128K: 28.0 us a layer as set here, against 33.5 with float32 key operands and 39.6 pipelined).
@@ -146,84 +146,33 @@ def _outlier_key_step(j, top, total, keys_at, valid_at, key_mask, in_prompt, q_k
 
 
 @triton.jit
-def _running_logsumexp(top, total, log_mass):
-    """``(top, total)`` (a column's largest log mass and the exp-sum below it) after the rows of
-    ``log_mass [rows, columns]`` (``-inf``: none)."""
-    new_top = tl.maximum(top, tl.max(log_mass, axis=0))
-    old_shift = tl.where((top > float("-inf")) & (top < float("inf")), top, 0.0)
-    shift = tl.where((new_top > float("-inf")) & (new_top < float("inf")), new_top, 0.0)
-    total = total * tl.exp(old_shift - shift) + tl.sum(tl.exp(log_mass - shift[None, :]), axis=0)
-    return new_top, total
-
-
-@triton.jit
 def _outlier_gap_blocks_kernel(
     q_ptr, mean_ptr, selectable_ptr, size_ptr, mask_ptr, at_selection_ptr,
     keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr, rest_count_ptr, parts_ptr, steps_ptr,
-    chal_ptr, flags_ptr, cand_val_ptr, cand_id_ptr, held_ptr,
-    scale, U, P, parts_sk, offset, H, R,
+    flags_ptr, mass_ptr,
+    scale, U, P, parts_sk, offset, H,
     q_sb, q_sh, q_sg, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh, mk_sb, mk_sh,
     ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh, pt_sb, pt_sh,
-    ch_sb, ch_sh, cv_sb, cv_sr, hl_sb, hl_sh,
+    ms_sb, ms_sr,
     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, LEAVING_IGNORED: tl.constexpr,
     EVERY: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr,
-    C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_GC: tl.constexpr,
+    C: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     block = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
-    if EVERY > 1:
-        if C == 0:
-            if not _measures(steps_ptr, b, offset, EVERY):
-                return  # a step between measured ones (``ScoreGap.every``): no key is read
+    if C > 0:  # challengers: a step between measured ones is ``_between_kernel``'s
+        if not measures_whole(flags_ptr, steps_ptr, b, offset, H, EVERY, BLOCK_H):
+            return
+    elif EVERY > 1:
+        if not _measures(steps_ptr, b, offset, EVERY):
+            return  # a step between measured ones (``ScoreGap.every``): no key is read
     # the query group transposed, ``[BLOCK_D, BLOCK_G]``: a ``tl.dot`` operand (zero past ``G``)
     dims = tl.arange(0, BLOCK_D)
     columns = tl.arange(0, BLOCK_G)
     q_t = tl.load(q_ptr + b * q_sb + h * q_sh + columns[None, :] * q_sg + dims[:, None],
                   mask=(columns < G)[None, :] & (dims < D)[:, None], other=0.0).to(tl.float32)
-    out = parts_ptr + b * pt_sb + (h * G + columns) * pt_sh + block  # row h * G + g of the parts
-    real_column = columns < G
-    if C > 0:  # challengers (``score_gap_challengers``)
-        if not measures_whole(flags_ptr, steps_ptr, b, offset, H, EVERY, BLOCK_H):
-            # between measured steps: the held units, a chunk of the held list a program, and, in the
-            # first program, the challengers; no other unit's byte is read
-            top = tl.full([BLOCK_G], float("-inf"), tl.float32)
-            total = tl.zeros([BLOCK_G], tl.float32)
-            count = tl.zeros([BLOCK_G], tl.float32)
-            for start in range(block * BLOCK_U, R, tl.num_programs(0) * BLOCK_U):
-                rows = start + tl.arange(0, BLOCK_U)
-                ids = tl.load(held_ptr + b * hl_sb + h * hl_sh + rows, mask=rows < R, other=-1)
-                listed = (ids >= 0) & (ids < U)
-                log_mass = _block_log_mass(
-                    ids, listed, b, h, q_t, scale, P,
-                    mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr,
-                    rest_scale_ptr, rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
-                    ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
-                    D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES)
-                counted = listed[:, None] & (log_mass > float("-inf"))
-                top, total = _running_logsumexp(top, total, tl.where(counted, log_mass, float("-inf")))
-                count += tl.sum(counted.to(tl.float32), axis=0)
-                # the follow launch marked them (a challenger's check reads the marks): cleared by id
-                tl.store(mask_ptr + b * mk_sb + h * mk_sh + ids, tl.zeros([BLOCK_U], tl.uint8), mask=listed)
-            best = tl.full([BLOCK_G], float("-inf"), tl.float32)
-            if block == 0:  # query head g's challengers, rows g * C .. (none held: the check saw to that)
-                k = tl.arange(0, BLOCK_GC)
-                ids = tl.load(chal_ptr + b * ch_sb + h * ch_sh + k, mask=k < G * C, other=-1)
-                listed = (ids >= 0) & (ids < U)
-                log_mass = _block_log_mass(
-                    ids, listed, b, h, q_t, scale, P,
-                    mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr,
-                    rest_scale_ptr, rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
-                    ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
-                    D, G, M, BLOCK_GC, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES)
-                own = listed[:, None] & ((k // C)[:, None] == columns[None, :])
-                best = tl.max(tl.where(own, log_mass, float("-inf")), axis=0)
-            tl.store(out, best, mask=real_column)
-            tl.store(out + parts_sk, count, mask=real_column)
-            tl.store(out + 2 * parts_sk, top, mask=real_column)
-            tl.store(out + 3 * parts_sk, total, mask=real_column)
-            return
     first = block.to(tl.int64) * BLOCK_U
     ids = first + tl.arange(0, BLOCK_U).to(tl.int64)
     ok = ids < U
@@ -240,12 +189,14 @@ def _outlier_gap_blocks_kernel(
     if LEAVING_IGNORED:  # units opened since the selection that the buffer did not admit
         candidate = candidate & (ids < P + tl.load(at_selection_ptr + b))[:, None]
     counted = held[:, None] & finite
-    # per query head, as ``score_gap._gap_blocks_kernel``'s measure "mass"
+    # per query head (row h * G + g of the parts), as ``score_gap._gap_blocks_kernel``'s measure "mass"
+    out = parts_ptr + b * pt_sb + (h * G + columns) * pt_sh + block
+    real_column = columns < G
     unheld = tl.where(candidate, log_mass, float("-inf"))
     tl.store(out, tl.max(unheld, axis=0), mask=real_column)
-    if C > 0:  # the block's strongest candidates, for the row stage to merge into the challengers
-        at = b * cv_sb + (h * G + columns) * cv_sr + block * C
-        block_challengers(unheld, first, cand_val_ptr + at, cand_id_ptr + at, real_column, C, BLOCK_U)
+    if C > 0:  # every candidate's mass, for the row stage to take the next challengers from
+        tl.store(mass_ptr + b * ms_sb + (h * G + columns)[None, :] * ms_sr + ids[:, None], unheld,
+                 mask=ok[:, None] & real_column[None, :])
     tl.store(out + parts_sk, tl.sum(counted.to(tl.float32), axis=0), mask=real_column)
     best_held = tl.max(tl.where(counted, log_mass, float("-inf")), axis=0)
     shift = tl.where((best_held > float("-inf")) & (best_held < float("inf")), best_held, 0.0)
@@ -253,6 +204,68 @@ def _outlier_gap_blocks_kernel(
     tl.store(out + 3 * parts_sk, tl.sum(tl.where(counted, tl.exp(log_mass - shift[None, :]), 0.0), axis=0),
              mask=real_column)
     clear_marks(mask_at, ok, BLOCK_U)
+
+
+@triton.jit
+def _between_kernel(
+    q_ptr, mean_ptr, selectable_ptr, size_ptr, mask_ptr,
+    keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr, rest_count_ptr, parts_ptr, steps_ptr,
+    flags_ptr, held_ptr, chal_ptr,
+    scale, U, P, R, parts_sk, offset, H,
+    q_sb, q_sh, q_sg, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh, mk_sb, mk_sh,
+    ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh, pt_sb, pt_sh,
+    hl_sb, hl_sh, ch_sb, ch_sh,
+    D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, EVERY: tl.constexpr, C: tl.constexpr,
+    BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GC: tl.constexpr,
+    BLOCK_H: tl.constexpr, PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr,
+):
+    """A step between measured ones, with challengers: program ``chunk`` scores the held units listed in
+    its chunk of the held list (and clears their marks), the first also each query head's challengers
+    (none held: the follow launch's check saw to that); their parts go to column ``chunk``. No other
+    unit's byte is read. On a measured step it returns at once (the blocks launch's)."""
+    chunk = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    if measures_whole(flags_ptr, steps_ptr, b, offset, H, EVERY, BLOCK_H):
+        return
+    dims = tl.arange(0, BLOCK_D)
+    columns = tl.arange(0, BLOCK_G)
+    q_t = tl.load(q_ptr + b * q_sb + h * q_sh + columns[None, :] * q_sg + dims[:, None],
+                  mask=(columns < G)[None, :] & (dims < D)[:, None], other=0.0).to(tl.float32)
+    rows = chunk * BLOCK_U + tl.arange(0, BLOCK_U)
+    ids = tl.load(held_ptr + b * hl_sb + h * hl_sh + rows, mask=rows < R, other=-1)
+    listed = (ids >= 0) & (ids < U)
+    log_mass = _block_log_mass(
+        ids, listed, b, h, q_t, scale, P,
+        mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
+        rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
+        ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
+        D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES)
+    counted = listed[:, None] & (log_mass > float("-inf"))
+    top = tl.max(tl.where(counted, log_mass, float("-inf")), axis=0)
+    shift = tl.where((top > float("-inf")) & (top < float("inf")), top, 0.0)
+    total = tl.sum(tl.where(counted, tl.exp(log_mass - shift[None, :]), 0.0), axis=0)
+    # the follow launch marked them (a challenger's check reads the marks): cleared by id
+    tl.store(mask_ptr + b * mk_sb + h * mk_sh + ids, tl.zeros([BLOCK_U], tl.uint8), mask=listed)
+    best = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    if chunk == 0:  # query head g's challengers are rows g * C ..
+        k = tl.arange(0, BLOCK_GC)
+        ids = tl.load(chal_ptr + b * ch_sb + h * ch_sh + k, mask=k < G * C, other=-1)
+        listed = (ids >= 0) & (ids < U)
+        log_mass = _block_log_mass(
+            ids, listed, b, h, q_t, scale, P,
+            mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
+            rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
+            ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
+            D, G, M, BLOCK_GC, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES)
+        own = listed[:, None] & ((k // C)[:, None] == columns[None, :])
+        best = tl.max(tl.where(own, log_mass, float("-inf")), axis=0)
+    out = parts_ptr + b * pt_sb + (h * G + columns) * pt_sh + chunk
+    real_column = columns < G
+    tl.store(out, best, mask=real_column)
+    tl.store(out + parts_sk, tl.sum(counted.to(tl.float32), axis=0), mask=real_column)
+    tl.store(out + 2 * parts_sk, top, mask=real_column)
+    tl.store(out + 3 * parts_sk, total, mask=real_column)
 
 
 @implement("triton", "score_gap_outlier_fire", supports=triton_runs_on)
@@ -288,37 +301,47 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
     # a program a block: a few blocks a program, looping, ran at 74-79 us a layer against 50 at 1x128K
     # on an H100 (session 25: fewer programs in flight)
     blocks = triton.cdiv(units, block)
-    challenge = None
+    rows = heads * per_head
+    room = state.held.shape[-1]
+    chal = None
     if trigger.challengers:
-        challengers, flags, cand_val, cand_id = challenge = challenger_buffers(
-            trigger, state, batch, heads, per_head, units, blocks, device)
-    else:  # any tensors of the right kinds as placeholders (never read)
-        challengers, flags, cand_val, cand_id = state.held, state.held_count, mask, state.held
+        chal = challenger_buffers(trigger, state, batch, heads, per_head, units, block, device)
     # measure "mass": no rank, so the scores and middle tensors are never read (any tensors)
     follow_and_mark(trigger, state, mask, table.size, state.gap, scale, rank=False,
-                    challengers=challengers if challenge else None, flags=flags)
-    rows = heads * per_head
-    parts = torch.empty(4, batch, rows, blocks, dtype=torch.float32, device=device)
-    count = challengers.shape[-1] if challenge else 0
+                    challengers=chal.ids if chal else None, flags=chal.flags if chal else None)
+    # a step between measured ones (challengers) writes a column a chunk of the held list
+    chunks = triton.cdiv(room, block)
+    parts = torch.empty(4, batch, rows, max(blocks, chunks) if chal else blocks, dtype=torch.float32, device=device)
+    # without challengers, any tensors of the right kinds as placeholders (never read)
+    flags, mass = (chal.flags, chal.mass) if chal else (state.held_count, parts[0])
+    table_args = (table.key_mean, table.selectable.view(torch.uint8), table.size, mask)
+    outlier_args = (outliers.keys, outliers.key_scale, outliers.valid.view(torch.uint8), outliers.rest_mean,
+                    outliers.rest_scale, outliers.rest_count, parts, state.steps)
+    strides = (*group.stride()[:3], *table.key_mean.stride()[:3], *table.selectable.stride()[:2],
+               *table.size.stride()[:2], *mask.stride()[:2],
+               *outliers.keys.stride()[:4], *outliers.valid.stride()[:3], *outliers.rest_mean.stride()[:3],
+               *outliers.rest_count.stride()[:2], *parts.stride()[1:3])
+    settings = dict(BLOCK_U=block, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(per_head)),
+                    PRECISION="ieee" if group.dtype == torch.float32 else "tf32",  # see the module's docstring
+                    KEY_DTYPE=_key_dtype(group.dtype, device), KEY_STAGES=_KEY_STAGES,
+                    BLOCK_H=triton.next_power_of_2(heads), num_warps=_BLOCKS_WARPS)
+    count = chal.ids.shape[-1] if chal else 0
+    offset = step_offset(trigger, layer)
     _outlier_gap_blocks_kernel[(blocks, heads, batch)](
-        group, table.key_mean, table.selectable.view(torch.uint8), table.size, mask, state.units_at_selection,
-        outliers.keys, outliers.key_scale, outliers.valid.view(torch.uint8), outliers.rest_mean, outliers.rest_scale,
-        outliers.rest_count, parts, state.steps, challengers, flags, cand_val, cand_id, state.held,
-        float(scale), units, int(table.num_prompt_units), parts.stride(0), step_offset(trigger, layer), heads,
-        state.held.shape[-1],
-        *group.stride()[:3], *table.key_mean.stride()[:3], *table.selectable.stride()[:2],
-        *table.size.stride()[:2], *mask.stride()[:2],
-        *outliers.keys.stride()[:4], *outliers.valid.stride()[:3], *outliers.rest_mean.stride()[:3],
-        *outliers.rest_count.stride()[:2], *parts.stride()[1:3], *challengers.stride()[:2], *cand_val.stride()[:2],
-        *state.held.stride()[:2],
+        group, *table_args, state.units_at_selection, *outlier_args, flags, mass,
+        float(scale), units, int(table.num_prompt_units), parts.stride(0), offset, heads,
+        *strides, *mass.stride()[:2],
         D=dim, G=per_head, M=outliers.keys.shape[3], LEAVING_IGNORED=trigger.leaving == "ignored",
-        EVERY=trigger.every,
-        BLOCK_U=block, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(per_head)),
-        PRECISION="ieee" if group.dtype == torch.float32 else "tf32",  # see the module's docstring
-        KEY_DTYPE=_key_dtype(group.dtype, device), KEY_STAGES=_KEY_STAGES,
-        C=count, BLOCK_H=triton.next_power_of_2(heads),
-        BLOCK_GC=max(16, triton.next_power_of_2(per_head * count)),
-        num_warps=_BLOCKS_WARPS,
+        EVERY=trigger.every, C=count, **settings,
     )
-    decide_from_parts(trigger, state, parts, fire, mass=True, rank=False, decision=decision, challenge=challenge)
+    if chal:
+        _between_kernel[(chunks, heads, batch)](
+            group, *table_args, *outlier_args, flags, state.held, chal.ids,
+            float(scale), units, int(table.num_prompt_units), room, parts.stride(0), offset, heads,
+            *strides, *state.held.stride()[:2], *chal.ids.stride()[:2],
+            D=dim, G=per_head, M=outliers.keys.shape[3], EVERY=trigger.every, C=count,
+            BLOCK_GC=max(16, triton.next_power_of_2(per_head * count)), **settings,
+        )
+        chal = chal._replace(blocks=blocks, chunks=chunks)
+    decide_from_parts(trigger, state, parts, fire, mass=True, rank=False, decision=decision, challenge=chal)
     return fire
