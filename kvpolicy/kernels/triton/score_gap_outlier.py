@@ -250,16 +250,16 @@ def _between_kernel(
     best = tl.full([BLOCK_G], float("-inf"), tl.float32)
     if chunk == 0:  # query head g's challengers are rows g * C ..
         k = tl.arange(0, BLOCK_GC)
-        ids = tl.load(chal_ptr + b * ch_sb + h * ch_sh + k, mask=k < G * C, other=-1)
-        listed = (ids >= 0) & (ids < U)
-        log_mass = _block_log_mass(
-            ids, listed, b, h, q_t, scale, P,
+        chal_ids = tl.load(chal_ptr + b * ch_sb + h * ch_sh + k, mask=k < G * C, other=-1)
+        chal_listed = (chal_ids >= 0) & (chal_ids < U)
+        chal_mass = _block_log_mass(
+            chal_ids, chal_listed, b, h, q_t, scale, P,
             mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
             rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
             ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
             D, G, M, BLOCK_GC, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES)
-        own = listed[:, None] & ((k // C)[:, None] == columns[None, :])
-        best = tl.max(tl.where(own, log_mass, float("-inf")), axis=0)
+        own = chal_listed[:, None] & ((k // C)[:, None] == columns[None, :])
+        best = tl.max(tl.where(own, chal_mass, float("-inf")), axis=0)
     out = parts_ptr + b * pt_sb + (h * G + columns) * pt_sh + chunk
     real_column = columns < G
     tl.store(out, best, mask=real_column)
