@@ -250,6 +250,7 @@ def _row_parts_kernel(parts_ptr, out_ptr, H, S, parts_sk, pt_sb, pt_sh, out_sk, 
     one the rows' next challengers are merged from the candidates' masses (``merge_challengers``)."""
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     b = tl.program_id(1).to(tl.int64)
+    parts_read = S
     if CHALLENGERS:
         whole = measures_whole(flags_ptr, steps_ptr, b, offset, KV, EVERY, BLOCK_KV)
         if whole:
@@ -257,10 +258,10 @@ def _row_parts_kernel(parts_ptr, out_ptr, H, S, parts_sk, pt_sb, pt_sh, out_sk, 
             merge_challengers(parts_ptr + b * pt_sb + rows * pt_sh, mass_ptr + b * ms_sb + rows * ms_sr,
                               pool_v_ptr + b * pl_sb + rows * pl_sr, pool_i_ptr + b * pl_sb + rows * pl_sr,
                               chal_ptr + b * ch_sb + rows * C, heads < H, S, U, C, BLOCK_H, BLOCK_S, BLOCK_U)
-        else:
-            S = S_BETWEEN
+        # (a where: S may be a compile-time 1, which an if cannot reassign)
+        parts_read = tl.where(whole, S, S_BETWEEN)
     held_count, above, candidates, best_unheld, weakest, top, total = _combine_parts(
-        parts_ptr, b, heads, H, S, parts_sk, pt_sb, pt_sh, MASS, RANK, BLOCK_S)
+        parts_ptr, b, heads, H, parts_read, parts_sk, pt_sb, pt_sh, MASS, RANK, BLOCK_S)
     out = out_ptr + b * out_sb + heads * out_sh
     ok = heads < H
     tl.store(out + out_sk, held_count, mask=ok)
