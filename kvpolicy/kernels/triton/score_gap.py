@@ -238,15 +238,15 @@ def _combine_parts(parts_ptr, b, heads, H, S, parts_sk, pt_sb, pt_sh,
 
 @triton.jit
 def _row_parts_kernel(parts_ptr, out_ptr, H, S, parts_sk, pt_sb, pt_sh, out_sk, out_sb, out_sh,
-                      flags_ptr, steps_ptr, mass_ptr, pool_v_ptr, pool_i_ptr, chal_ptr, KV, U, S_BETWEEN, offset,
-                      ms_sb, ms_sr, pl_sb, pl_sr, ch_sb,
+                      flags_ptr, steps_ptr, mass_ptr, chal_ptr, KV, U, S_BETWEEN, offset, ms_sb, ms_sr, ch_sb,
                       MASS: tl.constexpr, RANK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
                       CHALLENGERS: tl.constexpr, EVERY: tl.constexpr, C: tl.constexpr, BLOCK_KV: tl.constexpr,
-                      BLOCK_U: tl.constexpr):
+                      BLOCK_B: tl.constexpr, BLOCK_U: tl.constexpr):
     """``BLOCK_H`` rows of a sequence's block parts combined into one block's parts each (as
     ``_combine_parts``), so the decide launch, one program a sequence, reads a part a row. With
     ``CHALLENGERS`` (``score_gap_challengers``; ``KV`` heads' flags say which step this is): a step
-    between measured ones has ``S_BETWEEN`` parts a row (a chunk of the held list each); on a measured
+    between measured ones has ``S_BETWEEN`` parts a row (a chunk of the held list each, then the
+    challengers'); on a measured
     one the rows' next challengers are merged from the candidates' masses (``merge_challengers``)."""
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     b = tl.program_id(1).to(tl.int64)
@@ -256,8 +256,7 @@ def _row_parts_kernel(parts_ptr, out_ptr, H, S, parts_sk, pt_sb, pt_sh, out_sk, 
         if whole:
             rows = heads.to(tl.int64)
             merge_challengers(parts_ptr + b * pt_sb + rows * pt_sh, mass_ptr + b * ms_sb + rows * ms_sr,
-                              pool_v_ptr + b * pl_sb + rows * pl_sr, pool_i_ptr + b * pl_sb + rows * pl_sr,
-                              chal_ptr + b * ch_sb + rows * C, heads < H, S, U, C, BLOCK_H, BLOCK_S, BLOCK_U)
+                              chal_ptr + b * ch_sb + rows * C, heads < H, S, U, C, BLOCK_H, BLOCK_B, BLOCK_U)
         # (a where: S may be a compile-time 1, which an if cannot reassign)
         parts_read = tl.where(whole, S, S_BETWEEN)
     held_count, above, candidates, best_unheld, weakest, top, total = _combine_parts(
@@ -423,16 +422,15 @@ def decide_from_parts(trigger, state, parts: torch.Tensor, fire: torch.Tensor, m
         row_parts = torch.empty(4, parts.shape[1], rows, 1, dtype=parts.dtype, device=parts.device)
         if challenge is not None:
             c = challenge
-            blocks = c.blocks  # a measured step's parts; a step between has c.chunks (the kernel picks)
-            chal_args = (c.flags, state.steps, c.mass, c.pool_mass, c.pool_ids, c.ids, c.flags.shape[-1],
-                         c.mass.shape[-1], c.chunks, step_offset(trigger, layer), *c.mass.stride()[:2],
-                         *c.pool_mass.stride()[:2], c.ids.stride(0))
+            blocks = c.blocks  # a measured step's parts; a step between has c.between_parts (the kernel picks)
+            chal_args = (c.flags, state.steps, c.mass, c.ids, c.flags.shape[-1], c.mass.shape[-1], c.between_parts,
+                         step_offset(trigger, layer), *c.mass.stride()[:2], c.ids.stride(0))
             chal_settings = dict(CHALLENGERS=True, EVERY=trigger.every, C=c.ids.shape[-1],
-                                 BLOCK_KV=triton.next_power_of_2(c.flags.shape[-1]), BLOCK_U=c.block)
+                                 BLOCK_KV=triton.next_power_of_2(c.flags.shape[-1]),
+                                 BLOCK_B=triton.next_power_of_2(c.blocks), BLOCK_U=c.block)
         else:  # any tensors of the right kinds as placeholders (never read)
-            chal_args = (state.held_count, state.steps, parts, parts, state.held, state.held, 1, 1, 1, 0, 0, 0, 0, 0,
-                         0)
-            chal_settings = dict(CHALLENGERS=False, EVERY=trigger.every, C=1, BLOCK_KV=1, BLOCK_U=16)
+            chal_args = (state.held_count, state.steps, parts, state.held, 1, 1, 1, 0, 0, 0, 0)
+            chal_settings = dict(CHALLENGERS=False, EVERY=trigger.every, C=1, BLOCK_KV=1, BLOCK_B=1, BLOCK_U=16)
         _row_parts_kernel[(triton.cdiv(rows, _ROW_BLOCK), parts.shape[1])](
             parts, row_parts, rows, blocks, parts.stride(0), *parts.stride()[1:3],
             row_parts.stride(0), *row_parts.stride()[1:3], *chal_args,

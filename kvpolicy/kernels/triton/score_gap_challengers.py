@@ -16,13 +16,16 @@ comes (``every``), when one of its challengers is now held or not selectable, or
 3. ``merge_challengers``, in the row stage (a program a query head's row, run whenever challengers are
    on): on a whole step, the row's ``C`` strongest candidates become its challengers, in order of mass
    (ties: the lower unit id first). They lie in the ``C`` blocks of largest best candidate (each block's
-   part), so only those blocks' masses are read.
+   part), so only those blocks' masses are read, once, into registers.
 
 Measured on an H100 (session 30, ``benchmarks/outlier_blocks.py --challengers 8``): keeping each
 block's ``C`` strongest in the blocks launch (``C`` argmax passes a block) made a measured step's blocks
 kernel 80.3 us a layer against 28.1 without challengers, and scoring the steps between in the blocks
 launch itself (its loads masked to the held units and challengers) 29.8: a program a block, most with
-nothing to read, kept the launch as long as a whole one.
+nothing to read, kept the launch as long as a whole one. (H200:) the next version, a launch of its own
+for the steps between, took 16.4 us there, the held units and then the challengers in one program, and
+its merge, 16 passes each reading its candidates again, 31.6 us in the row stage; hence a program for the
+challengers, and a merge in registers.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from ...errors import ConfigError
 
 @triton.jit
 def check_challengers(chal_ptr, flags_ptr, selectable_ptr, mask_at, b, h, U, ch_sb, ch_sh, sl_sb, sl_sh,
@@ -63,84 +68,60 @@ def measures_whole(flags_ptr, steps_ptr, b, offset, H, EVERY: tl.constexpr, BLOC
 
 
 @triton.jit
-def _next_in_order(v_at, i_at, n, prev_v, prev_id, rows_ok, POSITIONS: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """Per row (``v_at``: ``[BLOCK_H]`` pointers to each row's ``n`` masses), the entry ranked right after
-    ``(prev_v, prev_id)`` by mass then lower id (``-inf``, a huge id where none): the id is the entry's
-    position where ``POSITIONS``, else read from ``i_at`` (-1: no entry)."""
+def merge_challengers(best_at, mass_at, chal_at, rows_ok, S, U,
+                      C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_U: tl.constexpr):
+    """Per row (each pointer argument ``[BLOCK_H]``, at the row's start): the ``C`` blocks of largest best
+    candidate (``best_at``: the blocks' parts, ``S <= BLOCK_B`` of them), then, among their ``BLOCK_U``
+    candidates each (``mass_at``, by unit id), the ``C`` strongest, by mass then lower id, become the
+    row's challengers (``chal_at``; -1 past the last). All in registers: a pass a challenger reads none."""
     none = 2 ** 62
-    run_v = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    run_id = tl.full([BLOCK_H], none, tl.int64)
-    for start in range(0, n, BLOCK_N):
-        k = start + tl.arange(0, BLOCK_N)
-        tile = rows_ok[:, None] & (k[None, :] < n)
-        v = tl.load(v_at[:, None] + k[None, :], mask=tile, other=float("-inf"))
-        if POSITIONS:
-            i = tl.where(tile, k[None, :].to(tl.int64), -1)
-        else:
-            i = tl.load(i_at[:, None] + k[None, :], mask=tile, other=-1)
-        after = (v < prev_v[:, None]) | ((v == prev_v[:, None]) & (i > prev_id[:, None]))
-        eligible = (i >= 0) & (v > float("-inf")) & after
-        v = tl.where(eligible, v, float("-inf"))
-        best = tl.max(v, axis=1)
-        best_id = tl.min(tl.where(eligible & (v == best[:, None]), i, none), axis=1)
-        better = (best > run_v) | ((best == run_v) & (best_id < run_id))
-        run_v = tl.where(better, best, run_v)
-        run_id = tl.where(better, best_id, run_id)
-    return run_v, run_id
-
-
-@triton.jit
-def merge_challengers(best_at, mass_at, pool_v_at, pool_i_at, chal_at, rows_ok, S, U,
-                      C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_U: tl.constexpr):
-    """Per row (each argument ``[BLOCK_H]`` pointers to the row's start): the ``C`` blocks of largest best
-    candidate (``best_at``: the blocks' parts, ``S`` of them) have their ``BLOCK_U`` candidate masses
-    (``mass_at``, by unit id) copied into the row's pool (``pool_v_at`` / ``pool_i_at``, ``C * BLOCK_U``);
-    the pool's ``C`` strongest, by mass then lower id, become the row's challengers (``chal_at``; -1
-    past the last)."""
-    units = tl.arange(0, BLOCK_U)
-    prev_v = tl.full([BLOCK_H], float("inf"), tl.float32)
-    prev_id = tl.full([BLOCK_H], -1, tl.int64)
+    k = tl.arange(0, BLOCK_B)
+    best = tl.load(best_at[:, None] + k[None, :], mask=rows_ok[:, None] & (k < S)[None, :], other=float("-inf"))
+    # each pool position's unit id: slot c holds the c-th block's units (-1 where fewer blocks have any)
+    slots = tl.arange(0, C * BLOCK_U)
+    ids = tl.full([BLOCK_H, C * BLOCK_U], -1, tl.int64)
     for c in tl.static_range(C):
-        v, block = _next_in_order(best_at, best_at, S, prev_v, prev_id, rows_ok, True, BLOCK_H, BLOCK_S)
-        found = v > float("-inf")
-        ids = tl.where(found, block, 0)[:, None] * BLOCK_U + units[None, :]
-        take = (rows_ok & found)[:, None] & (ids < U)
-        tl.store(pool_v_at[:, None] + c * BLOCK_U + units[None, :],
-                 tl.load(mass_at[:, None] + ids, mask=take, other=float("-inf")), mask=rows_ok[:, None])
-        tl.store(pool_i_at[:, None] + c * BLOCK_U + units[None, :], tl.where(take, ids, -1), mask=rows_ok[:, None])
-        prev_v = tl.where(found, v, prev_v)
-        prev_id = tl.where(found, block, prev_id)
-    tl.debug_barrier()  # the pool was stored by other threads of this program
-    prev_v = tl.full([BLOCK_H], float("inf"), tl.float32)
-    prev_id = tl.full([BLOCK_H], -1, tl.int64)
+        top = tl.max(best, axis=1)
+        block = tl.min(tl.where(best == top[:, None], k[None, :], none), axis=1).to(tl.int64)
+        found = top > float("-inf")
+        start = tl.where(found, block * BLOCK_U, -1)
+        ids = tl.where((slots // BLOCK_U == c)[None, :] & found[:, None], start[:, None] + slots[None, :] % BLOCK_U,
+                       ids)
+        best = tl.where(k[None, :] == block[:, None], float("-inf"), best)
+    real = rows_ok[:, None] & (ids >= 0) & (ids < U)
+    mass = tl.load(mass_at[:, None] + ids, mask=real, other=float("-inf"))
+    ids = tl.where(real, ids, -1)
     for c in tl.static_range(C):
-        v, unit = _next_in_order(pool_v_at, pool_i_at, C * BLOCK_U, prev_v, prev_id, rows_ok, False, BLOCK_H,
-                                 BLOCK_U)
-        found = v > float("-inf")
+        top = tl.max(mass, axis=1)
+        found = top > float("-inf")
+        unit = tl.min(tl.where((mass == top[:, None]) & (ids >= 0), ids, none), axis=1)
         tl.store(chal_at + c, tl.where(found, unit, -1), mask=rows_ok)
-        prev_v = tl.where(found, v, prev_v)
-        prev_id = tl.where(found, unit, prev_id)
+        mass = tl.where(ids == unit[:, None], float("-inf"), mass)
 
 
 class Challenge(NamedTuple):
     """The tensors of a step with challengers: the state's ``(B, H, G, C)`` ids and ``(B, H)`` flags, and
-    this step's ``(B, H * G, U)`` candidate masses and ``(B, H * G, C * block)`` pool (masses, ids); the
-    launcher fills in the table's blocks and the held list's chunks."""
+    this step's ``(B, H * G, U)`` candidate masses; the launcher fills in the table's blocks of ``block``
+    units and the parts a step between writes (a chunk of the held list each, and the challengers')."""
     ids: torch.Tensor
     flags: torch.Tensor
     mass: torch.Tensor
-    pool_mass: torch.Tensor
-    pool_ids: torch.Tensor
     block: int
     blocks: int = 0
-    chunks: int = 0
+    between_parts: int = 0
+
+
+# the row stage holds a row's blocks' parts in registers while it takes the next challengers
+MAX_BLOCKS = 16384
 
 
 def challenger_buffers(trigger, state, batch: int, heads: int, per_head: int, units: int, block: int,
                        device: torch.device) -> Challenge:
     """The state's challengers (kept across steps: made, as the reference makes them, where missing or of
-    another shape) and flags, and this step's candidate masses and pool, for blocks of ``block`` units."""
+    another shape) and flags, and this step's candidate masses, for blocks of ``block`` units."""
+    if triton.cdiv(units, block) > MAX_BLOCKS:
+        raise ConfigError(f"score_gap trigger: challengers take a unit table of at most {MAX_BLOCKS * block} units "
+                          f"(blocks of {block}); this one has {units}. Use challengers=0 for it")
     count = min(trigger.challengers, units)
     ids = state.challengers
     if ids is None or ids.shape[:-1] != (batch, heads, per_head) or ids.device != device:
@@ -152,8 +133,5 @@ def challenger_buffers(trigger, state, batch: int, heads: int, per_head: int, un
     if flags is None or flags.shape != (batch, heads) or flags.device != device:
         flags = torch.zeros(batch, heads, dtype=torch.int32, device=device)
         state.challenger_flags = flags
-    rows = heads * per_head
-    mass = torch.empty(batch, rows, units, dtype=torch.float32, device=device)
-    pool_mass = torch.empty(batch, rows, ids.shape[-1] * block, dtype=torch.float32, device=device)
-    pool_ids = torch.empty(pool_mass.shape, dtype=torch.long, device=device)
-    return Challenge(ids, flags, mass, pool_mass, pool_ids, block)
+    mass = torch.empty(batch, heads * per_head, units, dtype=torch.float32, device=device)
+    return Challenge(ids, flags, mass, block)

@@ -220,21 +220,48 @@ def _between_kernel(
     BLOCK_H: tl.constexpr, PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr,
 ):
     """A step between measured ones, with challengers: program ``chunk`` scores the held units listed in
-    its chunk of the held list (and clears their marks), the first also each query head's challengers
-    (none held: the follow launch's check saw to that); their parts go to column ``chunk``. No other
+    its chunk of the held list (and clears their marks), the last program each query head's challengers
+    (none held: the follow launch's check saw to that), each into its column of the parts. No other
     unit's byte is read. On a measured step it returns at once (the blocks launch's)."""
     chunk = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     if measures_whole(flags_ptr, steps_ptr, b, offset, H, EVERY, BLOCK_H):
         return
-    dims = tl.arange(0, BLOCK_D)
     columns = tl.arange(0, BLOCK_G)
+    out = parts_ptr + b * pt_sb + (h * G + columns) * pt_sh + chunk
+    real_column = columns < G
+    nothing = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    chunks = tl.num_programs(0) - 1
+    rows = chunk * BLOCK_U + tl.arange(0, BLOCK_U)
+    ids = tl.load(held_ptr + b * hl_sb + h * hl_sh + rows, mask=rows < R, other=-1)  # none in the last program
+    listed = (ids >= 0) & (ids < U)
+    if chunk < chunks:
+        if tl.max(listed.to(tl.int32), axis=0) == 0:  # a chunk of the held list with no unit in it
+            tl.store(out, nothing, mask=real_column)
+            tl.store(out + parts_sk, tl.zeros([BLOCK_G], tl.float32), mask=real_column)
+            tl.store(out + 2 * parts_sk, nothing, mask=real_column)
+            tl.store(out + 3 * parts_sk, tl.zeros([BLOCK_G], tl.float32), mask=real_column)
+            return
+    dims = tl.arange(0, BLOCK_D)
     q_t = tl.load(q_ptr + b * q_sb + h * q_sh + columns[None, :] * q_sg + dims[:, None],
                   mask=(columns < G)[None, :] & (dims < D)[:, None], other=0.0).to(tl.float32)
-    rows = chunk * BLOCK_U + tl.arange(0, BLOCK_U)
-    ids = tl.load(held_ptr + b * hl_sb + h * hl_sh + rows, mask=rows < R, other=-1)
-    listed = (ids >= 0) & (ids < U)
+    if chunk == chunks:  # query head g's challengers are rows g * C ..
+        k = tl.arange(0, BLOCK_GC)
+        chal_ids = tl.load(chal_ptr + b * ch_sb + h * ch_sh + k, mask=k < G * C, other=-1)
+        chal_listed = (chal_ids >= 0) & (chal_ids < U)
+        chal_mass = _block_log_mass(
+            chal_ids, chal_listed, b, h, q_t, scale, P,
+            mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
+            rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
+            ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
+            D, G, M, BLOCK_GC, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES)
+        own = chal_listed[:, None] & ((k // C)[:, None] == columns[None, :])
+        tl.store(out, tl.max(tl.where(own, chal_mass, float("-inf")), axis=0), mask=real_column)
+        tl.store(out + parts_sk, tl.zeros([BLOCK_G], tl.float32), mask=real_column)
+        tl.store(out + 2 * parts_sk, nothing, mask=real_column)
+        tl.store(out + 3 * parts_sk, tl.zeros([BLOCK_G], tl.float32), mask=real_column)
+        return
     log_mass = _block_log_mass(
         ids, listed, b, h, q_t, scale, P,
         mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
@@ -247,22 +274,7 @@ def _between_kernel(
     total = tl.sum(tl.where(counted, tl.exp(log_mass - shift[None, :]), 0.0), axis=0)
     # the follow launch marked them (a challenger's check reads the marks): cleared by id
     tl.store(mask_ptr + b * mk_sb + h * mk_sh + ids, tl.zeros([BLOCK_U], tl.uint8), mask=listed)
-    best = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    if chunk == 0:  # query head g's challengers are rows g * C ..
-        k = tl.arange(0, BLOCK_GC)
-        chal_ids = tl.load(chal_ptr + b * ch_sb + h * ch_sh + k, mask=k < G * C, other=-1)
-        chal_listed = (chal_ids >= 0) & (chal_ids < U)
-        chal_mass = _block_log_mass(
-            chal_ids, chal_listed, b, h, q_t, scale, P,
-            mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
-            rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
-            ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
-            D, G, M, BLOCK_GC, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES)
-        own = chal_listed[:, None] & ((k // C)[:, None] == columns[None, :])
-        best = tl.max(tl.where(own, chal_mass, float("-inf")), axis=0)
-    out = parts_ptr + b * pt_sb + (h * G + columns) * pt_sh + chunk
-    real_column = columns < G
-    tl.store(out, best, mask=real_column)
+    tl.store(out, nothing, mask=real_column)
     tl.store(out + parts_sk, tl.sum(counted.to(tl.float32), axis=0), mask=real_column)
     tl.store(out + 2 * parts_sk, top, mask=real_column)
     tl.store(out + 3 * parts_sk, total, mask=real_column)
@@ -309,9 +321,10 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
     # measure "mass": no rank, so the scores and middle tensors are never read (any tensors)
     follow_and_mark(trigger, state, mask, table.size, state.gap, scale, rank=False,
                     challengers=chal.ids if chal else None, flags=chal.flags if chal else None)
-    # a step between measured ones (challengers) writes a column a chunk of the held list
-    chunks = triton.cdiv(room, block)
-    parts = torch.empty(4, batch, rows, max(blocks, chunks) if chal else blocks, dtype=torch.float32, device=device)
+    # a step between measured ones (challengers) writes a column a chunk of the held list, then the challengers'
+    between_parts = triton.cdiv(room, block) + 1
+    parts = torch.empty(4, batch, rows, max(blocks, between_parts) if chal else blocks, dtype=torch.float32,
+                        device=device)
     # without challengers, any tensors of the right kinds as placeholders (never read)
     flags, mass = (chal.flags, chal.mass) if chal else (state.held_count, parts[0])
     table_args = (table.key_mean, table.selectable.view(torch.uint8), table.size, mask)
@@ -335,13 +348,13 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
         EVERY=trigger.every, C=count, **settings,
     )
     if chal:
-        _between_kernel[(chunks, heads, batch)](
+        _between_kernel[(between_parts, heads, batch)](
             group, *table_args, *outlier_args, flags, state.held, chal.ids,
             float(scale), units, int(table.num_prompt_units), room, parts.stride(0), offset, heads,
             *strides, *state.held.stride()[:2], *chal.ids.stride()[:2],
             D=dim, G=per_head, M=outliers.keys.shape[3], EVERY=trigger.every, C=count,
             BLOCK_GC=max(16, triton.next_power_of_2(per_head * count)), **settings,
         )
-        chal = chal._replace(blocks=blocks, chunks=chunks)
+        chal = chal._replace(blocks=blocks, between_parts=between_parts)
     decide_from_parts(trigger, state, parts, fire, mass=True, rank=False, decision=decision, challenge=chal)
     return fire
