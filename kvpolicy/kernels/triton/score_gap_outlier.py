@@ -146,6 +146,15 @@ def _outlier_key_step(j, top, total, keys_at, valid_at, key_mask, in_prompt, q_k
 
 
 @triton.jit
+def _store_parts(out, parts_sk, real_column, best_unheld, held_count, best_held, held_sum):
+    """A column of measure "mass"'s parts, a query head a row (``score_gap._combine_parts`` reads them)."""
+    tl.store(out, best_unheld, mask=real_column)
+    tl.store(out + parts_sk, held_count, mask=real_column)
+    tl.store(out + 2 * parts_sk, best_held, mask=real_column)
+    tl.store(out + 3 * parts_sk, held_sum, mask=real_column)
+
+
+@triton.jit
 def _outlier_gap_blocks_kernel(
     q_ptr, mean_ptr, selectable_ptr, size_ptr, mask_ptr, at_selection_ptr,
     keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr, rest_count_ptr, parts_ptr, steps_ptr,
@@ -193,16 +202,13 @@ def _outlier_gap_blocks_kernel(
     out = parts_ptr + b * pt_sb + (h * G + columns) * pt_sh + block
     real_column = columns < G
     unheld = tl.where(candidate, log_mass, float("-inf"))
-    tl.store(out, tl.max(unheld, axis=0), mask=real_column)
     if C > 0:  # every candidate's mass, for the row stage to take the next challengers from
         tl.store(mass_ptr + b * ms_sb + (h * G + columns)[None, :] * ms_sr + ids[:, None], unheld,
                  mask=ok[:, None] & real_column[None, :])
-    tl.store(out + parts_sk, tl.sum(counted.to(tl.float32), axis=0), mask=real_column)
     best_held = tl.max(tl.where(counted, log_mass, float("-inf")), axis=0)
     shift = tl.where((best_held > float("-inf")) & (best_held < float("inf")), best_held, 0.0)
-    tl.store(out + 2 * parts_sk, best_held, mask=real_column)
-    tl.store(out + 3 * parts_sk, tl.sum(tl.where(counted, tl.exp(log_mass - shift[None, :]), 0.0), axis=0),
-             mask=real_column)
+    _store_parts(out, parts_sk, real_column, tl.max(unheld, axis=0), tl.sum(counted.to(tl.float32), axis=0),
+                 best_held, tl.sum(tl.where(counted, tl.exp(log_mass - shift[None, :]), 0.0), axis=0))
     clear_marks(mask_at, ok, BLOCK_U)
 
 
@@ -238,10 +244,8 @@ def _between_kernel(
     listed = (ids >= 0) & (ids < U)
     if chunk < chunks:
         if tl.max(listed.to(tl.int32), axis=0) == 0:  # a chunk of the held list with no unit in it
-            tl.store(out, nothing, mask=real_column)
-            tl.store(out + parts_sk, tl.zeros([BLOCK_G], tl.float32), mask=real_column)
-            tl.store(out + 2 * parts_sk, nothing, mask=real_column)
-            tl.store(out + 3 * parts_sk, tl.zeros([BLOCK_G], tl.float32), mask=real_column)
+            _store_parts(out, parts_sk, real_column, nothing, tl.zeros([BLOCK_G], tl.float32), nothing,
+                         tl.zeros([BLOCK_G], tl.float32))
             return
     dims = tl.arange(0, BLOCK_D)
     q_t = tl.load(q_ptr + b * q_sb + h * q_sh + columns[None, :] * q_sg + dims[:, None],
@@ -257,10 +261,8 @@ def _between_kernel(
             ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
             D, G, M, BLOCK_GC, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES)
         own = chal_listed[:, None] & ((k // C)[:, None] == columns[None, :])
-        tl.store(out, tl.max(tl.where(own, chal_mass, float("-inf")), axis=0), mask=real_column)
-        tl.store(out + parts_sk, tl.zeros([BLOCK_G], tl.float32), mask=real_column)
-        tl.store(out + 2 * parts_sk, nothing, mask=real_column)
-        tl.store(out + 3 * parts_sk, tl.zeros([BLOCK_G], tl.float32), mask=real_column)
+        _store_parts(out, parts_sk, real_column, tl.max(tl.where(own, chal_mass, float("-inf")), axis=0),
+                     tl.zeros([BLOCK_G], tl.float32), nothing, tl.zeros([BLOCK_G], tl.float32))
         return
     log_mass = _block_log_mass(
         ids, listed, b, h, q_t, scale, P,
@@ -274,15 +276,13 @@ def _between_kernel(
     total = tl.sum(tl.where(counted, tl.exp(log_mass - shift[None, :]), 0.0), axis=0)
     # the follow launch marked them (a challenger's check reads the marks): cleared by id
     tl.store(mask_ptr + b * mk_sb + h * mk_sh + ids, tl.zeros([BLOCK_U], tl.uint8), mask=listed)
-    tl.store(out, nothing, mask=real_column)
-    tl.store(out + parts_sk, tl.sum(counted.to(tl.float32), axis=0), mask=real_column)
-    tl.store(out + 2 * parts_sk, top, mask=real_column)
-    tl.store(out + 3 * parts_sk, total, mask=real_column)
+    _store_parts(out, parts_sk, real_column, nothing, tl.sum(counted.to(tl.float32), axis=0), top, total)
 
 
 @implement("triton", "score_gap_outlier_fire", supports=triton_runs_on)
 def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *, decision=None) -> torch.Tensor:
-    """Three or four launches of ``reference_step.score_gap_outlier_fire`` (the last also writes ``decision``)."""
+    """Three or four launches of ``reference_step.score_gap_outlier_fire`` (the last also writes ``decision``);
+    five with ``challengers`` (the steps between measured ones, and the row stage always)."""
     layer = state.layer
     table, outliers = layer.units, state.outliers
     batch, q_heads, dim = query.shape
