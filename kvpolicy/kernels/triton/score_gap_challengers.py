@@ -38,6 +38,7 @@ import triton.language as tl
 
 from ...errors import ConfigError
 
+
 @triton.jit
 def check_challengers(chal_ptr, flags_ptr, selectable_ptr, mask_at, b, h, U, ch_sb, ch_sh, sl_sb, sl_sh,
                       GC: tl.constexpr, BLOCK_GC: tl.constexpr):
