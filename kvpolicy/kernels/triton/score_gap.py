@@ -23,9 +23,10 @@ listed once), the second counts the unheld units above it per block, the third s
 ``cap``: the third launch counts the selection's age. ``every``: it also counts the layer's steps, and
 on a step that does not measure the gap the first launch marks nothing, the second returns at once
 (reading no score or key) and the third keeps the selection. ``margins``: each layer's launch takes its own
-margin. ``estimate="outlier"`` is its own op (``score_gap_outlier.py``); the reference-only options
-(the other ``estimate``s, ``group="each"`` without outliers, ``count``) are refused with a
-ConfigError (``unsupported``), at attach and here.
+margin. ``estimate="outlier"`` is its own op (``score_gap_outlier.py``; with ``challengers``, the
+follow launch also checks them and the row stage always runs: ``score_gap_challengers.py``); the
+reference-only options (the other ``estimate``s, ``group="each"`` without outliers, ``count``) are
+refused with a ConfigError (``unsupported``), at attach and here.
 
 The mask is a scratch row per (sequence, head) that is all zeros between steps (each step clears
 what it set), so no launch zeroes it. Per-sequence state (``seen_open``) is written by the last
@@ -246,8 +247,8 @@ def _row_parts_kernel(parts_ptr, out_ptr, H, S, parts_sk, pt_sb, pt_sh, out_sk, 
     ``_combine_parts``), so the decide launch, one program a sequence, reads a part a row. With
     ``CHALLENGERS`` (``score_gap_challengers``; ``KV`` heads' flags say which step this is): a step
     between measured ones has ``S_BETWEEN`` parts a row (a chunk of the held list each, then the
-    challengers'); on a measured
-    one the rows' next challengers are merged from the candidates' masses (``merge_challengers``)."""
+    challengers'); on a measured one the rows' next challengers are merged from the candidates' masses
+    (``merge_challengers``)."""
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     b = tl.program_id(1).to(tl.int64)
     parts_read = S
