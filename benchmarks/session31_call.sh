@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Session 31's GPU calls. Usage: bash benchmarks/session31_call.sh OUTDIR TAR MODE
+# MODE first: session 30's fourth challengers version (b9d5399, never run on a GPU): the blocks kernel with 8
+# challengers (a measured step, a step between), louiskv end to end at 1x128K (its challengers row beside the
+# preset's trigger), then every score-gap GPU test (the default path's _store_parts refactor too), 8 workers;
+# paris: pariskv's two reranks end to end at 1x32K and 1x128K
+source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
+case ${3:?} in
+first)
+  step blocks_challengers 90 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --only shipped --challengers 8
+  step e2e_challengers 170 $E2E --contexts 131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_challengers.json"
+  step score_gap_tests 240 python3 -m pytest -q -rs -n 8 -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py \
+    tests/triggers/test_score_gap.py ;;
+paris)
+  for r in head_softmax group_mean; do
+    step e2e_$r 170 python3 benchmarks/with_settings.py kvpolicy.presets.PARISKV_RERANK=$r -- -m kvpolicy bench e2e \
+      --full-kinds full-graph --budget 2048 --steps 18 --compiled-layers --contexts 32768,131072 --batches 1 \
+      --presets pariskv@gpu --json "$OUT/e2e_$r.json"
+  done ;;
+*) echo "session31_call.sh: MODE must be first or paris, got '$3'" >&2; exit 2 ;;
+esac
