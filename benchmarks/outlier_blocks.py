@@ -4,10 +4,11 @@ its kernels' module constants at a time: each checked against the reference, the
 A replay runs the op once for each of ``--layers`` trigger states (each its own tables, so the
 replay reads them from HBM as a decode step does, not from the L2), as a CUDA graph. Prints us per
 layer, the blocks kernel's share from the CUDA profiler, and the bytes it must read a layer over
-its time (GB/s). ``--challengers C`` (shipped settings) then times the trigger with ``C`` challengers a
+its time (GB/s). ``--challengers C`` then times the trigger with ``C`` challengers a
 query head: a measured step (the whole table; each call starts with none listed) and a step between
-measured ones (the held units and the challengers alone). Usage (GPU):
+measured ones (the held units and the challengers alone), at each of ``--challenger-variants``. Usage (GPU):
     python3 benchmarks/outlier_blocks.py [--context 131072] [--batch 1] [--only base,stages2] [--challengers 8]
+        [--challenger-variants shipped,own+loop]
 """
 
 from __future__ import annotations
@@ -52,6 +53,16 @@ VARIANTS = {
     "bf16+tile8192+w8": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 8192, "_BLOCKS_WARPS": 8}},
     "bf16+tile16384": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 16384}},
     "bf16+tile16384+w8": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 16384, "_BLOCKS_WARPS": 8}},
+}
+
+
+# with --challengers: the settings of a step between measured ones compared (the outlier module's
+# constants; "shipped": as they are; "own+loop" is session 30's fourth version)
+CHALLENGER_VARIANTS = {
+    "shipped": {},
+    "own+loop": {"_BETWEEN_LAUNCH": "own", "_BETWEEN_KEYS": "loop"},
+    "own+tile": {"_BETWEEN_LAUNCH": "own", "_BETWEEN_KEYS": "tile"},
+    "blocks+loop": {"_BETWEEN_LAUNCH": "blocks", "_BETWEEN_KEYS": "loop"},
 }
 
 
@@ -109,6 +120,9 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default="", help=f"comma-separated variants of {', '.join(VARIANTS)}")
     parser.add_argument("--challengers", type=int, default=0, help="also time the trigger with this many "
                         "challengers a query head, a measured step and a step between")
+    parser.add_argument("--challenger-variants", default="shipped",
+                        help=f"with --challengers, the settings of a step between compared: comma-separated of "
+                             f"{', '.join(CHALLENGER_VARIANTS)}")
     parser.add_argument("--best-settings", default=None,
                         help="write the fastest variant's settings here, one MODULE.NAME=VALUE a line "
                              "(benchmarks/with_settings.py's arguments)")
@@ -174,7 +188,16 @@ def main(argv=None) -> int:
         finally:
             apply(replaced)
     if args.challengers:
-        time_challengers(args, states, queries, ops, scale, table_bytes)
+        for variant in args.challenger_variants.split(","):
+            if variant not in CHALLENGER_VARIANTS:
+                print(f"outlier_blocks: unknown challenger variant {variant!r}; choose from "
+                      f"{list(CHALLENGER_VARIANTS)}", file=sys.stderr)
+                return 2
+            replaced = apply({OUTLIER: CHALLENGER_VARIANTS[variant]})
+            try:
+                time_challengers(args, states, queries, ops, scale, table_bytes, variant)
+            finally:
+                apply(replaced)
     if args.best_settings and timed:
         best = min(timed, key=timed.get)
         print(f"fastest: {best}")
@@ -184,8 +207,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def time_challengers(args, states, queries, ops, scale: float, table_bytes: int) -> None:
-    """The shipped op with ``args.challengers`` challengers: a measured step (the challengers cleared
+def time_challengers(args, states, queries, ops, scale: float, table_bytes: int, variant: str) -> None:
+    """The op with ``args.challengers`` challengers (at the settings ``variant`` names, already applied):
+    a measured step (the challengers cleared
     before each call, so it reads the whole table) and a step between (``every`` so large that no
     timed step is a measured one; the first call lists the challengers). Checked against the reference
     over a measured step and a step between first."""
@@ -199,7 +223,7 @@ def time_challengers(args, states, queries, ops, scale: float, table_bytes: int)
             want = reference_step.score_gap_outlier_fire(trigger, reference, queries[0], scale)
             got = ops.score_gap_outlier_fire(trigger, check, queries[0], scale)
             if not torch.equal(got, want) or not torch.allclose(check.gap, reference.gap, rtol=1e-4, atol=1e-4):
-                print(f"challengers {phase}: DIFFERS from the reference: gap {check.gap.tolist()} against "
+                print(f"challengers {variant} {phase}: DIFFERS from the reference: gap {check.gap.tolist()} against "
                       f"{reference.gap.tolist()}")
                 return
         for state, query in zip(layers, queries):
@@ -216,8 +240,8 @@ def time_challengers(args, states, queries, ops, scale: float, table_bytes: int)
         blocks = sum(us for k, us in kernels.items() if "blocks" in k) / args.layers
         others = ", ".join(f"{k.strip('_')} {us / args.layers:.1f}" for k, us in sorted(kernels.items())
                            if "blocks" not in k)
-        label = f"challengers {args.challengers} {phase}"
-        print(f"{label:22s} {1e3 * ms / args.layers:9.1f} {blocks:10.1f} {table_bytes / blocks / 1e3:7.0f} {others}",
+        label = f"chal {args.challengers} {variant} {phase}"
+        print(f"{label:30s} {1e3 * ms / args.layers:9.1f} {blocks:10.1f} {table_bytes / blocks / 1e3:7.0f} {others}",
               flush=True)
 
 

@@ -52,6 +52,25 @@ _BLOCKS_WARPS = 4  # warps a program
 # (0: unrolled)
 _KEY_PRODUCT = "query"
 _KEY_STAGES = 0
+# With challengers, a step between measured ones (latency-bound: a few programs, each a chain of dependent
+# loads): its programs run in "blocks" (the blocks launch: one launch fewer a step) or "own" (a launch of
+# their own); and their outlier keys are read "tile" (every key of a unit at once: one load, one product) or
+# "loop" (a key a unit at a time, as a measured step reads them). benchmarks/outlier_blocks.py
+# --challenger-variants times them side by side.
+_BETWEEN_LAUNCH = "blocks"
+_BETWEEN_KEYS = "tile"
+
+
+def _between_launch() -> str:
+    if _BETWEEN_LAUNCH not in ("blocks", "own"):
+        raise ValueError(f"score_gap_outlier._BETWEEN_LAUNCH must be 'blocks' or 'own', got {_BETWEEN_LAUNCH!r}")
+    return _BETWEEN_LAUNCH
+
+
+def _between_keys() -> str:
+    if _BETWEEN_KEYS not in ("tile", "loop"):
+        raise ValueError(f"score_gap_outlier._BETWEEN_KEYS must be 'tile' or 'loop', got {_BETWEEN_KEYS!r}")
+    return _BETWEEN_KEYS
 
 
 def _key_dtype(query_dtype: torch.dtype, device: torch.device):
@@ -85,11 +104,13 @@ def _block_log_mass(ids, ok, b, h, q_t, scale, P,
                     ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
                     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, BLOCK_U: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr,
-                    KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr):
+                    KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr, KEYS_AT_ONCE: tl.constexpr = False,
+                    BLOCK_M: tl.constexpr = 1):
     """``[BLOCK_U, BLOCK_G]``: the log mass of units ``ids`` for each query head (``-inf`` where a unit
     is not selectable or not ``ok``: no byte of it is read): a decode unit's tokens at its mean key; a
     prompt unit's other tokens at their mean key and its outlier keys one by one, each tile of keys
-    scored against every query head with one ``tl.dot``."""
+    scored against every query head with one ``tl.dot`` (with ``KEYS_AT_ONCE``, all ``M <= BLOCK_M``
+    keys of every unit in one tile and one ``tl.dot``)."""
     dims = tl.arange(0, BLOCK_D)
     d_ok = dims < D
     # the loads are masked by position alone, so all of them issue at once: masks from loaded flags
@@ -121,7 +142,10 @@ def _block_log_mass(ids, ok, b, h, q_t, scale, P,
     # the keys' product in the query's own 16-bit type where KEY_DTYPE says so (exact: int8 keys and a
     # 16-bit query; half the shared memory of tf32's float32 operands)
     q_keys = q_t.to(KEY_DTYPE)
-    if KEY_STAGES > 0:  # a loop Triton software-pipelines: the next keys' loads in flight during a product
+    if KEYS_AT_ONCE:
+        top, total = _outlier_keys_at_once(top, total, keys_at, valid_at, key_mask, in_prompt, q_keys, key_scale,
+                                           ok_sm, G, M, BLOCK_U, BLOCK_D, BLOCK_G, BLOCK_M, PRECISION, KEY_DTYPE)
+    elif KEY_STAGES > 0:  # a loop Triton software-pipelines: the next keys' loads in flight during a product
         for j in tl.range(0, M, num_stages=KEY_STAGES):
             top, total = _outlier_key_step(j, top, total, keys_at, valid_at, key_mask, in_prompt, q_keys, key_scale,
                                            ok_sm, G, BLOCK_G, PRECISION, KEY_DTYPE)
@@ -146,6 +170,31 @@ def _outlier_key_step(j, top, total, keys_at, valid_at, key_mask, in_prompt, q_k
 
 
 @triton.jit
+def _outlier_keys_at_once(top, total, keys_at, valid_at, key_mask, in_prompt, q_keys, key_scale, ok_sm,
+                          G: tl.constexpr, M: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
+                          KEY_DTYPE: tl.constexpr):
+    """``_outlier_key_step`` over all ``M`` keys at once: one load of ``[BLOCK_U, BLOCK_M, BLOCK_D]`` keys (a
+    few programs' latency, not a block's bandwidth: a step between measured ones) and one product."""
+    j = tl.arange(0, BLOCK_M)
+    listed = in_prompt[:, None] & (j < M)[None, :]
+    real = listed & (tl.load(valid_at[:, None] + j[None, :], mask=listed, other=0) != 0)
+    keys = tl.load(keys_at[:, None, :] + (j * ok_sm)[None, :, None],
+                   mask=key_mask[:, None, :] & (j < M)[None, :, None], other=0).to(KEY_DTYPE)
+    flat = tl.reshape(keys, [BLOCK_U * BLOCK_M, BLOCK_D])
+    if flat.dtype == tl.float32:
+        logits = tl.dot(flat, q_keys, input_precision=PRECISION)
+    else:
+        logits = tl.dot(flat, q_keys, out_dtype=tl.float32)
+    logits = tl.reshape(logits, [BLOCK_U, BLOCK_M, BLOCK_G]) * key_scale[:, None, None]
+    logits = tl.where(real[:, :, None] & (tl.arange(0, BLOCK_G) < G)[None, None, :], logits, float("-inf"))
+    new_top = tl.maximum(top, tl.max(logits, axis=1))
+    shift = tl.where(new_top > float("-inf"), new_top, 0.0)
+    total = total * tl.exp(top - shift) + tl.sum(tl.exp(logits - shift[:, None, :]), axis=1)
+    return new_top, total
+
+
+@triton.jit
 def _store_parts(out, parts_sk, real_column, best_unheld, held_count, best_held, held_sum):
     """A column of measure "mass"'s parts, a query head a row (``score_gap._combine_parts`` reads them)."""
     tl.store(out, best_unheld, mask=real_column)
@@ -162,18 +211,40 @@ def _outlier_gap_blocks_kernel(
     scale, U, P, parts_sk, offset, H,
     q_sb, q_sh, q_sg, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh, mk_sb, mk_sh,
     ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh, pt_sb, pt_sh,
-    ms_sb, ms_sr,
+    ms_sb, ms_sr, held_ptr, chal_ptr, R, S_BETWEEN, hl_sb, hl_sh, ch_sb, ch_sh,
     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, LEAVING_IGNORED: tl.constexpr,
     EVERY: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr,
-    C: tl.constexpr, BLOCK_H: tl.constexpr,
+    C: tl.constexpr, BLOCK_H: tl.constexpr, BETWEEN_HERE: tl.constexpr, BLOCK_GC: tl.constexpr,
+    KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
+    """A measured step: program ``block`` scores a block of the table. With challengers, a step between
+    measured ones is ``_between_program``'s: in this launch (``BETWEEN_HERE``, its first ``S_BETWEEN``
+    programs; the launch is as wide as the larger of the two) or in ``_between_kernel``'s."""
     block = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
-    if C > 0:  # challengers: a step between measured ones is ``_between_kernel``'s
-        if not measures_whole(flags_ptr, steps_ptr, b, offset, H, EVERY, BLOCK_H):
-            return
+    if C > 0:
+        if BETWEEN_HERE:
+            # the chunk of the held list a step between reads, loaded before the flags that say which step
+            # this is: the two loads are in flight together
+            rows = block * BLOCK_U + tl.arange(0, BLOCK_U)
+            held_ids = tl.load(held_ptr + b * hl_sb + h * hl_sh + rows, mask=rows < R, other=-1)
+            if not measures_whole(flags_ptr, steps_ptr, b, offset, H, EVERY, BLOCK_H):
+                if block < S_BETWEEN:
+                    _between_program(
+                        block, S_BETWEEN - 1, held_ids, h, b, q_ptr, mean_ptr, selectable_ptr, size_ptr, mask_ptr,
+                        keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr, rest_count_ptr, parts_ptr,
+                        chal_ptr, scale, U, P, parts_sk,
+                        q_sb, q_sh, q_sg, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh, mk_sb, mk_sh,
+                        ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh, pt_sb,
+                        pt_sh, ch_sb, ch_sh, D, G, M, C, BLOCK_U, BLOCK_D, BLOCK_G, BLOCK_GC, PRECISION, KEY_DTYPE,
+                        KEY_STAGES, KEYS_AT_ONCE, BLOCK_M)
+                return
+            if block * BLOCK_U >= U:  # a program only a step between has work for
+                return
+        elif not measures_whole(flags_ptr, steps_ptr, b, offset, H, EVERY, BLOCK_H):
+            return  # a step between measured ones is ``_between_kernel``'s
     elif EVERY > 1:
         if not _measures(steps_ptr, b, offset, EVERY):
             return  # a step between measured ones (``ScoreGap.every``): no key is read
@@ -224,23 +295,46 @@ def _between_kernel(
     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, EVERY: tl.constexpr, C: tl.constexpr,
     BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GC: tl.constexpr,
     BLOCK_H: tl.constexpr, PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr,
+    KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """A step between measured ones, with challengers: program ``chunk`` scores the held units listed in
-    its chunk of the held list (and clears their marks), the last program each query head's challengers
-    (none held: the follow launch's check saw to that), each into its column of the parts. No other
-    unit's byte is read. On a measured step it returns at once (the blocks launch's)."""
+    """A step between measured ones in a launch of its own (``_BETWEEN_LAUNCH = "own"``): a program a chunk
+    of the held list, then one for the challengers (``_between_program``). On a measured step it returns at
+    once (the blocks launch's)."""
     chunk = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
+    rows = chunk * BLOCK_U + tl.arange(0, BLOCK_U)
+    held_ids = tl.load(held_ptr + b * hl_sb + h * hl_sh + rows, mask=rows < R, other=-1)  # none in the last program
     if measures_whole(flags_ptr, steps_ptr, b, offset, H, EVERY, BLOCK_H):
         return
+    _between_program(
+        chunk, tl.num_programs(0) - 1, held_ids, h, b, q_ptr, mean_ptr, selectable_ptr, size_ptr, mask_ptr,
+        keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr, rest_count_ptr, parts_ptr, chal_ptr,
+        scale, U, P, parts_sk, q_sb, q_sh, q_sg, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh, mk_sb, mk_sh,
+        ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh, pt_sb, pt_sh,
+        ch_sb, ch_sh, D, G, M, C, BLOCK_U, BLOCK_D, BLOCK_G, BLOCK_GC, PRECISION, KEY_DTYPE, KEY_STAGES,
+        KEYS_AT_ONCE, BLOCK_M)
+
+
+@triton.jit
+def _between_program(
+    chunk, chunks, ids, h, b, q_ptr, mean_ptr, selectable_ptr, size_ptr, mask_ptr,
+    keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr, rest_count_ptr, parts_ptr, chal_ptr,
+    scale, U, P, parts_sk, q_sb, q_sh, q_sg, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh, mk_sb, mk_sh,
+    ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh, pt_sb, pt_sh,
+    ch_sb, ch_sh, D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, C: tl.constexpr,
+    BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GC: tl.constexpr,
+    PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr, KEYS_AT_ONCE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """A step between measured ones, with challengers: ``chunk < chunks`` scores the held units ``ids`` (its
+    chunk of the held list) and clears their marks; ``chunk == chunks`` each query head's challengers (none
+    held: the follow launch's check saw to that), each into its column of the parts. No other unit's byte is
+    read."""
     columns = tl.arange(0, BLOCK_G)
     out = parts_ptr + b * pt_sb + (h * G + columns) * pt_sh + chunk
     real_column = columns < G
     nothing = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    chunks = tl.num_programs(0) - 1
-    rows = chunk * BLOCK_U + tl.arange(0, BLOCK_U)
-    ids = tl.load(held_ptr + b * hl_sb + h * hl_sh + rows, mask=rows < R, other=-1)  # none in the last program
     listed = (ids >= 0) & (ids < U)
     if chunk < chunks:
         if tl.max(listed.to(tl.int32), axis=0) == 0:  # a chunk of the held list with no unit in it
@@ -259,7 +353,7 @@ def _between_kernel(
             mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
             rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
             ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
-            D, G, M, BLOCK_GC, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES)
+            D, G, M, BLOCK_GC, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, KEYS_AT_ONCE, BLOCK_M)
         own = chal_listed[:, None] & ((k // C)[:, None] == columns[None, :])
         _store_parts(out, parts_sk, real_column, tl.max(tl.where(own, chal_mass, float("-inf")), axis=0),
                      tl.zeros([BLOCK_G], tl.float32), nothing, tl.zeros([BLOCK_G], tl.float32))
@@ -269,7 +363,7 @@ def _between_kernel(
         mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
         rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
         ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
-        D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES)
+        D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, KEYS_AT_ONCE, BLOCK_M)
     counted = listed[:, None] & (log_mass > float("-inf"))
     top = tl.max(tl.where(counted, log_mass, float("-inf")), axis=0)
     shift = tl.where((top > float("-inf")) & (top < float("inf")), top, 0.0)
@@ -340,21 +434,27 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
                     BLOCK_H=triton.next_power_of_2(heads), num_warps=_BLOCKS_WARPS)
     count = chal.ids.shape[-1] if chal else 0
     offset = step_offset(trigger, layer)
-    _outlier_gap_blocks_kernel[(blocks, heads, batch)](
+    between_here = _between_launch() == "blocks" and chal is not None
+    outlier_count = outliers.keys.shape[3]
+    between = dict(BLOCK_GC=max(16, triton.next_power_of_2(per_head * count)),
+                   KEYS_AT_ONCE=_between_keys() == "tile", BLOCK_M=triton.next_power_of_2(outlier_count))
+    challengers = chal.ids if chal else state.held  # a placeholder without challengers (never read)
+    _outlier_gap_blocks_kernel[(max(blocks, between_parts) if between_here else blocks, heads, batch)](
         group, *table_args, state.units_at_selection, *outlier_args, flags, mass,
         float(scale), units, int(table.num_prompt_units), parts.stride(0), offset, heads,
-        *strides, *mass.stride()[:2],
-        D=dim, G=per_head, M=outliers.keys.shape[3], LEAVING_IGNORED=trigger.leaving == "ignored",
-        EVERY=trigger.every, C=count, **settings,
+        *strides, *mass.stride()[:2], state.held, challengers, room, between_parts,
+        *state.held.stride()[:2], *challengers.stride()[:2],
+        D=dim, G=per_head, M=outlier_count, LEAVING_IGNORED=trigger.leaving == "ignored",
+        EVERY=trigger.every, C=count, BETWEEN_HERE=between_here, **between, **settings,
     )
     if chal:
-        _between_kernel[(between_parts, heads, batch)](
-            group, *table_args, *outlier_args, flags, state.held, chal.ids,
-            float(scale), units, int(table.num_prompt_units), room, parts.stride(0), offset, heads,
-            *strides, *state.held.stride()[:2], *chal.ids.stride()[:2],
-            D=dim, G=per_head, M=outliers.keys.shape[3], EVERY=trigger.every, C=count,
-            BLOCK_GC=max(16, triton.next_power_of_2(per_head * count)), **settings,
-        )
+        if not between_here:
+            _between_kernel[(between_parts, heads, batch)](
+                group, *table_args, *outlier_args, flags, state.held, chal.ids,
+                float(scale), units, int(table.num_prompt_units), room, parts.stride(0), offset, heads,
+                *strides, *state.held.stride()[:2], *chal.ids.stride()[:2],
+                D=dim, G=per_head, M=outlier_count, EVERY=trigger.every, C=count, **between, **settings,
+            )
         chal = chal._replace(blocks=blocks, between_parts=between_parts)
     decide_from_parts(trigger, state, parts, fire, mass=True, rank=False, decision=decision, challenge=chal)
     return fire

@@ -56,8 +56,9 @@ def compiling_launches() -> list[str]:
 
 
 def score_gap_cases():
-    """(label, op name, trigger, state maker): the outlier op with challengers at its compile-time choices
-    (group, leaving, admit), once without, and the mean-estimate op once."""
+    """(label, op name, trigger, state maker, the outlier op's module constants): the outlier op with
+    challengers at its compile-time choices (group, leaving, admit) and once at the steps between's other
+    settings, once without, and the mean-estimate op once."""
     from kvpolicy.bench.trigger_states import decode_trigger_state
     from kvpolicy.triggers.score_gap import ScoreGap
 
@@ -74,17 +75,25 @@ def score_gap_cases():
         trigger = ScoreGap(margin=1.0, measure="mass", leaving=leaving, estimate="outlier", outliers=3,
                            group=group, every=every, challengers=challengers, follow=1.5, cap=5)
         yield (f"outlier group={group} leaving={leaving} every={every} challengers={challengers}",
-               "score_gap_outlier_fire", trigger, lambda admit=admit: state(admit))
-    yield "mean measure=rank", "score_gap_fire", ScoreGap(margin=1.0, measure="rank", every=2), state
+               "score_gap_outlier_fire", trigger, lambda admit=admit: state(admit), {})
+    # the steps between measured ones' other settings: a launch of their own, the keys in a loop
+    trigger = ScoreGap(margin=1.0, measure="mass", leaving="ignored", estimate="outlier", outliers=3, every=3,
+                       challengers=4)
+    yield ("outlier challengers=4 between in their own launch, keys in a loop", "score_gap_outlier_fire", trigger,
+           state, {"_BETWEEN_LAUNCH": "own", "_BETWEEN_KEYS": "loop"})
+    yield "mean measure=rank", "score_gap_fire", ScoreGap(margin=1.0, measure="rank", every=2), state, {}
 
 
 def main() -> int:
     launched = compiling_launches()
     from kvpolicy.kernels.triton import score_gap, score_gap_outlier
 
+    shipped = {name: getattr(score_gap_outlier, name) for name in ("_BETWEEN_LAUNCH", "_BETWEEN_KEYS")}
     ops = {"score_gap_outlier_fire": score_gap_outlier.score_gap_outlier_fire,
            "score_gap_fire": score_gap.score_gap_fire}
-    for label, op, trigger, make_state in score_gap_cases():
+    for label, op, trigger, make_state, settings in score_gap_cases():
+        for name, value in settings.items():  # the outlier op's module constants, for this case alone
+            setattr(score_gap_outlier, name, value)
         trigger.validate()
         state = make_state()
         query = torch.randn(2, 6, 24).bfloat16()
@@ -99,6 +108,8 @@ def main() -> int:
             print(f"FAILED {label}: {type(error).__name__}: {error}")
             return 1
         print(f"compiled for sm_{TARGET.arch}: {label}: {', '.join(launched)}", flush=True)
+        for name in settings:
+            setattr(score_gap_outlier, name, shipped[name])
     return 0
 
 

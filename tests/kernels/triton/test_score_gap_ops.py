@@ -354,6 +354,19 @@ def test_score_gap_outlier_fire_matches_reference(group, dtype, product, stages,
     assert between or not challengers, "no step kept its challengers: the steps between were not tested"
 
 
+# a step between measured ones in the blocks launch or its own, its keys a tile or a loop (the test above
+# runs the shipped settings)
+@pytest.mark.parametrize("launch, keys", [("own", "loop"), ("own", "tile"), ("blocks", "loop")])
+def test_outlier_fire_between_settings_match_reference(launch, keys, monkeypatch):
+    """With challengers, each setting of the steps between measured ones against the reference, as above."""
+    from kvpolicy.kernels.triton import score_gap_outlier
+
+    monkeypatch.setattr(score_gap_outlier, "_BETWEEN_LAUNCH", launch)
+    monkeypatch.setattr(score_gap_outlier, "_BETWEEN_KEYS", keys)
+    test_score_gap_outlier_fire_matches_reference("each", torch.float32, "tf32", 0, 64, "ignored", "room", 0.0, 0,
+                                                  3, 4, monkeypatch)
+
+
 def test_outlier_log_mass_counts_each_outlier_by_its_own_logit():
     """``outlier_log_mass`` by hand: a prompt unit with one outlier at logit 4 and 3 other tokens at 0
     has log mass log(e**4 + 3); a decode unit of 2 tokens at logit 1, 1 + log 2; not selectable, -inf."""
