@@ -10,9 +10,9 @@ comes (``every``), when one of its challengers is now held or not selectable, or
    are marked, whether one of its challengers is marked or not selectable, and whether it lists any
    (a flag a (sequence, KV head)).
 2. ``measures_whole``: the sequence's flags and step count say whether this step reads the whole
-   table. The blocks launch then does so, and also writes every candidate's mass; otherwise it returns
-   at once and ``score_gap_outlier._between_kernel`` scores only the held units (a chunk of the held
-   list a program, clearing their marks) and the challengers.
+   table. The blocks launch then does so, and also writes every candidate's mass; otherwise its first
+   programs (``score_gap_outlier._between_program``) score only the held units (a chunk of the held
+   list a program, clearing their marks) and the challengers, and the others return at once.
 3. ``merge_challengers``, in the row stage (a program a query head's row, run whenever challengers are
    on): on a whole step, the row's ``C`` strongest candidates become its challengers, in order of mass
    (ties: the lower unit id first). They lie in the ``C`` blocks of largest best candidate (each block's
@@ -25,7 +25,8 @@ launch itself (its loads masked to the held units and challengers) 29.8: a progr
 nothing to read, kept the launch as long as a whole one. (H200:) the next version, a launch of its own
 for the steps between, took 16.4 us there, the held units and then the challengers in one program, and
 its merge, 16 passes each reading its candidates again, 31.6 us in the row stage; hence a program for the
-challengers, and a merge in registers.
+challengers, and a merge in registers (session 30's fourth version; session 31 moved the steps between
+into the blocks launch and read each unit's keys as one tile: ``outlier_blocks.py --challenger-variants``).
 """
 
 from __future__ import annotations

@@ -18,9 +18,10 @@ instead of taking the selector's unit scores:
    notes the layer's ``Decision`` when given one.
 
 With ``challengers`` (``score_gap_challengers.py``) the first launch also checks each head's
-challengers; the blocks launch reads, between measured steps, only the held units (a chunk of the
-held list a program) and the challengers and, on measured ones, keeps each block's strongest
-candidates; and the row stage always runs, merging them into the next challengers.
+challengers; on measured steps the blocks launch also stores every candidate's mass; between them its
+first programs (``_between_program``) read only the held units (a chunk of the held list a program) and
+the challengers, each unit's outlier keys as one tile, and the rest return at once; and the row stage
+always runs, merging the masses into the next challengers.
 
 The sums run in another order than the reference's einsums and its logsumexp is a running one,
 and for a 16-bit query the outlier keys' products run in its type and the rest means' and decode
