@@ -60,6 +60,9 @@ _KEY_STAGES = 0
 # --challenger-variants times them side by side.
 _BETWEEN_LAUNCH = "blocks"
 _BETWEEN_KEYS = "tile"
+# and a measured step's: "loop" or "tile" (all of a block's keys in one tile ran twice as long on an H100
+# in session 25, with float32 products)
+_MEASURED_KEYS = "loop"
 
 
 def _between_launch() -> str:
@@ -72,6 +75,12 @@ def _between_keys() -> str:
     if _BETWEEN_KEYS not in ("tile", "loop"):
         raise ValueError(f"score_gap_outlier._BETWEEN_KEYS must be 'tile' or 'loop', got {_BETWEEN_KEYS!r}")
     return _BETWEEN_KEYS
+
+
+def _measured_keys() -> str:
+    if _MEASURED_KEYS not in ("tile", "loop"):
+        raise ValueError(f"score_gap_outlier._MEASURED_KEYS must be 'tile' or 'loop', got {_MEASURED_KEYS!r}")
+    return _MEASURED_KEYS
 
 
 def _key_dtype(query_dtype: torch.dtype, device: torch.device):
@@ -217,7 +226,7 @@ def _outlier_gap_blocks_kernel(
     EVERY: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr,
     C: tl.constexpr, BLOCK_H: tl.constexpr, BETWEEN_HERE: tl.constexpr, BLOCK_GC: tl.constexpr,
-    KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr,
+    KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr, MEASURED_KEYS_AT_ONCE: tl.constexpr,
 ):
     """A measured step: program ``block`` scores a block of the table. With challengers, a step between
     measured ones is ``_between_program``'s: in this launch (``BETWEEN_HERE``, its first ``S_BETWEEN``
@@ -262,7 +271,7 @@ def _outlier_gap_blocks_kernel(
         mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
         rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
         ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
-        D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES)
+        D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, MEASURED_KEYS_AT_ONCE, BLOCK_M)
     mask_at = mask_ptr + b * mk_sb + h * mk_sh + ids
     held = tl.load(mask_at, mask=ok, other=0) != 0
     finite = log_mass > float("-inf")
@@ -446,7 +455,8 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
         *strides, *mass.stride()[:2], state.held, challengers, room, between_parts,
         *state.held.stride()[:2], *challengers.stride()[:2],
         D=dim, G=per_head, M=outlier_count, LEAVING_IGNORED=trigger.leaving == "ignored",
-        EVERY=trigger.every, C=count, BETWEEN_HERE=between_here, **between, **settings,
+        EVERY=trigger.every, C=count, BETWEEN_HERE=between_here, MEASURED_KEYS_AT_ONCE=_measured_keys() == "tile",
+        **between, **settings,
     )
     if chal:
         if not between_here:
