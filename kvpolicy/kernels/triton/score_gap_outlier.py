@@ -341,20 +341,17 @@ def _between_program(
     chunk of the held list) and clears their marks; ``chunk == chunks`` each query head's challengers (none
     held: the follow launch's check saw to that), each into its column of the parts. No other unit's byte is
     read."""
+    # (branches without an early return: Triton 3.6 does not compile a return inside a called function's if)
     columns = tl.arange(0, BLOCK_G)
     out = parts_ptr + b * pt_sb + (h * G + columns) * pt_sh + chunk
     real_column = columns < G
     nothing = tl.full([BLOCK_G], float("-inf"), tl.float32)
     listed = (ids >= 0) & (ids < U)
-    if chunk < chunks:
-        if tl.max(listed.to(tl.int32), axis=0) == 0:  # a chunk of the held list with no unit in it
-            _store_parts(out, parts_sk, real_column, nothing, tl.zeros([BLOCK_G], tl.float32), nothing,
-                         tl.zeros([BLOCK_G], tl.float32))
-            return
     dims = tl.arange(0, BLOCK_D)
-    q_t = tl.load(q_ptr + b * q_sb + h * q_sh + columns[None, :] * q_sg + dims[:, None],
-                  mask=(columns < G)[None, :] & (dims < D)[:, None], other=0.0).to(tl.float32)
+    q_at = q_ptr + b * q_sb + h * q_sh + columns[None, :] * q_sg + dims[:, None]
+    q_ok = (columns < G)[None, :] & (dims < D)[:, None]
     if chunk == chunks:  # query head g's challengers are rows g * C ..
+        q_t = tl.load(q_at, mask=q_ok, other=0.0).to(tl.float32)
         k = tl.arange(0, BLOCK_GC)
         chal_ids = tl.load(chal_ptr + b * ch_sb + h * ch_sh + k, mask=k < G * C, other=-1)
         chal_listed = (chal_ids >= 0) & (chal_ids < U)
@@ -367,20 +364,24 @@ def _between_program(
         own = chal_listed[:, None] & ((k // C)[:, None] == columns[None, :])
         _store_parts(out, parts_sk, real_column, tl.max(tl.where(own, chal_mass, float("-inf")), axis=0),
                      tl.zeros([BLOCK_G], tl.float32), nothing, tl.zeros([BLOCK_G], tl.float32))
-        return
-    log_mass = _block_log_mass(
-        ids, listed, b, h, q_t, scale, P,
-        mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
-        rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
-        ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
-        D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, KEYS_AT_ONCE, BLOCK_M)
-    counted = listed[:, None] & (log_mass > float("-inf"))
-    top = tl.max(tl.where(counted, log_mass, float("-inf")), axis=0)
-    shift = tl.where((top > float("-inf")) & (top < float("inf")), top, 0.0)
-    total = tl.sum(tl.where(counted, tl.exp(log_mass - shift[None, :]), 0.0), axis=0)
-    # the follow launch marked them (a challenger's check reads the marks): cleared by id
-    tl.store(mask_ptr + b * mk_sb + h * mk_sh + ids, tl.zeros([BLOCK_U], tl.uint8), mask=listed)
-    _store_parts(out, parts_sk, real_column, nothing, tl.sum(counted.to(tl.float32), axis=0), top, total)
+    elif tl.max(listed.to(tl.int32), axis=0) == 0:  # a chunk of the held list with no unit in it
+        _store_parts(out, parts_sk, real_column, nothing, tl.zeros([BLOCK_G], tl.float32), nothing,
+                     tl.zeros([BLOCK_G], tl.float32))
+    else:
+        q_t = tl.load(q_at, mask=q_ok, other=0.0).to(tl.float32)
+        log_mass = _block_log_mass(
+            ids, listed, b, h, q_t, scale, P,
+            mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
+            rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
+            ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
+            D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, KEYS_AT_ONCE, BLOCK_M)
+        counted = listed[:, None] & (log_mass > float("-inf"))
+        top = tl.max(tl.where(counted, log_mass, float("-inf")), axis=0)
+        shift = tl.where((top > float("-inf")) & (top < float("inf")), top, 0.0)
+        total = tl.sum(tl.where(counted, tl.exp(log_mass - shift[None, :]), 0.0), axis=0)
+        # the follow launch marked them (a challenger's check reads the marks): cleared by id
+        tl.store(mask_ptr + b * mk_sb + h * mk_sh + ids, tl.zeros([BLOCK_U], tl.uint8), mask=listed)
+        _store_parts(out, parts_sk, real_column, nothing, tl.sum(counted.to(tl.float32), axis=0), top, total)
 
 
 @implement("triton", "score_gap_outlier_fire", supports=triton_runs_on)
