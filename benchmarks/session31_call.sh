@@ -4,7 +4,7 @@
 # challengers (a measured step, a step between), louiskv end to end at 1x128K (its challengers row beside the
 # preset's trigger), then every score-gap GPU test (the default path's _store_parts refactor too), 8 workers;
 # second / third: the steps between measured ones in the blocks launch with their keys a tile, beside the other
-# settings (third, then paris);
+# settings;
 # paris: pariskv's two reranks end to end at 1x32K and 1x128K
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 case ${3:?} in
@@ -16,13 +16,13 @@ first)
 second|third)  # (second ran at 3ec2f96: the steps between did not compile under Triton 3.6, a return inside a called
   # function's if; the keys as one tile a block, slower) third: the steps between in the blocks launch, keys a
   # tile (shipped), beside session 30's fourth version (own+loop) and the two halves; the score-gap GPU tests
-  # of what changed; louiskv at 1x128K; then pariskv's two reranks at 1x32K and 1x128K
+  # of what changed; louiskv at 1x128K (pariskv's reranks left out: the device time left)
   step blocks_challengers 150 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --only shipped \
-    --challengers 8 --challenger-variants shipped,own+loop,own+tile,blocks+loop
+    --challengers 8 --challenger-variants shipped,own+loop,blocks+loop
   step score_gap_tests 80 python3 -m pytest -q -rs -n 8 -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py \
     tests/triggers/test_score_gap.py -k "challengers or between or one_tile or fused or real_head_dims"
   step e2e_challengers 170 $E2E --contexts 131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_challengers.json"
-  [ "$3" = third ] && bash "$(dirname "$0")/session31_call.sh" "$OUT" "$TAR" paris ;;
+  ;;
 paris)
   for r in head_softmax group_mean; do
     step e2e_$r 170 python3 benchmarks/with_settings.py kvpolicy.presets.PARISKV_RERANK=$r -- -m kvpolicy bench e2e \
