@@ -64,12 +64,13 @@ VARIANTS = {
 
 
 # with --challengers: the settings of a step between measured ones compared (the outlier module's
-# constants; "shipped": as they are; "own+loop" is session 30's fourth version)
+# constants; "shipped": as they are; "own+loop" is session 30's fourth version, shipped)
 CHALLENGER_VARIANTS = {
     "shipped": {},
     "own+loop": {"_BETWEEN_LAUNCH": "own", "_BETWEEN_KEYS": "loop"},
     "own+tile": {"_BETWEEN_LAUNCH": "own", "_BETWEEN_KEYS": "tile"},
     "blocks+loop": {"_BETWEEN_LAUNCH": "blocks", "_BETWEEN_KEYS": "loop"},
+    "blocks+tile": {"_BETWEEN_LAUNCH": "blocks", "_BETWEEN_KEYS": "tile"},
 }
 
 

@@ -13,12 +13,13 @@ first)
   step e2e_challengers 170 $E2E --contexts 131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_challengers.json"
   step score_gap_tests 240 python3 -m pytest -q -rs -n 8 -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py \
     tests/triggers/test_score_gap.py ;;
-second|third)  # (second ran at 3ec2f96: the steps between did not compile under Triton 3.6, a return inside a called
-  # function's if; the keys as one tile a block, slower) third: the steps between in the blocks launch, keys a
-  # tile (shipped), beside session 30's fourth version (own+loop) and the two halves; the score-gap GPU tests
+second|third)  # (second ran at 443455c: the steps between did not compile under Triton 3.6, a return inside a called
+  # function's if; the keys as one tile a block, slower) third (never ran: no device time left; the shipped
+  # settings are own+loop again): the steps between in the blocks launch, keys a tile, beside session 30's
+  # fourth version and the two halves; the score-gap GPU tests
   # of what changed; louiskv at 1x128K (pariskv's reranks left out: the device time left)
   step blocks_challengers 150 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --only shipped \
-    --challengers 8 --challenger-variants shipped,own+loop,blocks+loop
+    --challengers 8 --challenger-variants shipped,blocks+tile,blocks+loop,own+tile
   step score_gap_tests 80 python3 -m pytest -q -rs -n 8 -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py \
     tests/triggers/test_score_gap.py -k "challengers or between or one_tile or fused or real_head_dims"
   step e2e_challengers 170 $E2E --contexts 131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_challengers.json"

@@ -18,9 +18,9 @@ instead of taking the selector's unit scores:
    notes the layer's ``Decision`` when given one.
 
 With ``challengers`` (``score_gap_challengers.py``) the first launch also checks each head's
-challengers; on measured steps the blocks launch also stores every candidate's mass; between them its
-first programs (``_between_program``) read only the held units (a chunk of the held list a program) and
-the challengers, each unit's outlier keys as one tile, and the rest return at once; and the row stage
+challengers; on measured steps the blocks launch also stores every candidate's mass; between them
+``_between_program`` reads only the held units (a chunk of the held list a program) and the challengers,
+in a launch of its own or in the blocks launch's first programs (``_BETWEEN_LAUNCH``); and the row stage
 always runs, merging the masses into the next challengers.
 
 The sums run in another order than the reference's einsums and its logsumexp is a running one,
@@ -57,9 +57,10 @@ _KEY_STAGES = 0
 # loads): its programs run in "blocks" (the blocks launch: one launch fewer a step) or "own" (a launch of
 # their own); and their outlier keys are read "tile" (every key of a unit at once: one load, one product) or
 # "loop" (a key a unit at a time, as a measured step reads them). benchmarks/outlier_blocks.py
-# --challenger-variants times them side by side.
-_BETWEEN_LAUNCH = "blocks"
-_BETWEEN_KEYS = "tile"
+# --challenger-variants times them side by side. "own" and "loop" as timed on an H100 in session 31 (a step
+# between 23.3 us a layer at 1x128K); "blocks" and "tile" are written and tested, not yet timed on a GPU.
+_BETWEEN_LAUNCH = "own"
+_BETWEEN_KEYS = "loop"
 # and a measured step's: "loop" or "tile" (all of a block's keys in one tile ran twice as long on an H100
 # in session 25, with float32 products)
 _MEASURED_KEYS = "loop"

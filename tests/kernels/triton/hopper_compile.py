@@ -76,11 +76,11 @@ def score_gap_cases():
                            group=group, every=every, challengers=challengers, follow=1.5, cap=5)
         yield (f"outlier group={group} leaving={leaving} every={every} challengers={challengers}",
                "score_gap_outlier_fire", trigger, lambda admit=admit: state(admit), {})
-    # the steps between measured ones' other settings: a launch of their own, the keys in a loop
+    # the steps between measured ones' other settings: in the blocks launch, the keys as one tile
     trigger = ScoreGap(margin=1.0, measure="mass", leaving="ignored", estimate="outlier", outliers=3, every=3,
                        challengers=4)
-    yield ("outlier challengers=4 between in their own launch, keys in a loop", "score_gap_outlier_fire", trigger,
-           state, {"_BETWEEN_LAUNCH": "own", "_BETWEEN_KEYS": "loop"})
+    yield ("outlier challengers=4 between in the blocks launch, keys as a tile", "score_gap_outlier_fire", trigger,
+           state, {"_BETWEEN_LAUNCH": "blocks", "_BETWEEN_KEYS": "tile"})
     yield "mean measure=rank", "score_gap_fire", ScoreGap(margin=1.0, measure="rank", every=2), state, {}
 
 

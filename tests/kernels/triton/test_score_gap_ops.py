@@ -355,8 +355,8 @@ def test_score_gap_outlier_fire_matches_reference(group, dtype, product, stages,
 
 
 # a step between measured ones in the blocks launch or its own, its keys a tile or a loop (the test above
-# runs the shipped settings)
-@pytest.mark.parametrize("launch, keys", [("own", "loop"), ("own", "tile"), ("blocks", "loop")])
+# runs the shipped settings, "own" and "loop")
+@pytest.mark.parametrize("launch, keys", [("blocks", "tile"), ("own", "tile"), ("blocks", "loop")])
 def test_outlier_fire_between_settings_match_reference(launch, keys, monkeypatch):
     """With challengers, each setting of the steps between measured ones against the reference, as above."""
     from kvpolicy.kernels.triton import score_gap_outlier
