@@ -115,8 +115,8 @@ def _block_log_mass(ids, ok, b, h, q_t, scale, P,
                     ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
                     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, BLOCK_U: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr,
-                    KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr, KEYS_AT_ONCE: tl.constexpr = False,
-                    BLOCK_M: tl.constexpr = 1):
+                    KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr, KEYS_AT_ONCE: tl.constexpr,
+                    BLOCK_M: tl.constexpr):
     """``[BLOCK_U, BLOCK_G]``: the log mass of units ``ids`` for each query head (``-inf`` where a unit
     is not selectable or not ``ok``: no byte of it is read): a decode unit's tokens at its mean key; a
     prompt unit's other tokens at their mean key and its outlier keys one by one, each tile of keys
