@@ -8,7 +8,7 @@ its time (GB/s). ``--challengers C`` then times the trigger with ``C`` challenge
 query head: a measured step (the whole table; each call starts with none listed) and a step between
 measured ones (the held units and the challengers alone), at each of ``--challenger-variants``. Usage (GPU):
     python3 benchmarks/outlier_blocks.py [--context 131072] [--batch 1] [--only base,stages2] [--challengers 8]
-        [--challenger-variants shipped,own+loop]
+        [--challenger-variants shipped,blocks+tile]
 """
 
 from __future__ import annotations
