@@ -30,8 +30,7 @@ GAP = "kvpolicy.kernels.triton.score_gap"
 OUTLIER = "kvpolicy.kernels.triton.score_gap_outlier"
 # the settings compared: name -> {module: {constant: value}}, each over session 27's settings (its
 # name "base"), but "shipped", the modules' own
-SESSION27 = {OUTLIER: {"_KEY_PRODUCT": "tf32", "_TILE_ELEMENTS": 4096, "_KEY_STAGES": 0, "_BLOCKS_WARPS": 4,
-                       "_MEASURED_KEYS": "loop"},
+SESSION27 = {OUTLIER: {"_KEY_PRODUCT": "tf32", "_TILE_ELEMENTS": 4096, "_KEY_STAGES": 0, "_BLOCKS_WARPS": 4},
              GAP: {"_ROW_BLOCK": 4, "_ROW_SPAN": 64}}
 VARIANTS = {
     "shipped": None,
@@ -54,12 +53,6 @@ VARIANTS = {
     "bf16+tile8192+w8": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 8192, "_BLOCKS_WARPS": 8}},
     "bf16+tile16384": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 16384}},
     "bf16+tile16384+w8": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 16384, "_BLOCKS_WARPS": 8}},
-    # a measured step's keys read as one tile a block (session 31)
-    "bf16+tile8192+keytile": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 8192, "_MEASURED_KEYS": "tile"}},
-    "bf16+tile4096+keytile": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 4096, "_MEASURED_KEYS": "tile"}},
-    "bf16+tile4096+keytile+w8": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 4096, "_MEASURED_KEYS": "tile",
-                                           "_BLOCKS_WARPS": 8}},
-    "bf16+tile2048+keytile": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 2048, "_MEASURED_KEYS": "tile"}},
 }
 
 

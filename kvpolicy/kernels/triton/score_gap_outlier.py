@@ -59,29 +59,18 @@ _KEY_STAGES = 0
 # "loop" (a key a unit at a time, as a measured step reads them). benchmarks/outlier_blocks.py
 # --challenger-variants times them side by side. "own" and "loop" as timed on an H100 in session 31 (a step
 # between 23.3 us a layer at 1x128K); "blocks" and "tile" are written and tested, not yet timed on a GPU.
+# (A measured step's keys as one tile a block ran slower at every tile on an H100, 34-44 us against 28.6:
+# session 31, removed.)
 _BETWEEN_LAUNCH = "own"
 _BETWEEN_KEYS = "loop"
-# and a measured step's: "loop" or "tile" (all of a block's keys in one tile ran twice as long on an H100
-# in session 25, with float32 products)
-_MEASURED_KEYS = "loop"
 
 
-def _between_launch() -> str:
-    if _BETWEEN_LAUNCH not in ("blocks", "own"):
-        raise ValueError(f"score_gap_outlier._BETWEEN_LAUNCH must be 'blocks' or 'own', got {_BETWEEN_LAUNCH!r}")
-    return _BETWEEN_LAUNCH
-
-
-def _between_keys() -> str:
-    if _BETWEEN_KEYS not in ("tile", "loop"):
-        raise ValueError(f"score_gap_outlier._BETWEEN_KEYS must be 'tile' or 'loop', got {_BETWEEN_KEYS!r}")
-    return _BETWEEN_KEYS
-
-
-def _measured_keys() -> str:
-    if _MEASURED_KEYS not in ("tile", "loop"):
-        raise ValueError(f"score_gap_outlier._MEASURED_KEYS must be 'tile' or 'loop', got {_MEASURED_KEYS!r}")
-    return _MEASURED_KEYS
+def _setting(name: str, accepted: tuple[str, ...]) -> str:
+    """Module constant ``name``, checked against its ``accepted`` values."""
+    value = globals()[name]
+    if value not in accepted:
+        raise ValueError(f"score_gap_outlier.{name} must be one of {accepted}, got {value!r}")
+    return value
 
 
 def _key_dtype(query_dtype: torch.dtype, device: torch.device):
@@ -227,7 +216,7 @@ def _outlier_gap_blocks_kernel(
     EVERY: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr,
     C: tl.constexpr, BLOCK_H: tl.constexpr, BETWEEN_HERE: tl.constexpr, BLOCK_GC: tl.constexpr,
-    KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr, MEASURED_KEYS_AT_ONCE: tl.constexpr,
+    KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """A measured step: program ``block`` scores a block of the table. With challengers, a step between
     measured ones is ``_between_program``'s: in this launch (``BETWEEN_HERE``, its first ``S_BETWEEN``
@@ -272,7 +261,7 @@ def _outlier_gap_blocks_kernel(
         mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
         rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
         ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
-        D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, MEASURED_KEYS_AT_ONCE, BLOCK_M)
+        D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, False, BLOCK_M)
     mask_at = mask_ptr + b * mk_sb + h * mk_sh + ids
     held = tl.load(mask_at, mask=ok, other=0) != 0
     finite = log_mass > float("-inf")
@@ -446,10 +435,11 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
                     BLOCK_H=triton.next_power_of_2(heads), num_warps=_BLOCKS_WARPS)
     count = chal.ids.shape[-1] if chal else 0
     offset = step_offset(trigger, layer)
-    between_here = _between_launch() == "blocks" and chal is not None
+    between_here = _setting("_BETWEEN_LAUNCH", ("own", "blocks")) == "blocks" and chal is not None
     outlier_count = outliers.keys.shape[3]
     between = dict(BLOCK_GC=max(16, triton.next_power_of_2(per_head * count)),
-                   KEYS_AT_ONCE=_between_keys() == "tile", BLOCK_M=triton.next_power_of_2(outlier_count))
+                   KEYS_AT_ONCE=_setting("_BETWEEN_KEYS", ("loop", "tile")) == "tile",
+                   BLOCK_M=triton.next_power_of_2(outlier_count))
     challengers = chal.ids if chal else state.held  # a placeholder without challengers (never read)
     _outlier_gap_blocks_kernel[(max(blocks, between_parts) if between_here else blocks, heads, batch)](
         group, *table_args, state.units_at_selection, *outlier_args, flags, mass,
@@ -457,8 +447,7 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
         *strides, *mass.stride()[:2], state.held, challengers, room, between_parts,
         *state.held.stride()[:2], *challengers.stride()[:2],
         D=dim, G=per_head, M=outlier_count, LEAVING_IGNORED=trigger.leaving == "ignored",
-        EVERY=trigger.every, C=count, BETWEEN_HERE=between_here, MEASURED_KEYS_AT_ONCE=_measured_keys() == "tile",
-        **between, **settings,
+        EVERY=trigger.every, C=count, BETWEEN_HERE=between_here, **between, **settings,
     )
     if chal:
         if not between_here:

@@ -466,14 +466,3 @@ def test_outlier_blocks_parts_match_reference_at_real_head_dims(dim, tile, stage
                                f"{where}: {[float(got[k][tuple(i)]) for i in where]} != "
                                f"{[float(want[k][tuple(i)]) for i in where]}")
 
-
-# a measured step's keys as one tile a block (``_MEASURED_KEYS="tile"``), at the tiles outlier_blocks.py times
-@pytest.mark.parametrize("tile, product", [(4096, "tf32"), pytest.param(8192, "query", marks=ON_GPU_ONLY),
-                                           pytest.param(4096, "query", marks=ON_GPU_ONLY),
-                                           pytest.param(2048, "query", marks=ON_GPU_ONLY)])
-def test_outlier_blocks_parts_with_keys_as_one_tile(tile, product, monkeypatch):
-    """The blocks kernel's parts with each block's keys read as one tile, as in the test above."""
-    from kvpolicy.kernels.triton import score_gap_outlier
-
-    monkeypatch.setattr(score_gap_outlier, "_MEASURED_KEYS", "tile")
-    test_outlier_blocks_parts_match_reference_at_real_head_dims(128, tile, 0, 4, product, monkeypatch)
