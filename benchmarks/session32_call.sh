@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Session 32's GPU calls. Usage: bash benchmarks/session32_call.sh OUTDIR TAR MODE
+# MODE first: what programmatic dependent launch saves between small dependent kernels in a graph
+# (pdl_chain.py); session 31's untimed challenger settings side by side, and the score-gap GPU tests of what
+# changed there
+source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
+case ${3:?} in
+first)
+  step pdl_chain 60 python3 benchmarks/pdl_chain.py
+  step blocks_challengers 150 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --only shipped \
+    --challengers 8 --challenger-variants shipped,blocks+tile,blocks+loop,own+tile
+  step score_gap_tests 120 python3 -m pytest -q -rs -n 8 -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py \
+    tests/triggers/test_score_gap.py -k "challengers or between or one_tile or fused or real_head_dims" ;;
+*) echo "session32_call.sh: MODE must be first, got '$3'" >&2; exit 2 ;;
+esac
