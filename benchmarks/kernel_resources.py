@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 
 from kvpolicy.kernels.triton import attention
 
-CONSTEXPRS = ("G", "G_PAD", "D", "BLOCK_N", "QK_FP32", "PV_FP32", "FROM_POOL", "HAS_ZONE", "BY_POINTER")
+CONSTEXPRS = ("G", "G_PAD", "D", "BLOCK_N", "QK_FP32", "PV_FP32", "FROM_POOL", "HAS_ZONE", "BY_POINTER", "PDL")
 # integer arguments a launch passes as multiples of 16 (strides of dense (B, H, N, D) tensors)
 # (the valid mask's strides are the part's row counts: not marked)
 DIVISIBLE = ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn",
@@ -65,7 +65,8 @@ def compile_variant(from_pool: bool, has_zone: bool, by_pointer: bool, dim: int,
             signature[name] = "fp32" if name == "qk_scale" else "i32"
     constexprs = dict(G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim,
                       BLOCK_N=attention._block_n(dim, 4 if dtype == "fp32" else 2), QK_FP32=dtype == "fp32",
-                      PV_FP32=dtype == "fp32", FROM_POOL=from_pool, HAS_ZONE=has_zone, BY_POINTER=by_pointer)
+                      PV_FP32=dtype == "fp32", FROM_POOL=from_pool, HAS_ZONE=has_zone, BY_POINTER=by_pointer,
+                      PDL=False)
     divisible = [p for p in params if p.endswith("_ptr") or p in DIVISIBLE]
     source = ASTSource(fn=fn, signature=signature,
                        constexprs={(params.index(k),): v for k, v in constexprs.items()},

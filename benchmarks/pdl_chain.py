@@ -9,6 +9,10 @@ one before it finishes and waits in ``gdc_wait`` for its results. This chains ``
 reading what the one before wrote (a read-modify-write of every element: a missed wait would lose adds, and
 the check at the end says so), captures the chain in a CUDA graph, and times a replay with and without PDL,
 at each grid size. Prints us a kernel for both and their difference.
+
+Then it checks the two places where a PDL launch follows something that is not a kernel in a captured
+graph: a device-to-device copy (a memcpy node) and a conditional node (``graph_branch.run_if_any``, taken
+and skipped). Each must capture, replay and keep every add.
 """
 
 from __future__ import annotations
@@ -57,6 +61,43 @@ def time_chain(kernels: int, grid: int, pdl: bool, replays: int, block: int = 12
     return start.elapsed_time(end) * 1000.0 / replays / kernels, exact
 
 
+def after_other_nodes(replays: int = 20) -> list[tuple[str, str]]:
+    """(case, outcome) for PDL launches right after a memcpy node and after a conditional node."""
+    from kvpolicy import graph_branch
+
+    results = []
+    for case in ("memcpy", "conditional taken", "conditional skipped"):
+        x = torch.zeros(4096, dtype=torch.int32, device="cuda")
+        source = torch.zeros_like(x)
+        flag = torch.tensor([case == "conditional taken"], device="cuda")
+
+        def step():
+            _chain(x, 2, 32, 128, True)
+            if case == "memcpy":
+                x.copy_(source + x)  # a kernel (the add), then a memcpy node
+            else:
+                graph_branch.run_if_any(flag, lambda: _chain(x, 1, 32, 128, False))
+            _chain(x, 2, 32, 128, True)
+
+        try:
+            step()
+            torch.cuda.synchronize()
+            nodes = graph_branch.ConditionalNodes(x.device)
+            graph = torch.cuda.CUDAGraph()
+            with nodes.capturing(), torch.cuda.graph(graph):
+                step()
+            x.zero_()
+            for _ in range(replays):
+                graph.replay()
+            torch.cuda.synchronize()
+            per_step = 5 if case == "conditional taken" else 4
+            ok = bool((x == per_step * replays).all())
+            results.append((case, "kept every add" if ok else f"LOST ADDS: {x[:4].tolist()}"))
+        except Exception as error:  # the outcome to report, whatever the driver says
+            results.append((case, f"FAILED: {type(error).__name__}: {error}"))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", type=int, default=24)
@@ -72,6 +113,8 @@ def main() -> None:
         plain, plain_exact = time_chain(args.kernels, grid, False, args.replays)
         pdl, pdl_exact = time_chain(args.kernels, grid, True, args.replays)
         print(f"{grid:>9} {plain:>16.2f} {pdl:>14.2f} {plain - pdl:>9.2f}  {plain_exact and pdl_exact}")
+    for case, outcome in after_other_nodes():
+        print(f"a PDL launch after a {case}: {outcome}")
 
 
 if __name__ == "__main__":

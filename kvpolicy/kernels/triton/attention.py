@@ -32,6 +32,7 @@ import triton.language as tl
 
 from ..dispatch import implement, triton_runs_on
 from .gather import zone_pool_row
+from .pdl import launch_args, wait_for_previous
 
 # finite stand-in for -inf: NEG - NEG stays 0, so empty splits never produce NaN
 _NEG = tl.constexpr(-1.0e30)
@@ -163,8 +164,9 @@ def _split_kernel(
     pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_FP32: tl.constexpr, PV_FP32: tl.constexpr, FROM_POOL: tl.constexpr, HAS_ZONE: tl.constexpr,
-    BY_POINTER: tl.constexpr,
+    BY_POINTER: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     b = bh // heads
@@ -192,8 +194,9 @@ def _split_kernel(
 def _combine_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr,
     q_heads, total_splits, stride_ob, stride_oh,
-    D: tl.constexpr, BLOCK_S: tl.constexpr,
+    D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     b = row // q_heads
     hq = row % q_heads
@@ -387,7 +390,7 @@ def sparse_decode_attention(
             # float32 tiles, or a query of another dtype, take exact float32 dots
             QK_FP32=keys.dtype == torch.float32 or keys.dtype != query.dtype or keys.dtype in fp32_dots_for,
             PV_FP32=values.dtype == torch.float32 or values.dtype in fp32_dots_for,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_args(query.device),
         )
         offset += splits
 
@@ -395,7 +398,7 @@ def sparse_decode_attention(
         m_part, l_part, acc_part, out,
         q_heads, total_splits, out.stride(0), out.stride(1),
         D=dim, BLOCK_S=_COMBINE_BLOCK,
-        num_warps=4,
+        num_warps=4, **launch_args(query.device),
     )
     return out
 

@@ -45,6 +45,7 @@ import triton.language as tl
 from ...errors import ConfigError
 from ..dispatch import implement, triton_runs_on
 from .score_gap_challengers import check_challengers, measures_whole, merge_challengers
+from .pdl import launch_args, wait_for_previous
 from .step import note_rows
 
 _GAP_BLOCK = 1024  # units a program of the gap pass reads
@@ -73,7 +74,9 @@ def _follow_kernel(
     ch_sb, ch_sh, sl_sb, sl_sh,
     EVICT: tl.constexpr, LEAVING_UNHELD: tl.constexpr, RANK: tl.constexpr, EVERY: tl.constexpr,
     CHALLENGERS: tl.constexpr, GC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_GC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     h = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     # what the last step's leaving token did: the open unit took it (moved on, or grew) and the
@@ -147,8 +150,9 @@ def _gap_blocks_kernel(
     scale, U, num_prompt_units, parts_sk, H, offset,
     sc_sb, sc_sh, sz_sb, sz_sh, mk_sb, mk_sh, pt_sb, pt_sh,
     MASS: tl.constexpr, RANK: tl.constexpr, LEAVING_IGNORED: tl.constexpr, EVERY: tl.constexpr,
-    BLOCK_U: tl.constexpr,
+    BLOCK_U: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     block = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -242,13 +246,14 @@ def _row_parts_kernel(parts_ptr, out_ptr, H, S, parts_sk, pt_sb, pt_sh, out_sk, 
                       flags_ptr, steps_ptr, mass_ptr, chal_ptr, KV, U, S_BETWEEN, offset, ms_sb, ms_sr, ch_sb,
                       MASS: tl.constexpr, RANK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
                       CHALLENGERS: tl.constexpr, EVERY: tl.constexpr, C: tl.constexpr, BLOCK_KV: tl.constexpr,
-                      BLOCK_B: tl.constexpr, BLOCK_U: tl.constexpr):
+                      BLOCK_B: tl.constexpr, BLOCK_U: tl.constexpr, PDL: tl.constexpr):
     """``BLOCK_H`` rows of a sequence's block parts combined into one block's parts each (as
     ``_combine_parts``), so the decide launch, one program a sequence, reads a part a row. With
     ``CHALLENGERS`` (``score_gap_challengers``; ``KV`` heads' flags say which step this is): a step
     between measured ones has ``S_BETWEEN`` parts a row (a chunk of the held list each, then the
     challengers'); on a measured one the rows' next challengers are merged from the candidates' masses
     (``merge_challengers``)."""
+    wait_for_previous(PDL)
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     b = tl.program_id(1).to(tl.int64)
     parts_read = S
@@ -284,7 +289,9 @@ def _decide_kernel(
     noted_ptr, count_ptr, boundary_ptr, slot_ptr, reselect_ptr, boundary_sb,
     MASS: tl.constexpr, RANK: tl.constexpr, FOLLOW: tl.constexpr, CAP: tl.constexpr, NOTE: tl.constexpr,
     EVERY: tl.constexpr, CHALLENGERS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
     held_count, above, candidates, best_unheld, weakest, top, total = _combine_parts(
@@ -364,7 +371,7 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float, *, decisi
         float(scale), units, int(table.num_prompt_units), parts.stride(0), heads, step_offset(trigger, layer),
         *scores.stride()[:2], *table.size.stride()[:2], *mask.stride()[:2], *parts.stride()[1:3],
         MASS=mass, RANK=rank, LEAVING_IGNORED=trigger.leaving == "ignored", EVERY=trigger.every,
-        BLOCK_U=block,
+        BLOCK_U=block, **launch_args(device),
     )
     decide_from_parts(trigger, state, parts, fire, mass, rank, decision)
     return fire
@@ -404,7 +411,7 @@ def follow_and_mark(trigger, state, mask: torch.Tensor, scores: torch.Tensor, mi
         *chal.stride()[:2], *selectable.stride()[:2],
         EVICT=evict, LEAVING_UNHELD=trigger.leaving == "unheld", RANK=rank, EVERY=trigger.every,
         CHALLENGERS=challenging, GC=per_head, BLOCK_R=min(4096, triton.next_power_of_2(room)),
-        BLOCK_GC=max(16, triton.next_power_of_2(per_head)),
+        BLOCK_GC=max(16, triton.next_power_of_2(per_head)), **launch_args(mask.device),
     )
 
 
@@ -436,7 +443,7 @@ def decide_from_parts(trigger, state, parts: torch.Tensor, fire: torch.Tensor, m
             parts, row_parts, rows, blocks, parts.stride(0), *parts.stride()[1:3],
             row_parts.stride(0), *row_parts.stride()[1:3], *chal_args,
             MASS=mass, RANK=rank, BLOCK_H=_ROW_BLOCK, BLOCK_S=min(_ROW_SPAN, triton.next_power_of_2(blocks)),
-            **chal_settings,
+            **chal_settings, **launch_args(parts.device),
         )
         parts, blocks = row_parts, 1
     follow = trigger.follow > 0 and state.above is not None
@@ -455,6 +462,7 @@ def decide_from_parts(trigger, state, parts: torch.Tensor, fire: torch.Tensor, m
         noted.view(torch.uint8), count, boundary.view(torch.uint8), slot, reselect.view(torch.uint8), boundary.stride(0),
         MASS=mass, RANK=rank, FOLLOW=follow, CAP=cap, NOTE=note, EVERY=trigger.every,
         CHALLENGERS=challenge is not None, BLOCK_H=triton.next_power_of_2(rows), BLOCK_S=min(_DECIDE_BLOCK, triton.next_power_of_2(blocks)),
+        **launch_args(parts.device),
     )
 
 

@@ -41,6 +41,7 @@ from ...errors import ConfigError
 from ..dispatch import implement, triton_runs_on
 from .score_gap import (_measures, _scratch_mask, clear_marks, decide_from_parts, follow_and_mark, step_offset,
                         unsupported)
+from .pdl import launch_args, wait_for_previous
 from .score_gap_challengers import challenger_buffers, measures_whole
 
 # The blocks kernel's settings (benchmarks/outlier_blocks.py times them side by side; session 28, H100,
@@ -216,11 +217,12 @@ def _outlier_gap_blocks_kernel(
     EVERY: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr,
     C: tl.constexpr, BLOCK_H: tl.constexpr, BETWEEN_HERE: tl.constexpr, BLOCK_GC: tl.constexpr,
-    KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr,
+    KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
 ):
     """A measured step: program ``block`` scores a block of the table. With challengers, a step between
     measured ones is ``_between_program``'s: in this launch (``BETWEEN_HERE``, its first ``S_BETWEEN``
     programs; the launch is as wide as the larger of the two) or in ``_between_kernel``'s."""
+    wait_for_previous(PDL)
     block = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -295,11 +297,12 @@ def _between_kernel(
     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, EVERY: tl.constexpr, C: tl.constexpr,
     BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GC: tl.constexpr,
     BLOCK_H: tl.constexpr, PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr,
-    KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr,
+    KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
 ):
     """A step between measured ones in a launch of its own (``_BETWEEN_LAUNCH = "own"``): a program a chunk
     of the held list, then one for the challengers (``_between_program``). On a measured step it returns at
     once (the blocks launch's)."""
+    wait_for_previous(PDL)
     chunk = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -432,7 +435,7 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
     settings = dict(BLOCK_U=block, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(per_head)),
                     PRECISION="ieee" if group.dtype == torch.float32 else "tf32",  # see the module's docstring
                     KEY_DTYPE=_key_dtype(group.dtype, device), KEY_STAGES=_KEY_STAGES,
-                    BLOCK_H=triton.next_power_of_2(heads), num_warps=_BLOCKS_WARPS)
+                    BLOCK_H=triton.next_power_of_2(heads), num_warps=_BLOCKS_WARPS, **launch_args(device))
     count = chal.ids.shape[-1] if chal else 0
     offset = step_offset(trigger, layer)
     between_here = _setting("_BETWEEN_LAUNCH", ("own", "blocks")) == "blocks" and chal is not None

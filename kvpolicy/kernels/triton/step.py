@@ -16,6 +16,7 @@ import triton.language as tl
 
 from ..dispatch import implement, triton_runs_on
 from .gather import _pool_argument
+from .pdl import launch_args, wait_for_previous
 
 
 @triton.jit
@@ -28,8 +29,9 @@ def _append_token_kernel(
     lk_sb, lk_sh, lk_sr, lv_sb, lv_sh, lv_sr,
     lvalid_sb, lvalid_sh, svalid_sb,
     k_sb, k_sh, v_sb, v_sh, ek_sb, ek_sh, ev_sb, ev_sh,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     h = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     slot = tl.load(next_slot_ptr).to(tl.int64)
@@ -96,6 +98,7 @@ def append_token(store, key: torch.Tensor, value: torch.Tensor) -> None:
         *ring.valid.stride()[:2], pool.valid.stride(0),
         *key.stride()[:2], *value.stride()[:2], *evicted.key.stride()[:2], *evicted.value.stride()[:2],
         D=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_S=triton.next_power_of_2(max(sink.rows, 1)),
+        **launch_args(device),
     )
 
 

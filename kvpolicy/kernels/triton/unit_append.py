@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import implement, triton_runs_on
+from .pdl import launch_args, wait_for_previous
 
 # float32 elements of one [BLOCK_H, BLOCK_D] tile: four such tiles (key, sum, min, max) stay in
 # registers of a 4-warp program (16 per thread each)
@@ -40,7 +41,9 @@ def _append_kernel(
     key_sb, key_sh, key_sd,
     valid_s, cut_s,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BY_RULE: tl.constexpr, AT_BOUNDARY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     position = tl.load(position_ptr).to(tl.int64)
     slot = tl.load(slot_ptr).to(tl.int64)
@@ -126,6 +129,7 @@ def _launch(table_tensors, position, slot, key, valid, cut, boundary, max_size, 
         *sel.stride(), open_unit.stride(0), decode_units.stride(0),
         *key.stride(), valid.stride(0), cut_arg.stride(0),
         D=dim, BLOCK_H=block_h, BLOCK_D=block_d, BY_RULE=by_rule, AT_BOUNDARY=bool(at_boundary),
+        **launch_args(key.device),
     )
 
 
