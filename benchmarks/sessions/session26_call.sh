@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 26's GPU calls (written without a device; not run yet): the outlier trigger's int8 keys and
 # row stage (session 25, never on a GPU) and its `every` option (session 26), then the H200 cells.
-# Usage: bash benchmarks/session26_call.sh OUTDIR TAR MODE
+# Usage: bash benchmarks/sessions/session26_call.sh OUTDIR TAR MODE
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 TRIGGER='"name": "score_gap", "measure": "mass", "margin": 1e9, "leaving": "ignored", "estimate": "outlier", "outliers": 4, "group": "each"'
 PROFILE="python3 benchmarks/profile_step.py --preset louiskv --placement gpu --rows 40 --context 131072 --batch 1"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 32's GPU calls. Usage: bash benchmarks/session32_call.sh OUTDIR TAR MODE
+# Session 32's GPU calls. Usage: bash benchmarks/sessions/session32_call.sh OUTDIR TAR MODE
 # MODE first: what programmatic dependent launch saves between small dependent kernels in a graph
 # (pdl_chain.py); session 31's untimed challenger settings side by side, and the score-gap GPU tests of what
 # changed there;

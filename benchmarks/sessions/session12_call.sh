@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 12's GPU calls. Usage: bash benchmarks/session12_call.sh OUTDIR TAR MODE
+# Session 12's GPU calls. Usage: bash benchmarks/sessions/session12_call.sh OUTDIR TAR MODE
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 case ${3:?} in
 verify)  # call 1: the float16 unit means and the fill's middle sort block on the GPU; louiskv at 4x128K

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 13's GPU calls. Usage: bash benchmarks/session13_call.sh OUTDIR TAR MODE
+# Session 13's GPU calls. Usage: bash benchmarks/sessions/session13_call.sh OUTDIR TAR MODE
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 SCORE_GAP='{"name":"score_gap","margin":1000,"measure":"mass","leaving":"ignored"}'
 case ${3:?} in

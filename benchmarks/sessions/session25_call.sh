@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 25's GPU calls: where the outlier score_gap trigger's 135 us a layer goes (session 24, H100),
 # before and after its scoring became one tl.dot a key tile; then the cells an 80 GB card could not hold.
-# Usage: bash benchmarks/session25_call.sh OUTDIR TAR MODE   (MODE first: needs the previous tree in _old/)
+# Usage: bash benchmarks/sessions/session25_call.sh OUTDIR TAR MODE   (MODE first: needs the previous tree in _old/)
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 TRIGGER='{"name": "score_gap", "measure": "mass", "margin": 1e9, "leaving": "ignored", "estimate": "outlier", "outliers": 4, "group": "each"}'
 PROFILE="python3 benchmarks/profile_step.py --preset louiskv --placement gpu --rows 40"

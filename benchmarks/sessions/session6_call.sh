@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 6's GPU calls: the re-selection as a CUDA graph conditional node against kernels inline.
-# Usage: bash benchmarks/session6_call.sh OUTDIR TAR [first|second|third]
+# Usage: bash benchmarks/sessions/session6_call.sh OUTDIR TAR [first|second|third]
 set -u
 OUT=${1:?}; TAR=${2:?}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 31's GPU calls. Usage: bash benchmarks/session31_call.sh OUTDIR TAR MODE
+# Session 31's GPU calls. Usage: bash benchmarks/sessions/session31_call.sh OUTDIR TAR MODE
 # MODE first: session 30's fourth challengers version (b9d5399, never run on a GPU): the blocks kernel with 8
 # challengers (a measured step, a step between), louiskv end to end at 1x128K (its challengers row beside the
 # preset's trigger), then every score-gap GPU test (the default path's _store_parts refactor too), 8 workers;

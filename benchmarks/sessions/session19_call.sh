@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 19's GPU calls. Usage: bash benchmarks/session19_call.sh OUTDIR TAR MODE
+# Session 19's GPU calls. Usage: bash benchmarks/sessions/session19_call.sh OUTDIR TAR MODE
 # (a record: modes lookups, ahead and packed ran at commits da5a07a, 488072b and 3f4edea, whose variants were
 # removed after; on main they time the current variants, and packed's last step fails on VOTES_PACKED)
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF

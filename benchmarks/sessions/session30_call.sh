@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 30's GPU calls. Usage: bash benchmarks/session30_call.sh OUTDIR TAR MODE
+# Session 30's GPU calls. Usage: bash benchmarks/sessions/session30_call.sh OUTDIR TAR MODE
 # MODE tests: the attention's GPU tests at a tile a split (MIN_TILES_PER_SPLIT=1) and the analytic ops'
 # (query_votes' logit queries, head_softmax's two-launch rewrite), then head_softmax_rerank.py;
 # e2e: pariskv with either rerank, louiskv at batch 4 at a tile a split;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 16's GPU calls. Usage: bash benchmarks/session16_call.sh OUTDIR TAR MODE
+# Session 16's GPU calls. Usage: bash benchmarks/sessions/session16_call.sh OUTDIR TAR MODE
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 case ${3:?} in
 rates)  # call 1: louiskv's pinned interval row at the miss fraction a real model shows (the stickiness

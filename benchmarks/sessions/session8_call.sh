@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 8's GPU calls. Usage: bash benchmarks/session8_call.sh OUTDIR TAR MODE
+# Session 8's GPU calls. Usage: bash benchmarks/sessions/session8_call.sh OUTDIR TAR MODE
 set -u
 OUT=${1:?}; TAR=${2:?}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 11's GPU calls. Usage: bash benchmarks/session11_call.sh OUTDIR TAR MODE
+# Session 11's GPU calls. Usage: bash benchmarks/sessions/session11_call.sh OUTDIR TAR MODE
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 case ${3:?} in
 fill)  # call 1: the fill's variants, then the cells not yet run at the 20% rate

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 9's ParisKV call on the H200 (issue 13). Usage: bash benchmarks/session9_paris.sh OUTDIR
+# Session 9's ParisKV call on the H200 (issue 13). Usage: bash benchmarks/sessions/session9_paris.sh OUTDIR
 # Every step runs under `timeout`, bounded also by a deadline for the whole script (TOTAL_S, 235 s
 # by default); each step's log (with its rc and seconds) lands in OUTDIR/<step>.log.
 set -u

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 13's 1M-token cell (batch 1, Qwen3-8B shape, pinned pool). Usage: bash benchmarks/session9_paris_1m.sh OUTDIR
+# Issue 13's 1M-token cell (batch 1, Qwen3-8B shape, pinned pool). Usage: bash benchmarks/sessions/session9_paris_1m.sh OUTDIR
 # The pools alone are ~144 GiB: on nvidia-h200 (128 GiB host) the pariskv/cpu row and full-graph's
 # row both say "does not fit: ... needs N GiB of KV, M GiB ..." (kvpolicy.bench.e2e.DoesNotFit) and
 # the run exits 0; on nvidia-h200-x2 (256 GiB host, one GPU used) pariskv/cpu runs, full-graph does not fit.

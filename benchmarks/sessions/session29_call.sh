@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 29's GPU calls. Usage: bash benchmarks/session29_call.sh OUTDIR TAR MODE
+# Session 29's GPU calls. Usage: bash benchmarks/sessions/session29_call.sh OUTDIR TAR MODE
 # MODE h200: the 4x128K cell an H100 cannot hold, louiskv and pariskv, pool on the GPU then pinned;
 # profile: the replayed step's kernels at 1x128K: the floor (full at 2,048 tokens), louiskv's reuse step
 # without a trigger and with the preset's outlier trigger (at a margin it never passes); tune: the

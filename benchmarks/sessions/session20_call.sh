@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 20's GPU calls (none ran in session 20: no machine was lent; for the next session).
-# Usage: bash benchmarks/session20_call.sh OUTDIR TAR MODE
+# Usage: bash benchmarks/sessions/session20_call.sh OUTDIR TAR MODE
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 # a row with the retrieved rows copied into the buffer (fetch_whole moving every row), as before session 20
 COPIED="python3 benchmarks/with_settings.py kvpolicy.store.ATTEND_POOL_BY_SLOT=False -- ${E2E#python3 }"

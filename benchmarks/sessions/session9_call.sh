@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 9's GPU calls. Usage: bash benchmarks/session9_call.sh OUTDIR TAR MODE
+# Session 9's GPU calls. Usage: bash benchmarks/sessions/session9_call.sh OUTDIR TAR MODE
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 case ${3:?} in
 baseline)
@@ -16,6 +16,6 @@ step ttft 150 python3 benchmarks/kmeans_ttft.py --parts syncs,ttft --contexts 81
 ;;
 third)
 step ttft 170 python3 benchmarks/kmeans_ttft.py --parts ttft --contexts 8192,32768,65536 --ttft-variants spaced/8/split,spaced/3/bf16,pages/2/split --nosync off --json "$OUT/ttft.json"
-step paris 240 bash benchmarks/session9_paris.sh "$OUT/paris"
+step paris 240 bash benchmarks/sessions/session9_paris.sh "$OUT/paris"
 ;;
 esac

@@ -17,14 +17,14 @@
 #
 # Usage, on the device machine, from the repository root (wheels/ must hold the six files of
 # WHEELS, carried by earlier calls; see docs/eval/session8_gemma.md):
-#     bash benchmarks/session8_gemma.sh
+#     bash benchmarks/sessions/session8_gemma.sh
 # Everything comes back as ONE tar, $OUT/session8_gemma.tar, re-packed after every step and round
 # (so a call cut short still returns what had finished), plus $OUT/status.txt (the step log).
 #
 # Smoke test on a CPU (tiny lengths and samples, one round each, --device cpu). PY: a python with
 # torch + transformers but no gguf, like the device image:
 #     SMOKE=1 PY=/path/to/python OUT=/tmp/s8smoke W=/tmp/s8smoke_work KVPOLICY_CACHE=/tmp/s8cache \
-#         bash benchmarks/session8_gemma.sh
+#         bash benchmarks/sessions/session8_gemma.sh
 #
 # Knobs (environment): BUDGET_S (whole script, wall seconds; default 525), CAL_S (calibration's
 # share, default 120), CAL_SAMPLES (most prompts, 24), CAL_CHUNK (prompts a shard, 8), CAL_LENGTH

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 10's GPU calls. Usage: bash benchmarks/session10_call.sh OUTDIR TAR MODE
+# Session 10's GPU calls. Usage: bash benchmarks/sessions/session10_call.sh OUTDIR TAR MODE
 # Each step's log lands in OUTDIR; the folder is re-packed into TAR after every step, so a call cut
 # short still returns what finished. A file wheels/chunk_* carried with the call is moved to
 # /tmp/gemma_chunks (kept while the machine stays warm) for the Gemma 3 call.
@@ -25,7 +25,7 @@ step e2e_pinned 170 $E2E --contexts 131072 --batches 4 --presets louiskv@cpu --s
 ;;
 final)  # call 3 (cut twice to the device time left after two refused starts): ParisKV's new kernels on the GPU, then 1x32K
 step gpu_tests 35 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/triton/test_analytic_ops.py tests/triggers/test_score_gap.py
-step paris 90 bash benchmarks/session10_paris.sh "$OUT/paris"
+step paris 90 bash benchmarks/sessions/session10_paris.sh "$OUT/paris"
 step e2e_32k1 50 $E2E --contexts 32768 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_32k1.json"
 ;;
 esac

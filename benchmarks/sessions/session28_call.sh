@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 28's GPU calls: the outlier trigger's kernel settings side by side (benchmarks/outlier_blocks.py),
-# then the step end to end. Usage: bash benchmarks/session28_call.sh OUTDIR TAR MODE [SETTINGS...]
+# then the step end to end. Usage: bash benchmarks/sessions/session28_call.sh OUTDIR TAR MODE [SETTINGS...]
 # MODE kernels: tests and the settings' times; e2e: end to end with SETTINGS (MODULE.NAME=VALUE for
 # with_settings.py); all: tests, the settings' times at 1x128K, end to end with the fastest of them;
 # parts: the blocks kernel's parts against the reference at head dim 128, settings, end to end

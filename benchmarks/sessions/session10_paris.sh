@@ -3,7 +3,7 @@
 # and 1Mx4 with the kernels before and after session 10 (pariskv_select.py --quick: the whole
 # selection both ways, query_votes sort/count, collision_candidates fused/pass and two tunables,
 # every kernel's device time), then one profiled graph-replayed decode step of the pariskv
-# preset at 128Kx4 (GPU pool). Usage, from the repo root: bash benchmarks/session10_paris.sh OUTDIR
+# preset at 128Kx4 (GPU pool). Usage, from the repo root: bash benchmarks/sessions/session10_paris.sh OUTDIR
 # Every step runs under `timeout`, bounded also by a deadline for the whole script (TOTAL_S, 90 s
 # by default); each step's log (with its rc and seconds) lands in OUTDIR/<step>.log.
 set -u

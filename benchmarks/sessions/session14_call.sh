@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 14's GPU calls. Usage: bash benchmarks/session14_call.sh OUTDIR TAR MODE
+# Session 14's GPU calls. Usage: bash benchmarks/sessions/session14_call.sh OUTDIR TAR MODE
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 EVERY='{"name":"every_step"}'
 case ${3:?} in

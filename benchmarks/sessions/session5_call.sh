@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 5's GPU call: the fused reuse path's kernel tests, a profile of the reusing step, the e2e grid
-# with the budget-floor row. Usage: bash benchmarks/session5_call.sh OUTDIR TAR [first|second]
+# with the budget-floor row. Usage: bash benchmarks/sessions/session5_call.sh OUTDIR TAR [first|second]
 set -u
 OUT=${1:?}; TAR=${2:?}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 15's GPU calls. Usage: bash benchmarks/session15_call.sh OUTDIR TAR MODE
+# Session 15's GPU calls. Usage: bash benchmarks/sessions/session15_call.sh OUTDIR TAR MODE
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 EVERY='{"name":"every_step"}'
 case ${3:?} in

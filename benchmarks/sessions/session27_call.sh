@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 27's GPU calls: session 26's (written without a device) plus the held candidate count's
-# kernel test and the outlier blocks kernel's timing. Usage: bash benchmarks/session27_call.sh OUTDIR TAR MODE
+# kernel test and the outlier blocks kernel's timing. Usage: bash benchmarks/sessions/session27_call.sh OUTDIR TAR MODE
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 TRIGGER='"name": "score_gap", "measure": "mass", "margin": 1e9, "leaving": "ignored", "estimate": "outlier", "outliers": 4, "group": "each"'
 PROFILE="python3 benchmarks/profile_step.py --preset louiskv --placement gpu --rows 40 --context 131072 --batch 1"

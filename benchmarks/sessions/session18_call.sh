@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 18's GPU calls. Usage: bash benchmarks/session18_call.sh OUTDIR TAR MODE
+# Session 18's GPU calls. Usage: bash benchmarks/sessions/session18_call.sh OUTDIR TAR MODE
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 TTFT="python3 benchmarks/kmeans_ttft.py"
 case ${3:?} in
