@@ -10,9 +10,9 @@ reading what the one before wrote (a read-modify-write of every element: a misse
 the check at the end says so), captures the chain in a CUDA graph, and times a replay with and without PDL,
 at each grid size. Prints us a kernel for both and their difference.
 
-Then it checks the two places where a PDL launch follows something that is not a kernel in a captured
-graph: a device-to-device copy (a memcpy node) and a conditional node (``graph_branch.run_if_any``, taken
-and skipped). Each must capture, replay and keep every add.
+Then it checks the places where a PDL launch follows something that is not a kernel in a captured graph:
+a device-to-device copy (a memcpy node) and a conditional node (``graph_branch.run_if_any``, taken and
+skipped), and PDL launches inside a conditional node's body. Each must capture, replay and keep every add.
 """
 
 from __future__ import annotations
@@ -66,17 +66,18 @@ def after_other_nodes(replays: int = 20) -> list[tuple[str, str]]:
     from kvpolicy import graph_branch
 
     results = []
-    for case in ("memcpy", "conditional taken", "conditional skipped"):
+    for case in ("memcpy", "conditional taken", "conditional skipped", "conditional taken, PDL inside"):
         x = torch.zeros(4096, dtype=torch.int32, device="cuda")
         source = torch.zeros_like(x)
-        flag = torch.tensor([case == "conditional taken"], device="cuda")
+        flag = torch.tensor([case.startswith("conditional taken")], device="cuda")
 
         def step():
             _chain(x, 2, 32, 128, True)
             if case == "memcpy":
                 x.copy_(source + x)  # a kernel (the add), then a memcpy node
             else:
-                graph_branch.run_if_any(flag, lambda: _chain(x, 1, 32, 128, False))
+                inside = case.endswith("PDL inside")  # two PDL links in the body (pdl.py keeps bodies plain)
+                graph_branch.run_if_any(flag, lambda: _chain(x, 2 if inside else 1, 32, 128, inside))
             _chain(x, 2, 32, 128, True)
 
         try:
@@ -90,7 +91,7 @@ def after_other_nodes(replays: int = 20) -> list[tuple[str, str]]:
             for _ in range(replays):
                 graph.replay()
             torch.cuda.synchronize()
-            per_step = 5 if case == "conditional taken" else 4
+            per_step = {"conditional taken": 5, "conditional taken, PDL inside": 6}.get(case, 4)
             ok = bool((x == per_step * replays).all())
             results.append((case, "kept every add" if ok else f"LOST ADDS: {x[:4].tolist()}"))
         except Exception as error:  # the outcome to report, whatever the driver says

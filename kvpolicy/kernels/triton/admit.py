@@ -16,8 +16,10 @@ import triton
 import triton.language as tl
 
 from ..dispatch import implement, triton_runs_on
+from .pdl import pdl_kernel, wait_for_previous
 
 
+@pdl_kernel
 @triton.jit
 def _admit_kernel(
     keys_ptr, values_ptr, slots_ptr, valid_ptr, held_ptr, fill_ptr,
@@ -33,8 +35,9 @@ def _admit_kernel(
     value_sb, value_sh, value_sd,
     reselected_s, token_valid_s,
     kept_sb, kept_sh, admitted_sb, admitted_sh,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr, COUNT: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr, COUNT: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     h = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     fill_at = fill_ptr + b * fill_sb + h * fill_sh

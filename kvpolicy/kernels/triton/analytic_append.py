@@ -33,8 +33,10 @@ from ..dispatch import OPS, implement, triton_runs_on
 from . import scratch
 from . import analytic_encoding
 from .analytic_encoding import encode_key_into, key_tile, load_levels, rotation_factors
+from .pdl import pdl_kernel, wait_for_previous
 
 
+@pdl_kernel
 @triton.jit
 def _encode_kernel(
     key_ptr, signs_ptr, thresholds_ptr, values_ptr, next_ptr, valid_ptr, slot_ptr,
@@ -48,8 +50,9 @@ def _encode_kernel(
     tv_sb, tv_sn, slot_s,
     inv_sqrt_d,
     D: tl.constexpr, HI: tl.constexpr, LOG_HI: tl.constexpr, LO: tl.constexpr, LOG_LO: tl.constexpr,
-    S: tl.constexpr, DIMS: tl.constexpr, LEVELS: tl.constexpr,
+    S: tl.constexpr, DIMS: tl.constexpr, LEVELS: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     b = row // H
     h = row % H

@@ -25,12 +25,14 @@ from ... import analytic
 from ..dispatch import OPS, implement, triton_runs_on
 from . import analytic_encoding
 from .analytic_encoding import encode_key_into, key_tile, load_levels, rotation_factors
+from .pdl import pdl_kernel, wait_for_previous
 
 # tokens a program encodes one after another: the signs' and levels' loads amortised, and still
 # 8,192 programs at 8K tokens x 8 KV heads (enough to fill an H200)
 TOKENS = 8
 
 
+@pdl_kernel
 @triton.jit
 def _encode_prompt_kernel(
     key_ptr, signs_ptr, thresholds_ptr, values_ptr,
@@ -43,9 +45,10 @@ def _encode_prompt_kernel(
     norm_sb, norm_sh, norm_sn,
     inv_sqrt_d,
     D: tl.constexpr, HI: tl.constexpr, LOG_HI: tl.constexpr, LO: tl.constexpr, LOG_LO: tl.constexpr,
-    S: tl.constexpr, DIMS: tl.constexpr, LEVELS: tl.constexpr, TOKENS: tl.constexpr,
+    S: tl.constexpr, DIMS: tl.constexpr, LEVELS: tl.constexpr, TOKENS: tl.constexpr, PDL: tl.constexpr,
 ):
     # tokens on axis 0 (up to 2^31 programs), (sequence, head) on axis 1 (65,535 at most)
+    wait_for_previous(PDL)
     first = tl.program_id(0).to(tl.int64) * TOKENS
     row = tl.program_id(1).to(tl.int64)
     b = row // H

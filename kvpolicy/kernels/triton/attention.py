@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ..dispatch import implement, triton_runs_on
 from .gather import zone_pool_row
-from .pdl import launch_args, wait_for_previous
+from .pdl import pdl_kernel, wait_for_previous
 
 # finite stand-in for -inf: NEG - NEG stays 0, so empty splits never produce NaN
 _NEG = tl.constexpr(-1.0e30)
@@ -152,6 +152,7 @@ def _attend_split(
     return m_i, l_i, acc
 
 
+@pdl_kernel
 @triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr,
@@ -190,6 +191,7 @@ def _split_kernel(
     tl.store(acc_ptr + slot[:, None] * D + d[None, :], acc, mask=g[:, None] < G)
 
 
+@pdl_kernel
 @triton.jit
 def _combine_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr,
@@ -390,7 +392,7 @@ def sparse_decode_attention(
             # float32 tiles, or a query of another dtype, take exact float32 dots
             QK_FP32=keys.dtype == torch.float32 or keys.dtype != query.dtype or keys.dtype in fp32_dots_for,
             PV_FP32=values.dtype == torch.float32 or values.dtype in fp32_dots_for,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_args(query.device),
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         )
         offset += splits
 
@@ -398,7 +400,7 @@ def sparse_decode_attention(
         m_part, l_part, acc_part, out,
         q_heads, total_splits, out.stride(0), out.stride(1),
         D=dim, BLOCK_S=_COMBINE_BLOCK,
-        num_warps=4, **launch_args(query.device),
+        num_warps=4,
     )
     return out
 

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import implement, triton_runs_on
+from .pdl import pdl_kernel, wait_for_previous
 
 # keys per program, and per step inside it (a step compares _SUB x BINS and _SUB x _SUB)
 _CHUNK = 1024
@@ -37,8 +38,10 @@ _SUB = 64
 _MAX_BINS = 1024
 
 
+@pdl_kernel
 @triton.jit
-def _histogram(scores_ptr, hist_ptr, N, CHUNKS, CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr):
+def _histogram(scores_ptr, hist_ptr, N, CHUNKS, CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     bins = tl.arange(0, BINS)
@@ -51,8 +54,10 @@ def _histogram(scores_ptr, hist_ptr, N, CHUNKS, CHUNK: tl.constexpr, SUB: tl.con
     tl.store(hist_ptr + (row * CHUNKS + chunk) * BINS + bins, counts)
 
 
+@pdl_kernel
 @triton.jit
-def _place(scores_ptr, next_ptr, out_ptr, N, K, CHUNKS, CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr):
+def _place(scores_ptr, next_ptr, out_ptr, N, K, CHUNKS, CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     next_row = next_ptr + (row * CHUNKS + chunk) * BINS  # this chunk's running place per vote

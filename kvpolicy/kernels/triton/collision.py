@@ -20,19 +20,22 @@ import triton.language as tl
 
 from .. import reference_analytic
 from ..dispatch import implement, triton_runs_on
+from .pdl import pdl_kernel, wait_for_previous
 
 # keys per program: the block's ids are BLOCK_N * S bytes (8 KiB at S=16)
 _BLOCK_N = 512
 
 
+@pdl_kernel
 @triton.jit
 def _collision_kernel(
     table_ptr, keys_ptr, valid_ptr, out_ptr,
     H, N,
     key_sb, key_sh, key_sn, key_ss,
     valid_sb, valid_sh, valid_sn,
-    S: tl.constexpr, IDS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    S: tl.constexpr, IDS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     bh = tl.program_id(0).to(tl.int64)
     b = bh // H
     h = bh % H

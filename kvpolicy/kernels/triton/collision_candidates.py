@@ -67,6 +67,7 @@ import triton.language as tl
 from .. import reference_analytic
 from ..dispatch import OPS, implement, triton_runs_on
 from . import scratch
+from .pdl import pdl_kernel, wait_for_previous
 
 # positions per program of the votes and compaction passes; keys per step inside one. 4096 with the
 # large calls' fold (below): at 2048 a folded 1Mx4 call's compaction programs each read the counts of
@@ -137,6 +138,7 @@ def _head_rows(HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, S: tl.constexpr, 
     return (tl.minimum(tl.arange(0, BLOCK_HEADS), HEADS - 1) * (S * IDS))[:, None]
 
 
+@pdl_kernel
 @triton.jit
 def _votes_kernel(
     table_ptr, keys_ptr, valid_ptr, indexed_ptr, votes_ptr, hist_ptr, row_hist_ptr,
@@ -145,10 +147,11 @@ def _votes_kernel(
     valid_sb, valid_sn,
     S: tl.constexpr, IDS: tl.constexpr, WORDS: tl.constexpr,
     CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr, ROW_HIST: tl.constexpr,
-    HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+    HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, PDL: tl.constexpr,
 ):
     # HEADS: 0, one table a row (the group's mean query); else the row's HEADS query heads' tables,
     # each key's ids looked up in every one and its votes the best head's sum
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = row // H
@@ -236,13 +239,15 @@ def _length_rule(
     return tl.where(n >= bound3, tl.maximum(keep, held3), keep)
 
 
+@pdl_kernel
 @triton.jit
 def _threshold_kernel(
     hist_ptr, start_ptr, ties_ptr, level_ptr, take_ptr,
     CHUNKS, WIDTH, FLOOR, fraction,
     bound0, share0, held0, bound1, share1, held1, bound2, share2, held2, bound3, share3, held3,
-    BINS: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
+    BINS: tl.constexpr, CHUNK_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     bins = tl.arange(0, BINS)
     lanes = tl.arange(0, CHUNK_BLOCK)
@@ -284,12 +289,14 @@ def _threshold_kernel(
         placed += tl.sum(count, axis=0)
 
 
+@pdl_kernel
 @triton.jit
 def _compact_kernel(
     votes_ptr, start_ptr, ties_ptr, level_ptr, take_ptr, out_ptr,
     N, CHUNKS, WIDTH, FILL,
-    CHUNK: tl.constexpr, SUB: tl.constexpr,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     level = tl.load(level_ptr + row)
@@ -334,6 +341,7 @@ def _compact_kernel(
 # (session 9), where it walked the row's 64 or 512 chunk histograms twice, one block of 32 at a time.
 
 
+@pdl_kernel
 @triton.jit
 def _votes_fused_kernel(
     table_ptr, keys_ptr, valid_ptr, indexed_ptr, votes_ptr, suffix_ptr, row_hist_ptr,
@@ -342,9 +350,10 @@ def _votes_fused_kernel(
     valid_sb, valid_sn,
     KEY_SN: tl.constexpr, S: tl.constexpr, IDS: tl.constexpr, WORDS: tl.constexpr,
     CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr,
-    HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+    HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, PDL: tl.constexpr,
 ):
     # HEADS: as _votes_kernel's (0: one table a row; else each query head's, the best head's votes)
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = row // H
@@ -396,13 +405,15 @@ def _votes_fused_kernel(
     _suffix_and_row_hist(hist, bins, suffix_ptr + (row * CHUNKS + chunk) * BINS, row_hist_ptr + row * BINS)
 
 
+@pdl_kernel
 @triton.jit
 def _compact_fused_kernel(
     votes_ptr, suffix_ptr, row_hist_ptr, done_ptr, out_ptr,
     N, CHUNKS, WIDTH, FILL, FLOOR, fraction,
     bound0, share0, held0, bound1, share1, held1, bound2, share2, held2, bound3, share3, held3,
-    CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr, CHUNKS_BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr, CHUNKS_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     # the first step's votes, loaded before the row's histogram (they do not depend on it); the

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ..dispatch import implement, triton_runs_on
 from .gather import _TILE_BYTES, zone_pool_row
+from .pdl import pdl_kernel, wait_for_previous
 
 # bytes of keys (and as many of values) a program copies, and its warps: the gather's tile and
 # Triton's default warps, as measured so far (benchmarks/fetch_whole.py times the others)
@@ -35,6 +36,7 @@ FILL_BLOCK = 2048
 COMMIT_ROWS = 256
 
 
+@pdl_kernel
 @triton.jit
 def _fetch_whole_kernel(
     pool_k_ptr, pool_v_ptr, zone_rows_ptr, slots_ptr, sv_ptr, take_ptr, pool_valid_ptr, next_slot_ptr,
@@ -45,8 +47,9 @@ def _fetch_whole_kernel(
     ok_sb, ok_sh, ok_sr, ov_sb, ov_sh, ov_sr,
     rv_sb, rv_sh, rs_sb, rs_sh, rh_sb, rh_sh, rf_sb,
     D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_ZONE: tl.constexpr, FILL_BLOCK: tl.constexpr,
-    COPY: tl.constexpr,
+    COPY: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     tile = tl.program_id(0)
     # int64: pools reach past 2**31 elements
     h = tl.program_id(1).to(tl.int64)

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import implement, triton_runs_on
+from .pdl import pdl_kernel, wait_for_previous
 
 # bytes one program copies: several loads in flight per thread to cover PCIe latency, while a
 # 2048-row gather still spreads over a few hundred programs. H200, pinned bf16 pool, D=128,
@@ -51,6 +52,7 @@ def zone_pool_row(slot, zone_row_ptr, zone_end, mask):
     return tl.where(in_zone, mapped.to(tl.int64), slot)
 
 
+@pdl_kernel
 @triton.jit
 def _gather_kernel(
     pool_ptr, slots_ptr, take_ptr, out_ptr,
@@ -58,8 +60,9 @@ def _gather_kernel(
     pool_sb, pool_sh, pool_sr, pool_sd,
     slots_sb, slots_sh, slots_sr,
     out_sb, out_sh, out_sr, out_sd,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_TAKE: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_TAKE: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     tile = tl.program_id(0)
     # int64: pools reach past 2**31 elements
     h = tl.program_id(1).to(tl.int64)

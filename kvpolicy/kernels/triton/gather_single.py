@@ -41,11 +41,13 @@ import triton
 import triton.language as tl
 
 from .gather import _pool_argument
+from .pdl import pdl_kernel, wait_for_previous
 
 MAX_ROWS = 128
 MAX_WARPS = 16
 
 
+@pdl_kernel
 @triton.jit
 def _gather_single_kernel(
     pool_ptr, slots_ptr, take_ptr, order_ptr, out_ptr,
@@ -55,14 +57,16 @@ def _gather_single_kernel(
     order_sb, order_sh, order_sr,
     out_sb, out_sh, out_sr, out_sd,
     D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_TAKE: tl.constexpr,
-    SPREAD: tl.constexpr, HAS_ORDER: tl.constexpr,
+    SPREAD: tl.constexpr, HAS_ORDER: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     pid = tl.program_id(0).to(tl.int64)
     _copy_tile(pool_ptr, slots_ptr, take_ptr, order_ptr, out_ptr, pid, R, H, B, TILES,
                pool_sb, pool_sh, pool_sr, pool_sd, slots_sb, slots_sh, slots_sr, order_sb, order_sh, order_sr,
                out_sb, out_sh, out_sr, out_sd, D, BLOCK_D, ROWS, HAS_TAKE, SPREAD, HAS_ORDER)
 
 
+@pdl_kernel
 @triton.jit
 def _gather_walk_kernel(
     pool_ptr, slots_ptr, take_ptr, order_ptr, out_ptr,
@@ -72,9 +76,10 @@ def _gather_walk_kernel(
     order_sb, order_sh, order_sr,
     out_sb, out_sh, out_sr, out_sd,
     D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_TAKE: tl.constexpr,
-    HAS_ORDER: tl.constexpr,
+    HAS_ORDER: tl.constexpr, PDL: tl.constexpr,
 ):
     # persistent: program p copies tiles p, p + PROGRAMS, ... of the (sequence, head)-major order
+    wait_for_previous(PDL)
     first = tl.program_id(0)
     walks = (TILES * H * B - first + PROGRAMS - 1) // PROGRAMS
     for walk in range(0, walks):

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from ...analytic import nibble_values
 from . import scratch
+from .pdl import pdl_kernel, wait_for_previous
 
 OUTPUTS = ("scores", "radix", "split", "wide")
 # candidates a step of the logits pass and its warps: SUB x D / 2 code bytes and their two value
@@ -56,6 +57,7 @@ _CHUNKS_PER_ROW = 32
 _MAX_CHUNK = 4096
 
 
+@pdl_kernel
 @triton.jit
 def _logits_kernel(
     query_ptr, codes_ptr, weight_ptr, norms_ptr, cand_ptr, values_ptr, logits_ptr, stats_ptr, normalizer_ptr,
@@ -67,8 +69,9 @@ def _logits_kernel(
     norm_sb, norm_sh, norm_sn,
     cand_sb, cand_sh, cand_sc,
     G: tl.constexpr, BLOCK_G: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    CHUNK: tl.constexpr, SUB: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, CHUNK_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = row // H
@@ -153,13 +156,15 @@ def _logits_kernel(
         tl.store(done_ptr + row, 0)
 
 
+@pdl_kernel
 @triton.jit
 def _mass_kernel(
     logits_ptr, normalizer_ptr, out_ptr, hist_ptr,
     W, CHUNKS,
     G: tl.constexpr, BLOCK_G: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-    OUTPUT: tl.constexpr, BINS: tl.constexpr, LEVELS: tl.constexpr,
+    OUTPUT: tl.constexpr, BINS: tl.constexpr, LEVELS: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     heads = tl.arange(0, BLOCK_G)

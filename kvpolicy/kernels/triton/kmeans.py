@@ -36,6 +36,7 @@ import triton.language as tl
 
 from .. import reference
 from ..dispatch import implement, triton_runs_on
+from .pdl import pdl_kernel, wait_for_previous
 
 # True: each assignment adds its keys into the cluster sums itself (the key tile is already in
 # its registers), so an iteration is two launches (assign, finalize) instead of three, and the
@@ -57,14 +58,16 @@ def _round_bf16(x):
     return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 
+@pdl_kernel
 @triton.jit
 def _assign(
     keys_ptr, hi_ptr, lo_ptr, norm_ptr, labels_ptr, valid_ptr, sums_ptr, counts_ptr,
     n, C, D, H,
     stride_b, stride_h, stride_n, stride_d,
     SPLIT_X: tl.constexpr, ONE_DOT: tl.constexpr, UPCAST: tl.constexpr, ACCUMULATE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     pid_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # int64: offsets below reach past 2**31 on long prompts
     b = bh // H
@@ -129,13 +132,15 @@ def _assign(
         tl.atomic_add(counts_ptr + bh * C + best_idx, tl.full([BLOCK_N], 1.0, tl.float32), mask=use, sem="relaxed")
 
 
+@pdl_kernel
 @triton.jit
 def _accumulate(
     keys_ptr, valid_ptr, labels_ptr, sums_ptr, counts_ptr,
     n, C, D, H,
     stride_b, stride_h, stride_n, stride_d,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     pid_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -153,12 +158,14 @@ def _accumulate(
     tl.atomic_add(counts_ptr + bh * C + labels, tl.full([BLOCK_N], 1.0, tl.float32), mask=use, sem="relaxed")
 
 
+@pdl_kernel
 @triton.jit
 def _finalize(
     centroids_ptr, sums_ptr, counts_ptr, hi_ptr, lo_ptr, norm_ptr,
     C, D,
-    HI_NORM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+    HI_NORM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     pid_c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)

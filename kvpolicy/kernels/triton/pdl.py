@@ -1,19 +1,24 @@
-"""Programmatic dependent launch (PDL) for the reusing step's chain of small Triton kernels.
+"""Programmatic dependent launch (PDL) for every Triton kernel of the library.
 
-A reusing step runs about ten small dependent launches a layer (the token's writes, the trigger's
-stages, the attention's split and combine). In a replayed graph each pays the gap between the end of
-the kernel before it and its own start. Launched with PDL (sm_90 and later: Triton's ``launch_pdl``),
-a kernel is scheduled while the one before it still runs. Its first act is to wait for that kernel to
-finish (``griddepcontrol.wait``), so it reads only finished results: the saving is the launch gap, not
-the order.
+A decode step is a chain of small dependent launches (a reusing step about ten a layer: the token's
+writes, the trigger's stages, the attention's split and combine; pariskv's selection about fifteen more).
+In a replayed graph each pays the gap between the end of the kernel before it and its own start.
+Launched with PDL (sm_90 and later: Triton's ``launch_pdl``), a kernel is scheduled while the one
+before it still runs, and its first act is to wait for that kernel to finish (``griddepcontrol.wait``),
+so it reads only finished results: the saving is the launch gap, not the order. Session 32 (H100,
+1x128K): the louiskv preset's reusing step 0.19 ms faster, its trigger's row from 22.5% to 20.0% over
+the budget floor (BENCHMARKS.md).
 
-Every kernel launched this way waits before it touches memory, on every program, including programs
-that return early. A kernel that skipped the wait could finish before the one ahead of it, and the
-kernel after it would then wait on the wrong one: the order is kept only because each link waits.
+The contract, which ``tests/kernels/triton/test_pdl.py`` checks of every kernel here: a kernel is
+declared ``@pdl_kernel`` over ``@triton.jit``, takes ``PDL: tl.constexpr`` last, and its first statement
+is ``wait_for_previous(PDL)``: on every program, before any load and before any early return. A kernel
+that skipped the wait could finish before the one ahead of it, and the kernel after it would then wait on
+the wrong one: the order holds only because each link waits.
 
-``ENABLED`` turns it off for a side-by-side run (``benchmarks/with_settings.py
-kvpolicy.kernels.triton.pdl.ENABLED=False -- ...``). Off a GPU of compute capability 9 or more, and
-under Triton's interpreter, launches are plain.
+Launches are plain off a CUDA device of compute capability 9 or more, under Triton's interpreter (the
+tensors are on the CPU), inside a conditional node's body (``graph_branch``: PDL there is untried), and
+with ``ENABLED`` False, for a side-by-side run: ``benchmarks/with_settings.py
+kvpolicy.kernels.triton.pdl.ENABLED=False -- ...``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ... import graph_branch
 
 ENABLED = True
 
@@ -40,16 +47,37 @@ def supported(device: torch.device) -> bool:
     return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
 
 
-def launch_args(device: torch.device) -> dict:
-    """The keywords of a launch on ``device``: the kernel's ``PDL`` and Triton's ``launch_pdl``."""
-    on = ENABLED and supported(device)
-    return {"PDL": on, "launch_pdl": on}
+def launches_with_pdl(device: torch.device) -> bool:
+    """Whether a launch on ``device`` made now is programmatic."""
+    return ENABLED and supported(device) and not graph_branch.in_conditional_body()
+
+
+class pdl_kernel:  # noqa: N801 (used as a decorator, like triton.jit)
+    """A ``@triton.jit`` kernel whose launches pass ``PDL`` and ``launch_pdl`` (``launches_with_pdl`` of
+    the device of the first tensor argument). Anything else is the kernel's own (``.fn``, ``.run``)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        functools.update_wrapper(self, kernel.fn)
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def launch_with_pdl(*args, **kwargs):
+            device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+            on = device is not None and launches_with_pdl(device)
+            return launch(*args, PDL=on, launch_pdl=on, **kwargs)
+
+        return launch_with_pdl
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
 
 
 @triton.jit
 def wait_for_previous(PDL: tl.constexpr):
-    """A PDL-launched kernel's first statement: let the next kernel be scheduled, then wait until the
-    one before has finished and its writes are visible. Nothing without ``PDL``."""
+    """A ``pdl_kernel``'s first statement: let the next kernel be scheduled, then wait until the one
+    before has finished and its writes are visible. Nothing without ``PDL``."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()

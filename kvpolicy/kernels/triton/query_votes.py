@@ -50,8 +50,10 @@ import triton.language as tl
 
 from .. import reference_analytic
 from ..dispatch import OPS, implement, triton_runs_on
+from .pdl import pdl_kernel, wait_for_previous
 
 
+@pdl_kernel
 @triton.jit
 def _query_votes_kernel(
     query_ptr, signs_ptr, weights_ptr, rotated_ptr, table_ptr,
@@ -59,8 +61,9 @@ def _query_votes_kernel(
     q_sb, q_sh, q_sg, q_sd,
     inv_sqrt_d, inv_sqrt_dims,
     D: tl.constexpr, LOG_D: tl.constexpr, BLOCK_G: tl.constexpr,
-    S: tl.constexpr, DIMS: tl.constexpr, BLOCK_DIMS: tl.constexpr, CENTROIDS: tl.constexpr, BLOCK_C: tl.constexpr, IDS: tl.constexpr,
+    S: tl.constexpr, DIMS: tl.constexpr, BLOCK_DIMS: tl.constexpr, CENTROIDS: tl.constexpr, BLOCK_C: tl.constexpr, IDS: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     sub = tl.program_id(1)
     block = tl.program_id(2)
@@ -128,6 +131,7 @@ def _subspace_rotation(unit, parity, in_j, inv_sqrt_d):
     return tl.where(in_j, part, 0.0)
 
 
+@pdl_kernel
 @triton.jit
 def _query_votes_sort_kernel(
     query_ptr, signs_ptr, weights_ptr, rotated_ptr, table_ptr, logits_ptr,
@@ -136,12 +140,13 @@ def _query_votes_sort_kernel(
     inv_sqrt_d, inv_sqrt_dims,
     D: tl.constexpr, LOG_D: tl.constexpr, BLOCK_G: tl.constexpr,
     S: tl.constexpr, DIMS: tl.constexpr, BLOCK_DIMS: tl.constexpr, CENTROIDS: tl.constexpr, IDS: tl.constexpr,
-    PER_HEAD: tl.constexpr, LOGITS: tl.constexpr,
+    PER_HEAD: tl.constexpr, LOGITS: tl.constexpr, PDL: tl.constexpr,
 ):
     # one program per (row, subspace): the prologue and the scores once, then the ranks by one
     # sort of the subspace's centroids (CENTROIDS x log^2 compare-swaps, where counting took
     # CENTROIDS^2 comparisons and repeated the prologue per block of 32). PER_HEAD: one program
     # per (row, subspace, query head), each ranking its own head's query into the head's table
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     sub = tl.program_id(1)
     b = row // H

@@ -37,11 +37,13 @@ import triton.language as tl
 
 from ..dispatch import implement, triton_runs_on
 from .gather import _TILE_BYTES, _pool_argument, zone_pool_row
+from .pdl import pdl_kernel, wait_for_previous
 
 # rows of one (sequence, head) per program of the slot-map launches
 _MAP_ROWS = 256
 
 
+@pdl_kernel
 @triton.jit
 def _mark_kernel(
     take_ptr, label_ptr, held_ptr, map_ptr,
@@ -49,8 +51,9 @@ def _mark_kernel(
     label_sb, label_sh, label_sr,
     held_sb, held_sh, held_sr,
     map_sb, map_sh, map_sm,
-    ROWS: tl.constexpr, CLEAR: tl.constexpr,
+    ROWS: tl.constexpr, CLEAR: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     tile = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -69,6 +72,7 @@ def _mark_kernel(
         tl.atomic_max(at, cols.to(tl.int32), mask=mark, sem="relaxed")
 
 
+@pdl_kernel
 @triton.jit
 def _lookup_kernel(
     slots_ptr, take_ptr, map_ptr, source_ptr, read_ptr, skip_ptr, label_ptr, held_ptr,
@@ -79,8 +83,9 @@ def _lookup_kernel(
     held_sb, held_sh, held_sr,
     source_sb, source_sh, source_sr,
     skip_sb, skip_sh, skip_sr,
-    ROWS: tl.constexpr, HAS_SKIP: tl.constexpr,
+    ROWS: tl.constexpr, HAS_SKIP: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     tile = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -165,6 +170,7 @@ def resident_rows(slots: torch.Tensor, take: torch.Tensor, buffer, source: torch
         _mark_kernel[mark_grid](take, *label_args, ROWS=_MAP_ROWS, CLEAR=True)
 
 
+@pdl_kernel
 @triton.jit
 def _refresh_kernel(
     pool0_ptr, pool1_ptr, out0_ptr, out1_ptr, scratch0_ptr, scratch1_ptr, cache0_ptr, cache1_ptr,
@@ -179,10 +185,11 @@ def _refresh_kernel(
     csrc_sb, csrc_sh, csrc_sr,
     zone_sb, zone_sh,
     D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, PARTS: tl.constexpr, COPY_BACK: tl.constexpr,
-    HAS_CACHE: tl.constexpr, HAS_ZONE: tl.constexpr,
+    HAS_CACHE: tl.constexpr, HAS_ZONE: tl.constexpr, PDL: tl.constexpr,
 ):
     # the parts (keys, values) of one tile are neighbouring programs: both tensors' rows are in
     # flight over PCIe at once, where a launch per tensor left half the requests for later
+    wait_for_previous(PDL)
     tile = tl.program_id(0) // PARTS
     part = tl.program_id(0) % PARTS
     if part == 0:
@@ -357,6 +364,7 @@ def refresh_rows(
         )
 
 
+@pdl_kernel
 @triton.jit
 def _cache_insert_kernel(
     dest_ptr, take_ptr, buf_keys_ptr, buf_values_ptr, buf_slots_ptr, buf_held_ptr,
@@ -371,8 +379,9 @@ def _cache_insert_kernel(
     cv_sb, cv_sh, cv_sr, cv_sd,
     cs_sb, cs_sh, cs_sr,
     ch_sb, ch_sh, ch_sr,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     tile = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -427,13 +436,15 @@ def cache_insert(cache, dest: torch.Tensor, take: torch.Tensor, buffer) -> None:
     )
 
 
+@pdl_kernel
 @triton.jit
 def _misses_kernel(
     source_ptr, cache_source_ptr, take_ptr, dest_ptr, cursor_ptr, read_ptr,
     R, CR,
     src_sb, src_sh, cs_sb, cs_sh, dest_sb, dest_sh, cur_sb,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     h = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     take = tl.load(take_ptr + b) != 0

@@ -21,11 +21,13 @@ from ...analytic import magnitude_levels
 from ..dispatch import implement, triton_runs_on
 from ..reference_analytic import topk_of_candidates
 from . import head_softmax
+from .pdl import pdl_kernel, wait_for_previous
 
 # candidates per program: BLOCK_C * D / 2 code bytes in registers (8 KiB at D=128)
 _BLOCK_C = 128
 
 
+@pdl_kernel
 @triton.jit
 def _rerank_kernel(
     query_ptr, codes_ptr, weight_ptr, norms_ptr, cand_ptr, levels_ptr, out_ptr,
@@ -35,8 +37,9 @@ def _rerank_kernel(
     weight_sb, weight_sh, weight_sn,
     norm_sb, norm_sh, norm_sn,
     cand_sb, cand_sh, cand_sc,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_C: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     bh = tl.program_id(0).to(tl.int64)
     b = bh // H
     h = bh % H

@@ -47,6 +47,7 @@ from ...analytic import nibble_values
 from ..dispatch import OPS, implement, triton_runs_on
 from .. import reference_analytic
 from . import head_softmax, scratch
+from .pdl import pdl_kernel, wait_for_previous
 
 # candidates per program of the score and split passes (at most; SUB per step inside one):
 # about _CHUNKS_PER_ROW programs a row, so 32 rows (4 x 8 heads) fill the GPU at 128K (13K
@@ -67,6 +68,7 @@ _BINS1 = 1024
 _BINS2 = 4096  # 2048 values + 1 (bin 0: not in the level), rounded up to a power of two
 
 
+@pdl_kernel
 @triton.jit
 def _score_kernel(
     query_ptr, codes_ptr, weight_ptr, norms_ptr, cand_ptr, keys_ptr, hist_ptr,
@@ -77,8 +79,9 @@ def _score_kernel(
     norm_sb, norm_sh, norm_sn,
     cand_sb, cand_sh, cand_sc,
     values_ptr,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = row // H
@@ -119,12 +122,14 @@ def _score_kernel(
     tl.store(hist_ptr + (row * CHUNKS + chunk) * BINS + tl.arange(0, BINS), hist)
 
 
+@pdl_kernel
 @triton.jit
 def _threshold_kernel(
     hist_ptr, indexed_ptr, next_ptr, start_ptr, row_ptr,
     CHUNKS, R,
-    BINS: tl.constexpr, CHUNK_BLOCK: tl.constexpr,
+    BINS: tl.constexpr, CHUNK_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     bins = tl.arange(0, BINS)
     lanes = tl.arange(0, CHUNK_BLOCK)
@@ -160,13 +165,15 @@ def _threshold_kernel(
         tied_before += tl.sum(at, axis=0)
 
 
+@pdl_kernel
 @triton.jit
 def _split_kernel(
     keys_ptr, cand_ptr, start_ptr, row_ptr, above_ptr, tied_ptr,
     H, W, CHUNKS, R,
     cand_sb, cand_sh, cand_sc,
-    CHUNK: tl.constexpr, SUB: tl.constexpr,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = row // H
@@ -207,14 +214,16 @@ def _highest(hist, bins, need, NBINS: tl.constexpr):
     return level, tl.sum(tl.where(bins > level, hist, 0), axis=0)
 
 
+@pdl_kernel
 @triton.jit
 def _finish_kernel(
     row_ptr, above_ptr, tied_ptr, token_valid_ptr, slots_ptr, indexed_ptr, next_ptr,
     ids_ptr, out_slots_ptr, valid_ptr, count_ptr,
     H, W, R, N,
     valid_sb, valid_sn, slot_s,
-    BLOCK: tl.constexpr, BINS: tl.constexpr,
+    BLOCK: tl.constexpr, BINS: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     b = row // H
     take = tl.load(row_ptr + row * 4 + 1)
@@ -398,6 +407,7 @@ def _pick(hist, bins, need):
     return level, tl.sum(tl.where(bins > level, hist, 0), axis=0)
 
 
+@pdl_kernel
 @triton.jit
 def _radix_score_kernel(
     query_ptr, codes_ptr, weight_ptr, norms_ptr, cand_ptr, keys_ptr, row_hist_ptr,
@@ -409,8 +419,9 @@ def _radix_score_kernel(
     cand_sb, cand_sh, cand_sc,
     values_ptr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-    BINS: tl.constexpr, LEVELS: tl.constexpr, WIDE: tl.constexpr, WORDS: tl.constexpr,
+    BINS: tl.constexpr, LEVELS: tl.constexpr, WIDE: tl.constexpr, WORDS: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = row // H
@@ -482,12 +493,14 @@ def _radix_score_kernel(
         tl.atomic_add(row_hist_ptr + row * LEVELS * BINS + bins, hist, mask=hist != 0, sem="relaxed")
 
 
+@pdl_kernel
 @triton.jit
 def _radix_level_kernel(
     keys_ptr, row_hist_ptr, state_ptr, counts_ptr, indexed_ptr, next_ptr,
     W, CHUNKS, R,
-    LEVEL: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr, LEVELS: tl.constexpr,
+    LEVEL: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr, LEVELS: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     bins = tl.arange(0, BINS)
@@ -544,6 +557,7 @@ def _radix_level_kernel(
         tl.store(counts_row + BINS, over)
 
 
+@pdl_kernel
 @triton.jit
 def _radix_place_kernel(
     keys_ptr, cand_ptr, row_hist_ptr, done_ptr, state_ptr, counts_ptr, token_valid_ptr, slots_ptr, indexed_ptr, next_ptr,
@@ -551,8 +565,9 @@ def _radix_place_kernel(
     H, W, CHUNKS, R, N, FILL,
     cand_sb, cand_sh, cand_sc, valid_sb, valid_sn, slot_s,
     CHUNK: tl.constexpr, SUB: tl.constexpr, CHUNKS_BLOCK: tl.constexpr, LEVELS: tl.constexpr,
-    BINS: tl.constexpr, BLOCK: tl.constexpr, PRELOAD: tl.constexpr,
+    BINS: tl.constexpr, BLOCK: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = row // H

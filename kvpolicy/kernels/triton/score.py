@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ..dispatch import implement, triton_runs_on
 from ..reference import QUERY_DTYPES
+from .pdl import pdl_kernel, wait_for_previous
 
 # elements of key statistics one program loads (one tile for the mean, two for the bound):
 # 32 units x D=128 for the mean at 4 warps is 32 floats a thread (64 registers in all, no spills
@@ -37,6 +38,7 @@ _MAX_BLOCK_U = 128
 _NUM_WARPS = 4
 
 
+@pdl_kernel
 @triton.jit
 def _score_kernel(
     q_ptr, first_ptr, second_ptr, selectable_ptr, take_ptr, out_ptr,
@@ -46,9 +48,10 @@ def _score_kernel(
     s_sb, s_sh, s_su, s_sd,
     sel_sb, sel_sh, sel_su,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_U: tl.constexpr,
-    BOUND: tl.constexpr, HAS_TAKE: tl.constexpr,
+    BOUND: tl.constexpr, HAS_TAKE: tl.constexpr, PDL: tl.constexpr,
 ):
     # units on axis 0 (up to 2**31 programs), (sequence, head) on axis 1
+    wait_for_previous(PDL)
     block = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H

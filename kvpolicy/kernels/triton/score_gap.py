@@ -45,8 +45,8 @@ import triton.language as tl
 from ...errors import ConfigError
 from ..dispatch import implement, triton_runs_on
 from .score_gap_challengers import check_challengers, measures_whole, merge_challengers
-from .pdl import launch_args, wait_for_previous
 from .step import note_rows
+from .pdl import pdl_kernel, wait_for_previous
 
 _GAP_BLOCK = 1024  # units a program of the gap pass reads
 _DECIDE_BLOCK = 64  # blocks' parts the decide launch reads at a time, a row each (more: a stage a row first)
@@ -64,6 +64,7 @@ def _measures(steps_ptr, b, offset, EVERY: tl.constexpr):
     return (tl.load(steps_ptr + b) + offset) % EVERY == 0
 
 
+@pdl_kernel
 @triton.jit
 def _follow_kernel(
     size_ptr, open_ptr, seen_open_ptr, seen_size_ptr, admitted_ptr, seen_admitted_ptr,
@@ -73,8 +74,7 @@ def _follow_kernel(
     sz_sb, sz_sh, ss_sb, ad_sb, sa_sb, hl_sb, hl_sh, he_sb, he_sh, hc_sb, kp_sb, mk_sb, mk_sh, sc_sb, sc_sh,
     ch_sb, ch_sh, sl_sb, sl_sh,
     EVICT: tl.constexpr, LEAVING_UNHELD: tl.constexpr, RANK: tl.constexpr, EVERY: tl.constexpr,
-    CHALLENGERS: tl.constexpr, GC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_GC: tl.constexpr,
-    PDL: tl.constexpr,
+    CHALLENGERS: tl.constexpr, GC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_GC: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     h = tl.program_id(0).to(tl.int64)
@@ -144,6 +144,7 @@ def _follow_kernel(
     tl.store(seen_admitted_ptr + b * sa_sb + h, admitted_now)
 
 
+@pdl_kernel
 @triton.jit
 def _gap_blocks_kernel(
     scores_ptr, size_ptr, mask_ptr, at_selection_ptr, parts_ptr, middle_ptr, steps_ptr,
@@ -241,6 +242,7 @@ def _combine_parts(parts_ptr, b, heads, H, S, parts_sk, pt_sb, pt_sh,
     return held_count, above, candidates, best_unheld, weakest, top, total
 
 
+@pdl_kernel
 @triton.jit
 def _row_parts_kernel(parts_ptr, out_ptr, H, S, parts_sk, pt_sb, pt_sh, out_sk, out_sb, out_sh,
                       flags_ptr, steps_ptr, mass_ptr, chal_ptr, KV, U, S_BETWEEN, offset, ms_sb, ms_sr, ch_sb,
@@ -282,14 +284,14 @@ def _row_parts_kernel(parts_ptr, out_ptr, H, S, parts_sk, pt_sb, pt_sh, out_sk, 
         tl.store(out + 2 * out_sk, weakest, mask=ok)
 
 
+@pdl_kernel
 @triton.jit
 def _decide_kernel(
     parts_ptr, has_ptr, above_ptr, open_ptr, seen_open_ptr, fire_ptr, out_gap_ptr,
     age_ptr, steps_ptr, H, S, parts_sk, pt_sb, pt_sh, margin, follow_margin, cap, offset,
     noted_ptr, count_ptr, boundary_ptr, slot_ptr, reselect_ptr, boundary_sb,
     MASS: tl.constexpr, RANK: tl.constexpr, FOLLOW: tl.constexpr, CAP: tl.constexpr, NOTE: tl.constexpr,
-    EVERY: tl.constexpr, CHALLENGERS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-    PDL: tl.constexpr,
+    EVERY: tl.constexpr, CHALLENGERS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -371,7 +373,7 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float, *, decisi
         float(scale), units, int(table.num_prompt_units), parts.stride(0), heads, step_offset(trigger, layer),
         *scores.stride()[:2], *table.size.stride()[:2], *mask.stride()[:2], *parts.stride()[1:3],
         MASS=mass, RANK=rank, LEAVING_IGNORED=trigger.leaving == "ignored", EVERY=trigger.every,
-        BLOCK_U=block, **launch_args(device),
+        BLOCK_U=block,
     )
     decide_from_parts(trigger, state, parts, fire, mass, rank, decision)
     return fire
@@ -411,7 +413,7 @@ def follow_and_mark(trigger, state, mask: torch.Tensor, scores: torch.Tensor, mi
         *chal.stride()[:2], *selectable.stride()[:2],
         EVICT=evict, LEAVING_UNHELD=trigger.leaving == "unheld", RANK=rank, EVERY=trigger.every,
         CHALLENGERS=challenging, GC=per_head, BLOCK_R=min(4096, triton.next_power_of_2(room)),
-        BLOCK_GC=max(16, triton.next_power_of_2(per_head)), **launch_args(mask.device),
+        BLOCK_GC=max(16, triton.next_power_of_2(per_head)),
     )
 
 
@@ -443,7 +445,7 @@ def decide_from_parts(trigger, state, parts: torch.Tensor, fire: torch.Tensor, m
             parts, row_parts, rows, blocks, parts.stride(0), *parts.stride()[1:3],
             row_parts.stride(0), *row_parts.stride()[1:3], *chal_args,
             MASS=mass, RANK=rank, BLOCK_H=_ROW_BLOCK, BLOCK_S=min(_ROW_SPAN, triton.next_power_of_2(blocks)),
-            **chal_settings, **launch_args(parts.device),
+            **chal_settings,
         )
         parts, blocks = row_parts, 1
     follow = trigger.follow > 0 and state.above is not None
@@ -462,7 +464,6 @@ def decide_from_parts(trigger, state, parts: torch.Tensor, fire: torch.Tensor, m
         noted.view(torch.uint8), count, boundary.view(torch.uint8), slot, reselect.view(torch.uint8), boundary.stride(0),
         MASS=mass, RANK=rank, FOLLOW=follow, CAP=cap, NOTE=note, EVERY=trigger.every,
         CHALLENGERS=challenge is not None, BLOCK_H=triton.next_power_of_2(rows), BLOCK_S=min(_DECIDE_BLOCK, triton.next_power_of_2(blocks)),
-        **launch_args(parts.device),
     )
 
 
@@ -487,6 +488,7 @@ def unsupported(trigger) -> str | None:
 score_gap_fire.unsupported = unsupported
 
 
+@pdl_kernel
 @triton.jit
 def _selected_kernel(
     ids_ptr, take_ptr, size_ptr, open_ptr, decode_units_ptr, admitted_ptr,
@@ -494,8 +496,9 @@ def _selected_kernel(
     at_selection_ptr, has_ptr, age_ptr,
     K, R, capacity,
     id_sb, id_sh, sz_sb, sz_sh, ad_sb, hl_sb, hl_sh, he_sb, he_sh, hc_sb, ss_sb, sa_sb,
-    BLOCK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     h = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     if tl.load(take_ptr + b) == 0:

@@ -41,8 +41,8 @@ from ...errors import ConfigError
 from ..dispatch import implement, triton_runs_on
 from .score_gap import (_measures, _scratch_mask, clear_marks, decide_from_parts, follow_and_mark, step_offset,
                         unsupported)
-from .pdl import launch_args, wait_for_previous
 from .score_gap_challengers import challenger_buffers, measures_whole
+from .pdl import pdl_kernel, wait_for_previous
 
 # The blocks kernel's settings (benchmarks/outlier_blocks.py times them side by side; session 28, H100,
 # 1x128K: 28.0 us a layer as set here, against 33.5 with float32 key operands and 39.6 pipelined).
@@ -204,6 +204,7 @@ def _store_parts(out, parts_sk, real_column, best_unheld, held_count, best_held,
     tl.store(out + 3 * parts_sk, held_sum, mask=real_column)
 
 
+@pdl_kernel
 @triton.jit
 def _outlier_gap_blocks_kernel(
     q_ptr, mean_ptr, selectable_ptr, size_ptr, mask_ptr, at_selection_ptr,
@@ -285,6 +286,7 @@ def _outlier_gap_blocks_kernel(
     clear_marks(mask_at, ok, BLOCK_U)
 
 
+@pdl_kernel
 @triton.jit
 def _between_kernel(
     q_ptr, mean_ptr, selectable_ptr, size_ptr, mask_ptr,
@@ -435,7 +437,7 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
     settings = dict(BLOCK_U=block, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(per_head)),
                     PRECISION="ieee" if group.dtype == torch.float32 else "tf32",  # see the module's docstring
                     KEY_DTYPE=_key_dtype(group.dtype, device), KEY_STAGES=_KEY_STAGES,
-                    BLOCK_H=triton.next_power_of_2(heads), num_warps=_BLOCKS_WARPS, **launch_args(device))
+                    BLOCK_H=triton.next_power_of_2(heads), num_warps=_BLOCKS_WARPS)
     count = chal.ids.shape[-1] if chal else 0
     offset = step_offset(trigger, layer)
     between_here = _setting("_BETWEEN_LAUNCH", ("own", "blocks")) == "blocks" and chal is not None

@@ -45,6 +45,7 @@ import triton.language as tl
 from ... import graph_branch
 from ..dispatch import implement, triton_runs_on
 from . import score as _score  # noqa: F401  (registers ``unit_scores``, the selection's first stage)
+from .pdl import pdl_kernel, wait_for_previous
 
 # units / positions per block step and warps per program (H200, U=8192, R=2048, torch.sort
 # ranking: the fill took ~30 us of ~110, the stable sort the rest; block size and warps
@@ -137,10 +138,12 @@ def _descending_key(score, index, in_range):
     return tl.where(in_range, key, 0x7FFFFFFFFFFFFFFF)
 
 
+@pdl_kernel
 @triton.jit
-def _keys_kernel(scores_ptr, sizes_ptr, keys_ptr, U, BLOCK: tl.constexpr):
+def _keys_kernel(scores_ptr, sizes_ptr, keys_ptr, U, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """``keys[row, u]`` = ``_descending_key`` of unit ``u`` (for the "topk" ranking); an empty
     unit ranks with the unselectable, so the best ``R`` keys hold every unit the fill takes."""
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     index = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_range = index < U
@@ -279,12 +282,13 @@ def _radix_digit(hist_ptr, before, R, BINS: tl.constexpr):
     return chosen, tl.max(tl.where(bins < chosen, inclusive, before), 0), tl.max(inclusive, 0)
 
 
+@pdl_kernel
 @triton.jit
 def _radix_hist_kernel(scores_ptr, sizes_ptr, take_ptr, scratch_ptr, state_ptr,
                        U, R, ROWS_PER_SEQUENCE, SCRATCH_LEN, LEVEL: tl.constexpr,
                        SHIFT: tl.constexpr, BINS: tl.constexpr, HIST: tl.constexpr,
                        PREV_SHIFT: tl.constexpr, PREV_BINS: tl.constexpr, PREV_HIST: tl.constexpr,
-                       HAS_TAKE: tl.constexpr, CHUNK: tl.constexpr):
+                       HAS_TAKE: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Pass ``LEVEL`` (0, 1, 2; its digit is ``(key >> SHIFT) % BINS``): the previous pass's
     digit from its histogram (at ``PREV_HIST`` in the row's scratch line), then this pass's.
 
@@ -292,6 +296,7 @@ def _radix_hist_kernel(scores_ptr, sizes_ptr, take_ptr, scratch_ptr, state_ptr,
     before their bucket, whether the row holds fewer than R tokens); written by chunk 0 only,
     one slot per level, so that no program reads a slot another one is writing.
     """
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     if HAS_TAKE:  # noqa: SIM102
@@ -326,17 +331,19 @@ def _radix_hist_kernel(scores_ptr, sizes_ptr, take_ptr, scratch_ptr, state_ptr,
         tl.atomic_add(line + _RADIX_TIES + chunk * BINS + digit, tl.full([CHUNK], 1, tl.int32), mask=match)
 
 
+@pdl_kernel
 @triton.jit
 def _radix_compact_kernel(scores_ptr, sizes_ptr, take_ptr, scratch_ptr, state_ptr, better_ptr, tied_ptr,
                           unit_ids_ptr, U, R, ROWS_PER_SEQUENCE, CHUNKS, SCRATCH_LEN,
                           LAST_SHIFT: tl.constexpr, LAST_BINS: tl.constexpr, LAST_HIST: tl.constexpr,
                           HAS_TAKE: tl.constexpr, CHUNK: tl.constexpr, CAND_BLOCK: tl.constexpr,
-                          CHUNKS_BLOCK: tl.constexpr):
+                          CHUNKS_BLOCK: tl.constexpr, PDL: tl.constexpr):
     """The last digit, then the winners: the keys of the units strictly better than the cut
     (all taken; fewer than R tokens) at atomic positions, their order restored later by a sort,
     and the units tied with the cut at their index order's positions (the fill takes the first
     of them), counted over the earlier chunks from the last pass's per-chunk histograms. Also
     the row's ``unit_ids`` to -1 (the fill writes the taken prefix afterwards)."""
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     if HAS_TAKE:  # noqa: SIM102
@@ -393,6 +400,7 @@ def _radix_order(better_ptr, tied_ptr, counter_ptr, tied_count_ptr, ranked_ptr,
     return better + tied
 
 
+@pdl_kernel
 @triton.jit
 def _fill_kernel(
     scores_ptr, ranked_ptr, ranked_scores_ptr, sizes_ptr, starts_ptr, order_ptr, take_ptr,
@@ -400,8 +408,9 @@ def _fill_kernel(
     heads_ptr, shift_ptr, cand_ptr, tied_ptr, radix_line_ptr, radix_state_ptr,
     U, N, R, SHIFT_LEN, ROWS_PER_SEQUENCE, RANKED_KEYS, RADIX_LINE,
     BLOCK_U: tl.constexpr, BLOCK_R: tl.constexpr, SORT_BLOCK: tl.constexpr, HAS_TAKE: tl.constexpr,
-    CAND_BLOCK: tl.constexpr, RADIX: tl.constexpr, SMALL_SORT: tl.constexpr, MID_SORT: tl.constexpr,
+    CAND_BLOCK: tl.constexpr, RADIX: tl.constexpr, SMALL_SORT: tl.constexpr, MID_SORT: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     bh = tl.program_id(0).to(tl.int64)
     u_base = bh * U
     r_base = bh * R

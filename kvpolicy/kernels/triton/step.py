@@ -16,9 +16,10 @@ import triton.language as tl
 
 from ..dispatch import implement, triton_runs_on
 from .gather import _pool_argument
-from .pdl import launch_args, wait_for_previous
+from .pdl import pdl_kernel, wait_for_previous
 
 
+@pdl_kernel
 @triton.jit
 def _append_token_kernel(
     pool_k_ptr, pool_v_ptr, local_k_ptr, local_v_ptr, local_valid_ptr, slot_valid_ptr, next_slot_ptr,
@@ -98,7 +99,6 @@ def append_token(store, key: torch.Tensor, value: torch.Tensor) -> None:
         *ring.valid.stride()[:2], pool.valid.stride(0),
         *key.stride()[:2], *value.stride()[:2], *evicted.key.stride()[:2], *evicted.value.stride()[:2],
         D=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_S=triton.next_power_of_2(max(sink.rows, 1)),
-        **launch_args(device),
     )
 
 
@@ -115,10 +115,12 @@ def note_rows(fire, b, ok, has_ptr, count_ptr, boundary_ptr, slot_ptr, out_ptr, 
     tl.store(count_ptr + b, tl.load(count_ptr + b, mask=ok, other=0) + decided.to(tl.int64), mask=ok)
 
 
+@pdl_kernel
 @triton.jit
 def _note_decision_kernel(
-    fire_ptr, has_ptr, count_ptr, boundary_ptr, slot_ptr, out_ptr, B, boundary_sb, BLOCK_B: tl.constexpr,
+    fire_ptr, has_ptr, count_ptr, boundary_ptr, slot_ptr, out_ptr, B, boundary_sb, BLOCK_B: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     b = tl.arange(0, BLOCK_B)
     ok = b < B
     fire = tl.load(fire_ptr + b, mask=ok, other=0) != 0
@@ -137,11 +139,13 @@ def note_decision(fire, has_selection, reselections, boundary, slot, reselect) -
     )
 
 
+@pdl_kernel
 @triton.jit
 def _query_cosine_kernel(
     q_ptr, prev_ptr, has_ptr, fire_ptr, tau, HQ, q_sb, q_sh, p_sb, p_sh,
-    ANCHOR: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    ANCHOR: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_D)
@@ -182,8 +186,10 @@ def query_cosine_fire(query, previous, has_previous, tau: float, anchor: bool) -
     return fire
 
 
+@pdl_kernel
 @triton.jit
-def _interval_kernel(steps_ptr, fire_ptr, n, B, BLOCK_B: tl.constexpr):
+def _interval_kernel(steps_ptr, fire_ptr, n, B, BLOCK_B: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     b = tl.arange(0, BLOCK_B)
     ok = b < B
     steps = tl.load(steps_ptr + b, mask=ok, other=0)
@@ -191,10 +197,12 @@ def _interval_kernel(steps_ptr, fire_ptr, n, B, BLOCK_B: tl.constexpr):
     tl.store(steps_ptr + b, steps + 1, mask=ok)
 
 
+@pdl_kernel
 @triton.jit
 def _interval_decision_kernel(
-    steps_ptr, n, has_ptr, count_ptr, boundary_ptr, slot_ptr, out_ptr, B, boundary_sb, BLOCK_B: tl.constexpr,
+    steps_ptr, n, has_ptr, count_ptr, boundary_ptr, slot_ptr, out_ptr, B, boundary_sb, BLOCK_B: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     b = tl.arange(0, BLOCK_B)
     ok = b < B
     steps = tl.load(steps_ptr + b, mask=ok, other=0)
@@ -228,16 +236,18 @@ def interval_fire(steps: torch.Tensor, n: int) -> torch.Tensor:
 _COMMIT_ROWS = 256
 
 
+@pdl_kernel
 @triton.jit
 def _commit_kernel(
     slots_ptr, sv_ptr, take_ptr, pool_valid_ptr, next_slot_ptr,
     rvalid_ptr, rslots_ptr, rfill_ptr, rheld_ptr,
     H, R,
     s_sb, s_sh, sv_sb, sv_sh, pv_sb, rv_sb, rv_sh, rs_sb, rs_sh, rf_sb, rh_sb, rh_sh,
-    ROWS: tl.constexpr, FILL_BLOCK: tl.constexpr,
+    ROWS: tl.constexpr, FILL_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     # a tile of rows a program: one program a (sequence, head), looping over blocks of 1,024 rows
     # with a pool-validity load waiting on each slot load, took 11.5 us at 4 x 128K on an H200
+    wait_for_previous(PDL)
     tile = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)

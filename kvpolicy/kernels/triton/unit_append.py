@@ -17,13 +17,14 @@ import triton
 import triton.language as tl
 
 from ..dispatch import implement, triton_runs_on
-from .pdl import launch_args, wait_for_previous
+from .pdl import pdl_kernel, wait_for_previous
 
 # float32 elements of one [BLOCK_H, BLOCK_D] tile: four such tiles (key, sum, min, max) stay in
 # registers of a 4-warp program (16 per thread each)
 _TILE = 2048
 
 
+@pdl_kernel
 @triton.jit
 def _append_kernel(
     order_ptr, start_ptr, size_ptr, sum_ptr, min_ptr, max_ptr, mean_ptr, sel_ptr, open_ptr, units_ptr,
@@ -40,8 +41,7 @@ def _append_kernel(
     open_s, units_s,
     key_sb, key_sh, key_sd,
     valid_s, cut_s,
-    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BY_RULE: tl.constexpr, AT_BOUNDARY: tl.constexpr,
-    PDL: tl.constexpr,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BY_RULE: tl.constexpr, AT_BOUNDARY: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -129,7 +129,6 @@ def _launch(table_tensors, position, slot, key, valid, cut, boundary, max_size, 
         *sel.stride(), open_unit.stride(0), decode_units.stride(0),
         *key.stride(), valid.stride(0), cut_arg.stride(0),
         D=dim, BLOCK_H=block_h, BLOCK_D=block_d, BY_RULE=by_rule, AT_BOUNDARY=bool(at_boundary),
-        **launch_args(key.device),
     )
 
 

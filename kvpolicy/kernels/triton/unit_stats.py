@@ -16,11 +16,13 @@ import triton
 import triton.language as tl
 
 from ..dispatch import implement, triton_runs_on
+from .pdl import pdl_kernel, wait_for_previous
 
 # tokens whose rows are loaded together before they are added in order
 _BLOCK_T = 16
 
 
+@pdl_kernel
 @triton.jit
 def _unit_stats_kernel(
     keys_ptr, order_ptr, start_ptr, size_ptr, sum_ptr, min_ptr, max_ptr,
@@ -29,8 +31,9 @@ def _unit_stats_kernel(
     order_sb, order_sh, order_sn,
     run_sb, run_sh, run_su,
     out_sb, out_sh, out_su, out_sd,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     u = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H

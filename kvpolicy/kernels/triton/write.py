@@ -13,15 +13,18 @@ import triton.language as tl
 
 from ..dispatch import implement, triton_runs_on
 from .gather import _pool_argument
+from .pdl import pdl_kernel, wait_for_previous
 
 
+@pdl_kernel
 @triton.jit
 def _write_kernel(
     pool_ptr, slot_ptr, row_ptr,
     pool_sb, pool_sh, pool_sr, pool_sd,
     row_sb, row_sh, row_sd,
-    D: tl.constexpr, BLOCK_D: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     h = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_ptr).to(tl.int64)

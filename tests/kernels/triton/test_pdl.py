@@ -1,57 +1,83 @@
-"""Programmatic dependent launch (``kernels/triton/pdl.py``): every kernel that can be launched with it
-waits for the kernel before it first, and only a CUDA device of sm_90 or later launches that way."""
+"""Programmatic dependent launch (``kernels/triton/pdl.py``): every kernel the library launches is a
+``pdl_kernel`` that waits for the kernel before it first, and launches are programmatic only where
+``launches_with_pdl`` says so."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+from kvpolicy import graph_branch  # noqa: E402
 from kvpolicy.kernels.triton import pdl  # noqa: E402
 
 TRITON_DIR = Path(pdl.__file__).parent
 
 
-def _pdl_kernels():
-    """(file, kernel) of every ``@triton.jit`` function in kernels/triton/ that takes a ``PDL`` parameter."""
+def _launched_kernels():
+    """(file, function) of every ``@triton.jit`` function in kernels/triton/ that its file launches
+    (``name[grid](...)``)."""
     for path in sorted(TRITON_DIR.glob("*.py")):
-        tree = ast.parse(path.read_text())
-        for node in tree.body:
-            takes_pdl = isinstance(node, ast.FunctionDef) and any(a.arg == "PDL" for a in node.args.args)
-            if takes_pdl and node.name != "wait_for_previous":
+        source = path.read_text()
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.FunctionDef) and re.search(rf"\b{node.name}\[", source):
                 yield path.name, node
 
 
-PDL_KERNELS = list(_pdl_kernels())
+KERNELS = list(_launched_kernels())
 
 
-def test_the_reusing_steps_kernels_take_pdl():
-    names = {node.name for _, node in PDL_KERNELS}
-    # the kernels of a reusing step (pdl.py's docstring); admit follows a conditional node and stays plain
-    assert {"_append_token_kernel", "_follow_kernel", "_outlier_gap_blocks_kernel", "_row_parts_kernel",
-            "_decide_kernel", "_append_kernel", "_split_kernel", "_combine_kernel"} <= names
+def test_the_kernels_are_found():
+    names = {node.name for _, node in KERNELS}
+    # the reusing step's kernels, pariskv's selection, K-means
+    assert {"_append_token_kernel", "_follow_kernel", "_outlier_gap_blocks_kernel", "_decide_kernel",
+            "_append_kernel", "_admit_kernel", "_split_kernel", "_combine_kernel", "_radix_level_kernel",
+            "_assign"} <= names
+    assert len(KERNELS) >= 50
 
 
-@pytest.mark.parametrize("where, kernel", PDL_KERNELS, ids=[f"{f}:{k.name}" for f, k in PDL_KERNELS])
-def test_a_pdl_kernel_waits_before_anything_else(where, kernel):
+@pytest.mark.parametrize("where, kernel", KERNELS, ids=[f"{f}:{k.name}" for f, k in KERNELS])
+def test_a_kernel_is_a_pdl_kernel_that_waits_before_anything_else(where, kernel):
     """A link that read or returned before waiting could finish before the kernel ahead of it, and the
     kernel after it would then wait on the wrong one (pdl.py)."""
+    decorators = [ast.unparse(d) for d in kernel.decorator_list]
+    assert decorators == ["pdl_kernel", "triton.jit"], (where, kernel.name, decorators)
+    assert kernel.args.args[-1].arg == "PDL", (where, kernel.name)
     body = kernel.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]  # the docstring
-    first = body[0]
-    assert isinstance(first, ast.Expr) and isinstance(first.value, ast.Call), (where, kernel.name)
-    call = first.value
-    assert ast.unparse(call) == "wait_for_previous(PDL)", (where, kernel.name, ast.unparse(call))
+    assert ast.unparse(body[0]) == "wait_for_previous(PDL)", (where, kernel.name, ast.unparse(body[0]))
 
 
-def test_no_pdl_off_a_cuda_device_or_when_turned_off(monkeypatch):
-    assert pdl.launch_args(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+def test_launches_are_plain_off_a_cuda_device_in_a_conditional_body_or_when_turned_off(monkeypatch):
+    cpu = torch.device("cpu")
+    assert not pdl.launches_with_pdl(cpu)
     monkeypatch.setattr(pdl, "supported", lambda device: True)
-    assert pdl.launch_args(torch.device("cpu")) == {"PDL": True, "launch_pdl": True}
+    assert pdl.launches_with_pdl(cpu)
+    monkeypatch.setattr(graph_branch, "in_conditional_body", lambda: True)
+    assert not pdl.launches_with_pdl(cpu)
+    monkeypatch.setattr(graph_branch, "in_conditional_body", lambda: False)
     monkeypatch.setattr(pdl, "ENABLED", False)
-    assert pdl.launch_args(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+    assert not pdl.launches_with_pdl(cpu)
 
+
+def test_a_launch_passes_the_devices_choice(monkeypatch):
+    """The wrapper hands the kernel ``PDL`` and Triton ``launch_pdl``, both from the first tensor's device."""
+    seen = []
+
+    class FakeKernel:
+        fn = test_a_launch_passes_the_devices_choice
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append((grid, args, kwargs))
+
+    kernel = pdl.pdl_kernel(FakeKernel())
+    monkeypatch.setattr(pdl, "launches_with_pdl", lambda device: device.type == "meta")
+    kernel[(3,)](7, torch.empty(2, device="meta"), BLOCK=4)
+    kernel[(1, 2)](torch.empty(2), BLOCK=8)
+    assert seen == [((3,), (7, seen[0][1][1]), {"PDL": True, "launch_pdl": True, "BLOCK": 4}),
+                    ((1, 2), (seen[1][1][0],), {"PDL": False, "launch_pdl": False, "BLOCK": 8})]
