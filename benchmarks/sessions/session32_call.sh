@@ -6,9 +6,8 @@
 # pdl: programmatic dependent launch (kernels/triton/pdl.py) in the reusing step's kernels: the GPU tests of the
 # kernels it touched, then louiskv and full-graph end to end with it on and off (ran at 0889dad: explicit launch
 # arguments in the reusing step's kernels);
-# pdl_all: every kernel a pdl_kernel: the chain's checks, every Triton GPU test, louiskv at 1x128K with PDL on and
-# off, then full-graph twice more each way (beside the cheap streaming preset), for its run-to-run spread;
-# pdl_paris: pariskv at 1x32K and 1x128K, louiskv at 4x32K, PDL on and off
+# pdl_all: every kernel a pdl_kernel: the chain's checks, every Triton GPU test, louiskv at 1x128K and pariskv at
+# 1x32K and 1x128K, each with PDL on and off
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 case ${3:?} in
 first)
@@ -27,28 +26,17 @@ pdl)
       --presets louiskv@gpu --json "$OUT/e2e_pdl_$on.json"
   done ;;
 pdl_all)
-  step pdl_chain 60 python3 benchmarks/pdl_chain.py
-  step triton_tests 200 python3 -m pytest -q -rs -n 8 -p no:cacheprovider tests/kernels/triton
+  step pdl_chain 45 python3 benchmarks/pdl_chain.py
+  step triton_tests 150 python3 -m pytest -q -rs -n 8 -p no:cacheprovider tests/kernels/triton
   for on in True False; do
-    step e2e_louiskv_pdl_$on 120 python3 benchmarks/with_settings.py kvpolicy.kernels.triton.pdl.ENABLED=$on -- -m kvpolicy \
+    step e2e_louiskv_pdl_$on 100 python3 benchmarks/with_settings.py kvpolicy.kernels.triton.pdl.ENABLED=$on -- -m kvpolicy \
       bench e2e --full-kinds full-graph --budget 2048 --steps 18 --compiled-layers --contexts 131072 --batches 1 \
       --presets louiskv@gpu --json "$OUT/e2e_louiskv_pdl_$on.json"
   done
   for on in True False; do
-    step e2e_streaming_pdl_$on 90 python3 benchmarks/with_settings.py kvpolicy.kernels.triton.pdl.ENABLED=$on -- -m kvpolicy \
-      bench e2e --full-kinds full-graph --budget 2048 --steps 18 --compiled-layers --contexts 131072 --batches 1 \
-      --presets streaming@gpu --json "$OUT/e2e_streaming_pdl_$on.json"
-  done ;;
-pdl_paris)
-  for on in True False; do
-    step e2e_pariskv_pdl_$on 150 python3 benchmarks/with_settings.py kvpolicy.kernels.triton.pdl.ENABLED=$on -- -m kvpolicy \
+    step e2e_pariskv_pdl_$on 110 python3 benchmarks/with_settings.py kvpolicy.kernels.triton.pdl.ENABLED=$on -- -m kvpolicy \
       bench e2e --full-kinds full-graph --budget 2048 --steps 18 --compiled-layers --contexts 32768,131072 --batches 1 \
       --presets pariskv@gpu --json "$OUT/e2e_pariskv_pdl_$on.json"
-  done
-  for on in True False; do
-    step e2e_louiskv4_pdl_$on 120 python3 benchmarks/with_settings.py kvpolicy.kernels.triton.pdl.ENABLED=$on -- -m kvpolicy \
-      bench e2e --full-kinds full-graph --budget 2048 --steps 18 --compiled-layers --contexts 32768 --batches 4 \
-      --presets louiskv@gpu --json "$OUT/e2e_louiskv4_pdl_$on.json"
   done ;;
-*) echo "session32_call.sh: MODE must be first, pdl, pdl_all or pdl_paris, got '$3'" >&2; exit 2 ;;
+*) echo "session32_call.sh: MODE must be first, pdl or pdl_all, got '$3'" >&2; exit 2 ;;
 esac
