@@ -44,9 +44,9 @@ import triton.language as tl
 
 from ...errors import ConfigError
 from ..dispatch import implement, triton_runs_on
+from .pdl import pdl_kernel, wait_for_previous
 from .score_gap_challengers import check_challengers, measures_whole, merge_challengers
 from .step import note_rows
-from .pdl import pdl_kernel, wait_for_previous
 
 _GAP_BLOCK = 1024  # units a program of the gap pass reads
 _DECIDE_BLOCK = 64  # blocks' parts the decide launch reads at a time, a row each (more: a stage a row first)
