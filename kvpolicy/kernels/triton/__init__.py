@@ -4,6 +4,9 @@ refresh, score_gap).
 Importing this package registers them with the dispatch. Triton kernels run on CUDA, and on
 CPU under ``TRITON_INTERPRET=1`` (set before this package is imported: Triton reads it when a
 kernel is decorated); the interpreter is for tests only, so ``backend="auto"`` never picks it.
+
+Every kernel is declared ``@pdl_kernel`` over ``@triton.jit`` and waits for the kernel before it as its
+first statement (``pdl.py``): on sm_90 and later a launch is scheduled while the one before it finishes.
 """
 
 from __future__ import annotations
