@@ -7,7 +7,8 @@
 # kernels it touched, then louiskv and full-graph end to end with it on and off (ran at 0889dad: explicit launch
 # arguments in the reusing step's kernels);
 # pdl_all: every kernel a pdl_kernel: the chain's checks, louiskv at 1x128K with PDL on and off, every Triton GPU
-# test, pariskv at 1x32K with PDL on and off (sized to the device time left)
+# test, pariskv at 1x32K with PDL on and off (sized to the device time left; never started);
+# pdl_tests: every Triton GPU test, then louiskv at 1x128K with PDL on and off, in the device time left
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 case ${3:?} in
 first)
@@ -38,5 +39,12 @@ pdl_all)
       bench e2e --full-kinds full-graph --budget 2048 --steps 18 --compiled-layers --contexts 32768 --batches 1 \
       --presets pariskv@gpu --json "$OUT/e2e_pariskv_pdl_$on.json"
   done ;;
-*) echo "session32_call.sh: MODE must be first, pdl or pdl_all, got '$3'" >&2; exit 2 ;;
+pdl_tests)
+  step triton_tests 110 python3 -m pytest -q -rs -n 8 -p no:cacheprovider tests/kernels/triton
+  for on in True False; do
+    step e2e_louiskv_pdl_$on 90 python3 benchmarks/with_settings.py kvpolicy.kernels.triton.pdl.ENABLED=$on -- -m kvpolicy \
+      bench e2e --full-kinds full-graph --budget 2048 --steps 18 --compiled-layers --contexts 131072 --batches 1 \
+      --presets louiskv@gpu --json "$OUT/e2e_louiskv_pdl_$on.json"
+  done ;;
+*) echo "session32_call.sh: MODE must be first, pdl, pdl_all or pdl_tests, got '$3'" >&2; exit 2 ;;
 esac
