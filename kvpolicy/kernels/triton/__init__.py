@@ -6,7 +6,8 @@ CPU under ``TRITON_INTERPRET=1`` (set before this package is imported: Triton re
 kernel is decorated); the interpreter is for tests only, so ``backend="auto"`` never picks it.
 
 Every kernel is declared ``@pdl_kernel`` over ``@triton.jit`` and waits for the kernel before it as its
-first statement (``pdl.py``): on sm_90 and later a launch is scheduled while the one before it finishes.
+first statement (``pdl.py``): on sm_90 and later a reusing step's kernels are scheduled while the one
+before them finishes (programmatic dependent launch).
 """
 
 from __future__ import annotations

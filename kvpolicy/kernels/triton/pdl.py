@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for every Triton kernel of the library.
+"""Programmatic dependent launch (PDL) for the library's Triton kernels.
 
 A decode step is a chain of small dependent launches (a reusing step about ten a layer: the token's
 writes, the trigger's stages, the attention's split and combine; pariskv's selection about fifteen more).
@@ -14,6 +14,12 @@ declared ``@pdl_kernel`` over ``@triton.jit``, takes ``PDL: tl.constexpr`` last,
 is ``wait_for_previous(PDL)``: on every program, before any load and before any early return. A kernel
 that skipped the wait could finish before the one ahead of it, and the kernel after it would then wait on
 the wrong one: the order holds only because each link waits.
+
+Which kernels launch with PDL (``SCOPE``): by default those of a reusing step (``REUSING_STEP``), the ones
+whose GPU tests and end-to-end timing ran with it on (session 32, H100). ``SCOPE = "all"`` launches every
+kernel so; their contract is the same and the interpreter's tests pass, but their GPU tests have not run
+with PDL on yet (no device came for it), so that is not the default. A kernel joins ``REUSING_STEP``'s
+kind of list once its GPU tests have run with PDL on.
 
 Launches are plain off a CUDA device of compute capability 9 or more, under Triton's interpreter (the
 tensors are on the CPU), inside a conditional node's body (``graph_branch``: PDL there is untried), and
@@ -33,6 +39,16 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ... import graph_branch
 
 ENABLED = True
+SCOPES = ("reusing-step", "all")
+SCOPE = "reusing-step"
+# (file, kernel) of a reusing step's launches: the token's append to the pool and ring, the score-gap
+# trigger's stages, the decode unit append, the attention's split and combine
+REUSING_STEP = frozenset({
+    ("step", "_append_token_kernel"), ("score_gap", "_follow_kernel"), ("score_gap", "_gap_blocks_kernel"),
+    ("score_gap", "_row_parts_kernel"), ("score_gap", "_decide_kernel"),
+    ("score_gap_outlier", "_outlier_gap_blocks_kernel"), ("score_gap_outlier", "_between_kernel"),
+    ("unit_append", "_append_kernel"), ("attention", "_split_kernel"), ("attention", "_combine_kernel"),
+})
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,9 +63,13 @@ def supported(device: torch.device) -> bool:
     return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
 
 
-def launches_with_pdl(device: torch.device) -> bool:
-    """Whether a launch on ``device`` made now is programmatic."""
-    return ENABLED and supported(device) and not graph_branch.in_conditional_body()
+def launches_with_pdl(device: torch.device, kernel: tuple[str, str]) -> bool:
+    """Whether a launch of ``kernel`` (its file's name, its own) on ``device`` made now is programmatic."""
+    if SCOPE not in SCOPES:
+        raise ValueError(f"kernels.triton.pdl.SCOPE must be one of {SCOPES}, got {SCOPE!r}")
+    if not (ENABLED and supported(device)) or graph_branch.in_conditional_body():
+        return False
+    return SCOPE == "all" or kernel in REUSING_STEP
 
 
 class pdl_kernel:  # noqa: N801 (used as a decorator, like triton.jit)
@@ -59,13 +79,14 @@ class pdl_kernel:  # noqa: N801 (used as a decorator, like triton.jit)
     def __init__(self, kernel):
         self.kernel = kernel
         functools.update_wrapper(self, kernel.fn)
+        self.key = (kernel.fn.__module__.rpartition(".")[2], kernel.fn.__name__)
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
 
         def launch_with_pdl(*args, **kwargs):
             device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-            on = device is not None and launches_with_pdl(device)
+            on = device is not None and launches_with_pdl(device, self.key)
             return launch(*args, PDL=on, launch_pdl=on, **kwargs)
 
         return launch_with_pdl

@@ -1,6 +1,6 @@
 """Programmatic dependent launch (``kernels/triton/pdl.py``): every kernel the library launches is a
 ``pdl_kernel`` that waits for the kernel before it first, and launches are programmatic only where
-``launches_with_pdl`` says so."""
+``launches_with_pdl`` says so (by default, a reusing step's kernels on sm_90 and later)."""
 
 from __future__ import annotations
 
@@ -53,20 +53,38 @@ def test_a_kernel_is_a_pdl_kernel_that_waits_before_anything_else(where, kernel)
     assert ast.unparse(body[0]) == "wait_for_previous(PDL)", (where, kernel.name, ast.unparse(body[0]))
 
 
-def test_launches_are_plain_off_a_cuda_device_in_a_conditional_body_or_when_turned_off(monkeypatch):
+def test_the_reusing_steps_kernels_are_named_as_they_are():
+    """``REUSING_STEP`` names real kernels (a renamed kernel would silently launch plain)."""
+    found = {(where.removesuffix(".py"), node.name) for where, node in KERNELS}
+    assert pdl.REUSING_STEP <= found
+
+
+def test_launches_are_plain_off_a_cuda_device_in_a_conditional_body_outside_the_scope_or_when_turned_off(
+        monkeypatch):
     cpu = torch.device("cpu")
-    assert not pdl.launches_with_pdl(cpu)
+    append, assign = ("step", "_append_token_kernel"), ("kmeans", "_assign")
+    assert not pdl.launches_with_pdl(cpu, append)
     monkeypatch.setattr(pdl, "supported", lambda device: True)
-    assert pdl.launches_with_pdl(cpu)
+    assert pdl.launches_with_pdl(cpu, append)
+    assert not pdl.launches_with_pdl(cpu, assign)  # not a reusing step's kernel
+    monkeypatch.setattr(pdl, "SCOPE", "all")
+    assert pdl.launches_with_pdl(cpu, assign)
     monkeypatch.setattr(graph_branch, "in_conditional_body", lambda: True)
-    assert not pdl.launches_with_pdl(cpu)
+    assert not pdl.launches_with_pdl(cpu, append)
     monkeypatch.setattr(graph_branch, "in_conditional_body", lambda: False)
     monkeypatch.setattr(pdl, "ENABLED", False)
-    assert not pdl.launches_with_pdl(cpu)
+    assert not pdl.launches_with_pdl(cpu, append)
+
+
+def test_an_unknown_scope_is_an_error(monkeypatch):
+    monkeypatch.setattr(pdl, "SCOPE", "everything")
+    with pytest.raises(ValueError, match="must be one of .'reusing-step', 'all'.. got 'everything'"):
+        pdl.launches_with_pdl(torch.device("cpu"), ("step", "_append_token_kernel"))
 
 
 def test_a_launch_passes_the_devices_choice(monkeypatch):
-    """The wrapper hands the kernel ``PDL`` and Triton ``launch_pdl``, both from the first tensor's device."""
+    """The wrapper hands the kernel ``PDL`` and Triton ``launch_pdl``, both from the first tensor's device, and
+    names the kernel by its file and its own name."""
     seen = []
 
     class FakeKernel:
@@ -76,7 +94,8 @@ def test_a_launch_passes_the_devices_choice(monkeypatch):
             return lambda *args, **kwargs: seen.append((grid, args, kwargs))
 
     kernel = pdl.pdl_kernel(FakeKernel())
-    monkeypatch.setattr(pdl, "launches_with_pdl", lambda device: device.type == "meta")
+    assert kernel.key == ("test_pdl", "test_a_launch_passes_the_devices_choice")
+    monkeypatch.setattr(pdl, "launches_with_pdl", lambda device, kernel: device.type == "meta")
     kernel[(3,)](7, torch.empty(2, device="meta"), BLOCK=4)
     kernel[(1, 2)](torch.empty(2), BLOCK=8)
     assert seen == [((3,), (7, seen[0][1][1]), {"PDL": True, "launch_pdl": True, "BLOCK": 4}),
