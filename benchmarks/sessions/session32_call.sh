@@ -8,7 +8,8 @@
 # arguments in the reusing step's kernels);
 # pdl_all: every kernel a pdl_kernel: the chain's checks, louiskv at 1x128K with PDL on and off, every Triton GPU
 # test, pariskv at 1x32K with PDL on and off (sized to the device time left; never started);
-# pdl_tests: every Triton GPU test, then louiskv at 1x128K with PDL on and off, in the device time left
+# pdl_tests: every Triton GPU test with every kernel launched with PDL (KVPOLICY_PDL_SCOPE=all), then louiskv at
+# 1x128K with PDL on and off, in the device time left (never started)
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 case ${3:?} in
 first)
@@ -40,7 +41,7 @@ pdl_all)
       --presets pariskv@gpu --json "$OUT/e2e_pariskv_pdl_$on.json"
   done ;;
 pdl_tests)
-  step triton_tests 110 python3 -m pytest -q -rs -n 8 -p no:cacheprovider tests/kernels/triton
+  KVPOLICY_PDL_SCOPE=all step triton_tests 110 python3 -m pytest -q -rs -n 8 -p no:cacheprovider tests/kernels/triton
   for on in True False; do
     step e2e_louiskv_pdl_$on 90 python3 benchmarks/with_settings.py kvpolicy.kernels.triton.pdl.ENABLED=$on -- -m kvpolicy \
       bench e2e --full-kinds full-graph --budget 2048 --steps 18 --compiled-layers --contexts 131072 --batches 1 \

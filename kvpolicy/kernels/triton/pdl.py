@@ -18,18 +18,20 @@ the wrong one: the order holds only because each link waits.
 Which kernels launch with PDL (``SCOPE``): by default those of a reusing step (``REUSING_STEP``), the ones
 whose GPU tests and end-to-end timing ran with it on (session 32, H100). ``SCOPE = "all"`` launches every
 kernel so; their contract is the same and the interpreter's tests pass, but their GPU tests have not run
-with PDL on yet (no device came for it), so that is not the default. A kernel joins ``REUSING_STEP``'s
-kind of list once its GPU tests have run with PDL on.
+with PDL on yet (no device came for it), so that is not the default. The environment variable
+``KVPOLICY_PDL_SCOPE`` sets it for a process, so the GPU tests can run that way:
+``KVPOLICY_PDL_SCOPE=all python3 -m pytest tests/kernels/triton``.
 
-Launches are plain off a CUDA device of compute capability 9 or more, under Triton's interpreter (the
-tensors are on the CPU), inside a conditional node's body (``graph_branch``: PDL there is untried), and
-with ``ENABLED`` False, for a side-by-side run: ``benchmarks/with_settings.py
+Launches are plain on anything but a CUDA device of compute capability 9 or more (so under Triton's
+interpreter, whose tensors are on the CPU), inside a conditional node's body (``graph_branch``: PDL there is
+untried), and with ``ENABLED`` False, for a side-by-side run: ``benchmarks/with_settings.py
 kvpolicy.kernels.triton.pdl.ENABLED=False -- ...``.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -40,7 +42,7 @@ from ... import graph_branch
 
 ENABLED = True
 SCOPES = ("reusing-step", "all")
-SCOPE = "reusing-step"
+SCOPE = os.environ.get("KVPOLICY_PDL_SCOPE", "reusing-step")  # checked at each launch
 # (file, kernel) of a reusing step's launches: the token's append to the pool and ring, the score-gap
 # trigger's stages, the decode unit append, the attention's split and combine
 REUSING_STEP = frozenset({
