@@ -66,7 +66,7 @@ def compile_variant(from_pool: bool, has_zone: bool, by_pointer: bool, dim: int,
     constexprs = dict(G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim,
                       BLOCK_N=attention._block_n(dim, 4 if dtype == "fp32" else 2), QK_FP32=dtype == "fp32",
                       PV_FP32=dtype == "fp32", FROM_POOL=from_pool, HAS_ZONE=has_zone, BY_POINTER=by_pointer,
-                      PDL=False)
+                      PDL=False)  # (without PDL's wait, which an sm_90 launch has: not measured here)
     divisible = [p for p in params if p.endswith("_ptr") or p in DIVISIBLE]
     source = ASTSource(fn=fn, signature=signature,
                        constexprs={(params.index(k),): v for k, v in constexprs.items()},

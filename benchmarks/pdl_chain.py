@@ -3,7 +3,7 @@
     python3 benchmarks/pdl_chain.py [--kernels 24] [--grids 1,32,1024] [--replays 200]
 
 A reusing decode step is a chain of small dependent launches (the trigger's follow, blocks, row stage and
-decide; the token's append and admit): each pays the gap between one kernel's end and the next one's start.
+decide; the token's append and unit append; the attention's split and combine): each pays the gap between one kernel's end and the next one's start.
 With PDL (Triton's ``launch_pdl=True``; ``griddepcontrol`` on sm_90) the next kernel is scheduled while the
 one before it finishes and waits in ``gdc_wait`` for its results. This chains ``--kernels`` kernels, each
 reading what the one before wrote (a read-modify-write of every element: a missed wait would lose adds, and

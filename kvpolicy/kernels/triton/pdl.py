@@ -13,7 +13,9 @@ The contract, which ``tests/kernels/triton/test_pdl.py`` checks of every kernel 
 declared ``@pdl_kernel`` over ``@triton.jit``, takes ``PDL: tl.constexpr`` last, and its first statement
 is ``wait_for_previous(PDL)``: on every program, before any load and before any early return. A kernel
 that skipped the wait could finish before the one ahead of it, and the kernel after it would then wait on
-the wrong one: the order holds only because each link waits.
+the wrong one: the order holds only because each link waits. (Each kernel lets the next be scheduled
+before it waits itself, so a PDL kernel from outside the library launched next must wait before its own
+work too.)
 
 Which kernels launch with PDL (``SCOPE``): by default those of a reusing step (``REUSING_STEP``), the ones
 whose GPU tests and end-to-end timing ran with it on (session 32, H100). ``SCOPE = "all"`` launches every
@@ -22,8 +24,8 @@ with PDL on yet (no device came for it), so that is not the default. The environ
 ``KVPOLICY_PDL_SCOPE`` sets it for a process, so the GPU tests can run that way:
 ``KVPOLICY_PDL_SCOPE=all python3 -m pytest tests/kernels/triton``.
 
-Launches are plain on anything but a CUDA device of compute capability 9 or more (so under Triton's
-interpreter, whose tensors are on the CPU), inside a conditional node's body (``graph_branch``: PDL there is
+Launches are plain on anything but a CUDA device of compute capability 9 or more, under Triton's
+interpreter (``TRITON_INTERPRET=1``: it has no grid dependency control), inside a conditional node's body (``graph_branch``: PDL there is
 untried), and with ``ENABLED`` False, for a side-by-side run: ``benchmarks/with_settings.py
 kvpolicy.kernels.triton.pdl.ENABLED=False -- ...``.
 """
@@ -43,8 +45,9 @@ from ... import graph_branch
 ENABLED = True
 SCOPES = ("reusing-step", "all")
 SCOPE = os.environ.get("KVPOLICY_PDL_SCOPE", "reusing-step")  # checked at each launch
-# (file, kernel) of a reusing step's launches: the token's append to the pool and ring, the score-gap
-# trigger's stages, the decode unit append, the attention's split and combine
+# (file, kernel) of the kernels a reusing step launches (with PDL wherever they run, a re-selecting step's
+# attention too): the token's append to the pool and ring, the score-gap trigger's stages, the decode unit
+# append, the attention's split and combine
 REUSING_STEP = frozenset({
     ("step", "_append_token_kernel"), ("score_gap", "_follow_kernel"), ("score_gap", "_gap_blocks_kernel"),
     ("score_gap", "_row_parts_kernel"), ("score_gap", "_decide_kernel"),
@@ -71,12 +74,15 @@ def launches_with_pdl(device: torch.device, kernel: tuple[str, str]) -> bool:
         raise ValueError(f"kernels.triton.pdl.SCOPE must be one of {SCOPES}, got {SCOPE!r}")
     if not (ENABLED and supported(device)) or graph_branch.in_conditional_body():
         return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
     return SCOPE == "all" or kernel in REUSING_STEP
 
 
 class pdl_kernel:  # noqa: N801 (used as a decorator, like triton.jit)
     """A ``@triton.jit`` kernel whose launches pass ``PDL`` and ``launch_pdl`` (``launches_with_pdl`` of
-    the device of the first tensor argument). Anything else is the kernel's own (``.fn``, ``.run``)."""
+    the device of the first tensor argument). Anything else is the kernel's own (``.fn``); a direct
+    ``.run`` or ``.warmup`` must pass ``PDL`` itself."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -94,6 +100,8 @@ class pdl_kernel:  # noqa: N801 (used as a decorator, like triton.jit)
         return launch_with_pdl
 
     def __getattr__(self, name):
+        if name == "kernel":  # not set yet (a copy being made): no recursion through the lookup below
+            raise AttributeError(name)
         return getattr(self.kernel, name)
 
 

@@ -63,9 +63,13 @@ def test_launches_are_plain_off_a_cuda_device_in_a_conditional_body_outside_the_
         monkeypatch):
     cpu = torch.device("cpu")
     append, assign = ("step", "_append_token_kernel"), ("kmeans", "_assign")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not pdl.launches_with_pdl(cpu, append)
     monkeypatch.setattr(pdl, "supported", lambda device: True)
     assert pdl.launches_with_pdl(cpu, append)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter has no grid dependency control
+    assert not pdl.launches_with_pdl(cpu, append)
+    monkeypatch.delenv("TRITON_INTERPRET")
     assert not pdl.launches_with_pdl(cpu, assign)  # not a reusing step's kernel
     monkeypatch.setattr(pdl, "SCOPE", "all")
     assert pdl.launches_with_pdl(cpu, assign)
@@ -82,21 +86,37 @@ def test_an_unknown_scope_is_an_error(monkeypatch):
         pdl.launches_with_pdl(torch.device("cpu"), ("step", "_append_token_kernel"))
 
 
-def test_a_launch_passes_the_devices_choice(monkeypatch):
-    """The wrapper hands the kernel ``PDL`` and Triton ``launch_pdl``, both from the first tensor's device, and
-    names the kernel by its file and its own name."""
-    seen = []
+def _fake_jit_function():
+    pass
 
-    class FakeKernel:
-        fn = test_a_launch_passes_the_devices_choice
 
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.append((grid, args, kwargs))
+class FakeKernel:
+    """What ``pdl_kernel`` needs of a jit function: ``fn`` and ``[grid]``; it notes each launch."""
+
+    fn = staticmethod(_fake_jit_function)
+
+    def __init__(self):
+        self.seen = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.seen.append((grid, args, kwargs))
+
+
+def test_a_kernel_is_named_by_its_file_and_can_be_copied():
+    import copy
 
     kernel = pdl.pdl_kernel(FakeKernel())
-    assert kernel.key == ("test_pdl", "test_a_launch_passes_the_devices_choice")
+    assert kernel.key == ("test_pdl", "_fake_jit_function")
+    assert copy.copy(kernel).key == kernel.key
+
+
+def test_a_launch_passes_the_devices_choice(monkeypatch):
+    """The wrapper hands the kernel ``PDL`` and Triton ``launch_pdl``, both from the first tensor's device."""
+    fake = FakeKernel()
+    kernel = pdl.pdl_kernel(fake)
     monkeypatch.setattr(pdl, "launches_with_pdl", lambda device, kernel: device.type == "meta")
-    kernel[(3,)](7, torch.empty(2, device="meta"), BLOCK=4)
-    kernel[(1, 2)](torch.empty(2), BLOCK=8)
-    assert seen == [((3,), (7, seen[0][1][1]), {"PDL": True, "launch_pdl": True, "BLOCK": 4}),
-                    ((1, 2), (seen[1][1][0],), {"PDL": False, "launch_pdl": False, "BLOCK": 8})]
+    meta, cpu = torch.empty(2, device="meta"), torch.empty(2)
+    kernel[(3,)](7, meta, BLOCK=4)
+    kernel[(1, 2)](cpu, BLOCK=8)
+    assert fake.seen == [((3,), (7, meta), {"PDL": True, "launch_pdl": True, "BLOCK": 4}),
+                         ((1, 2), (cpu,), {"PDL": False, "launch_pdl": False, "BLOCK": 8})]
