@@ -25,9 +25,9 @@ with PDL on yet (no device came for it), so that is not the default. The environ
 ``KVPOLICY_PDL_SCOPE=all python3 -m pytest tests/kernels/triton``.
 
 Launches are plain on anything but a CUDA device of compute capability 9 or more, under Triton's
-interpreter (``TRITON_INTERPRET=1``: it has no grid dependency control), inside a conditional node's body (``graph_branch``: PDL there is
-untried), and with ``ENABLED`` False, for a side-by-side run: ``benchmarks/with_settings.py
-kvpolicy.kernels.triton.pdl.ENABLED=False -- ...``.
+interpreter (``TRITON_INTERPRET=1``: it has no grid dependency control), inside a conditional node's body
+(``graph_branch``: PDL there is untried), and with ``ENABLED`` False, for a side-by-side run:
+``benchmarks/with_settings.py kvpolicy.kernels.triton.pdl.ENABLED=False -- ...``.
 """
 
 from __future__ import annotations
