@@ -33,6 +33,7 @@ interpreter (``TRITON_INTERPRET=1``: it has no grid dependency control), inside 
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -56,27 +57,49 @@ REUSING_STEP = frozenset({
 })
 
 
+# A launch of more programs than ``WAVES`` times the device's SMs stays plain (None: no limit). A dependent
+# scheduled early holds SM slots while it waits, which a large kernel ahead of it would have used: with
+# PDL on the attention's split, full attention at 1x128K ran 0.16-0.17 ms a step slower (sessions 32 and
+# 33, H100), and every kernel with PDL made a re-selecting step 0.36 ms slower (session 33).
+WAVES: float | None = None
+
+
 @functools.lru_cache(maxsize=None)
 def _capability_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def supported(device: torch.device) -> bool:
     """Whether launches on ``device`` can be programmatic (a CUDA device of sm_90 or later)."""
     if device.type != "cuda":
         return False
-    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+    return _capability_major(_index(device)) >= 9
 
 
-def launches_with_pdl(device: torch.device, kernel: tuple[str, str]) -> bool:
-    """Whether a launch of ``kernel`` (its file's name, its own) on ``device`` made now is programmatic."""
+def fits_waves(device: torch.device, programs: int) -> bool:
+    """Whether a grid of ``programs`` is small enough for PDL on ``device`` (``WAVES``)."""
+    return WAVES is None or programs <= WAVES * _multiprocessors(_index(device))
+
+
+def launches_with_pdl(device: torch.device, kernel: tuple[str, str], programs: int = 1) -> bool:
+    """Whether a launch of ``kernel`` (its file's name, its own) over ``programs`` programs on ``device``
+    made now is programmatic."""
     if SCOPE not in SCOPES:
         raise ValueError(f"kernels.triton.pdl.SCOPE must be one of {SCOPES}, got {SCOPE!r}")
     if not (ENABLED and supported(device)) or graph_branch.in_conditional_body():
         return False
     if os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return SCOPE == "all" or kernel in REUSING_STEP
+    return (SCOPE == "all" or kernel in REUSING_STEP) and fits_waves(device, programs)
 
 
 class pdl_kernel:  # noqa: N801 (used as a decorator, like triton.jit)
@@ -94,7 +117,8 @@ class pdl_kernel:  # noqa: N801 (used as a decorator, like triton.jit)
 
         def launch_with_pdl(*args, **kwargs):
             device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-            on = device is not None and launches_with_pdl(device, self.key)
+            programs = math.prod(grid) if isinstance(grid, tuple) else grid
+            on = device is not None and launches_with_pdl(device, self.key, programs)
             return launch(*args, PDL=on, launch_pdl=on, **kwargs)
 
         return launch_with_pdl

@@ -64,6 +64,7 @@ def test_launches_are_plain_off_a_cuda_device_in_a_conditional_body_outside_the_
     cpu = torch.device("cpu")
     append, assign = ("step", "_append_token_kernel"), ("kmeans", "_assign")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(pdl, "SCOPE", "reusing-step")  # not the process's KVPOLICY_PDL_SCOPE
     assert not pdl.launches_with_pdl(cpu, append)
     monkeypatch.setattr(pdl, "supported", lambda device: True)
     assert pdl.launches_with_pdl(cpu, append)
@@ -78,6 +79,25 @@ def test_launches_are_plain_off_a_cuda_device_in_a_conditional_body_outside_the_
     monkeypatch.setattr(graph_branch, "in_conditional_body", lambda: False)
     monkeypatch.setattr(pdl, "ENABLED", False)
     assert not pdl.launches_with_pdl(cpu, append)
+
+
+def test_a_grid_of_more_waves_than_the_limit_launches_plain(monkeypatch):
+    cpu, append = torch.device("cpu"), ("step", "_append_token_kernel")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(pdl, "supported", lambda device: True)
+    monkeypatch.setattr(pdl, "_multiprocessors", lambda index: 132)
+    monkeypatch.setattr(pdl, "_index", lambda device: 0)
+    monkeypatch.setattr(pdl, "WAVES", None)
+    assert pdl.launches_with_pdl(cpu, append, programs=10**6)
+    monkeypatch.setattr(pdl, "WAVES", 1)
+    assert pdl.launches_with_pdl(cpu, append, programs=132)
+    assert not pdl.launches_with_pdl(cpu, append, programs=133)
+    fake = FakeKernel()  # the wrapper counts a grid's programs
+    kernel = pdl.pdl_kernel(fake)
+    monkeypatch.setattr(pdl, "REUSING_STEP", frozenset({kernel.key}))
+    kernel[(2, 66, 1)](torch.zeros(1))
+    kernel[(2, 67, 1)](torch.zeros(1))
+    assert [kwargs["PDL"] for _, _, kwargs in fake.seen] == [True, False]
 
 
 def test_an_unknown_scope_is_an_error(monkeypatch):
@@ -114,7 +134,7 @@ def test_a_launch_passes_the_devices_choice(monkeypatch):
     """The wrapper hands the kernel ``PDL`` and Triton ``launch_pdl``, both from the first tensor's device."""
     fake = FakeKernel()
     kernel = pdl.pdl_kernel(fake)
-    monkeypatch.setattr(pdl, "launches_with_pdl", lambda device, kernel: device.type == "meta")
+    monkeypatch.setattr(pdl, "launches_with_pdl", lambda device, kernel, programs: device.type == "meta")
     meta, cpu = torch.empty(2, device="meta"), torch.empty(2)
     kernel[(3,)](7, meta, BLOCK=4)
     kernel[(1, 2)](cpu, BLOCK=8)
