@@ -20,7 +20,7 @@ all|e2e_first)
   [ "$3" = e2e_first ] && step triton_tests 270 python3 -m pytest -q -rs -n 12 -p no:cacheprovider tests/kernels/triton
   ;;
 waves)  # PDL limited to grids of one wave of SMs (pdl.WAVES=1), beside no limit and PDL off, louiskv at 1x128K
-  for setting in ENABLED=False WAVES=None WAVES=1 all:WAVES=1; do
+  for setting in WAVES=None WAVES=1 ENABLED=False all:WAVES=1; do
     scope=reusing-step; [ "${setting%%:*}" = all ] && scope=all
     KVPOLICY_PDL_SCOPE=$scope step "e2e_${setting//[:=]/_}" 100 python3 benchmarks/with_settings.py \
       kvpolicy.kernels.triton.pdl.${setting#all:} -- ${E2E#python3 } --contexts 131072 --batches 1 --presets louiskv@gpu \
