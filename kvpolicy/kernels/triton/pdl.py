@@ -19,14 +19,16 @@ work too.)
 
 Which kernels launch with PDL (``SCOPE``): by default those of a reusing step (``REUSING_STEP``), the ones
 whose GPU tests and end-to-end timing ran with it on (session 32, H100). ``SCOPE = "all"`` launches every
-kernel so; their contract is the same and the interpreter's tests pass, but their GPU tests have not run
-with PDL on yet (no device came for it), so that is not the default. The environment variable
-``KVPOLICY_PDL_SCOPE`` sets it for a process, so the GPU tests can run that way:
+kernel so: the GPU tests that ran that way passed (session 33, H100: about 96% of the folder; the one failure
+was a test that assumed the default scope), but it made a re-selecting step slower (louiskv at 1x128K, every
+step re-selecting, one wave: 10.72 ms against 10.62 with the default scope), so it is not the default. The
+environment variable ``KVPOLICY_PDL_SCOPE`` sets it for a process:
 ``KVPOLICY_PDL_SCOPE=all python3 -m pytest tests/kernels/triton``.
 
-Launches are plain on anything but a CUDA device of compute capability 9 or more, under Triton's
-interpreter (``TRITON_INTERPRET=1``: it has no grid dependency control), inside a conditional node's body
-(``graph_branch``: PDL there is untried), and with ``ENABLED`` False, for a side-by-side run:
+Launches are plain for a grid of more programs than ``WAVES`` waves of the device's SMs (below), on anything
+but a CUDA device of compute capability 9 or more, under Triton's interpreter (``TRITON_INTERPRET=1``: it has
+no grid dependency control), inside a conditional node's body (``graph_branch``: PDL there is untried), and
+with ``ENABLED`` False, for a side-by-side run:
 ``benchmarks/with_settings.py kvpolicy.kernels.triton.pdl.ENABLED=False -- ...``.
 """
 
@@ -57,11 +59,13 @@ REUSING_STEP = frozenset({
 })
 
 
-# A launch of more programs than ``WAVES`` times the device's SMs stays plain (None: no limit). A dependent
-# scheduled early holds SM slots while it waits, which a large kernel ahead of it would have used: with
-# PDL on the attention's split, full attention at 1x128K ran 0.16-0.17 ms a step slower (sessions 32 and
-# 33, H100), and every kernel with PDL made a re-selecting step 0.36 ms slower (session 33).
-WAVES: float | None = None
+# A launch of more programs than ``WAVES`` times the device's SMs stays plain (None: no limit). With no
+# limit, full attention at 1x128K ran 0.14-0.17 ms a step slower with PDL than without, in three runs
+# (sessions 32 and 33, H100: its split is sized to fill the device, so, a guess not yet measured, the
+# combine's programs scheduled early and waiting take slots from it); at one wave it ran as without PDL,
+# and the preset's reusing step kept most of PDL's gain (10.03 ms off, 9.91 at one wave, 9.81 with no
+# limit: BENCHMARKS.md, session 33).
+WAVES: float | None = 1
 
 
 @functools.lru_cache(maxsize=None)

@@ -65,6 +65,7 @@ def test_launches_are_plain_off_a_cuda_device_in_a_conditional_body_outside_the_
     append, assign = ("step", "_append_token_kernel"), ("kmeans", "_assign")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(pdl, "SCOPE", "reusing-step")  # not the process's KVPOLICY_PDL_SCOPE
+    monkeypatch.setattr(pdl, "WAVES", None)  # (no CUDA device to count SMs on)
     assert not pdl.launches_with_pdl(cpu, append)
     monkeypatch.setattr(pdl, "supported", lambda device: True)
     assert pdl.launches_with_pdl(cpu, append)
