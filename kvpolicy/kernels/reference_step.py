@@ -302,6 +302,8 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
     unheld = log_mass.masked_fill(held | ~finite, float("-inf"))
     if getattr(trigger, "challengers", 0):
         unheld = _challenged(trigger, state, unheld)
+    if getattr(trigger, "rank", 0):
+        unheld = _first_pass(trigger, state, query, scale, unheld)
     best_unheld = unheld.amax(-1)
     held_mass = torch.logsumexp(log_mass.masked_fill(~held | ~finite, float("-inf")), dim=-1)
     fire = _fire_on_gap(trigger, state, best_unheld - held_mass)
@@ -327,6 +329,23 @@ def _challenged(trigger, state, unheld: torch.Tensor) -> torch.Tensor:
     ids.copy_(torch.where(measured, strongest.indices.masked_fill(strongest.values == float("-inf"), -1), ids))
     kept = torch.zeros_like(unheld, dtype=torch.bool).scatter_(-1, ids.clamp(min=0), ids >= 0)
     return torch.where(measured, unheld, unheld.masked_fill(~kept, float("-inf")))
+
+
+def _first_pass(trigger, state, query: torch.Tensor, scale: float, unheld: torch.Tensor) -> torch.Tensor:
+    """``unheld (B, H, G, U)`` (``-inf`` where held) kept only at each query head's ``trigger.rank_top``
+    units of largest mass estimated from the query projected on the layer's prompt key basis
+    (``ScoreGap.rank``): ``q . P P^T k`` is the product of the two projections, so a kernel reads ``rank``
+    coordinates a key there instead of the key."""
+    basis = state.key_basis  # (B, H, D, r)
+    batch, q_heads, dim = query.shape
+    group = query.float().view(batch, basis.shape[1], q_heads // basis.shape[1], dim)
+    projected = torch.einsum("bhgr,bhdr->bhgd", torch.einsum("bhgd,bhdr->bhgr", group, basis), basis)
+    approx = outlier_log_mass(state.outliers, state.layer.units, projected.reshape(batch, q_heads, dim), scale,
+                              trigger.group == "each")
+    approx = approx.masked_fill(unheld == float("-inf"), float("-inf"))
+    strongest = approx.topk(min(trigger.rank_top, approx.shape[-1]), dim=-1)
+    kept = torch.zeros_like(unheld, dtype=torch.bool).scatter_(-1, strongest.indices, strongest.values > float("-inf"))
+    return unheld.masked_fill(~kept, float("-inf"))
 
 
 def outlier_log_mass(outliers, units, query: torch.Tensor, scale: float, each: bool) -> torch.Tensor:

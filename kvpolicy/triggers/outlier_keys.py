@@ -13,6 +13,9 @@ pool's device with no host read, then kept on the unit table's device as int8 wi
 unit (its largest element's magnitude over 127): the trigger reads them every step, and int8 halves
 those bytes against bf16. Rounded so, SmolLM2's and Gemma 3's needle cells answered as with 16-bit
 keys (EVAL.md, "Outlier keys in 8 bits").
+
+Also taken here, where ``ScoreGap.rank`` asks for it: each KV head's directions of most prompt key
+energy (``prompt_key_basis``), onto which the trigger's low-rank first pass projects the query.
 """
 
 from __future__ import annotations
@@ -72,7 +75,10 @@ def take_outlier_keys(units, store, m: int) -> OutlierKeys:
     return out
 
 
-def _take_one_sequence(units, store, b: int, prompt: int, length: int, m: int) -> tuple:
+def _prompt_keys(units, store, b: int, prompt: int, length: int) -> tuple:
+    """Sequence ``b``'s prompt keys as the table's prompt units hold them: ``k (1, H, length, D)`` float32
+    in ``order``, zero at positions in no unit, with each position's unit (``label``: ``prompt`` where
+    none), whether it is in one (``inside``) and the units' sizes."""
     keys = store.pool.keys
     pool_device = keys.device
     start = units.start[b : b + 1, :, :prompt].to(pool_device)
@@ -96,6 +102,13 @@ def _take_one_sequence(units, store, b: int, prompt: int, length: int, m: int) -
     rows = pool_rows(torch.where(inside, slots, 0), None if zone_rows is None else zone_rows[b : b + 1])
     k = keys[b : b + 1].gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, dim)).float()
     k = k.masked_fill(~inside.unsqueeze(-1), 0.0)
+    return k, label, inside, size
+
+
+def _take_one_sequence(units, store, b: int, prompt: int, length: int, m: int) -> tuple:
+    k, label, inside, size = _prompt_keys(units, store, b, prompt, length)
+    pool_device, heads, dim = k.device, k.shape[1], k.shape[-1]
+    position = torch.arange(length, device=pool_device)
     buckets = prompt + 1
     total = torch.zeros(1, heads, buckets, dim, device=pool_device).scatter_add_(
         2, label.unsqueeze(-1).expand(-1, -1, -1, dim), k)
@@ -129,3 +142,22 @@ def _take_one_sequence(units, store, b: int, prompt: int, length: int, m: int) -
     rest_mean, rest_scale = to_int8(rest_mean[0], unit_dims=1)
     return (chosen.to(device), key_scale.to(device), valid[0].to(device), rest_mean.to(device),
             rest_scale.to(device), rest_count[0].to(device))
+
+
+def prompt_key_basis(units, store, rank: int) -> torch.Tensor:
+    """``(B, H, D, rank)`` float32 on the unit table's device: each KV head's ``rank`` directions of most
+    prompt key energy (the top eigenvectors of its prompt keys' second moment, uncentred; EVAL.md, "A
+    low-rank first pass"), what ``ScoreGap.rank``'s first pass projects the query on. Zeros where there
+    is no prompt."""
+    keys = store.pool.keys
+    batch, heads, _, dim = keys.shape
+    prompt = units.num_prompt_units
+    length = units.order_len - units.decode_tokens
+    basis = torch.zeros(batch, heads, dim, rank, dtype=torch.float32, device=units.size.device)
+    if prompt == 0 or length == 0:
+        return basis
+    for b in range(batch):
+        k = _prompt_keys(units, store, b, prompt, length)[0][0].double()  # (H, length, D)
+        _, vectors = torch.linalg.eigh(k.transpose(1, 2) @ k)  # ascending eigenvalues
+        basis[b].copy_(vectors.flip(-1)[..., :rank].float())
+    return basis

@@ -192,6 +192,9 @@ def test_the_decision_is_per_sequence():
               "outliers": 4, "group": "each"}),
     ("room", {"name": "score_gap", "margin": -1.0, "measure": "mass", "leaving": "ignored", "estimate": "outlier",
               "outliers": 4, "group": "each", "every": 2}),  # which steps measure is counted on the device
+    # the first pass's key basis is taken at prefill too
+    ("room", {"name": "score_gap", "margin": -1.0, "measure": "mass", "leaving": "ignored", "estimate": "outlier",
+              "group": "each", "rank": 4, "rank_top": 2}),
 ])
 def test_the_step_replays_with_frozen_host_state(admit, trigger):
     steps = 30
@@ -593,3 +596,54 @@ def test_outliers_is_checked_and_named_in_the_spec_only_when_set():
     spec = kvpolicy.Policy(trigger={"name": "score_gap", "measure": "mass", "estimate": "outlier", "outliers": 2},
                            prefill_units="kmeans", selector="top_budget").to_dict()["trigger"]
     assert spec["outliers"] == 2
+
+
+def _hinting_needle(hint: int) -> torch.Tensor:
+    q = _toward_needle()
+    # page ``hint`` the strongest unheld page to a first pass blind to the needle's dimension, and under the
+    # margin (its log mass 4.3, the held pages' 6.6)
+    q[..., hint] = 2.0
+    return q
+
+
+@pytest.mark.parametrize("rank, top, fires", [
+    (0, 16, True),  # no first pass: every unit measured whole
+    (11, 1, True),  # the needle's dimension is the 11th direction of most prompt key energy (pages 0-9 first)
+    # mostly outside the basis (page 7's direction holds a quarter of it): the first pass ranks page 5 first,
+    # and the needle's page is not measured
+    (10, 1, False),
+    (10, 64, True),  # a top as large as the table: every unit measured whole again
+])
+def test_a_low_rank_first_pass_measures_whole_only_the_units_it_ranks_highest(rank, top, fires):
+    state = _layer({"name": "score_gap", "margin": -1.0, "measure": "mass", "estimate": "outlier", "group": "each",
+                    "rank": rank, "rank_top": top}, spikes=[(NEEDLE, NEEDLE_DIM, 8.0)])
+    assert _step(state, _toward(2))  # the first selection: pages 2 and RUNNER_UP
+    assert not _step(state, _toward(2))
+    assert _step(state, _hinting_needle(5)) is fires
+    if rank:
+        basis = state.trigger_state.key_basis[0, 0]
+        assert basis.shape == (D, rank)
+        torch.testing.assert_close(basis.T @ basis, torch.eye(rank), atol=1e-5, rtol=0)
+        assert float(basis[NEEDLE_DIM].norm()) > 0.99 if rank == 11 else float(basis[NEEDLE_DIM].norm()) < 0.3
+
+
+def test_rank_is_checked_refused_by_the_fused_step_and_named_in_the_spec_only_when_set():
+    outlier = {"measure": "mass", "estimate": "outlier"}
+    with pytest.raises(ConfigError, match="rank must be an integer >= 0"):
+        ScoreGap(**outlier, rank=-1).validate()
+    with pytest.raises(ConfigError, match="rank_top must be an integer >= 1"):
+        ScoreGap(**outlier, rank=4, rank_top=0).validate()
+    with pytest.raises(ConfigError, match="rank needs estimate 'outlier' and no challengers"):
+        ScoreGap(measure="mass", rank=4).validate()
+    with pytest.raises(ConfigError, match="rank needs estimate 'outlier' and no challengers"):
+        ScoreGap(**outlier, every=2, challengers=4, rank=4).validate()
+    with pytest.raises(ConfigError, match=f"rank must be at most the head dimension \\({D}\\), got {D + 1}"):
+        _layer({"name": "score_gap", **outlier, "rank": D + 1})
+    with pytest.raises(ConfigError, match="does not implement rank=4 .accepted: 0."):
+        _layer({"name": "score_gap", **outlier, "rank": 4}, backend="triton")
+    spec = kvpolicy.Policy(trigger={"name": "score_gap", **outlier}, prefill_units="kmeans",
+                           selector="top_budget").to_dict()["trigger"]
+    assert "rank" not in spec and "rank_top" not in spec
+    spec = kvpolicy.Policy(trigger={"name": "score_gap", **outlier, "rank": 16, "rank_top": 8}, prefill_units="kmeans",
+                           selector="top_budget").to_dict()["trigger"]
+    assert (spec["rank"], spec["rank_top"]) == (16, 8)
