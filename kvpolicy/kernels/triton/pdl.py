@@ -66,6 +66,15 @@ REUSING_STEP = frozenset({
 # and the preset's reusing step kept most of PDL's gain (10.03 ms off, 9.91 at one wave, 9.81 with no
 # limit: BENCHMARKS.md, session 33).
 WAVES: float | None = 1
+# What a launch past ``WAVES`` does: "plain", or "no-early-next": launched with PDL (it may be scheduled behind
+# a small kernel still running) but without letting the kernel after it be scheduled before it ends, so no
+# waiting program takes a slot it would use. "no-early-next" would keep PDL's start for the trigger's blocks
+# kernel (1,024 programs at 1x128K), which one wave makes plain; not yet run on a GPU, so not the default.
+LARGE_GRIDS = "plain"
+LARGE_GRID_CHOICES = ("plain", "no-early-next")
+# a launch's mode, the kernels' ``PDL``: plain; with PDL, letting the next kernel be scheduled at its start;
+# with PDL, the next kernel scheduled when it ends
+PLAIN, EARLY_NEXT, LATE_NEXT = 0, 1, 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,22 +103,31 @@ def fits_waves(device: torch.device, programs: int) -> bool:
     return WAVES is None or programs <= WAVES * _multiprocessors(_index(device))
 
 
-def launches_with_pdl(device: torch.device, kernel: tuple[str, str], programs: int = 1) -> bool:
-    """Whether a launch of ``kernel`` (its file's name, its own) over ``programs`` programs on ``device``
-    made now is programmatic."""
+def launch_mode(device: torch.device, kernel: tuple[str, str], programs: int = 1) -> int:
+    """How a launch of ``kernel`` (its file's name, its own) over ``programs`` programs on ``device`` made
+    now goes: ``PLAIN``, ``EARLY_NEXT`` or ``LATE_NEXT``."""
     if SCOPE not in SCOPES:
         raise ValueError(f"kernels.triton.pdl.SCOPE must be one of {SCOPES}, got {SCOPE!r}")
+    if LARGE_GRIDS not in LARGE_GRID_CHOICES:
+        raise ValueError(f"kernels.triton.pdl.LARGE_GRIDS must be one of {LARGE_GRID_CHOICES}, got {LARGE_GRIDS!r}")
     if not (ENABLED and supported(device)) or graph_branch.in_conditional_body():
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return (SCOPE == "all" or kernel in REUSING_STEP) and fits_waves(device, programs)
+        return PLAIN
+    if os.environ.get("TRITON_INTERPRET") == "1" or not (SCOPE == "all" or kernel in REUSING_STEP):
+        return PLAIN
+    if fits_waves(device, programs):
+        return EARLY_NEXT
+    return LATE_NEXT if LARGE_GRIDS == "no-early-next" else PLAIN
+
+
+def launches_with_pdl(device: torch.device, kernel: tuple[str, str], programs: int = 1) -> bool:
+    """Whether that launch is programmatic (``launch_mode`` not ``PLAIN``)."""
+    return launch_mode(device, kernel, programs) != PLAIN
 
 
 class pdl_kernel:  # noqa: N801 (used as a decorator, like triton.jit)
-    """A ``@triton.jit`` kernel whose launches pass ``PDL`` and ``launch_pdl`` (``launches_with_pdl`` of
-    the device of the first tensor argument). Anything else is the kernel's own (``.fn``); a direct
-    ``.run`` or ``.warmup`` must pass ``PDL`` itself."""
+    """A ``@triton.jit`` kernel whose launches pass ``PDL`` (``launch_mode`` on the device of the first
+    tensor argument) and ``launch_pdl``. Anything else is the kernel's own (``.fn``); a direct ``.run`` or
+    ``.warmup`` must pass ``PDL`` itself."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -122,8 +140,8 @@ class pdl_kernel:  # noqa: N801 (used as a decorator, like triton.jit)
         def launch_with_pdl(*args, **kwargs):
             device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
             programs = math.prod(grid) if isinstance(grid, tuple) else grid
-            on = device is not None and launches_with_pdl(device, self.key, programs)
-            return launch(*args, PDL=on, launch_pdl=on, **kwargs)
+            mode = PLAIN if device is None else launch_mode(device, self.key, programs)
+            return launch(*args, PDL=mode, launch_pdl=mode != PLAIN, **kwargs)
 
         return launch_with_pdl
 
@@ -135,8 +153,9 @@ class pdl_kernel:  # noqa: N801 (used as a decorator, like triton.jit)
 
 @triton.jit
 def wait_for_previous(PDL: tl.constexpr):
-    """A ``pdl_kernel``'s first statement: let the next kernel be scheduled, then wait until the one
-    before has finished and its writes are visible. Nothing without ``PDL``."""
+    """A ``pdl_kernel``'s first statement: let the next kernel be scheduled (``EARLY_NEXT``), then wait until
+    the one before has finished and its writes are visible. Nothing when ``PLAIN``."""
     if PDL:
-        gdc_launch_dependents()
+        if PDL == 1:  # EARLY_NEXT (a constexpr here: the module's names are not)
+            gdc_launch_dependents()
         gdc_wait()

@@ -98,7 +98,14 @@ def test_a_grid_of_more_waves_than_the_limit_launches_plain(monkeypatch):
     monkeypatch.setattr(pdl, "REUSING_STEP", frozenset({kernel.key}))
     kernel[(2, 66, 1)](torch.zeros(1))
     kernel[(2, 67, 1)](torch.zeros(1))
-    assert [kwargs["PDL"] for _, _, kwargs in fake.seen] == [True, False]
+    monkeypatch.setattr(pdl, "LARGE_GRIDS", "no-early-next")  # past the limit: PDL, the next kernel scheduled late
+    assert pdl.launch_mode(cpu, kernel.key, programs=133) == pdl.LATE_NEXT
+    kernel[(2, 67, 1)](torch.zeros(1))
+    modes = [(kwargs["PDL"], kwargs["launch_pdl"]) for _, _, kwargs in fake.seen]
+    assert modes == [(pdl.EARLY_NEXT, True), (pdl.PLAIN, False), (pdl.LATE_NEXT, True)]
+    monkeypatch.setattr(pdl, "LARGE_GRIDS", "late")
+    with pytest.raises(ValueError, match="LARGE_GRIDS must be one of .'plain', 'no-early-next'.. got 'late'"):
+        pdl.launch_mode(cpu, append)
 
 
 def test_an_unknown_scope_is_an_error(monkeypatch):
@@ -135,7 +142,7 @@ def test_a_launch_passes_the_devices_choice(monkeypatch):
     """The wrapper hands the kernel ``PDL`` and Triton ``launch_pdl``, both from the first tensor's device."""
     fake = FakeKernel()
     kernel = pdl.pdl_kernel(fake)
-    monkeypatch.setattr(pdl, "launches_with_pdl", lambda device, kernel, programs: device.type == "meta")
+    monkeypatch.setattr(pdl, "launch_mode", lambda device, kernel, programs: int(device.type == "meta"))
     meta, cpu = torch.empty(2, device="meta"), torch.empty(2)
     kernel[(3,)](7, meta, BLOCK=4)
     kernel[(1, 2)](cpu, BLOCK=8)
