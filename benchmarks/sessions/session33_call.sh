@@ -2,7 +2,9 @@
 # Session 33's GPU calls. Usage: bash benchmarks/sessions/session33_call.sh OUTDIR TAR MODE
 # MODE all: every kernel launched with programmatic dependent launch (KVPOLICY_PDL_SCOPE=all): every Triton GPU
 # test, then louiskv at 1x128K (with full-graph timed in the same run) and pariskv at 1x32K, PDL on and off
-# side by side; the full-graph rows give the second on/off timing session 32 left unsettled.
+# side by side; the full-graph rows give the second on/off timing session 32 left unsettled (a1 ran it; its
+# end-to-end steps failed on a script bug, and its tests ran past 120 s); e2e_first: the same with the
+# end-to-end steps first (a2); waves: pdl.WAVES (w1); large_grids: pdl.LARGE_GRIDS (never ran)
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 case ${3:?} in
 all|e2e_first)
@@ -26,5 +28,12 @@ waves)  # PDL limited to grids of one wave of SMs (pdl.WAVES=1), beside no limit
       kvpolicy.kernels.triton.pdl.${setting#all:} -- ${E2E#python3 } --contexts 131072 --batches 1 --presets louiskv@gpu \
       --json "$OUT/e2e_${setting//[:=]/_}.json"
   done ;;
-*) echo "session33_call.sh: MODE must be all, e2e_first or waves, got '$3'" >&2; exit 2 ;;
+large_grids)  # (never ran: no device time left) past one wave, PDL with the next kernel scheduled late, beside
+  # plain (the default) and no wave limit, louiskv at 1x128K
+  for setting in LARGE_GRIDS=\'no-early-next\' LARGE_GRIDS=\'plain\' WAVES=None; do
+    name=e2e_$(echo "$setting" | tr -dc 'A-Za-z_=-' | tr '=' '_')
+    step "$name" 100 python3 benchmarks/with_settings.py kvpolicy.kernels.triton.pdl.$setting -- ${E2E#python3 } \
+      --contexts 131072 --batches 1 --presets louiskv@gpu --json "$OUT/$name.json"
+  done ;;
+*) echo "session33_call.sh: MODE must be all, e2e_first, waves or large_grids, got '$3'" >&2; exit 2 ;;
 esac
