@@ -302,7 +302,7 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
     unheld = log_mass.masked_fill(held | ~finite, float("-inf"))
     if getattr(trigger, "challengers", 0):
         unheld = _challenged(trigger, state, unheld)
-    if getattr(trigger, "rank", 0):
+    if getattr(trigger, "low_rank", 0):
         unheld = _first_pass(trigger, state, query, scale, unheld)
     best_unheld = unheld.amax(-1)
     held_mass = torch.logsumexp(log_mass.masked_fill(~held | ~finite, float("-inf")), dim=-1)
@@ -332,9 +332,9 @@ def _challenged(trigger, state, unheld: torch.Tensor) -> torch.Tensor:
 
 
 def _first_pass(trigger, state, query: torch.Tensor, scale: float, unheld: torch.Tensor) -> torch.Tensor:
-    """``unheld (B, H, G, U)`` (``-inf`` where held) kept only at each query head's ``trigger.rank_top``
+    """``unheld (B, H, G, U)`` (``-inf`` where held) kept only at each query head's ``trigger.low_rank_top``
     units of largest mass estimated from the query projected on the layer's prompt key basis
-    (``ScoreGap.rank``): ``q . P P^T k`` is the product of the two projections, so a kernel reads ``rank``
+    (``ScoreGap.low_rank``): ``q . P P^T k`` is the product of the two projections, so a kernel reads ``low_rank``
     coordinates a key there instead of the key."""
     basis = state.key_basis  # (B, H, D, r)
     batch, q_heads, dim = query.shape
@@ -343,7 +343,7 @@ def _first_pass(trigger, state, query: torch.Tensor, scale: float, unheld: torch
     approx = outlier_log_mass(state.outliers, state.layer.units, projected.reshape(batch, q_heads, dim), scale,
                               trigger.group == "each")
     approx = approx.masked_fill(unheld == float("-inf"), float("-inf"))
-    strongest = approx.topk(min(trigger.rank_top, approx.shape[-1]), dim=-1)
+    strongest = approx.topk(min(trigger.low_rank_top, approx.shape[-1]), dim=-1)
     kept = torch.zeros_like(unheld, dtype=torch.bool).scatter_(-1, strongest.indices, strongest.values > float("-inf"))
     return unheld.masked_fill(~kept, float("-inf"))
 

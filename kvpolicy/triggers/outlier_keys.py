@@ -14,7 +14,7 @@ unit (its largest element's magnitude over 127): the trigger reads them every st
 those bytes against bf16. Rounded so, SmolLM2's and Gemma 3's needle cells answered as with 16-bit
 keys (EVAL.md, "Outlier keys in 8 bits").
 
-Also taken here, where ``ScoreGap.rank`` asks for it: each KV head's directions of most prompt key
+Also taken here, where ``ScoreGap.low_rank`` asks for it: each KV head's directions of most prompt key
 energy (``prompt_key_basis``), onto which the trigger's low-rank first pass projects the query.
 """
 
@@ -147,7 +147,7 @@ def _take_one_sequence(units, store, b: int, prompt: int, length: int, m: int) -
 def prompt_key_basis(units, store, rank: int) -> torch.Tensor:
     """``(B, H, D, rank)`` float32 on the unit table's device: each KV head's ``rank`` directions of most
     prompt key energy (the top eigenvectors of its prompt keys' second moment, uncentred; EVAL.md, "A
-    low-rank first pass"), what ``ScoreGap.rank``'s first pass projects the query on. Zeros where there
+    low-rank first pass"), what ``ScoreGap.low_rank``'s first pass projects the query on. Zeros where there
     is no prompt."""
     keys = store.pool.keys
     batch, heads, _, dim = keys.shape

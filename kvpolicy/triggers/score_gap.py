@@ -77,7 +77,7 @@ class ScoreGapState:
     challengers: torch.Tensor | None = None
     # (B, H) int32, the fused op's check of each KV head's challengers (``score_gap_challengers.py``)
     challenger_flags: torch.Tensor | None = None
-    # ``rank``: (B, H, D, rank) float32, each KV head's directions of most prompt key energy
+    # ``low_rank``: (B, H, D, low_rank) float32, each KV head's directions of most prompt key energy
     key_basis: torch.Tensor | None = None
 
 
@@ -144,16 +144,16 @@ class ScoreGap(Trigger):
     # those units alone instead of keeping the selection (a unit can only rise past them unseen until the
     # next measured step); the fused op then reads only the held units' and challengers' keys. 0: off
     challengers: int = 0
-    # with ``estimate="outlier"``: a first pass at rank ``rank`` (0: off). Each step it estimates the unheld
-    # units' mass from the query projected on the ``rank`` directions of most prompt key energy of each KV
-    # head (taken at attach), and only the ``rank_top`` strongest units a query head are estimated whole and
+    # with ``estimate="outlier"``: a first pass at rank ``low_rank`` (0: off). Each step it estimates the unheld
+    # units' mass from the query projected on the ``low_rank`` directions of most prompt key energy of each KV
+    # head (taken at attach), and only the ``low_rank_top`` strongest units a query head are estimated whole and
     # can fire: the rest of the table is not read whole. Approximate: it can miss a fire whose unit the first
     # pass ranks lower (EVAL.md, "A low-rank first pass"). Reference only for now
-    rank: int = 0
-    rank_top: int = 16
+    low_rank: int = 0
+    low_rank_top: int = 16
     # the spec names these only when set (``Policy.to_dict``): eval cells of the old settings resume
     SPEC_OMITS_AT_DEFAULT = {"estimate": "mean", "cap": 0, "group": "mean", "count": 0.0, "margins": (),
-                             "outliers": 1, "every": 1, "challengers": 0, "rank": 0, "rank_top": 16}
+                             "outliers": 1, "every": 1, "challengers": 0, "low_rank": 0, "low_rank_top": 16}
 
     def margin_of(self, layer_idx: int) -> float:
         """The margin of layer ``layer_idx`` (``margins``, else ``margin``)."""
@@ -190,12 +190,12 @@ class ScoreGap(Trigger):
         if self.challengers and (self.estimate != "outlier" or self.every < 2):
             raise ConfigError(f"score_gap trigger: challengers needs estimate 'outlier' and every >= 2 (it measures "
                               f"the steps between measured ones); got estimate {self.estimate!r}, every {self.every!r}")
-        for name, least in (("rank", 0), ("rank_top", 1)):
+        for name, least in (("low_rank", 0), ("low_rank_top", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ConfigError(f"score_gap trigger: {name} must be an integer >= {least}, got {value!r}")
-        if self.rank and (self.estimate != "outlier" or self.challengers):
-            raise ConfigError(f"score_gap trigger: rank needs estimate 'outlier' and no challengers (both narrow "
+        if self.low_rank and (self.estimate != "outlier" or self.challengers):
+            raise ConfigError(f"score_gap trigger: low_rank needs estimate 'outlier' and no challengers (both narrow "
                               f"the units measured); got estimate {self.estimate!r}, challengers {self.challengers!r}")
         if not isinstance(self.cap, int) or isinstance(self.cap, bool) or self.cap < 0:
             raise ConfigError(f"score_gap trigger: cap must be an integer >= 0 (0: no cap), got {self.cap!r}")
@@ -254,12 +254,12 @@ class ScoreGap(Trigger):
         state.units_at_selection = units.decode_units.clone()
         if self.estimate == "outlier":
             state.outliers = take_outlier_keys(units, layer.store, self.outliers)
-        if self.rank:
+        if self.low_rank:
             dim = layer.store.pool.keys.shape[-1]
-            if self.rank > dim:
-                raise ConfigError(f"score_gap trigger: rank must be at most the head dimension ({dim}), got "
-                                  f"{self.rank}")
-            state.key_basis = prompt_key_basis(units, layer.store, self.rank)
+            if self.low_rank > dim:
+                raise ConfigError(f"score_gap trigger: low_rank must be at most the head dimension ({dim}), got "
+                                  f"{self.low_rank}")
+            state.key_basis = prompt_key_basis(units, layer.store, self.low_rank)
 
     def selected(self, state: ScoreGapState, selection: Any, reselect: torch.Tensor) -> None:
         """The rows that re-selected hold exactly ``selection.unit_ids`` (the fetch made it so);

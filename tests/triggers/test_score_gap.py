@@ -194,7 +194,7 @@ def test_the_decision_is_per_sequence():
               "outliers": 4, "group": "each", "every": 2}),  # which steps measure is counted on the device
     # the first pass's key basis is taken at prefill too
     ("room", {"name": "score_gap", "margin": -1.0, "measure": "mass", "leaving": "ignored", "estimate": "outlier",
-              "group": "each", "rank": 4, "rank_top": 2}),
+              "group": "each", "low_rank": 4, "low_rank_top": 2}),
 ])
 def test_the_step_replays_with_frozen_host_state(admit, trigger):
     steps = 30
@@ -616,7 +616,7 @@ def _hinting_needle(hint: int) -> torch.Tensor:
 ])
 def test_a_low_rank_first_pass_measures_whole_only_the_units_it_ranks_highest(rank, top, fires):
     state = _layer({"name": "score_gap", "margin": -1.0, "measure": "mass", "estimate": "outlier", "group": "each",
-                    "rank": rank, "rank_top": top}, spikes=[(NEEDLE, NEEDLE_DIM, 8.0)])
+                    "low_rank": rank, "low_rank_top": top}, spikes=[(NEEDLE, NEEDLE_DIM, 8.0)])
     assert _step(state, _toward(2))  # the first selection: pages 2 and RUNNER_UP
     assert not _step(state, _toward(2))
     assert _step(state, _hinting_needle(5)) is fires
@@ -627,23 +627,23 @@ def test_a_low_rank_first_pass_measures_whole_only_the_units_it_ranks_highest(ra
         assert float(basis[NEEDLE_DIM].norm()) > 0.99 if rank == 11 else float(basis[NEEDLE_DIM].norm()) < 0.3
 
 
-def test_rank_is_checked_refused_by_the_fused_step_and_named_in_the_spec_only_when_set():
+def test_low_rank_is_checked_refused_by_the_fused_step_and_named_in_the_spec_only_when_set():
     outlier = {"measure": "mass", "estimate": "outlier"}
-    with pytest.raises(ConfigError, match="rank must be an integer >= 0"):
-        ScoreGap(**outlier, rank=-1).validate()
-    with pytest.raises(ConfigError, match="rank_top must be an integer >= 1"):
-        ScoreGap(**outlier, rank=4, rank_top=0).validate()
-    with pytest.raises(ConfigError, match="rank needs estimate 'outlier' and no challengers"):
-        ScoreGap(measure="mass", rank=4).validate()
-    with pytest.raises(ConfigError, match="rank needs estimate 'outlier' and no challengers"):
-        ScoreGap(**outlier, every=2, challengers=4, rank=4).validate()
-    with pytest.raises(ConfigError, match=f"rank must be at most the head dimension \\({D}\\), got {D + 1}"):
-        _layer({"name": "score_gap", **outlier, "rank": D + 1})
-    with pytest.raises(ConfigError, match="does not implement rank=4 .accepted: 0."):
-        _layer({"name": "score_gap", **outlier, "rank": 4}, backend="triton")
+    with pytest.raises(ConfigError, match="low_rank must be an integer >= 0"):
+        ScoreGap(**outlier, low_rank=-1).validate()
+    with pytest.raises(ConfigError, match="low_rank_top must be an integer >= 1"):
+        ScoreGap(**outlier, low_rank=4, low_rank_top=0).validate()
+    with pytest.raises(ConfigError, match="low_rank needs estimate 'outlier' and no challengers"):
+        ScoreGap(measure="mass", low_rank=4).validate()
+    with pytest.raises(ConfigError, match="low_rank needs estimate 'outlier' and no challengers"):
+        ScoreGap(**outlier, every=2, challengers=4, low_rank=4).validate()
+    with pytest.raises(ConfigError, match=f"low_rank must be at most the head dimension \\({D}\\), got {D + 1}"):
+        _layer({"name": "score_gap", **outlier, "low_rank": D + 1})
+    with pytest.raises(ConfigError, match="does not implement low_rank=4 .accepted: 0."):
+        _layer({"name": "score_gap", **outlier, "low_rank": 4}, backend="triton")
     spec = kvpolicy.Policy(trigger={"name": "score_gap", **outlier}, prefill_units="kmeans",
                            selector="top_budget").to_dict()["trigger"]
-    assert "rank" not in spec and "rank_top" not in spec
-    spec = kvpolicy.Policy(trigger={"name": "score_gap", **outlier, "rank": 16, "rank_top": 8}, prefill_units="kmeans",
+    assert "low_rank" not in spec and "low_rank_top" not in spec
+    spec = kvpolicy.Policy(trigger={"name": "score_gap", **outlier, "low_rank": 16, "low_rank_top": 8}, prefill_units="kmeans",
                            selector="top_budget").to_dict()["trigger"]
-    assert (spec["rank"], spec["rank_top"]) == (16, 8)
+    assert (spec["low_rank"], spec["low_rank_top"]) == (16, 8)

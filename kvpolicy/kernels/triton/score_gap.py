@@ -471,7 +471,7 @@ def unsupported(trigger) -> str | None:
     """Why the fused ops cannot run ``trigger``'s options (None where they can): the measures
     ``weakest``, ``mass`` and ``rank``, ``cap``, ``margins``, ``follow`` and both ``leaving``s, with
     ``estimate`` ``"mean"`` or ``"outlier"`` (its own op, ``score_gap_outlier_fire``), ``group="each"``
-    with ``"outlier"`` only (``challengers`` too), ``count=0`` and ``rank=0`` (the others are the reference's)."""
+    with ``"outlier"`` only (``challengers`` too), ``count=0`` and ``low_rank=0`` (the others are the reference's)."""
     wrong = []
     if trigger.estimate not in ("mean", "outlier"):
         wrong.append(f"estimate={trigger.estimate!r} (accepted: 'mean', 'outlier')")
@@ -479,8 +479,8 @@ def unsupported(trigger) -> str | None:
         wrong.append(f"group={trigger.group!r} (accepted: 'mean'; 'each' with estimate 'outlier')")
     if trigger.count not in (0, 0.0):
         wrong.append(f"count={trigger.count!r} (accepted: 0)")
-    if getattr(trigger, "rank", 0):
-        wrong.append(f"rank={trigger.rank!r} (accepted: 0)")
+    if getattr(trigger, "low_rank", 0):
+        wrong.append(f"low_rank={trigger.low_rank!r} (accepted: 0)")
     if not wrong:
         return None
     return ("score_gap trigger: the triton backend's score_gap_fire does not implement " + ", ".join(wrong) +
