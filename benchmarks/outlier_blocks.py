@@ -53,14 +53,6 @@ VARIANTS = {
     "bf16+tile8192+w8": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 8192, "_BLOCKS_WARPS": 8}},
     "bf16+tile16384": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 16384}},
     "bf16+tile16384+w8": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 16384, "_BLOCKS_WARPS": 8}},
-    # session 34: the shipped settings (bf16+tile8192+rows1x256) with the outlier keys' loads issued together,
-    # 2 or 4 at a time
-    "ahead2": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 8192, "_KEYS_AHEAD": 2},
-               GAP: {"_ROW_BLOCK": 1, "_ROW_SPAN": 256}},
-    "ahead4": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 8192, "_KEYS_AHEAD": 4},
-               GAP: {"_ROW_BLOCK": 1, "_ROW_SPAN": 256}},
-    "ahead4+tile4096": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 4096, "_KEYS_AHEAD": 4},
-                        GAP: {"_ROW_BLOCK": 1, "_ROW_SPAN": 256}},
 }
 
 

@@ -54,10 +54,6 @@ _BLOCKS_WARPS = 4  # warps a program
 # (0: unrolled)
 _KEY_PRODUCT = "query"
 _KEY_STAGES = 0
-# with no pipeline stages, the outlier keys whose loads issue together before their products: 1 (a key's load
-# waits for the product before it), 2 or 4. Each key adds about 3.5 us a layer at 1x128K (session 29, H100:
-# 18.0 / 21.5 / 28.5 us at 1 / 2 / 4 keys), as if a key's load waited a round trip; ahead untimed on a GPU
-_KEYS_AHEAD = 1
 # With challengers, a step between measured ones (latency-bound: a few programs, each a chain of dependent
 # loads): its programs run in "blocks" (the blocks launch: one launch fewer a step) or "own" (a launch of
 # their own); and their outlier keys are read "tile" (every key of a unit at once: one load, one product) or
@@ -109,8 +105,8 @@ def _block_log_mass(ids, ok, b, h, q_t, scale, P,
                     ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
                     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, BLOCK_U: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr,
-                    KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr, KEYS_AHEAD: tl.constexpr,
-                    KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr):
+                    KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr, KEYS_AT_ONCE: tl.constexpr,
+                    BLOCK_M: tl.constexpr):
     """``[BLOCK_U, BLOCK_G]``: the log mass of units ``ids`` for each query head (``-inf`` where a unit
     is not selectable or not ``ok``: no byte of it is read): a decode unit's tokens at its mean key; a
     prompt unit's other tokens at their mean key and its outlier keys one by one, each tile of keys
@@ -153,65 +149,25 @@ def _block_log_mass(ids, ok, b, h, q_t, scale, P,
     elif KEY_STAGES > 0:  # a loop Triton software-pipelines: the next keys' loads in flight during a product
         for j in tl.range(0, M, num_stages=KEY_STAGES):
             top, total = _outlier_key_step(j, top, total, keys_at, valid_at, key_mask, in_prompt, q_keys, key_scale,
-                                           ok_sm, G, M, BLOCK_G, PRECISION, KEY_DTYPE)
-    elif KEYS_AHEAD > 1:
-        for j0 in tl.static_range(0, M, KEYS_AHEAD):
-            top, total = _outlier_keys_ahead(j0, top, total, keys_at, valid_at, key_mask, in_prompt, q_keys, key_scale,
-                                             ok_sm, G, M, BLOCK_G, PRECISION, KEY_DTYPE, KEYS_AHEAD)
+                                           ok_sm, G, BLOCK_G, PRECISION, KEY_DTYPE)
     else:
         for j in tl.static_range(M):
             top, total = _outlier_key_step(j, top, total, keys_at, valid_at, key_mask, in_prompt, q_keys, key_scale,
-                                           ok_sm, G, M, BLOCK_G, PRECISION, KEY_DTYPE)
+                                           ok_sm, G, BLOCK_G, PRECISION, KEY_DTYPE)
     return tl.where(selectable[:, None] & (top > float("-inf")), top + tl.log(total), float("-inf"))
 
 
 @triton.jit
 def _outlier_key_step(j, top, total, keys_at, valid_at, key_mask, in_prompt, q_keys, key_scale, ok_sm,
-                      G: tl.constexpr, M: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr,
-                      KEY_DTYPE: tl.constexpr):
+                      G: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr):
     """The running logsumexp ``(top, total)`` of each unit's log masses after its outlier key ``j``."""
-    real, key = _load_outlier_key(j, keys_at, valid_at, key_mask, in_prompt, ok_sm, M)
-    return _add_outlier_key(real, key, top, total, q_keys, key_scale, G, BLOCK_G, PRECISION, KEY_DTYPE)
-
-
-@triton.jit
-def _load_outlier_key(j, keys_at, valid_at, key_mask, in_prompt, ok_sm, M: tl.constexpr):
-    """Outlier key ``j`` of each unit as stored (int8) and whether it is a real one; none past ``M``."""
-    listed = in_prompt & (j < M)
-    real = listed & (tl.load(valid_at + j, mask=listed, other=0) != 0)
-    return real, tl.load(keys_at + j * ok_sm, mask=key_mask & listed[:, None], other=0)
-
-
-@triton.jit
-def _add_outlier_key(real, key, top, total, q_keys, key_scale, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                     PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr):
-    """The running logsumexp ``(top, total)`` with one more key a unit (``-inf`` where not ``real``)."""
-    logit = _query_logits(key.to(KEY_DTYPE), q_keys, key_scale, G, BLOCK_G, PRECISION)
-    logit = tl.where(real[:, None], logit, float("-inf"))
+    real = in_prompt & (tl.load(valid_at + j, mask=in_prompt, other=0) != 0)
+    key = tl.load(keys_at + j * ok_sm, mask=key_mask, other=0).to(KEY_DTYPE)
+    logit = tl.where(real[:, None], _query_logits(key, q_keys, key_scale, G, BLOCK_G, PRECISION), float("-inf"))
     new_top = tl.maximum(top, logit)
     shift = tl.where(new_top > float("-inf"), new_top, 0.0)
     total = total * tl.exp(top - shift) + tl.exp(logit - shift)
     return new_top, total
-
-
-@triton.jit
-def _outlier_keys_ahead(j0, top, total, keys_at, valid_at, key_mask, in_prompt, q_keys, key_scale, ok_sm,
-                        G: tl.constexpr, M: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr,
-                        KEY_DTYPE: tl.constexpr, AHEAD: tl.constexpr):
-    """``_outlier_key_step`` over keys ``j0`` to ``j0 + AHEAD - 1`` (2 or 4), their loads issued together before
-    the first product: a product's shared-memory barrier otherwise holds the next key's load back, one
-    memory round trip a key."""
-    real0, key0 = _load_outlier_key(j0, keys_at, valid_at, key_mask, in_prompt, ok_sm, M)
-    real1, key1 = _load_outlier_key(j0 + 1, keys_at, valid_at, key_mask, in_prompt, ok_sm, M)
-    if AHEAD == 4:
-        real2, key2 = _load_outlier_key(j0 + 2, keys_at, valid_at, key_mask, in_prompt, ok_sm, M)
-        real3, key3 = _load_outlier_key(j0 + 3, keys_at, valid_at, key_mask, in_prompt, ok_sm, M)
-    top, total = _add_outlier_key(real0, key0, top, total, q_keys, key_scale, G, BLOCK_G, PRECISION, KEY_DTYPE)
-    top, total = _add_outlier_key(real1, key1, top, total, q_keys, key_scale, G, BLOCK_G, PRECISION, KEY_DTYPE)
-    if AHEAD == 4:
-        top, total = _add_outlier_key(real2, key2, top, total, q_keys, key_scale, G, BLOCK_G, PRECISION, KEY_DTYPE)
-        top, total = _add_outlier_key(real3, key3, top, total, q_keys, key_scale, G, BLOCK_G, PRECISION, KEY_DTYPE)
-    return top, total
 
 
 @triton.jit
@@ -260,7 +216,7 @@ def _outlier_gap_blocks_kernel(
     ms_sb, ms_sr, held_ptr, chal_ptr, R, S_BETWEEN, hl_sb, hl_sh, ch_sb, ch_sh,
     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, LEAVING_IGNORED: tl.constexpr,
     EVERY: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
-    PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr, KEYS_AHEAD: tl.constexpr,
+    PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr,
     C: tl.constexpr, BLOCK_H: tl.constexpr, BETWEEN_HERE: tl.constexpr, BLOCK_GC: tl.constexpr,
     KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -286,7 +242,7 @@ def _outlier_gap_blocks_kernel(
                         q_sb, q_sh, q_sg, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh, mk_sb, mk_sh,
                         ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh, pt_sb,
                         pt_sh, ch_sb, ch_sh, D, G, M, C, BLOCK_U, BLOCK_D, BLOCK_G, BLOCK_GC, PRECISION, KEY_DTYPE,
-                        KEY_STAGES, KEYS_AHEAD, KEYS_AT_ONCE, BLOCK_M)
+                        KEY_STAGES, KEYS_AT_ONCE, BLOCK_M)
                 return
             if block * BLOCK_U >= U:  # a program only a step between has work for
                 return
@@ -308,7 +264,7 @@ def _outlier_gap_blocks_kernel(
         mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
         rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
         ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
-        D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, KEYS_AHEAD, False, BLOCK_M)
+        D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, False, BLOCK_M)
     mask_at = mask_ptr + b * mk_sb + h * mk_sh + ids
     held = tl.load(mask_at, mask=ok, other=0) != 0
     finite = log_mass > float("-inf")
@@ -343,7 +299,7 @@ def _between_kernel(
     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, EVERY: tl.constexpr, C: tl.constexpr,
     BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GC: tl.constexpr,
     BLOCK_H: tl.constexpr, PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr,
-    KEYS_AHEAD: tl.constexpr, KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
+    KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
 ):
     """A step between measured ones in a launch of its own (``_BETWEEN_LAUNCH = "own"``): a program a chunk
     of the held list, then one for the challengers (``_between_program``). On a measured step it returns at
@@ -361,7 +317,7 @@ def _between_kernel(
         keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr, rest_count_ptr, parts_ptr, chal_ptr,
         scale, U, P, parts_sk, q_sb, q_sh, q_sg, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh, mk_sb, mk_sh,
         ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh, pt_sb, pt_sh,
-        ch_sb, ch_sh, D, G, M, C, BLOCK_U, BLOCK_D, BLOCK_G, BLOCK_GC, PRECISION, KEY_DTYPE, KEY_STAGES, KEYS_AHEAD,
+        ch_sb, ch_sh, D, G, M, C, BLOCK_U, BLOCK_D, BLOCK_G, BLOCK_GC, PRECISION, KEY_DTYPE, KEY_STAGES,
         KEYS_AT_ONCE, BLOCK_M)
 
 
@@ -373,8 +329,8 @@ def _between_program(
     ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh, pt_sb, pt_sh,
     ch_sb, ch_sh, D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, C: tl.constexpr,
     BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GC: tl.constexpr,
-    PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr, KEYS_AHEAD: tl.constexpr,
-    KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr,
+    PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr, KEYS_AT_ONCE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     """A step between measured ones, with challengers: ``chunk < chunks`` scores the held units ``ids`` (its
     chunk of the held list) and clears their marks; ``chunk == chunks`` each query head's challengers (none
@@ -399,7 +355,7 @@ def _between_program(
             mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
             rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
             ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
-            D, G, M, BLOCK_GC, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, KEYS_AHEAD, KEYS_AT_ONCE, BLOCK_M)
+            D, G, M, BLOCK_GC, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, KEYS_AT_ONCE, BLOCK_M)
         own = chal_listed[:, None] & ((k // C)[:, None] == columns[None, :])
         _store_parts(out, parts_sk, real_column, tl.max(tl.where(own, chal_mass, float("-inf")), axis=0),
                      tl.zeros([BLOCK_G], tl.float32), nothing, tl.zeros([BLOCK_G], tl.float32))
@@ -413,7 +369,7 @@ def _between_program(
             mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
             rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
             ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
-            D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, KEYS_AHEAD, KEYS_AT_ONCE, BLOCK_M)
+            D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, KEYS_AT_ONCE, BLOCK_M)
         counted = listed[:, None] & (log_mass > float("-inf"))
         top = tl.max(tl.where(counted, log_mass, float("-inf")), axis=0)
         shift = tl.where((top > float("-inf")) & (top < float("inf")), top, 0.0)
@@ -481,7 +437,6 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
     settings = dict(BLOCK_U=block, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(per_head)),
                     PRECISION="ieee" if group.dtype == torch.float32 else "tf32",  # see the module's docstring
                     KEY_DTYPE=_key_dtype(group.dtype, device), KEY_STAGES=_KEY_STAGES,
-                    KEYS_AHEAD=_setting("_KEYS_AHEAD", (1, 2, 4)),
                     BLOCK_H=triton.next_power_of_2(heads), num_warps=_BLOCKS_WARPS)
     count = chal.ids.shape[-1] if chal else 0
     offset = step_offset(trigger, layer)
