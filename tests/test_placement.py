@@ -120,6 +120,32 @@ def test_a_pool_attended_by_slot_that_moves_decodes_what_a_host_pool_decodes(lla
     assert all(stores[i].attends_pool_by_slot for i in GROWTH[limit_pools][1])
 
 
+# the louiskv preset's SmolLM2 trigger: its outlier keys are read from the pool at prefill, wherever it is
+OUTLIER_TRIGGER = {"name": "score_gap", "margin": -0.5, "measure": "mass", "leaving": "ignored", "estimate": "outlier",
+                   "outliers": 4, "group": "each"}
+
+
+def test_the_outlier_trigger_reads_its_keys_from_a_pool_on_either_side(llama, monkeypatch):
+    """The outlier keys are taken from each layer's pool at prefill, on the unit table's device, a few KV heads
+    at a time: a split (two layers' pools on the host) decodes what placement cpu does, bit for bit, and a
+    head a chunk takes the keys the whole sequence at once does."""
+    from kvpolicy.triggers import outlier_keys
+
+    ids, _ = left_padded_batch(PROMPT)
+    options = {"budget": 96, "trigger": OUTLIER_TRIGGER}
+    reference, _, _ = generate(llama, kvpolicy.preset("louiskv", placement="cpu", **options), 8)
+    out, _, cache = generate(llama, kvpolicy.preset("louiskv", placement="split", gpu_pool_bytes=2 * layer_pool(
+        ids.shape[0]), **options), 8)
+    assert torch.equal(out.sequences, reference.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.scores, reference.scores))
+    monkeypatch.setattr(outlier_keys, "_CHUNK_BYTES", 1)  # a KV head a chunk
+    assert len(outlier_keys._head_chunks(HEADS, PROMPT, DIM)) == HEADS
+    for s in cache.policy_layers():
+        kept = s.trigger_state.outliers
+        again = outlier_keys.take_outlier_keys(s.units, s.store, 4)
+        assert all(torch.equal(a, b) for a, b in zip(again, kept))
+
+
 def test_a_reserve_before_capture_keeps_the_limit(llama):
     """DecodeGraph reserves its steps up front: that growth follows the same rule."""
     ids, mask = left_padded_batch(PROMPT)
@@ -276,3 +302,20 @@ def test_on_a_gpu_the_split_puts_pools_on_the_device_and_pinned_host():
         model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
         kinds = [(s.store.pool.keys.device.type, s.store.pool.keys.is_pinned()) for s in session.cache.policy_layers()]
     assert kinds == [("cuda", False), ("cuda", False), ("cpu", True), ("cpu", True)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_outlier_trigger_takes_its_keys_from_a_pinned_pool():
+    """The outlier keys of a layer whose pool is in pinned host memory are taken on the GPU (session 34: the
+    pool's zone rows stayed on the GPU while its keys were gathered on the host, and the prefill failed)."""
+    model = build_model("llama", num_hidden_layers=LAYERS).cuda()
+    ids, mask = left_padded_batch(PROMPT)
+    ids, mask = ids.cuda(), mask.cuda()
+    options = {"budget": 96, "trigger": OUTLIER_TRIGGER}
+    outs = {}
+    for placement in ("gpu", "cpu", "split"):
+        limit = {"gpu_pool_bytes": 2 * layer_pool(ids.shape[0])} if placement == "split" else {}
+        with kvpolicy.preset("louiskv", placement=placement, **options, **limit).apply(model) as session:
+            outs[placement] = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+            assert all(s.trigger_state.outliers.keys.device.type == "cuda" for s in session.cache.policy_layers())
+    assert torch.equal(outs["gpu"], outs["cpu"]) and torch.equal(outs["gpu"], outs["split"])

@@ -8,7 +8,7 @@
 # targets not timed there since sessions 19 and 30: louiskv's pinned 4x128K row at a real model's miss, both presets
 # at 4x128K, then at 1x32K and 1x128K; million: issue 13's 1M-token batch-1 row (never run: a pinned pool alone
 # needs 144 GiB, the host has about 111), pools over the H200 and pinned host memory (placement split), full
-# attention's row a "does not fit"
+# attention's row a "does not fit"; louiskv_million: louiskv's row of it again after a fix
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 case ${3:?} in
 tests)
@@ -37,5 +37,9 @@ million)
   step million_pariskv 420 ${E2E} --contexts 1048576 --batches 1 --presets pariskv@split --json "$OUT/million_pariskv.json"
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv > "$OUT/smi_after.txt" 2>&1; free -g >> "$OUT/smi_after.txt"
   step million_louiskv 150 ${E2E} --contexts 1048576 --batches 1 --presets louiskv@split --json "$OUT/million_louiskv.json" ;;
-*) echo "session34_call.sh: MODE must be tests, e2e, h200 or million, got '$3'" >&2; exit 2 ;;
+louiskv_million)  # after the outlier keys' fix (taken on the GPU from a pinned pool): its GPU test, then louiskv's
+  # 1M row again (m1's score-gap rows failed at prefill; its interval row ran out of GPU memory)
+  step placement_tests 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_placement.py -k gpu
+  step million_louiskv 330 ${E2E} --contexts 1048576 --batches 1 --presets louiskv@split --json "$OUT/million_louiskv.json" ;;
+*) echo "session34_call.sh: MODE must be tests, e2e, h200, million or louiskv_million, got '$3'" >&2; exit 2 ;;
 esac

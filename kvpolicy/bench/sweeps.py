@@ -119,13 +119,19 @@ def e2e(model, *, contexts: Iterable[int], batches: Iterable[int], cells: Preset
                 except DoesNotFit as error:  # counted before allocating: the row says what does not fit
                     yield {"kind": label, "batch": batch, "context": context, "error": str(error)}
                     continue
-                except torch.cuda.OutOfMemoryError:
-                    torch.cuda.empty_cache()
-                    yield {"kind": label, "batch": batch, "context": context, "error": "out of GPU memory"}
-                    continue
+                except torch.cuda.OutOfMemoryError as error:  # the allocator's first line: what it tried to take
+                    what = str(error).splitlines()[0] if str(error) else ""
+                    out_of_memory = {"kind": label, "batch": batch, "context": context,
+                                     "error": f"out of GPU memory: {what}", "traceback": traceback.format_exc()}
                 except Exception as error:  # one broken cell must not hide the others' figures
                     yield {"kind": label, "batch": batch, "context": context, "failed": True,
                            "error": f"FAILED: {type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+                    continue
+                else:
+                    out_of_memory = None
+                if out_of_memory:  # yielded out of the handler, whose frames held the cell's tensors
+                    torch.cuda.empty_cache()
+                    yield out_of_memory
                     continue
                 base = r.ms_per_step if label == "full-graph" else base
                 floor = r.ms_per_step if label == "budget-floor" else floor

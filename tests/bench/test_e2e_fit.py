@@ -109,6 +109,26 @@ def test_the_sweep_row_says_what_does_not_fit(monkeypatch):
     assert rows[1]["kind"] == "budget-floor" and "error" not in rows[1]
 
 
+def test_a_row_that_runs_out_of_gpu_memory_says_what_it_tried_to_take(monkeypatch):
+    """A cell that runs out of GPU memory is a row whose error carries the allocator's first line (what it
+    tried to allocate), with its traceback in the row, and the sweep goes on."""
+    from kvpolicy.bench import sweeps
+
+    from conftest import build_model
+
+    def short_of_memory(model, kind, batch, context, steps, **options):
+        if context == 64:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore detail")
+        return e2e.Throughput(kind, batch, context, steps, 1.0)
+
+    monkeypatch.setattr(e2e, "full_throughput", short_of_memory)
+    rows = list(sweeps.e2e(build_model("llama"), contexts=[64], batches=[1], cells=[], budget=32, steps=1,
+                           backend="reference", full_kinds=["full-graph"], branch_kinds=["auto"], rate=0.1))
+    assert rows[0]["error"] == "out of GPU memory: CUDA out of memory. Tried to allocate 2.00 GiB."
+    assert "short_of_memory" in rows[0]["traceback"] and not rows[0].get("failed")
+    assert rows[1]["kind"] == "budget-floor" and "error" not in rows[1]
+
+
 @pytest.mark.parametrize("name", ["pariskv", "louiskv"])
 def test_a_split_row_decodes_over_the_device_and_the_host(name):
     """``--presets NAME@split`` (the 1M row on a host too small for a pinned pool): a step replays
