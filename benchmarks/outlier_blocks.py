@@ -8,7 +8,7 @@ its time (GB/s). ``--challengers C`` then times the trigger with ``C`` challenge
 query head: a measured step (the whole table; each call starts with none listed) and a step between
 measured ones (the held units and the challengers alone), at each of ``--challenger-variants``. Usage (GPU):
     python3 benchmarks/outlier_blocks.py [--context 131072] [--batch 1] [--only base,stages2] [--challengers 8]
-        [--challenger-variants shipped,blocks+tile]
+        [--challenger-variants shipped,blocks+tile] [--fixed-query]
 """
 
 from __future__ import annotations
@@ -124,6 +124,8 @@ def main(argv=None) -> int:
     parser.add_argument("--challenger-variants", default="shipped",
                         help=f"with --challengers, the settings of a step between compared: comma-separated of "
                              f"{', '.join(CHALLENGER_VARIANTS)}")
+    parser.add_argument("--fixed-query", action="store_true",
+                        help="the trigger's query in fixed point (ScoreGap.fixed_query: int8 products)")
     parser.add_argument("--best-settings", default=None,
                         help="write the fastest variant's settings here, one MODULE.NAME=VALUE a line "
                              "(benchmarks/with_settings.py's arguments)")
@@ -146,7 +148,7 @@ def main(argv=None) -> int:
     queries = [torch.randn(args.batch, args.query_heads, args.dim, generator=gen, device=device).bfloat16()
                for _ in states]
     trigger = ScoreGap(margin=1e9, measure="mass", leaving="ignored", estimate="outlier", outliers=args.outliers,
-                       group="each")
+                       group="each", fixed_query=args.fixed_query)
     trigger.validate()
     scale = args.dim ** -0.5
     reference = copy.deepcopy(states[0])

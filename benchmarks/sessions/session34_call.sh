@@ -8,7 +8,8 @@
 # targets not timed there since sessions 19 and 30: louiskv's pinned 4x128K row at a real model's miss, both presets
 # at 4x128K, then at 1x32K and 1x128K; million: issue 13's 1M-token batch-1 row (never run: a pinned pool alone
 # needs 144 GiB, the host has about 111), pools over the H200 and pinned host memory (placement split), full
-# attention's row a "does not fit"; louiskv_million: louiskv's row of it again after a fix
+# attention's row a "does not fit"; louiskv_million: louiskv's row of it again after a fix; fixed: the trigger's
+# query in fixed point
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 case ${3:?} in
 tests)
@@ -41,5 +42,12 @@ louiskv_million)  # after the outlier keys' fix (taken on the GPU from a pinned 
   # 1M row again (m1's score-gap rows failed at prefill; its interval row ran out of GPU memory)
   step placement_tests 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_placement.py -k gpu
   step million_louiskv 330 ${E2E} --contexts 1048576 --batches 1 --presets louiskv@split --json "$OUT/million_louiskv.json" ;;
-*) echo "session34_call.sh: MODE must be tests, e2e, h200, million or louiskv_million, got '$3'" >&2; exit 2 ;;
+fixed)  # ScoreGap.fixed_query (int8 products with the query in fixed point): its GPU tests, the blocks kernel both
+  # ways, end to end at 1x128K and 4x128K (the score_gap_fixed_reuse row beside score_gap_reuse), then louiskv_million
+  step fixed_tests 150 python3 -m pytest -q -rs -n 12 -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py \
+    tests/kernels/test_fixed_point.py -k "outlier or fixed"
+  step blocks_exact 60 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --only shipped
+  step blocks_fixed 60 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --only shipped --fixed-query
+  step e2e_fixed 200 ${E2E} --contexts 131072 --batches 1,4 --presets louiskv@gpu --json "$OUT/e2e_fixed.json" ;;
+*) echo "session34_call.sh: MODE must be tests, e2e, h200, million, louiskv_million or fixed, got '$3'" >&2; exit 2 ;;
 esac

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .fixed_point import fixed_query
+
 
 def append_token(store, key: torch.Tensor, value: torch.Tensor) -> None:
     """Write one decode token (``key``/``value`` ``(B, H, D)``) at slot ``store.next_slot``.
@@ -295,7 +297,8 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
     (``"each"``: the largest gap over every query head decides). ``scale``: the attention scale."""
     layer = state.layer
     follow_leaving_token(state, trigger.leaving == "unheld", layer.policy.admit == "evict")
-    log_mass = outlier_log_mass(state.outliers, layer.units, query, scale, trigger.group == "each")
+    log_mass = outlier_log_mass(state.outliers, layer.units, query, scale, trigger.group == "each",
+                                trigger.fixed_query)
     held = held_units_mask(state.held, layer.units.capacity).unsqueeze(2)
     log_mass = _without_opened_units(trigger, state, log_mass, held)
     finite = log_mass > float("-inf")
@@ -341,20 +344,22 @@ def _first_pass(trigger, state, query: torch.Tensor, scale: float, unheld: torch
     group = query.float().view(batch, basis.shape[1], q_heads // basis.shape[1], dim)
     projected = torch.einsum("bhgr,bhdr->bhgd", torch.einsum("bhgd,bhdr->bhgr", group, basis), basis)
     approx = outlier_log_mass(state.outliers, state.layer.units, projected.reshape(batch, q_heads, dim), scale,
-                              trigger.group == "each")
+                              trigger.group == "each", trigger.fixed_query)
     approx = approx.masked_fill(unheld == float("-inf"), float("-inf"))
     strongest = approx.topk(min(trigger.low_rank_top, approx.shape[-1]), dim=-1)
     kept = torch.zeros_like(unheld, dtype=torch.bool).scatter_(-1, strongest.indices, strongest.values > float("-inf"))
     return unheld.masked_fill(~kept, float("-inf"))
 
 
-def outlier_log_mass(outliers, units, query: torch.Tensor, scale: float, each: bool) -> torch.Tensor:
+def outlier_log_mass(outliers, units, query: torch.Tensor, scale: float, each: bool,
+                     fixed: bool = False) -> torch.Tensor:
     """``(B, H, G, U)`` float32: each unit's estimated log attention mass for each query head of
     ``query (B, Hq, D)`` (``G`` of them a KV head; with ``each`` False, ``G`` is 1: the query
     group's mean). A prompt unit's is the logsumexp of its outlier keys' logits and its other
     tokens' (their count times their mean key's: ``outliers``, an ``OutlierKeys``); a decode
     unit's its size times its mean key's (the table's float16 ``key_mean``); ``-inf`` where the
-    unit is not selectable."""
+    unit is not selectable. With ``fixed`` (``ScoreGap.fixed_query``), the prompt units' products take
+    the query in 14-bit fixed point (``fixed_point.py``)."""
     batch, q_heads, dim = query.shape
     heads = units.size.shape[1]
     group = query.float().view(batch, heads, q_heads // heads, dim)
@@ -363,6 +368,8 @@ def outlier_log_mass(outliers, units, query: torch.Tensor, scale: float, each: b
     log_mass = torch.einsum("bhgd,bhud->bhgu", group, units.key_mean.float()) * scale
     log_mass = log_mass + torch.log(units.size.clamp(min=1).float()).unsqueeze(2)
     prompt = outliers.rest_count.shape[-1]
+    if fixed:
+        group = fixed_query(group)
     if prompt:
         outlier = torch.einsum("bhgd,bhumd->bhgum", group, outliers.keys.float())
         outlier = outlier * (outliers.key_scale * scale).unsqueeze(2).unsqueeze(-1)

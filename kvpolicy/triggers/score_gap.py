@@ -151,9 +151,15 @@ class ScoreGap(Trigger):
     # pass ranks lower (EVAL.md, "A low-rank first pass"). Reference only for now
     low_rank: int = 0
     low_rank_top: int = 16
+    # with ``estimate="outlier"``: the query's products with the prompt units' int8 keys and rest means taken in
+    # 14-bit fixed point (each query head's elements as integers times a power of two, from its largest; one
+    # rounding of at most 2**-15 of that largest), so the fused op multiplies int8 by int8 on tensor cores
+    # instead of converting every key to a 16-bit type (``kernels/fixed_point.py``); decode units' means as before
+    fixed_query: bool = False
     # the spec names these only when set (``Policy.to_dict``): eval cells of the old settings resume
     SPEC_OMITS_AT_DEFAULT = {"estimate": "mean", "cap": 0, "group": "mean", "count": 0.0, "margins": (),
-                             "outliers": 1, "every": 1, "challengers": 0, "low_rank": 0, "low_rank_top": 16}
+                             "outliers": 1, "every": 1, "challengers": 0, "low_rank": 0, "low_rank_top": 16,
+                             "fixed_query": False}
 
     def margin_of(self, layer_idx: int) -> float:
         """The margin of layer ``layer_idx`` (``margins``, else ``margin``)."""
@@ -197,6 +203,11 @@ class ScoreGap(Trigger):
         if self.low_rank and (self.estimate != "outlier" or self.challengers):
             raise ConfigError(f"score_gap trigger: low_rank needs estimate 'outlier' and no challengers (both narrow "
                               f"the units measured); got estimate {self.estimate!r}, challengers {self.challengers!r}")
+        if not isinstance(self.fixed_query, bool):
+            raise ConfigError(f"score_gap trigger: fixed_query must be true or false, got {self.fixed_query!r}")
+        if self.fixed_query and self.estimate != "outlier":
+            raise ConfigError("score_gap trigger: fixed_query is read by estimate 'outlier' only; got estimate "
+                              f"{self.estimate!r}")
         if not isinstance(self.cap, int) or isinstance(self.cap, bool) or self.cap < 0:
             raise ConfigError(f"score_gap trigger: cap must be an integer >= 0 (0: no cap), got {self.cap!r}")
         if not isinstance(self.margins, (list, tuple)) or any(

@@ -28,7 +28,10 @@ and for a 16-bit query the outlier keys' products run in its type and the rest m
 means' in tf32 (all exact: int8 keys fit a 16-bit type's mantissa; int8 rest means, float16 decode
 means and bfloat16 queries fit tf32's 10 bits; each row's scale applies after the product, sums in
 float32), and in float32 for a float32 query (a group's mean), so gaps agree to float32 rounding, not
-bitwise. No host reads: a captured step replays.
+bitwise. With ``ScoreGap.fixed_query`` the prompt units' products are int8 by int8 on tensor cores, the
+query's two fixed-point digits (``kernels/fixed_point.py``) against the int8 keys and rest means, exact in
+int32 and rounded once to float32; no key is converted (the conversion's byte permutes were most of the
+blocks kernel's instructions: ``benchmarks/int8_product_probe.py``). No host reads: a captured step replays.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import triton
 import triton.language as tl
 
 from ...errors import ConfigError
+from .. import fixed_point
 from ..dispatch import implement, triton_runs_on
 from .pdl import pdl_kernel, wait_for_previous
 from .score_gap import (_measures, _scratch_mask, clear_marks, decide_from_parts, follow_and_mark, step_offset,
@@ -64,6 +68,9 @@ _KEY_STAGES = 0
 # session 31, removed.)
 _BETWEEN_LAUNCH = "own"
 _BETWEEN_KEYS = "loop"
+# ``kernels/fixed_point.py``'s constants, for the kernels (``ScoreGap.fixed_query``)
+_FRACTION_BITS = tl.constexpr(fixed_point.FRACTION_BITS)
+_LOWEST_STEP_EXPONENT = tl.constexpr(fixed_point.LOWEST_STEP_EXPONENT)
 
 
 def _setting(name: str, accepted: tuple[str, ...]) -> str:
@@ -74,12 +81,14 @@ def _setting(name: str, accepted: tuple[str, ...]) -> str:
     return value
 
 
-def _key_dtype(query_dtype: torch.dtype, device: torch.device):
-    """The outlier keys' operand type in the blocks kernel's product (``_KEY_PRODUCT``). Triton's
-    interpreter (on the CPU) multiplies bfloat16 tiles as their raw bits, so there the product takes
-    float32 operands, exact too."""
+def _key_dtype(trigger, query_dtype: torch.dtype, device: torch.device):
+    """The outlier keys' operand type in the blocks kernel's product: int8 with ``trigger.fixed_query`` (the
+    query as fixed-point digits), else ``_KEY_PRODUCT``'s. Triton's interpreter (on the CPU) multiplies
+    bfloat16 tiles as their raw bits, so there the product takes float32 operands, exact too."""
     if _KEY_PRODUCT not in ("tf32", "query"):
         raise ValueError(f"score_gap_outlier._KEY_PRODUCT must be 'tf32' or 'query', got {_KEY_PRODUCT!r}")
+    if trigger.fixed_query:
+        return tl.int8
     if _KEY_PRODUCT == "query" and device.type == "cuda" and query_dtype in (torch.float16, torch.bfloat16):
         return tl.float16 if query_dtype == torch.float16 else tl.bfloat16
     return tl.float32
@@ -95,6 +104,30 @@ def _query_logits(tile, q_t, row_scale, G: tl.constexpr, BLOCK_G: tl.constexpr, 
         logits = tl.dot(tile, q_t, input_precision=PRECISION) * row_scale[:, None]
     else:
         logits = tl.dot(tile, q_t, out_dtype=tl.float32) * row_scale[:, None]
+    return tl.where((tl.arange(0, BLOCK_G) < G)[None, :], logits, float("-inf"))
+
+
+@triton.jit
+def _fixed_digits(q_t):
+    """``q_t [BLOCK_D, BLOCK_G]`` (float32) in 14-bit fixed point, as ``kernels/fixed_point.py`` takes it: the two
+    int8 digits of each element's integer ``x = 256 * hi + lo``, and each column's ``step`` (a power of two, from
+    the float's exponent bits: exact)."""
+    largest = tl.max(tl.abs(q_t), axis=0)
+    exponent = ((largest.to(tl.int32, bitcast=True) >> 23) & 255) - 127
+    shift = tl.maximum(exponent - _FRACTION_BITS, _LOWEST_STEP_EXPONENT)
+    step = ((shift + 127) << 23).to(tl.float32, bitcast=True)
+    inverse = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+    x = tl.floor(q_t * inverse[None, :] + 0.5).to(tl.int32)
+    hi = (x + 128) >> 8
+    return hi.to(tl.int8), (x - hi * 256).to(tl.int8), step
+
+
+@triton.jit
+def _fixed_logits(tile, q_hi, q_lo, step, row_scale, G: tl.constexpr, BLOCK_G: tl.constexpr):
+    """``_query_logits`` for an int8 ``tile`` and a query in fixed point (``_fixed_digits``): two int8 products
+    on tensor cores, ``256 * (k . hi) + k . lo = k . x`` exactly in int32, then one rounding to float32."""
+    exact = tl.dot(tile, q_hi, out_dtype=tl.int32) * 256 + tl.dot(tile, q_lo, out_dtype=tl.int32)
+    logits = exact.to(tl.float32) * step[None, :] * row_scale[:, None]
     return tl.where((tl.arange(0, BLOCK_G) < G)[None, :], logits, float("-inf"))
 
 
@@ -121,18 +154,32 @@ def _block_log_mass(ids, ok, b, h, q_t, scale, P,
     in_decode = ok & (ids >= P)
     selectable = ok & (tl.load(selectable_ptr + b * sl_sb + h * sl_sh + ids, mask=ok, other=0) != 0)
     sizes = tl.load(size_ptr + b * sz_sb + h * sz_sh + ids, mask=ok, other=1)
-    # a decode unit's tokens at its mean key, a prompt unit's other tokens at theirs (two masked
-    # loads into one tile: a unit is one or the other)
-    base = tl.load(mean_ptr + b * mn_sb + h * mn_sh + ids[:, None] * mn_su + dims[None, :],
-                   mask=in_decode[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    base += tl.load(rest_ptr + b * rs_sb + h * rs_sh + ids[:, None] * rs_su + dims[None, :],
-                    mask=in_prompt[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     # per prompt unit (one stride for its count and both int8 scales: the launcher checks)
     per_unit = b * rc_sb + h * rc_sh + ids
     count = tl.where(in_prompt, tl.load(rest_count_ptr + per_unit, mask=in_prompt, other=0.0),
                      tl.maximum(sizes, 1).to(tl.float32))
     rest_scale = tl.where(in_prompt, tl.load(rest_scale_ptr + per_unit, mask=in_prompt, other=0.0), 1.0)
-    top = _query_logits(base, q_t, rest_scale * scale, G, BLOCK_G, PRECISION) + tl.log(count)[:, None]
+    mean_at = mean_ptr + b * mn_sb + h * mn_sh + ids[:, None] * mn_su + dims[None, :]
+    rest_at = rest_ptr + b * rs_sb + h * rs_sh + ids[:, None] * rs_su + dims[None, :]
+    if KEY_DTYPE == tl.int8:  # ``ScoreGap.fixed_query``: int8 products with the query's fixed-point digits
+        q_keys, q_lo, q_step = _fixed_digits(q_t)
+        rest = tl.load(rest_at, mask=in_prompt[:, None] & d_ok[None, :], other=0)
+        top = _fixed_logits(rest, q_keys, q_lo, q_step, rest_scale * scale, G, BLOCK_G)
+        if tl.max(in_decode.to(tl.int32), axis=0) > 0:  # a block with decode units: their float16 means
+            mean = tl.load(mean_at, mask=in_decode[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            decode = _query_logits(mean, q_t, rest_scale * scale, G, BLOCK_G, PRECISION)
+            top = tl.where(in_decode[:, None], decode, top)
+        top += tl.log(count)[:, None]
+    else:
+        # a decode unit's tokens at its mean key, a prompt unit's other tokens at theirs (two masked
+        # loads into one tile: a unit is one or the other)
+        base = tl.load(mean_at, mask=in_decode[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        base += tl.load(rest_at, mask=in_prompt[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        top = _query_logits(base, q_t, rest_scale * scale, G, BLOCK_G, PRECISION) + tl.log(count)[:, None]
+        # the keys' product in the query's own 16-bit type where KEY_DTYPE says so (exact: int8 keys and a
+        # 16-bit query; half the shared memory of tf32's float32 operands)
+        q_keys = q_t.to(KEY_DTYPE)
+        q_lo, q_step = q_keys, rest_scale  # (read with int8 keys only)
     key_scale = tl.load(key_scale_ptr + per_unit, mask=in_prompt, other=0.0) * scale
     # a running logsumexp over the outlier keys, one key a unit at a time: ``top + log(total)`` (all
     # of a block's keys in one tile ran twice as long on an H100: session 25)
@@ -140,30 +187,33 @@ def _block_log_mass(ids, ok, b, h, q_t, scale, P,
     keys_at = keys_ptr + b * ok_sb + h * ok_sh + ids[:, None] * ok_su + dims[None, :]
     valid_at = valid_ptr + b * ov_sb + h * ov_sh + ids * ov_su
     key_mask = in_prompt[:, None] & d_ok[None, :]
-    # the keys' product in the query's own 16-bit type where KEY_DTYPE says so (exact: int8 keys and a
-    # 16-bit query; half the shared memory of tf32's float32 operands)
-    q_keys = q_t.to(KEY_DTYPE)
     if KEYS_AT_ONCE:
-        top, total = _outlier_keys_at_once(top, total, keys_at, valid_at, key_mask, in_prompt, q_keys, key_scale,
-                                           ok_sm, G, M, BLOCK_U, BLOCK_D, BLOCK_G, BLOCK_M, PRECISION, KEY_DTYPE)
+        top, total = _outlier_keys_at_once(top, total, keys_at, valid_at, key_mask, in_prompt, q_keys, q_lo, q_step,
+                                           key_scale, ok_sm, G, M, BLOCK_U, BLOCK_D, BLOCK_G, BLOCK_M, PRECISION,
+                                           KEY_DTYPE)
     elif KEY_STAGES > 0:  # a loop Triton software-pipelines: the next keys' loads in flight during a product
         for j in tl.range(0, M, num_stages=KEY_STAGES):
-            top, total = _outlier_key_step(j, top, total, keys_at, valid_at, key_mask, in_prompt, q_keys, key_scale,
-                                           ok_sm, G, BLOCK_G, PRECISION, KEY_DTYPE)
+            top, total = _outlier_key_step(j, top, total, keys_at, valid_at, key_mask, in_prompt, q_keys, q_lo, q_step,
+                                           key_scale, ok_sm, G, BLOCK_G, PRECISION, KEY_DTYPE)
     else:
         for j in tl.static_range(M):
-            top, total = _outlier_key_step(j, top, total, keys_at, valid_at, key_mask, in_prompt, q_keys, key_scale,
-                                           ok_sm, G, BLOCK_G, PRECISION, KEY_DTYPE)
+            top, total = _outlier_key_step(j, top, total, keys_at, valid_at, key_mask, in_prompt, q_keys, q_lo, q_step,
+                                           key_scale, ok_sm, G, BLOCK_G, PRECISION, KEY_DTYPE)
     return tl.where(selectable[:, None] & (top > float("-inf")), top + tl.log(total), float("-inf"))
 
 
 @triton.jit
-def _outlier_key_step(j, top, total, keys_at, valid_at, key_mask, in_prompt, q_keys, key_scale, ok_sm,
-                      G: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr):
-    """The running logsumexp ``(top, total)`` of each unit's log masses after its outlier key ``j``."""
+def _outlier_key_step(j, top, total, keys_at, valid_at, key_mask, in_prompt, q_keys, q_lo, q_step, key_scale,
+                      ok_sm, G: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr):
+    """The running logsumexp ``(top, total)`` of each unit's log masses after its outlier key ``j`` (with int8
+    ``KEY_DTYPE``, ``q_keys`` and ``q_lo`` are the query's fixed-point digits, ``q_step`` their steps)."""
     real = in_prompt & (tl.load(valid_at + j, mask=in_prompt, other=0) != 0)
-    key = tl.load(keys_at + j * ok_sm, mask=key_mask, other=0).to(KEY_DTYPE)
-    logit = tl.where(real[:, None], _query_logits(key, q_keys, key_scale, G, BLOCK_G, PRECISION), float("-inf"))
+    key = tl.load(keys_at + j * ok_sm, mask=key_mask, other=0)
+    if KEY_DTYPE == tl.int8:
+        logit = _fixed_logits(key, q_keys, q_lo, q_step, key_scale, G, BLOCK_G)
+    else:
+        logit = _query_logits(key.to(KEY_DTYPE), q_keys, key_scale, G, BLOCK_G, PRECISION)
+    logit = tl.where(real[:, None], logit, float("-inf"))
     new_top = tl.maximum(top, logit)
     shift = tl.where(new_top > float("-inf"), new_top, 0.0)
     total = total * tl.exp(top - shift) + tl.exp(logit - shift)
@@ -171,7 +221,8 @@ def _outlier_key_step(j, top, total, keys_at, valid_at, key_mask, in_prompt, q_k
 
 
 @triton.jit
-def _outlier_keys_at_once(top, total, keys_at, valid_at, key_mask, in_prompt, q_keys, key_scale, ok_sm,
+def _outlier_keys_at_once(top, total, keys_at, valid_at, key_mask, in_prompt, q_keys, q_lo, q_step, key_scale,
+                          ok_sm,
                           G: tl.constexpr, M: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
                           KEY_DTYPE: tl.constexpr):
@@ -181,12 +232,15 @@ def _outlier_keys_at_once(top, total, keys_at, valid_at, key_mask, in_prompt, q_
     listed = in_prompt[:, None] & (j < M)[None, :]
     real = listed & (tl.load(valid_at[:, None] + j[None, :], mask=listed, other=0) != 0)
     keys = tl.load(keys_at[:, None, :] + (j * ok_sm)[None, :, None],
-                   mask=key_mask[:, None, :] & (j < M)[None, :, None], other=0).to(KEY_DTYPE)
+                   mask=key_mask[:, None, :] & (j < M)[None, :, None], other=0)
     flat = tl.reshape(keys, [BLOCK_U * BLOCK_M, BLOCK_D])
-    if flat.dtype == tl.float32:
-        logits = tl.dot(flat, q_keys, input_precision=PRECISION)
+    if KEY_DTYPE == tl.int8:  # the query's fixed-point digits, as _fixed_logits
+        exact = tl.dot(flat, q_keys, out_dtype=tl.int32) * 256 + tl.dot(flat, q_lo, out_dtype=tl.int32)
+        logits = exact.to(tl.float32) * q_step[None, :]
+    elif KEY_DTYPE == tl.float32:
+        logits = tl.dot(flat.to(KEY_DTYPE), q_keys, input_precision=PRECISION)
     else:
-        logits = tl.dot(flat, q_keys, out_dtype=tl.float32)
+        logits = tl.dot(flat.to(KEY_DTYPE), q_keys, out_dtype=tl.float32)
     logits = tl.reshape(logits, [BLOCK_U, BLOCK_M, BLOCK_G]) * key_scale[:, None, None]
     logits = tl.where(real[:, :, None] & (tl.arange(0, BLOCK_G) < G)[None, None, :], logits, float("-inf"))
     new_top = tl.maximum(top, tl.max(logits, axis=1))
@@ -436,7 +490,7 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
                *outliers.rest_count.stride()[:2], *parts.stride()[1:3])
     settings = dict(BLOCK_U=block, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(per_head)),
                     PRECISION="ieee" if group.dtype == torch.float32 else "tf32",  # see the module's docstring
-                    KEY_DTYPE=_key_dtype(group.dtype, device), KEY_STAGES=_KEY_STAGES,
+                    KEY_DTYPE=_key_dtype(trigger, group.dtype, device), KEY_STAGES=_KEY_STAGES,
                     BLOCK_H=triton.next_power_of_2(heads), num_warps=_BLOCKS_WARPS)
     count = chal.ids.shape[-1] if chal else 0
     offset = step_offset(trigger, layer)

@@ -82,6 +82,12 @@ def score_gap_cases():
     yield ("outlier challengers=4 between in the blocks launch, keys as a tile", "score_gap_outlier_fire", trigger,
            state, {"_BETWEEN_LAUNCH": "blocks", "_BETWEEN_KEYS": "tile"})
     yield "mean measure=rank", "score_gap_fire", ScoreGap(margin=1.0, measure="rank", every=2), state, {}
+    # the query in fixed point (int8 products; a block with decode units takes their float16 means), with
+    # challengers' steps between too
+    for every, challengers in ((1, 0), (3, 4)):
+        trigger = ScoreGap(margin=1.0, measure="mass", leaving="ignored", estimate="outlier", outliers=3,
+                           group="each", every=every, challengers=challengers, fixed_query=True)
+        yield f"outlier fixed_query every={every} challengers={challengers}", "score_gap_outlier_fire", trigger, state, {}
 
 
 def main() -> int:

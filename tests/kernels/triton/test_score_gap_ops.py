@@ -299,16 +299,18 @@ def _with_outlier_keys(gen: torch.Generator, state: ScoreGapState, dim: int, m: 
 # and, with a bfloat16 query, the blocks kernel's other settings (benchmarks/outlier_blocks.py times
 # them): the key loop software-pipelined with a wide row stage; the keys' product in bfloat16 (exact
 # too), on the GPU only
-@pytest.mark.parametrize("group, dtype, product, stages, row_span", [
-    ("each", torch.float32, "tf32", 0, 64), ("mean", torch.float32, "tf32", 0, 64),
-    ("each", torch.bfloat16, "tf32", 0, 64), ("each", torch.bfloat16, "tf32", 2, 256),
-    pytest.param("each", torch.bfloat16, "query", 0, 64, marks=ON_GPU_ONLY)])
+# ``fixed``: ``ScoreGap.fixed_query``, int8 products with the query's fixed-point digits
+@pytest.mark.parametrize("group, dtype, product, stages, row_span, fixed", [
+    ("each", torch.float32, "tf32", 0, 64, False), ("mean", torch.float32, "tf32", 0, 64, False),
+    ("each", torch.bfloat16, "tf32", 0, 64, False), ("each", torch.bfloat16, "tf32", 2, 256, False),
+    ("each", torch.bfloat16, "tf32", 0, 64, True), ("mean", torch.float32, "tf32", 0, 256, True),
+    pytest.param("each", torch.bfloat16, "query", 0, 64, False, marks=ON_GPU_ONLY)])
 # ``challengers``: the steps between measured ones score the held units and the challengers alone
 @pytest.mark.parametrize("leaving, admit, follow, cap, every, challengers", [
     ("ignored", "room", 0.0, 0, 1, 0), ("unheld", "evict", 1.5, 6, 1, 0), ("ignored", "room", 0.0, 0, 2, 0),
     ("ignored", "room", 0.0, 0, 3, 4), ("unheld", "evict", 1.5, 0, 2, 2)])
-def test_score_gap_outlier_fire_matches_reference(group, dtype, product, stages, row_span, leaving, admit, follow,
-                                                  cap, every, challengers, monkeypatch):
+def test_score_gap_outlier_fire_matches_reference(group, dtype, product, stages, row_span, fixed, leaving, admit,
+                                                  follow, cap, every, challengers, monkeypatch):
     """The fused outlier op (scoring included) against ``reference_step.score_gap_outlier_fire``:
     decisions and state bit for bit (the challengers as sets), the gap to float32 rounding, over steps
     and several blocks of units (at seed 1 a row stage combines their parts, one at a time or all at
@@ -327,7 +329,7 @@ def test_score_gap_outlier_fire_matches_reference(group, dtype, product, stages,
         margin = (-6.0, float(torch.randn(1, generator=gen)), 40.0)[seed]  # fires, some, keeps (but a cap)
         trigger = ScoreGap(margin=margin if not cap else 99.0, measure="mass", leaving=leaving, follow=follow, cap=cap,
                            margins=(99.0, margin) if cap else (), estimate="outlier", outliers=3, group=group,
-                           every=every, challengers=challengers)
+                           every=every, challengers=challengers, fixed_query=fixed)
         trigger.validate()
         ref = _state(gen, batch=3, heads=2, units=400, room=12, prompt_units=300, admit=admit, above=follow > 0)
         _with_outlier_keys(gen, ref, dim=24, m=3)
@@ -363,8 +365,8 @@ def test_outlier_fire_between_settings_match_reference(launch, keys, monkeypatch
 
     monkeypatch.setattr(score_gap_outlier, "_BETWEEN_LAUNCH", launch)
     monkeypatch.setattr(score_gap_outlier, "_BETWEEN_KEYS", keys)
-    test_score_gap_outlier_fire_matches_reference("each", torch.float32, "tf32", 0, 64, "ignored", "room", 0.0, 0,
-                                                  3, 4, monkeypatch)
+    test_score_gap_outlier_fire_matches_reference("each", torch.float32, "tf32", 0, 64, False, "ignored", "room", 0.0,
+                                                  0, 3, 4, monkeypatch)
 
 
 def test_outlier_log_mass_counts_each_outlier_by_its_own_logit():
@@ -394,12 +396,12 @@ def test_outlier_log_mass_counts_each_outlier_by_its_own_logit():
     torch.testing.assert_close(mean[0, 0, 0, 0], torch.tensor(math.log(4.0)))
 
 
-def _reference_parts(state, query: torch.Tensor, scale: float, block: int) -> torch.Tensor:
+def _reference_parts(state, query: torch.Tensor, scale: float, block: int, fixed: bool = False) -> torch.Tensor:
     """``(4, B, H * G, blocks)``: the blocks kernel's parts as the reference's unit log masses give them
-    (``trigger.leaving == "ignored"``): the best candidate, the held units counted, their largest log
-    mass and the exp-sum below it, a block of ``block`` units each."""
+    (``trigger.leaving == "ignored"``; ``fixed``: the query in fixed point): the best candidate, the held units
+    counted, their largest log mass and the exp-sum below it, a block of ``block`` units each."""
     units = state.layer.units
-    log_mass = reference_step.outlier_log_mass(state.outliers, units, query, scale, each=True)
+    log_mass = reference_step.outlier_log_mass(state.outliers, units, query, scale, each=True, fixed=fixed)
     batch, heads, per_head, count = log_mass.shape
     held = torch.zeros(batch, heads, count + 1, dtype=torch.bool, device=log_mass.device)
     held.scatter_(2, state.held.clamp(min=-1).where(state.held >= 0, count), True)
@@ -425,13 +427,19 @@ def _reference_parts(state, query: torch.Tensor, scale: float, block: int) -> to
 # the blocks kernel at a real head dimension (128: 32 to 128 units a block, as a decode step runs it;
 # the tests above, at 24, take 256), in each setting benchmarks/outlier_blocks.py times
 # (and the shipped settings at SmolLM2's and Gemma 3's head dimensions, 64 and 256)
-@pytest.mark.parametrize("dim, tile, stages, warps, product", [
-    (128, 4096, 0, 4, "tf32"), (128, 4096, 2, 4, "tf32"), (128, 8192, 0, 4, "tf32"), (128, 8192, 2, 4, "tf32"),
-    (128, 2048, 0, 4, "tf32"), (128, 4096, 0, 2, "tf32"), pytest.param(128, 8192, 0, 4, "query", marks=ON_GPU_ONLY),
-    pytest.param(128, 8192, 2, 4, "query", marks=ON_GPU_ONLY), pytest.param(128, 16384, 0, 8, "query", marks=ON_GPU_ONLY),
-    pytest.param(64, 8192, 0, 4, "query", marks=ON_GPU_ONLY), pytest.param(256, 8192, 0, 4, "query", marks=ON_GPU_ONLY),
-    (64, 8192, 0, 4, "tf32"), (256, 8192, 0, 4, "tf32")])
-def test_outlier_blocks_parts_match_reference_at_real_head_dims(dim, tile, stages, warps, product, monkeypatch):
+@pytest.mark.parametrize("dim, tile, stages, warps, product, fixed", [
+    (128, 4096, 0, 4, "tf32", False), (128, 4096, 2, 4, "tf32", False), (128, 8192, 0, 4, "tf32", False),
+    (128, 8192, 2, 4, "tf32", False), (128, 2048, 0, 4, "tf32", False), (128, 4096, 0, 2, "tf32", False),
+    (128, 8192, 0, 4, "tf32", True), (64, 8192, 0, 4, "tf32", True),
+    pytest.param(128, 8192, 0, 4, "query", False, marks=ON_GPU_ONLY),
+    pytest.param(128, 8192, 2, 4, "query", False, marks=ON_GPU_ONLY),
+    pytest.param(128, 16384, 0, 8, "query", False, marks=ON_GPU_ONLY),
+    pytest.param(64, 8192, 0, 4, "query", False, marks=ON_GPU_ONLY),
+    pytest.param(256, 8192, 0, 4, "query", False, marks=ON_GPU_ONLY),
+    pytest.param(256, 8192, 0, 4, "query", True, marks=ON_GPU_ONLY),
+    pytest.param(128, 16384, 0, 8, "query", True, marks=ON_GPU_ONLY),
+    (64, 8192, 0, 4, "tf32", False), (256, 8192, 0, 4, "tf32", False)])
+def test_outlier_blocks_parts_match_reference_at_real_head_dims(dim, tile, stages, warps, product, fixed, monkeypatch):
     """Each block's parts (best candidate, held count, held top and exp-sum) for each query head, from
     the fused op, against the reference's unit log masses: which block and row differs, if one does."""
     from kvpolicy.bench.trigger_states import decode_trigger_state
@@ -453,12 +461,13 @@ def test_outlier_blocks_parts_match_reference_at_real_head_dims(dim, tile, stage
     state.outliers.valid[..., 1::3, 2] = False  # some outliers missing
     state.outliers.rest_count[..., ::5] = 0.0  # some units all outliers
     query = torch.randn(2, 8, dim, generator=gen, device=DEVICE).bfloat16()
-    trigger = ScoreGap(margin=1e9, measure="mass", leaving="ignored", estimate="outlier", outliers=4, group="each")
+    trigger = ScoreGap(margin=1e9, measure="mass", leaving="ignored", estimate="outlier", outliers=4, group="each",
+                       fixed_query=fixed)
     trigger.validate()
     dispatch.bind("triton", DEVICE).score_gap_outlier_fire(trigger, state, query, dim ** -0.5)
     got = captured[0]
     block = max(16, min(tile // dim, 1 << (state.layer.units.capacity - 1).bit_length()))  # as the launcher's
-    want = _reference_parts(state, query, dim ** -0.5, block)
+    want = _reference_parts(state, query, dim ** -0.5, block, fixed)
     for k, what in enumerate(("best candidate", "held count", "held top", "held exp-sum")):
         bad = ~torch.isclose(got[k], want[k], rtol=1e-5, atol=1e-5, equal_nan=True)
         where = bad.nonzero().tolist()[:5]
