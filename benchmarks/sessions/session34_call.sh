@@ -49,5 +49,12 @@ fixed)  # ScoreGap.fixed_query (int8 products with the query in fixed point): it
   step blocks_exact 60 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --only shipped
   step blocks_fixed 60 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --only shipped --fixed-query
   step e2e_fixed 200 ${E2E} --contexts 131072 --batches 1,4 --presets louiskv@gpu --json "$OUT/e2e_fixed.json" ;;
-*) echo "session34_call.sh: MODE must be tests, e2e, h200, million, louiskv_million or fixed, got '$3'" >&2; exit 2 ;;
+fixed_lean)  # "fixed" in the device time left: the fixed-point tests, then the blocks kernel both ways
+  step fixed_tests 80 python3 -m pytest -q -rs -n 12 -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py \
+    tests/kernels/test_fixed_point.py -k "True or fixed"
+  step blocks_exact 45 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --only shipped --repeats 20
+  step blocks_fixed 45 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --only shipped --repeats 20 \
+    --fixed-query ;;
+*) echo "session34_call.sh: MODE must be tests, e2e, h200, million, louiskv_million, fixed or fixed_lean, got '$3'" >&2
+  exit 2 ;;
 esac
