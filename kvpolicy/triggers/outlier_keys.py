@@ -11,8 +11,8 @@ summaries that keep their outlier keys").
 Taken once, at the layer's prefill (the prompt's keys do not change), in whole-tensor ops on the
 unit table's device (a host pool's keys copied there, a few heads at a time) with no host read, then
 kept as int8 with a float32 scale a unit (its largest element's magnitude over 127): the trigger reads
-them every step, and int8 halves those bytes against bf16. Rounded so, SmolLM2's and Gemma 3's needle cells answered as with 16-bit
-keys (EVAL.md, "Outlier keys in 8 bits").
+them every step, and int8 halves those bytes against bf16. Rounded so, SmolLM2's and Gemma 3's needle
+cells answered as with 16-bit keys (EVAL.md, "Outlier keys in 8 bits").
 
 Also taken here, where ``ScoreGap.low_rank`` asks for it: each KV head's directions of most prompt key
 energy (``prompt_key_basis``), onto which the trigger's low-rank first pass projects the query.

@@ -87,7 +87,8 @@ def score_gap_cases():
     for every, challengers in ((1, 0), (3, 4)):
         trigger = ScoreGap(margin=1.0, measure="mass", leaving="ignored", estimate="outlier", outliers=3,
                            group="each", every=every, challengers=challengers, fixed_query=True)
-        yield f"outlier fixed_query every={every} challengers={challengers}", "score_gap_outlier_fire", trigger, state, {}
+        yield (f"outlier fixed_query every={every} challengers={challengers}", "score_gap_outlier_fire", trigger,
+               state, {})
 
 
 def main() -> int:
