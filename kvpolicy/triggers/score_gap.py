@@ -153,7 +153,7 @@ class ScoreGap(Trigger):
     low_rank_top: int = 16
     # with ``estimate="outlier"``: the query's products with the prompt units' int8 keys and rest means taken in
     # 14-bit fixed point (each query head's elements as integers times a power of two, from its largest; one
-    # rounding of at most 2**-15 of that largest), so the fused op multiplies int8 by int8 on tensor cores
+    # rounding of at most 2**-14 of that largest), so the fused op multiplies int8 by int8 on tensor cores
     # instead of converting every key to a 16-bit type (``kernels/fixed_point.py``); decode units' means as before
     fixed_query: bool = False
     # the spec names these only when set (``Policy.to_dict``): eval cells of the old settings resume

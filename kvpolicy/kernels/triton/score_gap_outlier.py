@@ -123,11 +123,17 @@ def _fixed_digits(q_t):
 
 
 @triton.jit
-def _fixed_logits(tile, q_hi, q_lo, step, row_scale, G: tl.constexpr, BLOCK_G: tl.constexpr):
-    """``_query_logits`` for an int8 ``tile`` and a query in fixed point (``_fixed_digits``): two int8 products
+def _fixed_product(tile, q_hi, q_lo, step):
+    """An int8 ``tile`` times a query in fixed point (``_fixed_digits``), float32 and unscaled: two int8 products
     on tensor cores, ``256 * (k . hi) + k . lo = k . x`` exactly in int32, then one rounding to float32."""
     exact = tl.dot(tile, q_hi, out_dtype=tl.int32) * 256 + tl.dot(tile, q_lo, out_dtype=tl.int32)
-    logits = exact.to(tl.float32) * step[None, :] * row_scale[:, None]
+    return exact.to(tl.float32) * step[None, :]
+
+
+@triton.jit
+def _fixed_logits(tile, q_hi, q_lo, step, row_scale, G: tl.constexpr, BLOCK_G: tl.constexpr):
+    """``_query_logits`` for an int8 ``tile`` and a query in fixed point (``_fixed_product``)."""
+    logits = _fixed_product(tile, q_hi, q_lo, step) * row_scale[:, None]
     return tl.where((tl.arange(0, BLOCK_G) < G)[None, :], logits, float("-inf"))
 
 
@@ -234,9 +240,8 @@ def _outlier_keys_at_once(top, total, keys_at, valid_at, key_mask, in_prompt, q_
     keys = tl.load(keys_at[:, None, :] + (j * ok_sm)[None, :, None],
                    mask=key_mask[:, None, :] & (j < M)[None, :, None], other=0)
     flat = tl.reshape(keys, [BLOCK_U * BLOCK_M, BLOCK_D])
-    if KEY_DTYPE == tl.int8:  # the query's fixed-point digits, as _fixed_logits
-        exact = tl.dot(flat, q_keys, out_dtype=tl.int32) * 256 + tl.dot(flat, q_lo, out_dtype=tl.int32)
-        logits = exact.to(tl.float32) * q_step[None, :]
+    if KEY_DTYPE == tl.int8:  # the query's fixed-point digits
+        logits = _fixed_product(flat, q_keys, q_lo, q_step)
     elif KEY_DTYPE == tl.float32:
         logits = tl.dot(flat.to(KEY_DTYPE), q_keys, input_precision=PRECISION)
     else:

@@ -358,14 +358,16 @@ def test_score_gap_outlier_fire_matches_reference(group, dtype, product, stages,
 
 # a step between measured ones in the blocks launch or its own, its keys a tile or a loop (the test above
 # runs the shipped settings, "own" and "loop")
-@pytest.mark.parametrize("launch, keys", [("blocks", "tile"), ("own", "tile"), ("blocks", "loop")])
-def test_outlier_fire_between_settings_match_reference(launch, keys, monkeypatch):
+# (``fixed``: the keys as a tile with the query in fixed point, ``ScoreGap.fixed_query``)
+@pytest.mark.parametrize("launch, keys, fixed", [("blocks", "tile", False), ("own", "tile", False),
+                                                 ("blocks", "loop", False), ("own", "tile", True)])
+def test_outlier_fire_between_settings_match_reference(launch, keys, fixed, monkeypatch):
     """With challengers, each setting of the steps between measured ones against the reference, as above."""
     from kvpolicy.kernels.triton import score_gap_outlier
 
     monkeypatch.setattr(score_gap_outlier, "_BETWEEN_LAUNCH", launch)
     monkeypatch.setattr(score_gap_outlier, "_BETWEEN_KEYS", keys)
-    test_score_gap_outlier_fire_matches_reference("each", torch.float32, "tf32", 0, 64, False, "ignored", "room", 0.0,
+    test_score_gap_outlier_fire_matches_reference("each", torch.float32, "tf32", 0, 64, fixed, "ignored", "room", 0.0,
                                                   0, 3, 4, monkeypatch)
 
 
