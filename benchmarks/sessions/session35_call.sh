@@ -3,7 +3,8 @@
 # MODE fixed: ScoreGap.fixed_query's first GPU run (its ops' tests, with the whole score-gap ops file since
 # session 34 reshaped the default blocks kernel too, and the pinned/split outlier keys' GPU test), the blocks
 # kernel both ways and with its keys packed (_KEY_LOOP), louiskv end to end at 1x128K with the
-# score_gap_fixed_reuse row beside score_gap_reuse; more: the packed keys end to end, pariskv's 1x32K step profiled;
+# score_gap_fixed_reuse row beside score_gap_reuse; more: the between-settings tests again, pariskv's 1x32K step
+# profiled;
 # h200: what needs an H200 (4x128K's full-graph KV is 74 GiB; 1M tokens): the 4x128K rows with the fixed row,
 # then louiskv's 1M row after session 34's outlier-keys fix
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
@@ -15,10 +16,10 @@ fixed)
   step blocks_fixed 90 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --only shipped,packed \
     --fixed-query
   step e2e_fixed 150 ${E2E} --contexts 131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_fixed.json" ;;
-more)  # the packed outlier keys end to end at 1x128K; pariskv's 1x32K step (0.15 ms short of 1.0x on the H200):
-  # where it goes today (session 19's profile is old)
-  step e2e_packed 150 python3 benchmarks/with_settings.py "kvpolicy.kernels.triton.score_gap_outlier._KEY_LOOP='packed'" \
-    -- ${E2E#python3 } --contexts 131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_packed.json"
+more)  # the 4 tests "fixed" called with a stale signature (a test defect, fixed); pariskv's 1x32K step (0.15 ms
+  # short of 1.0x on the H200): where it goes today (session 19's profile is old)
+  step between_tests 90 python3 -m pytest -q -rs -n 4 -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py \
+    -k between_settings
   step prof_paris32k 80 python3 benchmarks/profile_step.py --preset pariskv --context 32768 --batch 1 --placement gpu \
     --rows 40 --out "$OUT/prof_paris32k.txt" ;;
 h200)

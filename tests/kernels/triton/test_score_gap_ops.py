@@ -372,8 +372,8 @@ def test_outlier_fire_between_settings_match_reference(launch, keys, fixed, monk
 
     monkeypatch.setattr(score_gap_outlier, "_BETWEEN_LAUNCH", launch)
     monkeypatch.setattr(score_gap_outlier, "_BETWEEN_KEYS", keys)
-    test_score_gap_outlier_fire_matches_reference("each", torch.float32, "tf32", 0, 64, fixed, "ignored", "room", 0.0,
-                                                  0, 3, 4, monkeypatch)
+    test_score_gap_outlier_fire_matches_reference("each", torch.float32, "tf32", 0, 64, fixed, "running", "ignored",
+                                                  "room", 0.0, 0, 3, 4, monkeypatch)
 
 
 def test_outlier_log_mass_counts_each_outlier_by_its_own_logit():
