@@ -5,7 +5,7 @@
 # kernel both ways and with its keys packed (_KEY_LOOP), louiskv end to end at 1x128K with the
 # score_gap_fixed_reuse row beside score_gap_reuse; more: the between-settings tests again, pariskv's 1x32K step
 # profiled;
-# h200: what needs an H200 (4x128K's full-graph KV is 74 GiB; 1M tokens): the 4x128K rows with the fixed row,
+# h200: the between-settings tests, then what needs an H200 (4x128K's full-graph KV is 74 GiB; 1M tokens): the 4x128K rows with the fixed row,
 # then louiskv's 1M row after session 34's outlier-keys fix
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 case ${3:?} in
@@ -23,7 +23,9 @@ more)  # the 4 tests "fixed" called with a stale signature (a test defect, fixed
   step prof_paris32k 80 python3 benchmarks/profile_step.py --preset pariskv --context 32768 --batch 1 --placement gpu \
     --rows 40 --out "$OUT/prof_paris32k.txt" ;;
 h200)
+  step between_tests 70 python3 -m pytest -q -rs -n 4 -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py \
+    -k between_settings
   step e2e_128k4 200 ${E2E} --contexts 131072 --batches 4 --presets louiskv@gpu --json "$OUT/e2e_128k4.json"
-  step million_louiskv 330 ${E2E} --contexts 1048576 --batches 1 --presets louiskv@split --json "$OUT/million_louiskv.json" ;;
+  step million_louiskv 300 ${E2E} --contexts 1048576 --batches 1 --presets louiskv@split --json "$OUT/million_louiskv.json" ;;
 *) echo "session35_call.sh: MODE must be fixed, more or h200, got '$3'" >&2; exit 2 ;;
 esac
