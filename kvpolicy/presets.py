@@ -71,16 +71,18 @@ BUILTIN_TRIGGER: dict[str, dict] = {
     # cheapest pick (2.5: 10.1%, 1.9 points under), which loses needle values: 46.1 against 52.3 on 32 4K
     # needle samples, and 68.8 against full's 87.5 on the CI slice, under its bound. Tokens that leave
     # the local window while the selection is kept do not fire (leaving="ignored": firing on them cost
-    # 14 points of share on the 4K needles and changed no answer)
+    # 14 points of share on the 4K needles and changed no answer). The query's products with the int8 keys in
+    # fixed point (``fixed_query``): 18% off the trigger's GPU kernel (BENCHMARKS.md, session 35), and every one of
+    # 36 needle samples tried answered as with exact products (EVAL.md, "The trigger's query in fixed point")
     "smollm2-135m-instruct": {"name": "score_gap", "measure": "mass", "margin": -0.5, "leaving": "ignored",
-                              "estimate": "outlier", "outliers": 4, "group": "each"},
+                              "estimate": "outlier", "outliers": 4, "group": "each", "fixed_query": True},
     # the same outlier trigger, at the rule's own pick on Gemma 3 (EVAL.md, "Gemma 3's default: the outlier
     # trigger at the rule's pick", session 23): on 16 prompts of 2,048 tokens margin 0.5 re-selects 15.7% at
     # 1.2 points under every-step selection's top-1 agreement; on the 16K needles (16 samples) and at 32K (seed 0)
     # it credits the values every-step clusterkv does at 10-15% re-selecting, where the mean-key trigger (-2.5,
     # session 18) lost a needle at 16K
     "gemma-3-270m": {"name": "score_gap", "measure": "mass", "margin": 0.5, "leaving": "ignored",
-                     "estimate": "outlier", "outliers": 4, "group": "each"},
+                     "estimate": "outlier", "outliers": 4, "group": "each", "fixed_query": True},
 }
 
 

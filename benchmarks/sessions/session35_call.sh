@@ -4,7 +4,7 @@
 # session 34 reshaped the default blocks kernel too, and the pinned/split outlier keys' GPU test), the blocks
 # kernel both ways and with its keys packed (_KEY_LOOP), louiskv end to end at 1x128K with the
 # score_gap_fixed_reuse row beside score_gap_reuse; more: the between-settings tests again, pariskv's 1x32K step
-# profiled;
+# profiled, louiskv at 1x128K with fixed_query as the preset's default;
 # h200: the between-settings tests, then what needs an H200 (4x128K's full-graph KV is 74 GiB; 1M tokens): the 4x128K rows with the fixed row,
 # then louiskv's 1M row after session 34's outlier-keys fix
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
@@ -21,7 +21,9 @@ more)  # the 4 tests "fixed" called with a stale signature (a test defect, fixed
   step between_tests 90 python3 -m pytest -q -rs -n 4 -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py \
     -k between_settings
   step prof_paris32k 80 python3 benchmarks/profile_step.py --preset pariskv --context 32768 --batch 1 --placement gpu \
-    --rows 40 --out "$OUT/prof_paris32k.txt" ;;
+    --rows 40 --out "$OUT/prof_paris32k.txt"
+  # the preset's trigger with its query in fixed point (the default since this session) against exact products
+  step e2e_default 150 ${E2E} --contexts 131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_default.json" ;;
 h200)
   step between_tests 70 python3 -m pytest -q -rs -n 4 -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py \
     -k between_settings

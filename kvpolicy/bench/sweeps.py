@@ -54,7 +54,7 @@ def e2e(model, *, contexts: Iterable[int], batches: Iterable[int], cells: Preset
     stack), the other ``full_kinds``, then each preset at each placement and DecodeGraph branch
     kind; louiskv at ``interval(n)`` (``rate``), never re-selecting after its first step
     (``/reuse``; ``/score_gap_reuse``: the preset's SmolLM2 trigger, score_gap, reusing;
-    ``/score_gap_fixed_reuse``: the same with its query in fixed point; ``/score_gap_every2_reuse``: the
+    ``/score_gap_exact_reuse``: the same with exact products, not its query in fixed point; ``/score_gap_every2_reuse``: the
     same measuring at one step in two;
     ``/score_gap_every4_challengers8_reuse``: the whole table at one step in four, 8 challengers) and at
     every step (``/every_step``); ``unit_cache_rows``: the policies' GPU unit cache
@@ -78,9 +78,10 @@ def e2e(model, *, contexts: Iterable[int], batches: Iterable[int], cells: Preset
                         # the preset's trigger for SmolLM2 (score_gap) at a margin it never passes:
                         # its step cost, reusing
                         + [("score_gap_reuse", {**BUILTIN_TRIGGER[EMBEDDED_ID], "margin": 1e9}, 0.0)]
-                        # the same with the query in fixed point (int8 products: ``ScoreGap.fixed_query``)
-                        + [("score_gap_fixed_reuse", {**BUILTIN_TRIGGER[EMBEDDED_ID], "margin": 1e9,
-                                                      "fixed_query": True}, 0.0)]
+                        # the same with exact products (the preset's query is in fixed point since session 35:
+                        # ``ScoreGap.fixed_query``)
+                        + [("score_gap_exact_reuse", {**BUILTIN_TRIGGER[EMBEDDED_ID], "margin": 1e9,
+                                                      "fixed_query": False}, 0.0)]
                         # the same measuring the gap at one step in two (``every``: half its bytes a step)
                         + [("score_gap_every2_reuse", {**BUILTIN_TRIGGER[EMBEDDED_ID], "margin": 1e9, "every": 2},
                             0.0)]

@@ -176,8 +176,8 @@ def e2e(args, device, rows: BenchRows) -> bool:
     print(f"budget-floor: full-graph at the {args.budget}-token context a step of the budget attends (sink + "
           "retrieved + local), the best any policy can do on this stack; 'over floor' is a row's ms above it. "
           "louiskv's /reuse row never re-selects after its first step (a reusing step alone), /score_gap_reuse "
-          "is the same with the preset's SmolLM2 trigger, score_gap (its step cost), /score_gap_fixed_reuse that "
-          "trigger with its query in fixed point (int8 products), /score_gap_every2_reuse that trigger measuring "
+          "is the same with the preset's SmolLM2 trigger, score_gap (its step cost), /score_gap_exact_reuse that "
+          "trigger with exact products (the preset's query is in fixed point), /score_gap_every2_reuse that trigger measuring "
           "at one step in two, /every_step re-selects at every step")
     interval_steps = sweeps.whole_intervals(args.steps, every)
     if interval_steps != args.steps:
