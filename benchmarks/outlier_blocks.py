@@ -53,10 +53,7 @@ VARIANTS = {
     "bf16+tile8192+w8": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 8192, "_BLOCKS_WARPS": 8}},
     "bf16+tile16384": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 16384}},
     "bf16+tile16384+w8": {OUTLIER: {"_KEY_PRODUCT": "query", "_TILE_ELEMENTS": 16384, "_BLOCKS_WARPS": 8}},
-    # over the shipped settings, not session 27's: the outlier keys packed into the product's columns (session 35)
-    "packed": {OUTLIER: {"_KEY_LOOP": "packed"}},
 }
-OVER_SHIPPED = {"packed"}
 
 
 # with --challengers: the settings of a step between measured ones compared (the outlier module's
@@ -71,13 +68,10 @@ CHALLENGER_VARIANTS = {
 
 
 def settings_of(name: str) -> dict:
-    """Variant ``name``'s settings in full: session 27's with its own over them (none for "shipped"; its own alone
-    for the variants over the shipped settings)."""
+    """Variant ``name``'s settings in full: session 27's with its own over them (none for "shipped")."""
     variant = VARIANTS[name]
     if variant is None:
         return {}
-    if name in OVER_SHIPPED:
-        return {module: dict(values) for module, values in variant.items()}
     merged = {module: dict(values) for module, values in SESSION27.items()}
     for module, values in variant.items():
         merged.setdefault(module, {}).update(values)

@@ -2,7 +2,7 @@
 # Session 35's GPU calls. Usage: bash benchmarks/sessions/session35_call.sh OUTDIR TAR MODE
 # MODE fixed: ScoreGap.fixed_query's first GPU run (its ops' tests, with the whole score-gap ops file since
 # session 34 reshaped the default blocks kernel too, and the pinned/split outlier keys' GPU test), the blocks
-# kernel both ways and with its keys packed (_KEY_LOOP), louiskv end to end at 1x128K with the
+# kernel both ways and with its keys packed (_KEY_LOOP: removed after this call, its code is in c1db8c5), louiskv end to end at 1x128K with the
 # score_gap_fixed_reuse row beside score_gap_reuse; more: the between-settings tests again, pariskv's 1x32K step
 # profiled, louiskv at 1x128K with fixed_query as the preset's default;
 # h200: the between-settings tests, then what needs an H200 (4x128K's full-graph KV is 74 GiB; 1M tokens): the 4x128K rows with the fixed row,

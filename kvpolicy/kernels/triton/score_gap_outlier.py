@@ -58,11 +58,6 @@ _BLOCKS_WARPS = 4  # warps a program
 # (0: unrolled)
 _KEY_PRODUCT = "query"
 _KEY_STAGES = 0
-# a measured step's outlier keys: "running" (a running logsumexp, a key at a time over the product's columns, of
-# which G are query heads) or "packed" (each key's product into its own columns, ``_outlier_keys_packed``: where
-# the heads, to a power of two, times the keys fit the product's 16 columns, as at G = 4 with 4 keys). "packed"
-# is written and tested under the interpreter, not yet timed on a GPU
-_KEY_LOOP = "running"
 # With challengers, a step between measured ones (latency-bound: a few programs, each a chain of dependent
 # loads): its programs run in "blocks" (the blocks launch: one launch fewer a step) or "own" (a launch of
 # their own); and their outlier keys are read "tile" (every key of a unit at once: one load, one product) or
@@ -86,16 +81,6 @@ def _setting(name: str, accepted: tuple[str, ...]) -> str:
     return value
 
 
-def _column_period(per_head: int, outlier_count: int, block_g: int) -> int:
-    """The blocks kernel's ``GP``: the period of the query heads over the product's ``block_g`` columns, the next
-    power of two of ``per_head`` where the outlier keys are packed (``_KEY_LOOP`` "packed", and they fit), else
-    ``block_g`` (one column a head: the running loop)."""
-    period = triton.next_power_of_2(per_head)
-    if _setting("_KEY_LOOP", ("running", "packed")) == "packed" and period * outlier_count <= block_g:
-        return period
-    return block_g
-
-
 def _key_dtype(trigger, query_dtype: torch.dtype, device: torch.device):
     """The outlier keys' operand type in the blocks kernel's product: int8 with ``trigger.fixed_query`` (the
     query as fixed-point digits), else ``_KEY_PRODUCT``'s. Triton's interpreter (on the CPU) multiplies
@@ -110,18 +95,16 @@ def _key_dtype(trigger, query_dtype: torch.dtype, device: torch.device):
 
 
 @triton.jit
-def _query_logits(tile, q_t, row_scale, G: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr,
-                  GP: tl.constexpr):
+def _query_logits(tile, q_t, row_scale, G: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr):
     """``[BLOCK_U, BLOCK_G]``: each query head's logit of each key of ``tile`` times its row's
-    ``row_scale`` (-inf in a column ``c`` whose head ``c % GP`` is past ``G``), one ``tl.dot`` against the
-    transposed query group ``q_t [BLOCK_D, BLOCK_G]`` (column ``c`` query head ``c % GP``, zero past ``G``): a
-    reduction a query head over the head dimension ran latency-bound on the GPU. Scaled after the product, so
-    int8 keys stay exact in tf32."""
+    ``row_scale`` (-inf past ``G``), one ``tl.dot`` against the transposed query group ``q_t
+    [BLOCK_D, BLOCK_G]`` (its columns past ``G`` zero): a reduction a query head over the head
+    dimension ran latency-bound on the GPU. Scaled after the product, so int8 keys stay exact in tf32."""
     if tile.dtype == tl.float32:
         logits = tl.dot(tile, q_t, input_precision=PRECISION) * row_scale[:, None]
     else:
         logits = tl.dot(tile, q_t, out_dtype=tl.float32) * row_scale[:, None]
-    return tl.where((tl.arange(0, BLOCK_G) % GP < G)[None, :], logits, float("-inf"))
+    return tl.where((tl.arange(0, BLOCK_G) < G)[None, :], logits, float("-inf"))
 
 
 @triton.jit
@@ -148,10 +131,10 @@ def _fixed_product(tile, q_hi, q_lo, step):
 
 
 @triton.jit
-def _fixed_logits(tile, q_hi, q_lo, step, row_scale, G: tl.constexpr, BLOCK_G: tl.constexpr, GP: tl.constexpr):
+def _fixed_logits(tile, q_hi, q_lo, step, row_scale, G: tl.constexpr, BLOCK_G: tl.constexpr):
     """``_query_logits`` for an int8 ``tile`` and a query in fixed point (``_fixed_product``)."""
     logits = _fixed_product(tile, q_hi, q_lo, step) * row_scale[:, None]
-    return tl.where((tl.arange(0, BLOCK_G) % GP < G)[None, :], logits, float("-inf"))
+    return tl.where((tl.arange(0, BLOCK_G) < G)[None, :], logits, float("-inf"))
 
 
 @triton.jit
@@ -162,13 +145,12 @@ def _block_log_mass(ids, ok, b, h, q_t, scale, P,
                     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, BLOCK_U: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr,
                     KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr, KEYS_AT_ONCE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, GP: tl.constexpr):
+                    BLOCK_M: tl.constexpr):
     """``[BLOCK_U, BLOCK_G]``: the log mass of units ``ids`` for each query head (``-inf`` where a unit
     is not selectable or not ``ok``: no byte of it is read): a decode unit's tokens at its mean key; a
     prompt unit's other tokens at their mean key and its outlier keys one by one, each tile of keys
     scored against every query head with one ``tl.dot`` (with ``KEYS_AT_ONCE``, all ``M <= BLOCK_M``
-    keys of every unit in one tile and one ``tl.dot``). With ``GP < BLOCK_G`` the keys are packed
-    (``_outlier_keys_packed``): ``q_t``'s column ``c`` is query head ``c % GP``."""
+    keys of every unit in one tile and one ``tl.dot``)."""
     dims = tl.arange(0, BLOCK_D)
     d_ok = dims < D
     # the loads are masked by position alone, so all of them issue at once: masks from loaded flags
@@ -188,10 +170,10 @@ def _block_log_mass(ids, ok, b, h, q_t, scale, P,
     if KEY_DTYPE == tl.int8:  # ``ScoreGap.fixed_query``: int8 products with the query's fixed-point digits
         q_keys, q_lo, q_step = _fixed_digits(q_t)
         rest = tl.load(rest_at, mask=in_prompt[:, None] & d_ok[None, :], other=0)
-        top = _fixed_logits(rest, q_keys, q_lo, q_step, rest_scale * scale, G, BLOCK_G, GP)
+        top = _fixed_logits(rest, q_keys, q_lo, q_step, rest_scale * scale, G, BLOCK_G)
         if tl.max(in_decode.to(tl.int32), axis=0) > 0:  # a block with decode units: their float16 means
             mean = tl.load(mean_at, mask=in_decode[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            decode = _query_logits(mean, q_t, rest_scale * scale, G, BLOCK_G, PRECISION, GP)
+            decode = _query_logits(mean, q_t, rest_scale * scale, G, BLOCK_G, PRECISION)
             top = tl.where(in_decode[:, None], decode, top)
         top += tl.log(count)[:, None]
     else:
@@ -199,7 +181,7 @@ def _block_log_mass(ids, ok, b, h, q_t, scale, P,
         # loads into one tile: a unit is one or the other)
         base = tl.load(mean_at, mask=in_decode[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         base += tl.load(rest_at, mask=in_prompt[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        top = _query_logits(base, q_t, rest_scale * scale, G, BLOCK_G, PRECISION, GP) + tl.log(count)[:, None]
+        top = _query_logits(base, q_t, rest_scale * scale, G, BLOCK_G, PRECISION) + tl.log(count)[:, None]
         # the keys' product in the query's own 16-bit type where KEY_DTYPE says so (exact: int8 keys and a
         # 16-bit query; half the shared memory of tf32's float32 operands)
         q_keys = q_t.to(KEY_DTYPE)
@@ -211,10 +193,7 @@ def _block_log_mass(ids, ok, b, h, q_t, scale, P,
     keys_at = keys_ptr + b * ok_sb + h * ok_sh + ids[:, None] * ok_su + dims[None, :]
     valid_at = valid_ptr + b * ov_sb + h * ov_sh + ids * ov_su
     key_mask = in_prompt[:, None] & d_ok[None, :]
-    if GP < BLOCK_G:
-        top, total = _outlier_keys_packed(top, keys_at, valid_at, key_mask, in_prompt, q_keys, q_lo, q_step,
-                                          key_scale, ok_sm, G, M, BLOCK_U, BLOCK_G, GP, PRECISION, KEY_DTYPE)
-    elif KEYS_AT_ONCE:
+    if KEYS_AT_ONCE:
         top, total = _outlier_keys_at_once(top, total, keys_at, valid_at, key_mask, in_prompt, q_keys, q_lo, q_step,
                                            key_scale, ok_sm, G, M, BLOCK_U, BLOCK_D, BLOCK_G, BLOCK_M, PRECISION,
                                            KEY_DTYPE)
@@ -237,56 +216,14 @@ def _outlier_key_step(j, top, total, keys_at, valid_at, key_mask, in_prompt, q_k
     real = in_prompt & (tl.load(valid_at + j, mask=in_prompt, other=0) != 0)
     key = tl.load(keys_at + j * ok_sm, mask=key_mask, other=0)
     if KEY_DTYPE == tl.int8:
-        logit = _fixed_logits(key, q_keys, q_lo, q_step, key_scale, G, BLOCK_G, BLOCK_G)
+        logit = _fixed_logits(key, q_keys, q_lo, q_step, key_scale, G, BLOCK_G)
     else:
-        logit = _query_logits(key.to(KEY_DTYPE), q_keys, key_scale, G, BLOCK_G, PRECISION, BLOCK_G)
+        logit = _query_logits(key.to(KEY_DTYPE), q_keys, key_scale, G, BLOCK_G, PRECISION)
     logit = tl.where(real[:, None], logit, float("-inf"))
     new_top = tl.maximum(top, logit)
     shift = tl.where(new_top > float("-inf"), new_top, 0.0)
     total = total * tl.exp(top - shift) + tl.exp(logit - shift)
     return new_top, total
-
-
-@triton.jit
-def _outlier_keys_packed(top, keys_at, valid_at, key_mask, in_prompt, q_keys, q_lo, q_step, key_scale, ok_sm,
-                         G: tl.constexpr, M: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_G: tl.constexpr,
-                         GP: tl.constexpr, PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr):
-    """The ``(top, total)`` of each unit's log masses over its other tokens (``top``) and its ``M`` outlier keys,
-    with the keys packed into the product's columns: column ``c`` scores key ``c // GP`` against query head
-    ``c % GP`` (``q_t``'s columns repeat the heads every ``GP``), each key's product accumulating into its own
-    columns. One logsumexp at the end over ``BLOCK_G`` columns that all hold a key, where the running one took
-    two exponentials a key over ``BLOCK_G`` columns of which ``G`` are heads. Returned with head ``g`` in column
-    ``g`` (``top`` -inf past ``GP``), as the other key loops return it."""
-    columns = tl.arange(0, BLOCK_G)
-    key_of = columns // GP
-    listed = in_prompt[:, None] & (key_of < M)[None, :]
-    real = listed & (tl.load(valid_at[:, None] + key_of[None, :], mask=listed, other=0) != 0)
-    if KEY_DTYPE == tl.int8:  # the query's fixed-point digits: two exact int32 sums
-        acc_hi = tl.zeros([BLOCK_U, BLOCK_G], tl.int32)
-        acc_lo = tl.zeros([BLOCK_U, BLOCK_G], tl.int32)
-    else:
-        acc = tl.zeros([BLOCK_U, BLOCK_G], tl.float32)
-    for j in tl.static_range(M):
-        key = tl.load(keys_at + j * ok_sm, mask=key_mask, other=0)
-        mine = (key_of == j)[None, :]
-        if KEY_DTYPE == tl.int8:
-            acc_hi = tl.dot(key, tl.where(mine, q_keys, 0).to(tl.int8), acc_hi, out_dtype=tl.int32)
-            acc_lo = tl.dot(key, tl.where(mine, q_lo, 0).to(tl.int8), acc_lo, out_dtype=tl.int32)
-        elif KEY_DTYPE == tl.float32:
-            acc = tl.dot(key.to(KEY_DTYPE), tl.where(mine, q_keys, 0.0), acc, input_precision=PRECISION)
-        else:
-            acc = tl.dot(key.to(KEY_DTYPE), tl.where(mine, q_keys, 0.0).to(KEY_DTYPE), acc, out_dtype=tl.float32)
-    if KEY_DTYPE == tl.int8:
-        acc = (acc_hi * 256 + acc_lo).to(tl.float32) * q_step[None, :]
-    logits = tl.where(real & (columns % GP < G)[None, :], acc * key_scale[:, None], float("-inf"))
-    logits = tl.reshape(logits, [BLOCK_U, BLOCK_G // GP, GP])  # (a shape held in a variable does not compile)
-    rest = tl.max(tl.reshape(top, [BLOCK_U, BLOCK_G // GP, GP]), axis=1)  # ``top`` repeats each head's value
-    new_top = tl.maximum(rest, tl.max(logits, axis=1))
-    shift = tl.where(new_top > float("-inf"), new_top, 0.0)
-    total = tl.exp(rest - shift) + tl.sum(tl.exp(logits - shift[:, None, :]), axis=1)
-    first = (tl.arange(0, BLOCK_G // GP) == 0)[None, :, None]
-    return (tl.reshape(tl.where(first, new_top[:, None, :], float("-inf")), [BLOCK_U, BLOCK_G]),
-            tl.reshape(tl.where(first, total[:, None, :], 0.0), [BLOCK_U, BLOCK_G]))
 
 
 @triton.jit
@@ -340,7 +277,7 @@ def _outlier_gap_blocks_kernel(
     EVERY: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr,
     C: tl.constexpr, BLOCK_H: tl.constexpr, BETWEEN_HERE: tl.constexpr, BLOCK_GC: tl.constexpr,
-    KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr, GP: tl.constexpr, PDL: tl.constexpr,
+    KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
 ):
     """A measured step: program ``block`` scores a block of the table. With challengers, a step between
     measured ones is ``_between_program``'s: in this launch (``BETWEEN_HERE``, its first ``S_BETWEEN``
@@ -373,12 +310,11 @@ def _outlier_gap_blocks_kernel(
     elif EVERY > 1:
         if not _measures(steps_ptr, b, offset, EVERY):
             return  # a step between measured ones (``ScoreGap.every``): no key is read
-    # the query group transposed, ``[BLOCK_D, BLOCK_G]``: a ``tl.dot`` operand, column ``c`` query head ``c % GP``
-    # (zero past ``G``; the heads repeat every ``GP`` columns where the outlier keys are packed)
+    # the query group transposed, ``[BLOCK_D, BLOCK_G]``: a ``tl.dot`` operand (zero past ``G``)
     dims = tl.arange(0, BLOCK_D)
     columns = tl.arange(0, BLOCK_G)
-    q_t = tl.load(q_ptr + b * q_sb + h * q_sh + (columns % GP)[None, :] * q_sg + dims[:, None],
-                  mask=(columns % GP < G)[None, :] & (dims < D)[:, None], other=0.0).to(tl.float32)
+    q_t = tl.load(q_ptr + b * q_sb + h * q_sh + columns[None, :] * q_sg + dims[:, None],
+                  mask=(columns < G)[None, :] & (dims < D)[:, None], other=0.0).to(tl.float32)
     first = block.to(tl.int64) * BLOCK_U
     ids = first + tl.arange(0, BLOCK_U).to(tl.int64)
     ok = ids < U
@@ -387,7 +323,7 @@ def _outlier_gap_blocks_kernel(
         mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
         rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
         ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
-        D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, False, BLOCK_M, GP)
+        D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, False, BLOCK_M)
     mask_at = mask_ptr + b * mk_sb + h * mk_sh + ids
     held = tl.load(mask_at, mask=ok, other=0) != 0
     finite = log_mass > float("-inf")
@@ -478,7 +414,7 @@ def _between_program(
             mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
             rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
             ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
-            D, G, M, BLOCK_GC, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, KEYS_AT_ONCE, BLOCK_M, BLOCK_G)
+            D, G, M, BLOCK_GC, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, KEYS_AT_ONCE, BLOCK_M)
         own = chal_listed[:, None] & ((k // C)[:, None] == columns[None, :])
         _store_parts(out, parts_sk, real_column, tl.max(tl.where(own, chal_mass, float("-inf")), axis=0),
                      tl.zeros([BLOCK_G], tl.float32), nothing, tl.zeros([BLOCK_G], tl.float32))
@@ -492,7 +428,7 @@ def _between_program(
             mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
             rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
             ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
-            D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, KEYS_AT_ONCE, BLOCK_M, BLOCK_G)
+            D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, KEYS_AT_ONCE, BLOCK_M)
         counted = listed[:, None] & (log_mass > float("-inf"))
         top = tl.max(tl.where(counted, log_mass, float("-inf")), axis=0)
         shift = tl.where((top > float("-inf")) & (top < float("inf")), top, 0.0)
@@ -575,8 +511,7 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
         *strides, *mass.stride()[:2], state.held, challengers, room, between_parts,
         *state.held.stride()[:2], *challengers.stride()[:2],
         D=dim, G=per_head, M=outlier_count, LEAVING_IGNORED=trigger.leaving == "ignored",
-        EVERY=trigger.every, C=count, BETWEEN_HERE=between_here,
-        GP=_column_period(per_head, outlier_count, settings["BLOCK_G"]), **between, **settings,
+        EVERY=trigger.every, C=count, BETWEEN_HERE=between_here, **between, **settings,
     )
     if chal:
         if not between_here:

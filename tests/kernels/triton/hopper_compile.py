@@ -89,13 +89,6 @@ def score_gap_cases():
                            group="each", every=every, challengers=challengers, fixed_query=True)
         yield (f"outlier fixed_query every={every} challengers={challengers}", "score_gap_outlier_fire", trigger,
                state, {})
-    # the outlier keys packed into the product's columns (3 query heads, 3 keys), with a 16-bit query and in
-    # fixed point
-    for fixed in (False, True):
-        trigger = ScoreGap(margin=1.0, measure="mass", leaving="ignored", estimate="outlier", outliers=3,
-                           group="each", fixed_query=fixed)
-        yield (f"outlier keys packed fixed_query={fixed}", "score_gap_outlier_fire", trigger, state,
-               {"_KEY_LOOP": "packed"})
 
 
 def main() -> int:
@@ -107,7 +100,7 @@ def main() -> int:
     pdl.supported = lambda device: True
     pdl.WAVES = None
 
-    shipped = {name: getattr(score_gap_outlier, name) for name in ("_BETWEEN_LAUNCH", "_BETWEEN_KEYS", "_KEY_LOOP")}
+    shipped = {name: getattr(score_gap_outlier, name) for name in ("_BETWEEN_LAUNCH", "_BETWEEN_KEYS")}
     ops = {"score_gap_outlier_fire": score_gap_outlier.score_gap_outlier_fire,
            "score_gap_fire": score_gap.score_gap_fire}
     for label, op, trigger, make_state, settings in score_gap_cases():

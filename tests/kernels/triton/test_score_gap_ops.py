@@ -299,22 +299,18 @@ def _with_outlier_keys(gen: torch.Generator, state: ScoreGapState, dim: int, m: 
 # and, with a bfloat16 query, the blocks kernel's other settings (benchmarks/outlier_blocks.py times
 # them): the key loop software-pipelined with a wide row stage; the keys' product in bfloat16 (exact
 # too), on the GPU only
-# ``fixed``: ``ScoreGap.fixed_query``, int8 products with the query's fixed-point digits; ``loop`` "packed": the
-# 3 keys of each unit packed into the product's columns, 4 columns a key (3 query heads), the last 4 unused
-@pytest.mark.parametrize("group, dtype, product, stages, row_span, fixed, loop", [
-    ("each", torch.float32, "tf32", 0, 64, False, "running"), ("mean", torch.float32, "tf32", 0, 64, False, "running"),
-    ("each", torch.bfloat16, "tf32", 0, 64, False, "running"),
-    ("each", torch.bfloat16, "tf32", 2, 256, False, "running"),
-    ("each", torch.bfloat16, "tf32", 0, 64, True, "running"), ("mean", torch.float32, "tf32", 0, 256, True, "running"),
-    ("each", torch.bfloat16, "tf32", 0, 64, False, "packed"), ("each", torch.bfloat16, "tf32", 0, 64, True, "packed"),
-    pytest.param("each", torch.bfloat16, "query", 0, 64, False, "running", marks=ON_GPU_ONLY),
-    pytest.param("each", torch.bfloat16, "query", 0, 64, False, "packed", marks=ON_GPU_ONLY)])
+# ``fixed``: ``ScoreGap.fixed_query``, int8 products with the query's fixed-point digits
+@pytest.mark.parametrize("group, dtype, product, stages, row_span, fixed", [
+    ("each", torch.float32, "tf32", 0, 64, False), ("mean", torch.float32, "tf32", 0, 64, False),
+    ("each", torch.bfloat16, "tf32", 0, 64, False), ("each", torch.bfloat16, "tf32", 2, 256, False),
+    ("each", torch.bfloat16, "tf32", 0, 64, True), ("mean", torch.float32, "tf32", 0, 256, True),
+    pytest.param("each", torch.bfloat16, "query", 0, 64, False, marks=ON_GPU_ONLY)])
 # ``challengers``: the steps between measured ones score the held units and the challengers alone
 @pytest.mark.parametrize("leaving, admit, follow, cap, every, challengers", [
     ("ignored", "room", 0.0, 0, 1, 0), ("unheld", "evict", 1.5, 6, 1, 0), ("ignored", "room", 0.0, 0, 2, 0),
     ("ignored", "room", 0.0, 0, 3, 4), ("unheld", "evict", 1.5, 0, 2, 2)])
-def test_score_gap_outlier_fire_matches_reference(group, dtype, product, stages, row_span, fixed, loop, leaving,
-                                                  admit, follow, cap, every, challengers, monkeypatch):
+def test_score_gap_outlier_fire_matches_reference(group, dtype, product, stages, row_span, fixed, leaving, admit,
+                                                  follow, cap, every, challengers, monkeypatch):
     """The fused outlier op (scoring included) against ``reference_step.score_gap_outlier_fire``:
     decisions and state bit for bit (the challengers as sets), the gap to float32 rounding, over steps
     and several blocks of units (at seed 1 a row stage combines their parts, one at a time or all at
@@ -326,7 +322,6 @@ def test_score_gap_outlier_fire_matches_reference(group, dtype, product, stages,
     decide_block = score_gap._DECIDE_BLOCK
     monkeypatch.setattr(score_gap_outlier, "_KEY_PRODUCT", product)
     monkeypatch.setattr(score_gap_outlier, "_KEY_STAGES", stages)
-    monkeypatch.setattr(score_gap_outlier, "_KEY_LOOP", loop)
     for seed in range(3):
         monkeypatch.setattr(score_gap, "_DECIDE_BLOCK", 1 if seed == 1 else decide_block)
         monkeypatch.setattr(score_gap, "_ROW_SPAN", 1 if seed == 1 and row_span < 256 else row_span)
@@ -372,8 +367,8 @@ def test_outlier_fire_between_settings_match_reference(launch, keys, fixed, monk
 
     monkeypatch.setattr(score_gap_outlier, "_BETWEEN_LAUNCH", launch)
     monkeypatch.setattr(score_gap_outlier, "_BETWEEN_KEYS", keys)
-    test_score_gap_outlier_fire_matches_reference("each", torch.float32, "tf32", 0, 64, fixed, "running", "ignored",
-                                                  "room", 0.0, 0, 3, 4, monkeypatch)
+    test_score_gap_outlier_fire_matches_reference("each", torch.float32, "tf32", 0, 64, fixed, "ignored", "room", 0.0,
+                                                  0, 3, 4, monkeypatch)
 
 
 def test_outlier_log_mass_counts_each_outlier_by_its_own_logit():
@@ -434,25 +429,19 @@ def _reference_parts(state, query: torch.Tensor, scale: float, block: int, fixed
 # the blocks kernel at a real head dimension (128: 32 to 128 units a block, as a decode step runs it;
 # the tests above, at 24, take 256), in each setting benchmarks/outlier_blocks.py times
 # (and the shipped settings at SmolLM2's and Gemma 3's head dimensions, 64 and 256)
-@pytest.mark.parametrize("dim, tile, stages, warps, product, fixed, loop", [
-    (128, 4096, 0, 4, "tf32", False, "running"), (128, 4096, 2, 4, "tf32", False, "running"),
-    (128, 8192, 0, 4, "tf32", False, "running"), (128, 8192, 2, 4, "tf32", False, "running"),
-    (128, 2048, 0, 4, "tf32", False, "running"), (128, 4096, 0, 2, "tf32", False, "running"),
-    (128, 8192, 0, 4, "tf32", True, "running"), (64, 8192, 0, 4, "tf32", True, "running"),
-    pytest.param(128, 8192, 0, 4, "query", False, "running", marks=ON_GPU_ONLY),
-    pytest.param(128, 8192, 2, 4, "query", False, "running", marks=ON_GPU_ONLY),
-    pytest.param(128, 16384, 0, 8, "query", False, "running", marks=ON_GPU_ONLY),
-    pytest.param(64, 8192, 0, 4, "query", False, "running", marks=ON_GPU_ONLY),
-    pytest.param(256, 8192, 0, 4, "query", False, "running", marks=ON_GPU_ONLY),
-    pytest.param(256, 8192, 0, 4, "query", True, "running", marks=ON_GPU_ONLY),
-    pytest.param(128, 16384, 0, 8, "query", True, "running", marks=ON_GPU_ONLY),
-    (64, 8192, 0, 4, "tf32", False, "running"), (256, 8192, 0, 4, "tf32", False, "running"),
-    # 4 query heads a KV head and 4 keys: "packed" fills the product's 16 columns
-    (128, 8192, 0, 4, "tf32", False, "packed"), (128, 8192, 0, 4, "tf32", True, "packed"),
-    pytest.param(128, 8192, 0, 4, "query", False, "packed", marks=ON_GPU_ONLY),
-    pytest.param(128, 8192, 0, 4, "query", True, "packed", marks=ON_GPU_ONLY)])
-def test_outlier_blocks_parts_match_reference_at_real_head_dims(dim, tile, stages, warps, product, fixed, loop,
-                                                                monkeypatch):
+@pytest.mark.parametrize("dim, tile, stages, warps, product, fixed", [
+    (128, 4096, 0, 4, "tf32", False), (128, 4096, 2, 4, "tf32", False), (128, 8192, 0, 4, "tf32", False),
+    (128, 8192, 2, 4, "tf32", False), (128, 2048, 0, 4, "tf32", False), (128, 4096, 0, 2, "tf32", False),
+    (128, 8192, 0, 4, "tf32", True), (64, 8192, 0, 4, "tf32", True),
+    pytest.param(128, 8192, 0, 4, "query", False, marks=ON_GPU_ONLY),
+    pytest.param(128, 8192, 2, 4, "query", False, marks=ON_GPU_ONLY),
+    pytest.param(128, 16384, 0, 8, "query", False, marks=ON_GPU_ONLY),
+    pytest.param(64, 8192, 0, 4, "query", False, marks=ON_GPU_ONLY),
+    pytest.param(256, 8192, 0, 4, "query", False, marks=ON_GPU_ONLY),
+    pytest.param(256, 8192, 0, 4, "query", True, marks=ON_GPU_ONLY),
+    pytest.param(128, 16384, 0, 8, "query", True, marks=ON_GPU_ONLY),
+    (64, 8192, 0, 4, "tf32", False), (256, 8192, 0, 4, "tf32", False)])
+def test_outlier_blocks_parts_match_reference_at_real_head_dims(dim, tile, stages, warps, product, fixed, monkeypatch):
     """Each block's parts (best candidate, held count, held top and exp-sum) for each query head, from
     the fused op, against the reference's unit log masses: which block and row differs, if one does."""
     from kvpolicy.bench.trigger_states import decode_trigger_state
@@ -462,7 +451,6 @@ def test_outlier_blocks_parts_match_reference_at_real_head_dims(dim, tile, stage
     monkeypatch.setattr(score_gap_outlier, "_KEY_STAGES", stages)
     monkeypatch.setattr(score_gap_outlier, "_BLOCKS_WARPS", warps)
     monkeypatch.setattr(score_gap_outlier, "_KEY_PRODUCT", product)
-    monkeypatch.setattr(score_gap_outlier, "_KEY_LOOP", loop)
     captured = []
     decide = score_gap_outlier.decide_from_parts
     monkeypatch.setattr(score_gap_outlier, "decide_from_parts",
