@@ -54,8 +54,8 @@ def e2e(model, *, contexts: Iterable[int], batches: Iterable[int], cells: Preset
     stack), the other ``full_kinds``, then each preset at each placement and DecodeGraph branch
     kind; louiskv at ``interval(n)`` (``rate``), never re-selecting after its first step
     (``/reuse``; ``/score_gap_reuse``: the preset's SmolLM2 trigger, score_gap, reusing;
-    ``/score_gap_exact_reuse``: the same with exact products, not its query in fixed point; ``/score_gap_every2_reuse``: the
-    same measuring at one step in two;
+    ``/score_gap_exact_reuse``: the same with exact products, not its query in fixed point;
+    ``/score_gap_every2_reuse``: the same measuring at one step in two;
     ``/score_gap_every4_challengers8_reuse``: the whole table at one step in four, 8 challengers) and at
     every step (``/every_step``); ``unit_cache_rows``: the policies' GPU unit cache
     (``Policy.unit_cache_rows``). A policy row carries its ``miss_fraction``. ``stickiness``:

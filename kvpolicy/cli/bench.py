@@ -177,8 +177,8 @@ def e2e(args, device, rows: BenchRows) -> bool:
           "retrieved + local), the best any policy can do on this stack; 'over floor' is a row's ms above it. "
           "louiskv's /reuse row never re-selects after its first step (a reusing step alone), /score_gap_reuse "
           "is the same with the preset's SmolLM2 trigger, score_gap (its step cost), /score_gap_exact_reuse that "
-          "trigger with exact products (the preset's query is in fixed point), /score_gap_every2_reuse that trigger measuring "
-          "at one step in two, /every_step re-selects at every step")
+          "trigger with exact products (the preset's query is in fixed point), /score_gap_every2_reuse that "
+          "trigger measuring at one step in two, /every_step re-selects at every step")
     interval_steps = sweeps.whole_intervals(args.steps, every)
     if interval_steps != args.steps:
         print(f"louiskv's /interval rows time {interval_steps} steps ({interval_steps // every} whole intervals), "
