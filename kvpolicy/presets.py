@@ -73,7 +73,7 @@ BUILTIN_TRIGGER: dict[str, dict] = {
     # the local window while the selection is kept do not fire (leaving="ignored": firing on them cost
     # 14 points of share on the 4K needles and changed no answer). The query's products with the int8 keys in
     # fixed point (``fixed_query``): 18% off the trigger's GPU kernel (BENCHMARKS.md, session 35), and every one of
-    # 40 needle samples tried answered as with exact products (EVAL.md, "The trigger's query in fixed point")
+    # 56 needle samples tried answered as with exact products (EVAL.md, "The trigger's query in fixed point")
     "smollm2-135m-instruct": {"name": "score_gap", "measure": "mass", "margin": -0.5, "leaving": "ignored",
                               "estimate": "outlier", "outliers": 4, "group": "each", "fixed_query": True},
     # the same outlier trigger, at the rule's own pick on Gemma 3 (EVAL.md, "Gemma 3's default: the outlier
