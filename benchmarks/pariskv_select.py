@@ -62,11 +62,12 @@ from kvpolicy.selectors.collision_rerank import VOTES
 from kvpolicy.units.analytic_index import AnalyticIndex
 
 FUSED_OPS = ("query_votes", "collision_candidates", "rerank_select")
-RERANK_METHODS = ("radix", "split", "torch")
+RERANK_METHODS = ("radix", "row", "split", "torch")
 # rerank_select's methods, then the radix method's tunables (module constants of
 # kvpolicy/kernels/triton/rerank_select.py) around their defaults: each timed alone
 RERANK_VARIANTS = (
     ("radix", {"METHOD": "radix"}),
+    ("row", {"METHOD": "row"}),  # at most _ROW_MAX_WIDTH candidates a row (skipped above)
     ("split", {"METHOD": "split"}),
     ("torch", {"METHOD": "torch"}),
     ("radix score 64x8w", {"METHOD": "radix", "_RADIX_SCORE_SUB": 64, "_RADIX_SCORE_WARPS": 8}),
@@ -122,6 +123,8 @@ QUICK_COLLISION_VARIANTS = (
 )
 QUICK_RERANK_VARIANTS = (
     ("radix", {"METHOD": "radix"}),
+    ("row", {"METHOD": "row"}),
+    ("row", {"METHOD": "row"}),  # at most _ROW_MAX_WIDTH candidates a row (skipped above)
     # before session 19: the level and place passes on the score pass's chunks at every size
     ("radix level chunk of the score pass", {"METHOD": "radix", "_RADIX_LEVEL_LARGE_CALL": 1 << 62}),
     ("radix level chunk 1024 at every size", {"METHOD": "radix", "_RADIX_LEVEL_LARGE_CALL": 0}),
@@ -470,6 +473,8 @@ def measure_collision_variants(args: argparse.Namespace, call_args: tuple, devic
     first = None
     try:
         for label, settings in variants:
+            if settings.get("METHOD") == "row" and select_args[4].shape[-1] > module._ROW_MAX_WIDTH:
+                continue  # the row method refuses a row wider than that
             for name, value in settings.items():
                 setattr(module, name, value)
             out = module.collision_candidates(*call_args)
@@ -508,6 +513,8 @@ def measure_methods(args: argparse.Namespace, select_args: tuple, select: Callab
     first = None
     try:
         for label, settings in variants:
+            if settings.get("METHOD") == "row" and select_args[4].shape[-1] > module._ROW_MAX_WIDTH:
+                continue  # the row method refuses a row wider than that
             for name, value in settings.items():
                 setattr(module, name, value)
             out = module.rerank_select(*select_args)

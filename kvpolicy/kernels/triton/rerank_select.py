@@ -671,12 +671,94 @@ def _radix_place_kernel(
         tl.store(count_ptr + row, count.to(tl.int64))
 
 
+# -- the row method: a small call's whole select in one program a row -----------------------------
+#
+# Where a row's keys fit one program's registers (at most _ROW_MAX_WIDTH candidates: 1x32K's 3,960, 4x32K's
+# 6,554), the radix method's three level passes and its place pass (four latency-bound launches: 13 us a
+# layer at 1x32K on an H100, session 35's profile) become one launch after the same score pass:
+# ``_radix_row_kernel`` loads its row's keys, positions and slots once, picks the top digit from the score
+# pass's histogram as level 1 does, then fixes the threshold key's lower 24 bits one at a time (the largest
+# key with at least ``take`` keys at or above it: a count in registers a bit), and places the chosen keys as
+# the place pass does (above the threshold, then the first equal ones by position). It zeroes the row's
+# histogram after reading it (the scratch stays zero between calls, as the place pass leaves it).
+
+_ROW_MAX_WIDTH = 8192
+_ROW_BLOCK = 1024  # output rows a step of the buffer rows and the -1 tail
+
+
+@pdl_kernel
+@triton.jit
+def _radix_row_kernel(
+    keys_ptr, cand_ptr, row_hist_ptr, token_valid_ptr, slots_ptr, indexed_ptr, next_ptr,
+    ids_ptr, out_slots_ptr, valid_ptr, count_ptr,
+    H, W, R, N,
+    cand_sb, cand_sh, cand_sc, valid_sb, valid_sn, slot_s,
+    BLOCK_W: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr, LEVELS: tl.constexpr, PDL: tl.constexpr,
+):
+    wait_for_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    b = row // H
+    h = row % H
+    c = tl.arange(0, BLOCK_W)
+    key = tl.load(keys_ptr + row * W + c, mask=c < W, other=-2147483648)
+    listed = key != -2147483648
+    # every listed candidate's position and slot, loaded before the search (they do not depend on it)
+    cand_row = cand_ptr + b * cand_sb + h * cand_sh
+    position = tl.load(cand_row + c * cand_sc, mask=listed, other=0).to(tl.int64)
+    slot = tl.load(slots_ptr + position * slot_s, mask=listed, other=0)
+    bins = tl.arange(0, BINS)
+    hist = tl.load(row_hist_ptr + row * LEVELS * BINS + bins)
+    indexed = tl.load(indexed_ptr)
+    buffered = tl.minimum(tl.maximum(tl.load(next_ptr) - indexed, 0), R).to(tl.int32)
+    take = tl.minimum(R - buffered, tl.sum(hist, axis=0))
+    digit, above = _pick(hist, bins, take)
+    # the threshold key as an unsigned 32-bit value (the key plus 2**31), in int64: its top digit picked, then
+    # each lower bit set where at least `take` keys are at or above it (compared as signed keys)
+    threshold = digit.to(tl.int64) << 24
+    for i in range(24):
+        trial = threshold | (1 << (23 - i))
+        at_or_above = tl.sum((listed & (key >= (trial - 2147483648).to(tl.int32))).to(tl.int32), axis=0)
+        threshold = tl.where(at_or_above >= take, trial, threshold)
+    threshold_key = (threshold - 2147483648).to(tl.int32)
+    over = listed & (key > threshold_key)
+    equal = (listed & (key == threshold_key)).to(tl.int32)
+    equal_taken = take - tl.sum(over.to(tl.int32), axis=0)
+    chosen = (over | ((equal != 0) & (tl.cumsum(equal, axis=0) - equal < equal_taken))).to(tl.int32)
+    at = buffered + tl.cumsum(chosen, axis=0) - chosen
+    out_ids = ids_ptr + row * R
+    out_slots = out_slots_ptr + row * R
+    out_valid = valid_ptr + row * R
+    tl.store(out_ids + at, position, mask=chosen != 0)
+    tl.store(out_slots + at, slot, mask=chosen != 0)
+    tl.store(out_valid + at, tl.full([BLOCK_W], 1, tl.int8), mask=chosen != 0)
+    # the update buffer's rows, then the empty tail past the chosen ones, and the row's count
+    lanes = tl.arange(0, BLOCK)
+    filled = buffered + take
+    count = take
+    for r0 in range(0, R, BLOCK):
+        r = r0 + lanes
+        in_buffer = r < buffered
+        empty = (r >= filled) & (r < R)
+        at_position = tl.minimum(indexed + r, N - 1)
+        valid = tl.load(token_valid_ptr + b * valid_sb + at_position * valid_sn, mask=in_buffer, other=0) != 0
+        at_position = tl.where(in_buffer, at_position, 0)
+        write = in_buffer | empty
+        tl.store(out_ids + r, tl.where(valid, at_position, -1), mask=write)
+        tl.store(out_slots + r, tl.load(slots_ptr + at_position * slot_s, mask=write, other=0), mask=write)
+        tl.store(out_valid + r, valid.to(tl.int8), mask=write)
+        count += tl.sum(valid.to(tl.int32), axis=0)
+    tl.store(count_ptr + row, count.to(tl.int64))
+    # the row's histogram back to zero for the next call (its reads above are done: the barrier orders them)
+    tl.debug_barrier()
+    tl.store(row_hist_ptr + row * LEVELS * BINS + bins, tl.zeros([BINS], dtype=tl.int32))
+
+
 # which method ranks a call (see the module docstring): "auto" picks by the candidates per row,
 # from _METHOD_BY_WIDTH: (the fewest candidates a row, method) pairs, ascending; the last whose
 # bound the width reaches wins. Not yet measured on a GPU: radix everywhere, an estimate
 # (benchmarks/pariskv_select.py times all three; fill this table from its output)
 METHOD = "auto"
-METHODS = ("radix", "split", "torch")
+METHODS = ("radix", "row", "split", "torch")
 _METHOD_BY_WIDTH = ((0, "radix"),)
 
 
@@ -725,7 +807,8 @@ def rerank_select(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(unit_ids, num_units, slots, valid)``; see ``reference_analytic.rerank_select``.
 
-    ``method``: "radix", "split" or "torch" (the module docstring); None: ``method_for(width)``.
+    ``method``: "radix", "row" (at most ``_ROW_MAX_WIDTH`` candidates a row), "split" or "torch" (the module
+    docstring and the comments above the kernels); None: ``method_for(width)``.
     ``query_rotated``: the group's mean ``(B, H, D)``, or a query per head of the group ``(B, H, G,
     D)`` (``rerank="head_softmax"``: ``head_softmax.keys`` scores the candidates).
     """
@@ -734,6 +817,8 @@ def rerank_select(
     method = method or method_for(candidates.shape[-1])
     if method == "radix":
         return _radix(*args, int(capacity))
+    if method == "row":
+        return _row(*args, int(capacity))
     if method == "split":
         return _split(*args, int(capacity))
     if method == "torch":
@@ -830,6 +915,37 @@ def _radix(query_rotated, codes, weight, norms, candidates, token_valid, slots, 
         *candidates.stride(), *token_bytes.stride(), slots.stride(0),
         CHUNK=chunk, SUB=sub, CHUNKS_BLOCK=max(2, triton.next_power_of_2(chunks)), LEVELS=_RADIX_LEVELS,
         BINS=_RADIX_BINS, PRELOAD=rows * width <= _PRELOAD_CANDIDATES, BLOCK=min(_PLACE_BLOCK, triton.next_power_of_2(triton.cdiv(capacity, chunks))),
+    )
+    return ids, count, out_slots, valid
+
+
+def _row(query_rotated, codes, weight, norms, candidates, token_valid, slots, indexed, next_position, capacity):
+    """The row method (see the comment above ``_ROW_MAX_WIDTH``): the radix method's score pass, then one
+    program a row."""
+    batch, heads, n, half = codes.shape
+    width = candidates.shape[-1]
+    if width > _ROW_MAX_WIDTH:
+        raise ValueError(f"triton rerank_select: method 'row' takes at most {_ROW_MAX_WIDTH} candidates a row, "
+                         f"got {width}; accepted for more: radix, split, torch")
+    device = codes.device
+    rows = batch * heads
+    ids, out_slots, valid, count = _outputs(batch, heads, capacity, device)
+    if rows == 0 or capacity == 0:
+        return ids, count.zero_(), out_slots, valid
+    chunk = radix_chunk(rows, width)
+    keys = torch.empty(rows, max(1, width), dtype=torch.int32, device=device)
+    row_hist = scratch.zeroed(device, "rerank_select.row_hist", (rows, _RADIX_LEVELS, _RADIX_BINS))
+    _score_launch(query_rotated, codes, weight, norms, candidates, keys, row_hist, chunk,
+                  max(1, triton.cdiv(width, chunk)), False)
+    block_w = max(16, triton.next_power_of_2(max(1, width)))
+    token_bytes = token_valid.view(torch.uint8) if token_valid.dtype == torch.bool else token_valid
+    _radix_row_kernel[(rows,)](
+        keys, candidates, row_hist, token_bytes, slots, indexed, next_position,
+        ids, out_slots, valid.view(torch.int8), count,
+        heads, width, capacity, n,
+        *candidates.stride(), *token_bytes.stride(), slots.stride(0),
+        BLOCK_W=block_w, BLOCK=min(_ROW_BLOCK, triton.next_power_of_2(capacity)), BINS=_RADIX_BINS,
+        LEVELS=_RADIX_LEVELS, num_warps=min(16, max(4, block_w // 512)),
     )
     return ids, count, out_slots, valid
 

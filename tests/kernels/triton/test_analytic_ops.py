@@ -623,12 +623,13 @@ def test_collision_candidates_band_bounds_are_exclusive(small_chunks, indexed, c
 # -- the fused rerank and final selection: rerank_select ----------------------------------------
 
 
-@pytest.fixture(params=["radix", "radix-level-chunk", "radix-no-preload", "split", "torch"])
+@pytest.fixture(params=["radix", "radix-level-chunk", "radix-no-preload", "row", "split", "torch"])
 def small_select(request, monkeypatch):
     """Each method at interpreter sizes: several chunks (radix: 16-32 candidates each), steps
     within a chunk, chunk blocks and finish blocks; "radix-level-chunk": the level and place
     passes on chunks larger than the score pass's; "radix-no-preload": the place pass loading
-    the chosen candidates' positions and slots only (a large call's)."""
+    the chosen candidates' positions and slots only (a large call's); "row": one program a row after the
+    score pass, its output rows in steps of 32."""
     from kvpolicy.kernels.triton import rerank_select
 
 
@@ -642,6 +643,7 @@ def small_select(request, monkeypatch):
     monkeypatch.setattr(rerank_select, "_RADIX_SCORE_SUB", 8)
     monkeypatch.setattr(rerank_select, "_RADIX_MIN_CHUNK", 8)
     monkeypatch.setattr(rerank_select, "_PLACE_BLOCK", 4)
+    monkeypatch.setattr(rerank_select, "_ROW_BLOCK", 32)
     if request.param == "radix-level-chunk":
         monkeypatch.setattr(rerank_select, "_RADIX_LEVEL_MIN_CHUNK", 32)
         monkeypatch.setattr(rerank_select, "_RADIX_LEVEL_LARGE_CALL", 0)
@@ -713,12 +715,14 @@ def test_rerank_select_matches_reference(small_select, n, width, listed, indexed
     _assert_selects_like_reference(got, want, inputs, capacity)
 
 
-def test_rerank_select_leaves_its_scratch_zeroed_for_the_next_call(monkeypatch):
+@pytest.mark.parametrize("method", ["radix", "row"])
+def test_rerank_select_leaves_its_scratch_zeroed_for_the_next_call(monkeypatch, method):
     # the radix passes' row histograms are kept across calls (no fill launched): each call must
-    # find them zero and leave them so, or the next call's threshold is off
+    # find them zero and leave them so, or the next call's threshold is off (the row method reads the
+    # score pass's and zeroes it)
     from kvpolicy.kernels.triton import rerank_select, scratch
 
-    monkeypatch.setattr(rerank_select, "METHOD", "radix")
+    monkeypatch.setattr(rerank_select, "METHOD", method)
     # several chunks a row at these sizes, so the last program of several clears
     monkeypatch.setattr(rerank_select, "_RADIX_PROGRAMS", 64)
     monkeypatch.setattr(rerank_select, "_RADIX_SUB", 16)
@@ -786,7 +790,7 @@ def test_rerank_select_orders_negative_scores_and_zero(small_select):
         _assert_selects_like_reference(got, want, inputs, capacity)
 
 
-@pytest.mark.parametrize("method", ["radix", "torch", "split"])
+@pytest.mark.parametrize("method", ["radix", "row", "torch", "split"])
 @pytest.mark.parametrize(
     "width, listed, buffered",
     [
@@ -822,7 +826,7 @@ def test_rerank_select_method_table(monkeypatch):
     monkeypatch.setattr(rerank_select, "METHOD", "split")
     assert rerank_select.method_for(10) == "split"
     monkeypatch.setattr(rerank_select, "METHOD", "bitonic")
-    with pytest.raises(ValueError, match="METHOD 'bitonic'; accepted: auto, radix, split, torch"):
+    with pytest.raises(ValueError, match="METHOD 'bitonic'; accepted: auto, radix, row, split, torch"):
         rerank_select.method_for(10)
 
 
@@ -836,6 +840,15 @@ def test_rerank_select_auto_is_radix_at_decode_sizes():
     assert rs.method_for(104858) == "radix"  # 4 x 1M
 
 
+def test_rerank_select_row_method_refuses_a_row_over_its_width(monkeypatch):
+    from kvpolicy.kernels.triton import rerank_select
+
+    monkeypatch.setattr(rerank_select, "_ROW_MAX_WIDTH", 64)
+    inputs = _select_inputs(3, 1, 2, 200, 32, 4, 100, [[100, 100]], 190, 2)
+    with pytest.raises(ValueError, match="method 'row' takes at most 64 candidates a row, got 100; accepted"):
+        rerank_select.rerank_select(*[t.to(DEVICE) for t in inputs], 20, method="row")
+
+
 def test_rerank_select_refuses_misshaped_inputs(small_select):
     inputs = _select_inputs(2, 1, 2, 100, 32, 4, 50, [[50, 50]], 90, 2)
     with pytest.raises(ValueError, match=r"slots \(99,\) do not fit codes \(1, 2, 100, 16\)"):
@@ -845,8 +858,9 @@ def test_rerank_select_refuses_misshaped_inputs(small_select):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("method", [None, "radix", "radix-level-chunk-every-size"])
-@pytest.mark.parametrize("batch, n, width", [(4, 131072, 13108), (4, 1048576, 104858), (1, 32768, 6554)])
+@pytest.mark.parametrize("method", [None, "radix", "radix-level-chunk-every-size", "row"])
+@pytest.mark.parametrize("batch, n, width", [(4, 131072, 13108), (4, 1048576, 104858), (1, 32768, 6554),
+                                             (1, 32768, 3960)])
 def test_rerank_select_at_decode_sizes(monkeypatch, method, batch, n, width):
     # ParisKV's shape at batch 4 and 1: 8 KV heads, head_dim 128, 16 subspaces, top-k of a 2K
     # budget; the method auto picks, and the radix method (also with the level passes' larger chunk at
@@ -856,6 +870,8 @@ def test_rerank_select_at_decode_sizes(monkeypatch, method, batch, n, width):
     if method == "radix-level-chunk-every-size":
         monkeypatch.setattr(rerank_select, "_RADIX_LEVEL_LARGE_CALL", 0)
     method = method and method.split("-")[0]
+    if method == "row" and width > rerank_select._ROW_MAX_WIDTH:
+        pytest.skip("the row method takes at most _ROW_MAX_WIDTH candidates a row")
     heads, dim, capacity = 8, 128, 1980
     gen = torch.Generator(device=DEVICE).manual_seed(n)
     rotated = torch.nn.functional.normalize(torch.randn(batch, heads, dim, generator=gen, device=DEVICE), dim=-1)
@@ -1052,7 +1068,7 @@ def test_rerank_select_head_softmax_matches_reference(small_select, small_head_s
     _assert_selects_like_reference(got, want, inputs, capacity)
 
 
-@pytest.mark.parametrize("method", ["radix", "torch", "split"])
+@pytest.mark.parametrize("method", ["radix", "row", "torch", "split"])
 @pytest.mark.parametrize(
     "width, listed, buffered",
     [
@@ -1161,11 +1177,15 @@ def test_the_rerank_ops_name_the_query_shapes_they_take():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("method", [None, "radix", "split", "torch"])
+@pytest.mark.parametrize("method", [None, "radix", "row", "split", "torch"])
 @pytest.mark.parametrize("batch, n, width, group", [(4, 131072, 13108, 4), (1, 32768, 6554, 4), (2, 32768, 3001, 8)])
 def test_head_softmax_at_decode_sizes(method, batch, n, width, group):
     # ParisKV's shape: 8 KV heads, head_dim 128, a 2K budget, G query heads a KV head (SmolLM2's 3,
     # Gemma 3's 4; 8 for a wider group); candidates not a multiple of any chunk
+    from kvpolicy.kernels.triton import rerank_select
+
+    if method == "row" and width > rerank_select._ROW_MAX_WIDTH:
+        pytest.skip("the row method takes at most _ROW_MAX_WIDTH candidates a row")
     heads, dim, capacity = 8, 128, 1980
     gen = torch.Generator(device=DEVICE).manual_seed(n + group)
     queries = torch.randn(batch, heads, group, dim, generator=gen, device=DEVICE)
