@@ -53,6 +53,10 @@ from .score_gap_challengers import challenger_buffers, measures_whole
 # Key elements of one tile (a block of units x D): 64 units at D = 128.
 _TILE_ELEMENTS = 8192
 _BLOCKS_WARPS = 4  # warps a program
+# the most registers a thread of the blocks kernel may take (None: the compiler's choice, 104 at the decode shape
+# with fixed_query on sm_90, so 4 programs an SM): fewer let more programs hide each other's load latency, where
+# a program's chain of loads and products, not the SM's issue rate or HBM, sets the pace (session 36, offline)
+_BLOCKS_MAXNREG = None
 # the outlier keys' product: "query" (the 16-bit query's own type, when it is one: half the shared
 # memory of float32 operands) or "tf32" (float32 operands); and the key loop's software-pipeline stages
 # (0: unrolled)
@@ -497,6 +501,8 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
                     PRECISION="ieee" if group.dtype == torch.float32 else "tf32",  # see the module's docstring
                     KEY_DTYPE=_key_dtype(trigger, group.dtype, device), KEY_STAGES=_KEY_STAGES,
                     BLOCK_H=triton.next_power_of_2(heads), num_warps=_BLOCKS_WARPS)
+    if _BLOCKS_MAXNREG is not None:
+        settings["maxnreg"] = _BLOCKS_MAXNREG
     count = chal.ids.shape[-1] if chal else 0
     offset = step_offset(trigger, layer)
     between_here = _setting("_BETWEEN_LAUNCH", ("own", "blocks")) == "blocks" and chal is not None

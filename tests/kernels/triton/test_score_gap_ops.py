@@ -477,3 +477,13 @@ def test_outlier_blocks_parts_match_reference_at_real_head_dims(dim, tile, stage
                                f"{where}: {[float(got[k][tuple(i)]) for i in where]} != "
                                f"{[float(want[k][tuple(i)]) for i in where]}")
 
+
+
+@pytest.mark.parametrize("maxnreg", [64, 80])
+def test_outlier_blocks_parts_match_reference_under_a_register_cap(maxnreg, monkeypatch):
+    # score_gap_outlier._BLOCKS_MAXNREG (benchmarks/outlier_blocks.py's "maxnreg" variants): the cap makes the
+    # compiler spill, which must not change a part; the query in fixed point, as the preset runs it
+    from kvpolicy.kernels.triton import score_gap_outlier
+
+    monkeypatch.setattr(score_gap_outlier, "_BLOCKS_MAXNREG", maxnreg)
+    test_outlier_blocks_parts_match_reference_at_real_head_dims(128, 8192, 0, 4, "tf32", True, monkeypatch)
