@@ -53,9 +53,10 @@ from .score_gap_challengers import challenger_buffers, measures_whole
 # Key elements of one tile (a block of units x D): 64 units at D = 128.
 _TILE_ELEMENTS = 8192
 _BLOCKS_WARPS = 4  # warps a program
-# the most registers a thread of the blocks kernel may take (None: the compiler's choice, 104 at the decode shape
-# with fixed_query on sm_90, so 4 programs an SM): fewer let more programs hide each other's load latency, where
-# a program's chain of loads and products, not the SM's issue rate or HBM, sets the pace (session 36, offline)
+# the most registers a thread of the blocks kernel may take (None: the compiler's choice). Offline (session 36,
+# sm_90, Triton 3.6, the decode shape with fixed_query): 76 registers and 12 KB of shared memory, 6 programs an
+# SM; 64 spill 32 bytes and allow 8, so 1x128K's 1,024 programs run as one wave. More programs hide each other's
+# load latency, where a program's chain of loads and products, not HBM, sets the pace
 _BLOCKS_MAXNREG = None
 # the outlier keys' product: "query" (the 16-bit query's own type, when it is one: half the shared
 # memory of float32 operands) or "tf32" (float32 operands); and the key loop's software-pipeline stages
@@ -75,6 +76,8 @@ _BETWEEN_KEYS = "loop"
 # ``kernels/fixed_point.py``'s constants, for the kernels (``ScoreGap.fixed_query``)
 _FRACTION_BITS = tl.constexpr(fixed_point.FRACTION_BITS)
 _LOWEST_STEP_EXPONENT = tl.constexpr(fixed_point.LOWEST_STEP_EXPONENT)
+# with ``fixed_query``, the decode units' float16 means are scored this many dims a product (``_block_log_mass``)
+_DECODE_DIMS = tl.constexpr(16)
 
 
 def _setting(name: str, accepted: tuple[str, ...]) -> str:
@@ -142,7 +145,7 @@ def _fixed_logits(tile, q_hi, q_lo, step, row_scale, G: tl.constexpr, BLOCK_G: t
 
 
 @triton.jit
-def _block_log_mass(ids, ok, b, h, q_t, scale, P,
+def _block_log_mass(ids, ok, b, h, q_t, q_head, q_sg, scale, P,
                     mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr,
                     rest_scale_ptr, rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
                     ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
@@ -176,8 +179,20 @@ def _block_log_mass(ids, ok, b, h, q_t, scale, P,
         rest = tl.load(rest_at, mask=in_prompt[:, None] & d_ok[None, :], other=0)
         top = _fixed_logits(rest, q_keys, q_lo, q_step, rest_scale * scale, G, BLOCK_G)
         if tl.max(in_decode.to(tl.int32), axis=0) > 0:  # a block with decode units: their float16 means
-            mean = tl.load(mean_at, mask=in_decode[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            decode = _query_logits(mean, q_t, rest_scale * scale, G, BLOCK_G, PRECISION)
+            # in tiles of _DECODE_DIMS dims, the query's rows reloaded from ``q_head``: a whole [BLOCK_U, D] float
+            # tile took 16 KB of shared memory and 24 registers from every program of the launch, where only the
+            # table's last block or two hold a decode unit (session 36, offline: 28 KB and 104 registers, 4
+            # programs an SM, against 12 KB and 80 without it)
+            columns = tl.arange(0, BLOCK_G)
+            decode = tl.zeros([BLOCK_U, BLOCK_G], tl.float32)
+            for d0 in tl.static_range(0, BLOCK_D, _DECODE_DIMS):
+                d = d0 + tl.arange(0, _DECODE_DIMS)
+                mean = tl.load(mean_ptr + b * mn_sb + h * mn_sh + ids[:, None] * mn_su + d[None, :],
+                               mask=in_decode[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+                q_rows = tl.load(q_head + columns[None, :] * q_sg + d[:, None],
+                                 mask=(columns < G)[None, :] & (d < D)[:, None], other=0.0).to(tl.float32)
+                decode += tl.dot(mean, q_rows, input_precision=PRECISION)
+            decode = tl.where((columns < G)[None, :], decode * (rest_scale * scale)[:, None], float("-inf"))
             top = tl.where(in_decode[:, None], decode, top)
         top += tl.log(count)[:, None]
     else:
@@ -323,7 +338,7 @@ def _outlier_gap_blocks_kernel(
     ids = first + tl.arange(0, BLOCK_U).to(tl.int64)
     ok = ids < U
     log_mass = _block_log_mass(
-        ids, ok, b, h, q_t, scale, P,
+        ids, ok, b, h, q_t, q_ptr + b * q_sb + h * q_sh, q_sg, scale, P,
         mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
         rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
         ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
@@ -414,7 +429,7 @@ def _between_program(
         chal_ids = tl.load(chal_ptr + b * ch_sb + h * ch_sh + k, mask=k < G * C, other=-1)
         chal_listed = (chal_ids >= 0) & (chal_ids < U)
         chal_mass = _block_log_mass(
-            chal_ids, chal_listed, b, h, q_t, scale, P,
+            chal_ids, chal_listed, b, h, q_t, q_ptr + b * q_sb + h * q_sh, q_sg, scale, P,
             mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
             rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
             ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
@@ -428,7 +443,7 @@ def _between_program(
     else:
         q_t = tl.load(q_at, mask=q_ok, other=0.0).to(tl.float32)
         log_mass = _block_log_mass(
-            ids, listed, b, h, q_t, scale, P,
+            ids, listed, b, h, q_t, q_ptr + b * q_sb + h * q_sh, q_sg, scale, P,
             mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
             rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
             ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
