@@ -58,6 +58,9 @@ VARIANTS = {
     "maxnreg96": ("shipped", {OUTLIER: {"_BLOCKS_MAXNREG": 96}}),
     "maxnreg80": ("shipped", {OUTLIER: {"_BLOCKS_MAXNREG": 80}}),
     "maxnreg64": ("shipped", {OUTLIER: {"_BLOCKS_MAXNREG": 64}}),
+    # the decode units' means in one product over the whole head dimension, as before session 36 (offline: 28 KB
+    # of shared memory and 104 registers, against 12 KB and 76 in tiles of 16 dims)
+    "decode-whole": ("shipped", {OUTLIER: {"_DECODE_DIMS": 1024}}),
 }
 
 

@@ -58,6 +58,9 @@ _BLOCKS_WARPS = 4  # warps a program
 # SM; 64 spill 32 bytes and allow 8, so 1x128K's 1,024 programs run as one wave. More programs hide each other's
 # load latency, where a program's chain of loads and products, not HBM, sets the pace
 _BLOCKS_MAXNREG = None
+# with ``fixed_query``, the decode units' float16 means are scored this many dims a product (``_block_log_mass``;
+# the head dimension or more: one product over the whole tile, as before session 36)
+_DECODE_DIMS = 16
 # the outlier keys' product: "query" (the 16-bit query's own type, when it is one: half the shared
 # memory of float32 operands) or "tf32" (float32 operands); and the key loop's software-pipeline stages
 # (0: unrolled)
@@ -76,8 +79,6 @@ _BETWEEN_KEYS = "loop"
 # ``kernels/fixed_point.py``'s constants, for the kernels (``ScoreGap.fixed_query``)
 _FRACTION_BITS = tl.constexpr(fixed_point.FRACTION_BITS)
 _LOWEST_STEP_EXPONENT = tl.constexpr(fixed_point.LOWEST_STEP_EXPONENT)
-# with ``fixed_query``, the decode units' float16 means are scored this many dims a product (``_block_log_mass``)
-_DECODE_DIMS = tl.constexpr(16)
 
 
 def _setting(name: str, accepted: tuple[str, ...]) -> str:
@@ -152,7 +153,7 @@ def _block_log_mass(ids, ok, b, h, q_t, q_head, q_sg, scale, P,
                     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, BLOCK_U: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr,
                     KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr, KEYS_AT_ONCE: tl.constexpr,
-                    BLOCK_M: tl.constexpr):
+                    BLOCK_M: tl.constexpr, DECODE_DIMS: tl.constexpr):
     """``[BLOCK_U, BLOCK_G]``: the log mass of units ``ids`` for each query head (``-inf`` where a unit
     is not selectable or not ``ok``: no byte of it is read): a decode unit's tokens at its mean key; a
     prompt unit's other tokens at their mean key and its outlier keys one by one, each tile of keys
@@ -179,14 +180,14 @@ def _block_log_mass(ids, ok, b, h, q_t, q_head, q_sg, scale, P,
         rest = tl.load(rest_at, mask=in_prompt[:, None] & d_ok[None, :], other=0)
         top = _fixed_logits(rest, q_keys, q_lo, q_step, rest_scale * scale, G, BLOCK_G)
         if tl.max(in_decode.to(tl.int32), axis=0) > 0:  # a block with decode units: their float16 means
-            # in tiles of _DECODE_DIMS dims, the query's rows reloaded from ``q_head``: a whole [BLOCK_U, D] float
+            # in tiles of DECODE_DIMS dims, the query's rows reloaded from ``q_head``: a whole [BLOCK_U, D] float
             # tile took 16 KB of shared memory and 24 registers from every program of the launch, where only the
             # table's last block or two hold a decode unit (session 36, offline: 28 KB and 104 registers, 4
             # programs an SM, against 12 KB and 80 without it)
             columns = tl.arange(0, BLOCK_G)
             decode = tl.zeros([BLOCK_U, BLOCK_G], tl.float32)
-            for d0 in tl.static_range(0, BLOCK_D, _DECODE_DIMS):
-                d = d0 + tl.arange(0, _DECODE_DIMS)
+            for d0 in tl.static_range(0, BLOCK_D, DECODE_DIMS):
+                d = d0 + tl.arange(0, DECODE_DIMS)
                 mean = tl.load(mean_ptr + b * mn_sb + h * mn_sh + ids[:, None] * mn_su + d[None, :],
                                mask=in_decode[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
                 q_rows = tl.load(q_head + columns[None, :] * q_sg + d[:, None],
@@ -296,7 +297,7 @@ def _outlier_gap_blocks_kernel(
     EVERY: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr,
     C: tl.constexpr, BLOCK_H: tl.constexpr, BETWEEN_HERE: tl.constexpr, BLOCK_GC: tl.constexpr,
-    KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
+    KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr, DECODE_DIMS: tl.constexpr, PDL: tl.constexpr,
 ):
     """A measured step: program ``block`` scores a block of the table. With challengers, a step between
     measured ones is ``_between_program``'s: in this launch (``BETWEEN_HERE``, its first ``S_BETWEEN``
@@ -320,7 +321,7 @@ def _outlier_gap_blocks_kernel(
                         q_sb, q_sh, q_sg, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh, mk_sb, mk_sh,
                         ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh, pt_sb,
                         pt_sh, ch_sb, ch_sh, D, G, M, C, BLOCK_U, BLOCK_D, BLOCK_G, BLOCK_GC, PRECISION, KEY_DTYPE,
-                        KEY_STAGES, KEYS_AT_ONCE, BLOCK_M)
+                        KEY_STAGES, KEYS_AT_ONCE, BLOCK_M, DECODE_DIMS)
                 return
             if block * BLOCK_U >= U:  # a program only a step between has work for
                 return
@@ -342,7 +343,7 @@ def _outlier_gap_blocks_kernel(
         mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
         rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
         ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
-        D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, False, BLOCK_M)
+        D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, False, BLOCK_M, DECODE_DIMS)
     mask_at = mask_ptr + b * mk_sb + h * mk_sh + ids
     held = tl.load(mask_at, mask=ok, other=0) != 0
     finite = log_mass > float("-inf")
@@ -377,7 +378,7 @@ def _between_kernel(
     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, EVERY: tl.constexpr, C: tl.constexpr,
     BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GC: tl.constexpr,
     BLOCK_H: tl.constexpr, PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr,
-    KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
+    KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr, DECODE_DIMS: tl.constexpr, PDL: tl.constexpr,
 ):
     """A step between measured ones in a launch of its own (``_BETWEEN_LAUNCH = "own"``): a program a chunk
     of the held list, then one for the challengers (``_between_program``). On a measured step it returns at
@@ -396,7 +397,7 @@ def _between_kernel(
         scale, U, P, parts_sk, q_sb, q_sh, q_sg, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh, mk_sb, mk_sh,
         ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh, pt_sb, pt_sh,
         ch_sb, ch_sh, D, G, M, C, BLOCK_U, BLOCK_D, BLOCK_G, BLOCK_GC, PRECISION, KEY_DTYPE, KEY_STAGES,
-        KEYS_AT_ONCE, BLOCK_M)
+        KEYS_AT_ONCE, BLOCK_M, DECODE_DIMS)
 
 
 @triton.jit
@@ -408,7 +409,7 @@ def _between_program(
     ch_sb, ch_sh, D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, C: tl.constexpr,
     BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GC: tl.constexpr,
     PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr, KEYS_AT_ONCE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, DECODE_DIMS: tl.constexpr,
 ):
     """A step between measured ones, with challengers: ``chunk < chunks`` scores the held units ``ids`` (its
     chunk of the held list) and clears their marks; ``chunk == chunks`` each query head's challengers (none
@@ -433,7 +434,8 @@ def _between_program(
             mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
             rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
             ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
-            D, G, M, BLOCK_GC, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, KEYS_AT_ONCE, BLOCK_M)
+            D, G, M, BLOCK_GC, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, KEYS_AT_ONCE, BLOCK_M,
+            DECODE_DIMS)
         own = chal_listed[:, None] & ((k // C)[:, None] == columns[None, :])
         _store_parts(out, parts_sk, real_column, tl.max(tl.where(own, chal_mass, float("-inf")), axis=0),
                      tl.zeros([BLOCK_G], tl.float32), nothing, tl.zeros([BLOCK_G], tl.float32))
@@ -447,7 +449,8 @@ def _between_program(
             mean_ptr, selectable_ptr, size_ptr, keys_ptr, key_scale_ptr, valid_ptr, rest_ptr, rest_scale_ptr,
             rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
             ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
-            D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, KEYS_AT_ONCE, BLOCK_M)
+            D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, KEYS_AT_ONCE, BLOCK_M,
+            DECODE_DIMS)
         counted = listed[:, None] & (log_mass > float("-inf"))
         top = tl.max(tl.where(counted, log_mass, float("-inf")), axis=0)
         shift = tl.where((top > float("-inf")) & (top < float("inf")), top, 0.0)
@@ -515,7 +518,8 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
     settings = dict(BLOCK_U=block, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(per_head)),
                     PRECISION="ieee" if group.dtype == torch.float32 else "tf32",  # see the module's docstring
                     KEY_DTYPE=_key_dtype(trigger, group.dtype, device), KEY_STAGES=_KEY_STAGES,
-                    BLOCK_H=triton.next_power_of_2(heads), num_warps=_BLOCKS_WARPS)
+                    BLOCK_H=triton.next_power_of_2(heads), DECODE_DIMS=min(_DECODE_DIMS, block_d),
+                    num_warps=_BLOCKS_WARPS)
     if _BLOCKS_MAXNREG is not None:
         settings["maxnreg"] = _BLOCKS_MAXNREG
     count = chal.ids.shape[-1] if chal else 0

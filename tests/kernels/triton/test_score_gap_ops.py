@@ -479,11 +479,13 @@ def test_outlier_blocks_parts_match_reference_at_real_head_dims(dim, tile, stage
 
 
 
-@pytest.mark.parametrize("maxnreg", [64, 80])
-def test_outlier_blocks_parts_match_reference_under_a_register_cap(maxnreg, monkeypatch):
+@pytest.mark.parametrize("maxnreg, decode_dims", [(64, 16), (80, 16), (None, 32), (None, 1024)])
+def test_outlier_blocks_parts_match_reference_under_a_register_cap(maxnreg, decode_dims, monkeypatch):
     # score_gap_outlier._BLOCKS_MAXNREG (benchmarks/outlier_blocks.py's "maxnreg" variants): the cap makes the
-    # compiler spill, which must not change a part; the query in fixed point, as the preset runs it
+    # compiler spill, which must not change a part; and the decode units' means in tiles of other widths (1024:
+    # one product over the head dimension); the query in fixed point, as the preset runs it
     from kvpolicy.kernels.triton import score_gap_outlier
 
     monkeypatch.setattr(score_gap_outlier, "_BLOCKS_MAXNREG", maxnreg)
+    monkeypatch.setattr(score_gap_outlier, "_DECODE_DIMS", decode_dims)
     test_outlier_blocks_parts_match_reference_at_real_head_dims(128, 8192, 0, 4, "tf32", True, monkeypatch)
