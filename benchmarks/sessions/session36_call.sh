@@ -29,9 +29,9 @@ blocks() {
   step blocks_128k4 150 python3 benchmarks/outlier_blocks.py --context 131072 --batch 4 --fixed-query --layers 12 \
     --only decode-whole,shipped,maxnreg96,maxnreg80,maxnreg64
   best=$(cat "$OUT/best_128k.txt" 2>/dev/null)
-  step e2e_louis128k_shipped 110 ${E2E} --contexts 131072 --batches 1 --presets louiskv@gpu \
+  step e2e_louis128k_shipped 150 ${E2E} --contexts 131072 --batches 1 --presets louiskv@gpu \
     --json "$OUT/e2e_louis128k_shipped.json"
-  [ -n "$best" ] && step e2e_louis128k_best 110 python3 benchmarks/with_settings.py $best -- ${E2E#python3 } \
+  [ -n "$best" ] && step e2e_louis128k_best 150 python3 benchmarks/with_settings.py $best -- ${E2E#python3 } \
     --contexts 131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_louis128k_best.json"
 }
 case ${3:?} in
