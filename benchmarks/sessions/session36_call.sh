@@ -8,7 +8,7 @@
 # end at 1x32K with the radix method (the shipped default) and with the row method;
 # blocks: the trigger's blocks kernel (fixed_query, the preset's) under register caps (more programs an SM), at
 # 1x128K and 4x128K, then louiskv end to end at 1x128K shipped and with the fastest cap at 1x128K;
-# first: row, then blocks
+# first: row, then blocks; lean: the kernel variants side by side and one end-to-end row of each change
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 row() {
   step row_tests 200 python3 -m pytest -q -rs -n 12 -p no:cacheprovider tests/kernels/triton/test_analytic_ops.py \
@@ -34,7 +34,20 @@ blocks() {
   [ -n "$best" ] && step e2e_louis128k_best 150 python3 benchmarks/with_settings.py $best -- ${E2E#python3 } \
     --contexts 131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_louis128k_best.json"
 }
+lean() {  # what the device time left allows: each kernel change beside its old form, then end to end
+  step blocks_128k 90 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --fixed-query \
+    --only decode-whole,shipped,maxnreg64 --best-settings "$OUT/best_128k.txt"
+  step blocks_128k4 90 python3 benchmarks/outlier_blocks.py --context 131072 --batch 4 --fixed-query --layers 8 \
+    --only decode-whole,shipped,maxnreg64
+  step row_select 90 python3 benchmarks/pariskv_select.py --quick --contexts 32768 --batches 1 --no-gather \
+    --json "$OUT/row_select.json"
+  step e2e_louis128k_shipped 130 ${E2E} --contexts 131072 --batches 1 --presets louiskv@gpu \
+    --json "$OUT/e2e_louis128k_shipped.json"
+  step e2e_paris32k_row 90 python3 benchmarks/with_settings.py kvpolicy.kernels.triton.rerank_select.METHOD="'row'" \
+    -- ${E2E#python3 } --contexts 32768 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_paris32k_row.json"
+}
 case ${3:?} in
+lean) lean ;;
 first) row; blocks ;;
 blocks) blocks ;;
 suite)
@@ -46,5 +59,5 @@ h200)
   step e2e_128k4 200 ${E2E} --contexts 131072 --batches 4 --presets louiskv@gpu --json "$OUT/e2e_128k4.json"
   step million_louiskv 300 ${E2E} --contexts 1048576 --batches 1 --presets louiskv@split --json "$OUT/million_louiskv.json" ;;
 row) row ;;
-*) echo "session36_call.sh: MODE must be first, row, blocks, suite or h200, got '$3'" >&2; exit 2 ;;
+*) echo "session36_call.sh: MODE must be lean, first, row, blocks, suite or h200, got '$3'" >&2; exit 2 ;;
 esac
