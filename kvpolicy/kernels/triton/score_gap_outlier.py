@@ -182,8 +182,8 @@ def _block_log_mass(ids, ok, b, h, q_t, q_head, q_sg, scale, P,
         if tl.max(in_decode.to(tl.int32), axis=0) > 0:  # a block with decode units: their float16 means
             # in tiles of DECODE_DIMS dims, the query's rows reloaded from ``q_head``: a whole [BLOCK_U, D] float
             # tile took 16 KB of shared memory and 24 registers from every program of the launch, where only the
-            # table's last block or two hold a decode unit (session 36, offline: 28 KB and 104 registers, 4
-            # programs an SM, against 12 KB and 80 without it)
+            # table's last block or two hold a decode unit (session 36, offline, sm_90: 28 KB and 104 registers, 4
+            # programs an SM; in tiles of 16 dims 12 KB and 76, 6 programs)
             columns = tl.arange(0, BLOCK_G)
             decode = tl.zeros([BLOCK_U, BLOCK_G], tl.float32)
             for d0 in tl.static_range(0, BLOCK_D, DECODE_DIMS):
