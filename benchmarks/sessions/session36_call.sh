@@ -47,6 +47,9 @@ lean() {  # what the device time left allows: each kernel change beside its old 
     -- ${E2E#python3 } --contexts 32768 --batches 1 --presets pariskv@gpu --json "$OUT/e2e_paris32k_row.json"
 }
 case ${3:?} in
+blocks_only)  # the last of the device time: the blocks kernel beside its old form and a register cap
+  step blocks_128k 90 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --fixed-query \
+    --only decode-whole,shipped,maxnreg64 ;;
 lean) lean ;;
 first) row; blocks ;;
 blocks) blocks ;;
@@ -59,5 +62,5 @@ h200)
   step e2e_128k4 200 ${E2E} --contexts 131072 --batches 4 --presets louiskv@gpu --json "$OUT/e2e_128k4.json"
   step million_louiskv 300 ${E2E} --contexts 1048576 --batches 1 --presets louiskv@split --json "$OUT/million_louiskv.json" ;;
 row) row ;;
-*) echo "session36_call.sh: MODE must be lean, first, row, blocks, suite or h200, got '$3'" >&2; exit 2 ;;
+*) echo "session36_call.sh: MODE must be blocks_only, lean, first, row, blocks, suite or h200, got '$3'" >&2; exit 2 ;;
 esac
