@@ -673,8 +673,8 @@ def _radix_place_kernel(
 
 # -- the row method: a small call's whole select in one program a row -----------------------------
 #
-# Where a row's keys fit one program's registers (at most _ROW_MAX_WIDTH candidates: 1x32K's 3,960, 4x32K's
-# 6,554), the radix method's three level passes and its place pass (four latency-bound launches: 13 us a
+# Where a row's keys fit one program's registers (at most _ROW_MAX_WIDTH candidates: 4K-6.6K a row at 1x32K and
+# 4x32K), the radix method's three level passes and its place pass (four latency-bound launches: 13 us a
 # layer at 1x32K on an H100, session 35's profile) become one launch after the same score pass:
 # ``_radix_row_kernel`` loads its row's keys, positions and slots once, picks the top digit from the score
 # pass's histogram as level 1 does, then fixes the threshold key's lower 24 bits one at a time (the largest
@@ -711,7 +711,7 @@ def _radix_row_kernel(
     indexed = tl.load(indexed_ptr)
     buffered = tl.minimum(tl.maximum(tl.load(next_ptr) - indexed, 0), R).to(tl.int32)
     take = tl.minimum(R - buffered, tl.sum(hist, axis=0))
-    digit, above = _pick(hist, bins, take)
+    digit, _ = _pick(hist, bins, take)
     # the threshold key as an unsigned 32-bit value (the key plus 2**31), in int64: its top digit picked, then
     # each lower bit set where at least `take` keys are at or above it (compared as signed keys)
     threshold = digit.to(tl.int64) << 24
