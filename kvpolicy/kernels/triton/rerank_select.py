@@ -205,6 +205,29 @@ def _split_kernel(
 
 
 @triton.jit
+def _buffer_rows_and_tail(out_ids, out_slots, out_valid, token_valid_ptr, slots_ptr, b, indexed, buffered, filled,
+                          R, N, valid_sb, valid_sn, slot_s, BLOCK: tl.constexpr):
+    """A row's rows ``[0, buffered)``: the update buffer's positions from ``indexed`` (-1 where not valid), and
+    its empty tail ``[filled, R)`` (-1, slot 0's); the rows between are the chosen ones, written by the caller.
+    Returns how many buffer rows are valid."""
+    lanes = tl.arange(0, BLOCK)
+    count = 0
+    for r0 in range(0, R, BLOCK):
+        r = r0 + lanes
+        in_buffer = r < buffered
+        empty = (r >= filled) & (r < R)
+        position = tl.minimum(indexed + r, N - 1)
+        valid = tl.load(token_valid_ptr + b * valid_sb + position * valid_sn, mask=in_buffer, other=0) != 0
+        position = tl.where(in_buffer, position, 0)
+        write = in_buffer | empty
+        tl.store(out_ids + r, tl.where(valid, position, -1), mask=write)
+        tl.store(out_slots + r, tl.load(slots_ptr + position * slot_s, mask=write, other=0), mask=write)
+        tl.store(out_valid + r, valid.to(tl.int8), mask=write)
+        count += tl.sum(valid.to(tl.int32), axis=0)
+    return count
+
+
+@triton.jit
 def _highest(hist, bins, need, NBINS: tl.constexpr):
     # the highest bin b > 0 with at least `need` counts in bins >= b, and the counts above it
     hist = tl.where(bins > 0, hist, 0)
@@ -293,20 +316,8 @@ def _finish_kernel(
         tl.store(out_slots + at, tl.load(slots_ptr + position * slot_s, mask=in_a, other=0), mask=in_a)
         tl.store(out_valid + at, tl.full([BLOCK], 1, tl.int8), mask=in_a)
     # the update buffer's rows first, the chosen ones (written above), then an empty tail
-    count = take
-    filled = buffered + take
-    for r0 in range(0, R, BLOCK):
-        r = r0 + lanes
-        in_buffer = r < buffered
-        empty = (r >= filled) & (r < R)
-        position = tl.minimum(indexed + r, N - 1)
-        valid = tl.load(token_valid_ptr + b * valid_sb + position * valid_sn, mask=in_buffer, other=0) != 0
-        position = tl.where(in_buffer, position, 0)
-        write = in_buffer | empty
-        tl.store(out_ids + r, tl.where(valid, position, -1), mask=write)
-        tl.store(out_slots + r, tl.load(slots_ptr + position * slot_s, mask=write, other=0), mask=write)
-        tl.store(out_valid + r, valid.to(tl.int8), mask=write)
-        count += tl.sum(valid.to(tl.int32), axis=0)
+    count = take + _buffer_rows_and_tail(out_ids, out_slots, out_valid, token_valid_ptr, slots_ptr, b, indexed,
+                                         buffered, buffered + take, R, N, valid_sb, valid_sn, slot_s, BLOCK)
     tl.store(count_ptr + row, count.to(tl.int64))
 
 
@@ -732,21 +743,8 @@ def _radix_row_kernel(
     tl.store(out_slots + at, slot, mask=chosen != 0)
     tl.store(out_valid + at, tl.full([BLOCK_W], 1, tl.int8), mask=chosen != 0)
     # the update buffer's rows, then the empty tail past the chosen ones, and the row's count
-    lanes = tl.arange(0, BLOCK)
-    filled = buffered + take
-    count = take
-    for r0 in range(0, R, BLOCK):
-        r = r0 + lanes
-        in_buffer = r < buffered
-        empty = (r >= filled) & (r < R)
-        at_position = tl.minimum(indexed + r, N - 1)
-        valid = tl.load(token_valid_ptr + b * valid_sb + at_position * valid_sn, mask=in_buffer, other=0) != 0
-        at_position = tl.where(in_buffer, at_position, 0)
-        write = in_buffer | empty
-        tl.store(out_ids + r, tl.where(valid, at_position, -1), mask=write)
-        tl.store(out_slots + r, tl.load(slots_ptr + at_position * slot_s, mask=write, other=0), mask=write)
-        tl.store(out_valid + r, valid.to(tl.int8), mask=write)
-        count += tl.sum(valid.to(tl.int32), axis=0)
+    count = take + _buffer_rows_and_tail(out_ids, out_slots, out_valid, token_valid_ptr, slots_ptr, b, indexed,
+                                         buffered, buffered + take, R, N, valid_sb, valid_sn, slot_s, BLOCK)
     tl.store(count_ptr + row, count.to(tl.int64))
     # the row's histogram back to zero for the next call (its reads above are done: the barrier orders them)
     tl.debug_barrier()
