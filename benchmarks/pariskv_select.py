@@ -67,7 +67,7 @@ RERANK_METHODS = ("radix", "row", "split", "torch")
 # kvpolicy/kernels/triton/rerank_select.py) around their defaults: each timed alone
 RERANK_VARIANTS = (
     ("radix", {"METHOD": "radix"}),
-    ("row", {"METHOD": "row"}),  # at most _ROW_MAX_WIDTH candidates a row (skipped above)
+    ("row", {"METHOD": "row"}),  # at most _ROW_MAX_WIDTH candidates a row (measure_methods skips it past that)
     ("split", {"METHOD": "split"}),
     ("torch", {"METHOD": "torch"}),
     ("radix score 64x8w", {"METHOD": "radix", "_RADIX_SCORE_SUB": 64, "_RADIX_SCORE_WARPS": 8}),
@@ -123,8 +123,7 @@ QUICK_COLLISION_VARIANTS = (
 )
 QUICK_RERANK_VARIANTS = (
     ("radix", {"METHOD": "radix"}),
-    ("row", {"METHOD": "row"}),
-    ("row", {"METHOD": "row"}),  # at most _ROW_MAX_WIDTH candidates a row (skipped above)
+    ("row", {"METHOD": "row"}),  # at most _ROW_MAX_WIDTH candidates a row (measure_methods skips it past that)
     # before session 19: the level and place passes on the score pass's chunks at every size
     ("radix level chunk of the score pass", {"METHOD": "radix", "_RADIX_LEVEL_LARGE_CALL": 1 << 62}),
     ("radix level chunk 1024 at every size", {"METHOD": "radix", "_RADIX_LEVEL_LARGE_CALL": 0}),
@@ -473,8 +472,6 @@ def measure_collision_variants(args: argparse.Namespace, call_args: tuple, devic
     first = None
     try:
         for label, settings in variants:
-            if settings.get("METHOD") == "row" and select_args[4].shape[-1] > module._ROW_MAX_WIDTH:
-                continue  # the row method refuses a row wider than that
             for name, value in settings.items():
                 setattr(module, name, value)
             out = module.collision_candidates(*call_args)
