@@ -25,9 +25,9 @@ blocks() {
   step cap_tests 100 python3 -m pytest -q -rs -n 4 -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py \
     -k "register_cap or real_head_dims"
   step blocks_128k 120 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --fixed-query \
-    --only decode-whole,shipped,maxnreg96,maxnreg80,maxnreg64 --best-settings "$OUT/best_128k.txt"
+    --only decode16,shipped,maxnreg96,maxnreg80,maxnreg64 --best-settings "$OUT/best_128k.txt"
   step blocks_128k4 150 python3 benchmarks/outlier_blocks.py --context 131072 --batch 4 --fixed-query --layers 12 \
-    --only decode-whole,shipped,maxnreg96,maxnreg80,maxnreg64
+    --only decode16,shipped,maxnreg96,maxnreg80,maxnreg64
   best=$(cat "$OUT/best_128k.txt" 2>/dev/null)
   step e2e_louis128k_shipped 150 ${E2E} --contexts 131072 --batches 1 --presets louiskv@gpu \
     --json "$OUT/e2e_louis128k_shipped.json"
@@ -36,9 +36,9 @@ blocks() {
 }
 lean() {  # what the device time left allows: each kernel change beside its old form, then end to end
   step blocks_128k 90 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --fixed-query \
-    --only decode-whole,shipped,maxnreg64 --best-settings "$OUT/best_128k.txt"
+    --only decode16,shipped,maxnreg64 --best-settings "$OUT/best_128k.txt"
   step blocks_128k4 90 python3 benchmarks/outlier_blocks.py --context 131072 --batch 4 --fixed-query --layers 8 \
-    --only decode-whole,shipped,maxnreg64
+    --only decode16,shipped,maxnreg64
   step row_select 90 python3 benchmarks/pariskv_select.py --quick --contexts 32768 --batches 1 --no-gather \
     --json "$OUT/row_select.json"
   step e2e_louis128k_shipped 130 ${E2E} --contexts 131072 --batches 1 --presets louiskv@gpu \
@@ -49,7 +49,7 @@ lean() {  # what the device time left allows: each kernel change beside its old 
 case ${3:?} in
 blocks_only)  # the last of the device time: the blocks kernel beside its old form and a register cap
   step blocks_128k 90 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --fixed-query \
-    --only decode-whole,shipped,maxnreg64 ;;
+    --only decode16,shipped,maxnreg64 ;;
 lean) lean ;;
 first) row; blocks ;;
 blocks) blocks ;;

@@ -10,7 +10,7 @@ source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 case ${3:?} in
 measure)
   step blocks_128k 90 python3 benchmarks/outlier_blocks.py --context 131072 --batch 1 --fixed-query \
-    --only decode-whole,shipped,maxnreg80,maxnreg64 --best-settings "$OUT/best_128k.txt"
+    --only decode16,shipped,maxnreg80,maxnreg64 --best-settings "$OUT/best_128k.txt"
   step row_select 90 python3 benchmarks/pariskv_select.py --quick --contexts 32768 --batches 1 --no-gather \
     --json "$OUT/row_select.json"
   for method in radix row; do

@@ -55,12 +55,14 @@ _TILE_ELEMENTS = 8192
 _BLOCKS_WARPS = 4  # warps a program
 # the most registers a thread of the blocks kernel may take (None: the compiler's choice). Offline (session 36,
 # sm_90, Triton 3.6, the decode shape with fixed_query): 76 registers and 12 KB of shared memory, 6 programs an
-# SM; 64 spill 32 bytes and allow 8, so 1x128K's 1,024 programs run as one wave. More programs hide each other's
-# load latency, where a program's chain of loads and products, not HBM, sets the pace
+# SM; 64 spill 32 bytes and allow 8, so 1x128K's 1,024 programs run as one wave. On an H100 (session 37, 1x128K,
+# with 16-dim decode tiles) no cap was faster: 26.8 us at 80, 25.9 at 64, 26.0 uncapped
 _BLOCKS_MAXNREG = None
 # with ``fixed_query``, the decode units' float16 means are scored this many dims a product (``_block_log_mass``;
-# the head dimension or more: one product over the whole tile, as before session 36)
-_DECODE_DIMS = 16
+# the head dimension or more: one product over the whole tile). In tiles of 16 the kernel takes fewer registers
+# and less shared memory (offline, session 36: 6 programs an SM instead of 4), but ran slower on an H100 (session
+# 37, 1x128K: 26.0 us a layer against 23.5 for the whole tile), so the whole tile it is
+_DECODE_DIMS = 1024
 # the outlier keys' product: "query" (the 16-bit query's own type, when it is one: half the shared
 # memory of float32 operands) or "tf32" (float32 operands); and the key loop's software-pipeline stages
 # (0: unrolled)
