@@ -627,6 +627,8 @@ def test_a_low_rank_first_pass_measures_whole_only_the_units_it_ranks_highest(ra
         assert float(basis[NEEDLE_DIM].norm()) > 0.99 if rank == 11 else float(basis[NEEDLE_DIM].norm()) < 0.3
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton step needs a CUDA device or TRITON_INTERPRET=1")
 def test_low_rank_is_checked_refused_by_the_fused_step_and_named_in_the_spec_only_when_set():
     outlier = {"measure": "mass", "estimate": "outlier"}
     with pytest.raises(ConfigError, match="low_rank must be an integer >= 0"):
@@ -640,7 +642,9 @@ def test_low_rank_is_checked_refused_by_the_fused_step_and_named_in_the_spec_onl
     with pytest.raises(ConfigError, match=f"low_rank must be at most the head dimension \\({D}\\), got {D + 1}"):
         _layer({"name": "score_gap", **outlier, "low_rank": D + 1})
     with pytest.raises(ConfigError, match="does not implement low_rank=4 .accepted: 0."):
-        _layer({"name": "score_gap", **outlier, "low_rank": 4}, backend="triton")
+        # on the Triton step's device: a CUDA device where there is one (its kernels refuse CPU tensors uninterpreted)
+        _layer({"name": "score_gap", **outlier, "low_rank": 4}, backend="triton",
+               device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     spec = kvpolicy.Policy(trigger={"name": "score_gap", **outlier}, prefill_units="kmeans",
                            selector="top_budget").to_dict()["trigger"]
     assert "low_rank" not in spec and "low_rank_top" not in spec
