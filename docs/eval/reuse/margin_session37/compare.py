@@ -1,3 +1,5 @@
+# The eval cells in DIR (subfolders s4k_*, s8k_*) against the louiskv preset's fixed_query cells of sessions 34-35,
+# answer by answer. Run from the repository root: python3 docs/eval/reuse/margin_session37/compare.py DIR
 import json, sys, os, statistics as st
 def load(p, preset=None):
     d={}
@@ -6,7 +8,7 @@ def load(p, preset=None):
         if preset and r['preset']!=preset: continue
         d[(r['task'],r['seed'])]=(r['score'],r['prediction'].strip()[:30],round(r['reselect_share'],3))
     return d
-W='/work/main/docs/eval/reuse/'
+W='docs/eval/reuse/'
 a={}
 a.update(load(W+'fixed_query_session35/fixed4k/results.jsonl'))
 a.update(load(W+'fixed_query_session34/results.jsonl','fixed'))
