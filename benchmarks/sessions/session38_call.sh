@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Session 38's GPU calls. Usage: bash benchmarks/sessions/session38_call.sh OUTDIR TAR MODE
+# MODE floor: issue 12's own floor cell, the one its "now" column names (louiskv at a 2,304-token context, the
+# context a 2K budget attends, batches 1, 4 and 8, against full-graph and the budget floor in the same run),
+# then the GPU test session 37 fixed without rerunning it;
+# h200: floor, then the H200 rows the targets name and an H100 cannot hold or did not give (louiskv at 4x128K,
+# pariskv at 1x32K with rerank_select's radix and row methods side by side);
+# suite: as session36_call.sh's.
+source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
+floor() {
+  step e2e_floor_cell 240 ${E2E} --contexts 2304 --batches 1,4,8 --presets louiskv@gpu --json "$OUT/e2e_floor_cell.json"
+  step fixed_test 120 python3 -m pytest -q -rs -p no:cacheprovider tests/triggers -k "low_rank_is_checked"
+}
+case ${3:?} in
+floor) floor ;;
+h200)
+  floor
+  step e2e_128k4 200 ${E2E} --contexts 131072 --batches 4 --presets louiskv@gpu --json "$OUT/e2e_128k4.json"
+  for method in radix row; do
+    step "e2e_paris32k_$method" 100 python3 benchmarks/with_settings.py \
+      kvpolicy.kernels.triton.rerank_select.METHOD="'$method'" -- ${E2E#python3 } --contexts 32768 --batches 1 \
+      --presets pariskv@gpu --json "$OUT/e2e_paris32k_$method.json"
+  done ;;
+suite) bash "$(dirname "$0")/session36_call.sh" "$OUT" "$TAR" suite ;;
+*) echo "session38_call.sh: MODE must be floor, h200 or suite, got '$3'" >&2; exit 2 ;;
+esac
