@@ -62,6 +62,9 @@ VARIANTS = {
     # the whole tile's 28 KB and 104), the default for session 36 only: 26.0 us against the whole tile's 23.5 at
     # 1x128K on an H100 (session 37)
     "decode16": ("shipped", {OUTLIER: {"_DECODE_DIMS": 16}}),
+    # the decision in a launch of its own after the blocks launch (before session 38), where the shipped op makes it
+    # in the blocks launch's last program of each sequence (up to 64 blocks a row)
+    "decide-launch": ("shipped", {OUTLIER: {"_DECIDE_IN_BLOCKS": False}}),
 }
 
 

@@ -5,14 +5,31 @@
 # then the GPU test session 37 fixed without rerunning it;
 # h200: floor, then the H200 rows the targets name and an H100 cannot hold or did not give (louiskv at 4x128K,
 # pariskv at 1x32K with rerank_select's radix and row methods side by side);
+# fused: the trigger's decision in its blocks launch (score_gap_outlier._DECIDE_IN_BLOCKS): its GPU tests, the op
+# beside the decide launch at 2,304 tokens and 32K, then louiskv end to end with each (2,304 tokens at batches 1 and
+# 4, and 1x32K; 1x128K has 128 blocks a row, past the fused decision's 64, so it is unchanged);
 # suite: as session36_call.sh's.
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 floor() {
   step e2e_floor_cell 240 ${E2E} --contexts 2304 --batches 1,4,8 --presets louiskv@gpu --json "$OUT/e2e_floor_cell.json"
   step fixed_test 120 python3 -m pytest -q -rs -p no:cacheprovider tests/triggers -k "low_rank_is_checked"
 }
+fused() {
+  step fused_tests 150 python3 -m pytest -q -rs -n 8 -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py \
+    tests/kernels/triton/test_pdl.py -k "outlier or decide or pdl"
+  for context in 2304 32768; do
+    step "blocks_$context" 60 python3 benchmarks/outlier_blocks.py --context $context --batch 1 --fixed-query \
+      --only shipped,decide-launch
+  done
+  for setting in True False; do
+    step "e2e_fused_$setting" 200 python3 benchmarks/with_settings.py \
+      kvpolicy.kernels.triton.score_gap_outlier._DECIDE_IN_BLOCKS=$setting -- ${E2E#python3 } --contexts 2304,32768 \
+      --batches 1,4 --presets louiskv@gpu --json "$OUT/e2e_fused_$setting.json"
+  done
+}
 case ${3:?} in
 floor) floor ;;
+fused) fused ;;
 h200)
   floor
   step e2e_128k4 200 ${E2E} --contexts 131072 --batches 4 --presets louiskv@gpu --json "$OUT/e2e_128k4.json"
@@ -22,5 +39,5 @@ h200)
       --presets pariskv@gpu --json "$OUT/e2e_paris32k_$method.json"
   done ;;
 suite) bash "$(dirname "$0")/session36_call.sh" "$OUT" "$TAR" suite ;;
-*) echo "session38_call.sh: MODE must be floor, h200 or suite, got '$3'" >&2; exit 2 ;;
+*) echo "session38_call.sh: MODE must be floor, fused, h200 or suite, got '$3'" >&2; exit 2 ;;
 esac

@@ -207,10 +207,12 @@ def clear_marks(mask_at, ok, BLOCK_U: tl.constexpr):
 
 @triton.jit
 def _combine_parts(parts_ptr, b, heads, H, S, parts_sk, pt_sb, pt_sh,
-                   MASS: tl.constexpr, RANK: tl.constexpr, BLOCK_S: tl.constexpr):
+                   MASS: tl.constexpr, RANK: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
     """Rows ``heads`` of sequence ``b``'s block parts combined, ``BLOCK_S`` blocks at a time: the held
     count; with ``RANK`` the counts above and of candidates; else the best unheld score and, with
-    ``MASS``, the held units' running logsumexp (``top``, ``total``), or the weakest held score."""
+    ``MASS``, the held units' running logsumexp (``top``, ``total``), or the weakest held score.
+    ``CACHE``: the loads' cache modifier ("": the default; ".cg", past L1, where other programs of the same
+    launch wrote the parts)."""
     held_count = tl.zeros(heads.shape, tl.float32)
     above = tl.zeros(heads.shape, tl.float32)
     candidates = tl.zeros(heads.shape, tl.float32)
@@ -222,14 +224,15 @@ def _combine_parts(parts_ptr, b, heads, H, S, parts_sk, pt_sb, pt_sh,
         blocks = start + tl.arange(0, BLOCK_S)
         tile = (heads[:, None] < H) & (blocks[None, :] < S)
         at = parts_ptr + b * pt_sb + heads[:, None] * pt_sh + blocks[None, :]
-        held_count += tl.sum(tl.load(at + parts_sk, mask=tile, other=0.0), axis=1)
+        held_count += tl.sum(tl.load(at + parts_sk, mask=tile, other=0.0, cache_modifier=CACHE), axis=1)
         if RANK:
             above += tl.sum(tl.load(at, mask=tile, other=0.0), axis=1)
             candidates += tl.sum(tl.load(at + 2 * parts_sk, mask=tile, other=0.0), axis=1)
         elif MASS:
-            best_unheld = tl.maximum(best_unheld, tl.max(tl.load(at, mask=tile, other=float("-inf")), axis=1))
-            tops = tl.load(at + 2 * parts_sk, mask=tile, other=float("-inf"))
-            sums = tl.load(at + 3 * parts_sk, mask=tile, other=0.0)
+            best_unheld = tl.maximum(best_unheld, tl.max(tl.load(at, mask=tile, other=float("-inf"),
+                                                                 cache_modifier=CACHE), axis=1))
+            tops = tl.load(at + 2 * parts_sk, mask=tile, other=float("-inf"), cache_modifier=CACHE)
+            sums = tl.load(at + 3 * parts_sk, mask=tile, other=0.0, cache_modifier=CACHE)
             new_top = tl.maximum(top, tl.max(tops, axis=1))
             old_shift = tl.where((top > float("-inf")) & (top < float("inf")), top, 0.0)
             new_shift = tl.where((new_top > float("-inf")) & (new_top < float("inf")), new_top, 0.0)
@@ -268,7 +271,7 @@ def _row_parts_kernel(parts_ptr, out_ptr, H, S, parts_sk, pt_sb, pt_sh, out_sk, 
         # (a where: S may be a compile-time 1, which an if cannot reassign)
         parts_read = tl.where(whole, S, S_BETWEEN)
     held_count, above, candidates, best_unheld, weakest, top, total = _combine_parts(
-        parts_ptr, b, heads, H, parts_read, parts_sk, pt_sb, pt_sh, MASS, RANK, BLOCK_S)
+        parts_ptr, b, heads, H, parts_read, parts_sk, pt_sb, pt_sh, MASS, RANK, BLOCK_S, "")
     out = out_ptr + b * out_sb + heads * out_sh
     ok = heads < H
     tl.store(out + out_sk, held_count, mask=ok)
@@ -287,17 +290,34 @@ def _row_parts_kernel(parts_ptr, out_ptr, H, S, parts_sk, pt_sb, pt_sh, out_sk, 
 @pdl_kernel
 @triton.jit
 def _decide_kernel(
-    parts_ptr, has_ptr, above_ptr, open_ptr, seen_open_ptr, fire_ptr, out_gap_ptr,
-    age_ptr, steps_ptr, H, S, parts_sk, pt_sb, pt_sh, margin, follow_margin, cap, offset,
+    parts_ptr, H, S, parts_sk, pt_sb, pt_sh, steps_ptr, offset,
+    has_ptr, above_ptr, open_ptr, seen_open_ptr, fire_ptr, out_gap_ptr, age_ptr, margin, follow_margin, cap,
     noted_ptr, count_ptr, boundary_ptr, slot_ptr, reselect_ptr, boundary_sb,
     MASS: tl.constexpr, RANK: tl.constexpr, FOLLOW: tl.constexpr, CAP: tl.constexpr, NOTE: tl.constexpr,
     EVERY: tl.constexpr, CHALLENGERS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
-    b = tl.program_id(0).to(tl.int64)
+    decide_sequence(
+        tl.program_id(0).to(tl.int64), parts_ptr, H, S, parts_sk, pt_sb, pt_sh, steps_ptr, offset,
+        has_ptr, above_ptr, open_ptr, seen_open_ptr, fire_ptr, out_gap_ptr, age_ptr, margin, follow_margin, cap,
+        noted_ptr, count_ptr, boundary_ptr, slot_ptr, reselect_ptr, boundary_sb,
+        MASS, RANK, FOLLOW, CAP, NOTE, EVERY, CHALLENGERS, BLOCK_H, BLOCK_S, "")
+
+
+@triton.jit
+def decide_sequence(
+    b, parts_ptr, H, S, parts_sk, pt_sb, pt_sh, steps_ptr, offset,
+    has_ptr, above_ptr, open_ptr, seen_open_ptr, fire_ptr, out_gap_ptr, age_ptr, margin, follow_margin, cap,
+    noted_ptr, count_ptr, boundary_ptr, slot_ptr, reselect_ptr, boundary_sb,
+    MASS: tl.constexpr, RANK: tl.constexpr, FOLLOW: tl.constexpr, CAP: tl.constexpr, NOTE: tl.constexpr,
+    EVERY: tl.constexpr, CHALLENGERS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+    CACHE: tl.constexpr,
+):
+    """Sequence ``b``'s decision from its ``H`` rows of ``S`` block parts (``_decide_kernel``'s program, or the
+    outlier blocks launch's last program of the sequence, whose ``CACHE`` reads past L1)."""
     heads = tl.arange(0, BLOCK_H)
     held_count, above, candidates, best_unheld, weakest, top, total = _combine_parts(
-        parts_ptr, b, heads, H, S, parts_sk, pt_sb, pt_sh, MASS, RANK, BLOCK_S)
+        parts_ptr, b, heads, H, S, parts_sk, pt_sb, pt_sh, MASS, RANK, BLOCK_S, CACHE)
     any_held = held_count > 0
     if RANK:
         gap = tl.where(~any_held & (candidates > 0), float("inf"), above)
@@ -424,7 +444,6 @@ def decide_from_parts(trigger, state, parts: torch.Tensor, fire: torch.Tensor, m
     margin, ``follow`` and ``cap``, and write ``decision`` when given. ``challenge``: the outlier op's
     ``score_gap_challengers.Challenge``: the row stage then always runs, and merges the next challengers."""
     layer = state.layer
-    table = layer.units
     rows, blocks = parts.shape[2], parts.shape[3]
     if blocks > _DECIDE_BLOCK or challenge is not None:
         # one program a sequence reading every row's blocks ran latency-bound (15 us a layer at 256
@@ -448,23 +467,32 @@ def decide_from_parts(trigger, state, parts: torch.Tensor, fire: torch.Tensor, m
             **chal_settings,
         )
         parts, blocks = row_parts, 1
+    inputs, settings = decision_inputs(trigger, state, fire, decision)
+    _decide_kernel[(fire.shape[0],)](
+        parts, rows, blocks, parts.stride(0), *parts.stride()[1:3], state.steps, step_offset(trigger, layer),
+        *inputs, MASS=mass, RANK=rank, EVERY=trigger.every, CHALLENGERS=challenge is not None,
+        BLOCK_H=triton.next_power_of_2(rows), BLOCK_S=min(_DECIDE_BLOCK, triton.next_power_of_2(blocks)), **settings,
+    )
+
+
+def decision_inputs(trigger, state, fire: torch.Tensor, decision) -> tuple[tuple, dict]:
+    """What ``decide_sequence`` reads and writes besides the parts and the step count: its runtime arguments from
+    ``has_ptr`` to ``boundary_sb``, and its ``FOLLOW``, ``CAP`` and ``NOTE`` settings (``decision``, the layer's
+    ``Decision``, or None)."""
+    layer = state.layer
     follow = trigger.follow > 0 and state.above is not None
     margin = trigger.margin_of(layer.layer_idx)  # a host number per layer: a captured step keeps its own
     above = state.above.reselect if follow else state.has_selection  # read only when following
     cap = trigger.cap > 0
-    age = state.age if cap else table.open_unit  # read only with a cap
+    age = state.age if cap else layer.units.open_unit  # read only with a cap
     note = decision is not None
     # without a decision, any tensors of the right kinds as placeholders (never read: NOTE False)
     noted, count, boundary, slot, reselect = decision if note else (fire, age, fire.view(1, -1), age, fire)
-    _decide_kernel[(fire.shape[0],)](
-        parts, state.has_selection.view(torch.uint8), above.view(torch.uint8), table.open_unit, state.seen_open,
-        fire.view(torch.uint8), state.gap, age, state.steps, rows, blocks, parts.stride(0), *parts.stride()[1:3],
-        float(margin), float(margin - trigger.follow) if follow else 0.0, int(trigger.cap),
-        step_offset(trigger, layer),
-        noted.view(torch.uint8), count, boundary.view(torch.uint8), slot, reselect.view(torch.uint8), boundary.stride(0),
-        MASS=mass, RANK=rank, FOLLOW=follow, CAP=cap, NOTE=note, EVERY=trigger.every,
-        CHALLENGERS=challenge is not None, BLOCK_H=triton.next_power_of_2(rows), BLOCK_S=min(_DECIDE_BLOCK, triton.next_power_of_2(blocks)),
-    )
+    inputs = (state.has_selection.view(torch.uint8), above.view(torch.uint8), layer.units.open_unit, state.seen_open,
+              fire.view(torch.uint8), state.gap, age, float(margin), float(margin - trigger.follow) if follow else 0.0,
+              int(trigger.cap), noted.view(torch.uint8), count, boundary.view(torch.uint8), slot,
+              reselect.view(torch.uint8), boundary.stride(0))
+    return inputs, dict(FOLLOW=follow, CAP=cap, NOTE=note)
 
 
 def unsupported(trigger) -> str | None:

@@ -1,6 +1,6 @@
 """Triton score-gap trigger step with outlier keys (op ``score_gap_outlier_fire``): the reference
-(``reference_step.score_gap_outlier_fire``) in three launches (four past 64 blocks a row), scoring
-included.
+(``reference_step.score_gap_outlier_fire``) in two launches up to 64 blocks a row (the preset's options), three
+or four past that or with challengers or ``every``, scoring included.
 
 ``estimate="outlier"`` estimates a prompt unit's attention mass from its few keys that stand out
 of it, one by one, plus its other tokens at their mean key (``triggers/outlier_keys.py``), for
@@ -15,7 +15,11 @@ instead of taking the selector's unit scores:
    logsumexp a unit; then, per query head, the block's best unheld log mass and its held units'
    logsumexp parts, and, last, clears its units' marks (``score_gap.clear_marks``).
 3. ``score_gap._decide_kernel`` over the ``H * G`` query heads' rows: the largest gap decides; it
-   notes the layer's ``Decision`` when given one.
+   notes the layer's ``Decision`` when given one. Up to 64 blocks a row, without challengers and measuring
+   every step, the blocks launch's last program of each sequence does this instead (``_DECIDE_IN_BLOCKS``):
+   at a 2,304-token context the trigger's three launches cost 11 us a layer, their latency rather than their
+   bytes (BENCHMARKS.md, session 38). Past 64 blocks one program reading them all ran latency-bound (session 25),
+   so there the row stage and the decide launch stay.
 
 With ``challengers`` (``score_gap_challengers.py``) the first launch also checks each head's
 challengers; on measured steps the blocks launch also stores every candidate's mass; between them
@@ -44,8 +48,9 @@ from ...errors import ConfigError
 from .. import fixed_point
 from ..dispatch import implement, triton_runs_on
 from .pdl import pdl_kernel, wait_for_previous
-from .score_gap import (_measures, _scratch_mask, clear_marks, decide_from_parts, follow_and_mark, step_offset,
-                        unsupported)
+from .scratch import zeroed
+from .score_gap import (_DECIDE_BLOCK, _measures, _scratch_mask, clear_marks, decide_from_parts, decide_sequence,
+                        decision_inputs, follow_and_mark, step_offset, unsupported)
 from .score_gap_challengers import challenger_buffers, measures_whole
 
 # The blocks kernel's settings (benchmarks/outlier_blocks.py times them side by side; session 28, H100,
@@ -78,6 +83,10 @@ _KEY_STAGES = 0
 # session 31, removed.)
 _BETWEEN_LAUNCH = "own"
 _BETWEEN_KEYS = "loop"
+# Without challengers, measuring every step, and with at most ``score_gap._DECIDE_BLOCK`` blocks a row: the
+# decision in the blocks launch (its last program of each sequence) instead of a launch of its own after it (False:
+# the decide launch, for a side-by-side run: benchmarks/outlier_blocks.py's "decide-launch")
+_DECIDE_IN_BLOCKS = True
 # ``kernels/fixed_point.py``'s constants, for the kernels (``ScoreGap.fixed_query``)
 _FRACTION_BITS = tl.constexpr(fixed_point.FRACTION_BITS)
 _LOWEST_STEP_EXPONENT = tl.constexpr(fixed_point.LOWEST_STEP_EXPONENT)
@@ -295,15 +304,22 @@ def _outlier_gap_blocks_kernel(
     q_sb, q_sh, q_sg, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh, mk_sb, mk_sh,
     ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh, pt_sb, pt_sh,
     ms_sb, ms_sr, held_ptr, chal_ptr, R, S_BETWEEN, hl_sb, hl_sh, ch_sb, ch_sh,
+    tickets_ptr, has_ptr, above_ptr, open_ptr, seen_open_ptr, fire_ptr, out_gap_ptr, age_ptr, margin, follow_margin,
+    cap, noted_ptr, count_ptr, boundary_ptr, slot_ptr, reselect_ptr, boundary_sb,
     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, LEAVING_IGNORED: tl.constexpr,
     EVERY: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr,
     C: tl.constexpr, BLOCK_H: tl.constexpr, BETWEEN_HERE: tl.constexpr, BLOCK_GC: tl.constexpr,
-    KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr, DECODE_DIMS: tl.constexpr, PDL: tl.constexpr,
+    KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr, DECODE_DIMS: tl.constexpr,
+    DECIDE: tl.constexpr, FOLLOW: tl.constexpr, CAP: tl.constexpr, NOTE: tl.constexpr, DECIDE_BLOCK_H: tl.constexpr,
+    DECIDE_BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """A measured step: program ``block`` scores a block of the table. With challengers, a step between
     measured ones is ``_between_program``'s: in this launch (``BETWEEN_HERE``, its first ``S_BETWEEN``
-    programs; the launch is as wide as the larger of the two) or in ``_between_kernel``'s."""
+    programs; the launch is as wide as the larger of the two) or in ``_between_kernel``'s. With ``DECIDE``
+    (no challengers, every step measured), a sequence's last program to finish (a ticket a sequence) also
+    decides for it (``score_gap.decide_sequence``, the arguments from ``has_ptr`` on), in place of the decide
+    launch."""
     wait_for_previous(PDL)
     block = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
@@ -365,6 +381,17 @@ def _outlier_gap_blocks_kernel(
     _store_parts(out, parts_sk, real_column, tl.max(unheld, axis=0), tl.sum(counted.to(tl.float32), axis=0),
                  best_held, tl.sum(tl.where(counted, tl.exp(log_mass - shift[None, :]), 0.0), axis=0))
     clear_marks(mask_at, ok, BLOCK_U)
+    if DECIDE:
+        # the ticket (acq_rel) after this program's parts (the barrier puts every warp's stores first); the
+        # last program of the sequence reads them all past L1 and leaves the ticket zero for the next step
+        tl.debug_barrier()
+        if tl.atomic_add(tickets_ptr + b, 1, sem="acq_rel") == tl.num_programs(0) * tl.num_programs(1) - 1:
+            decide_sequence(
+                b, parts_ptr, H * G, tl.num_programs(0), parts_sk, pt_sb, pt_sh, steps_ptr, offset,
+                has_ptr, above_ptr, open_ptr, seen_open_ptr, fire_ptr, out_gap_ptr, age_ptr, margin, follow_margin,
+                cap, noted_ptr, count_ptr, boundary_ptr, slot_ptr, reselect_ptr, boundary_sb,
+                True, False, FOLLOW, CAP, NOTE, EVERY, False, DECIDE_BLOCK_H, DECIDE_BLOCK_S, ".cg")
+            tl.store(tickets_ptr + b, 0)
 
 
 @pdl_kernel
@@ -532,14 +559,23 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
                    KEYS_AT_ONCE=_setting("_BETWEEN_KEYS", ("loop", "tile")) == "tile",
                    BLOCK_M=triton.next_power_of_2(outlier_count))
     challengers = chal.ids if chal else state.held  # a placeholder without challengers (never read)
+    # the decision in the blocks launch's last program of each sequence, where its parts fit one read of the decide
+    # stage (more blocks a row: a row stage first, as its own launch)
+    decide_here = _DECIDE_IN_BLOCKS and chal is None and trigger.every == 1 and blocks <= _DECIDE_BLOCK
+    inputs, decide_settings = decision_inputs(trigger, state, fire, decision)
+    tickets = zeroed(device, "score_gap_outlier_decide", (batch,)) if decide_here else state.held_count
     _outlier_gap_blocks_kernel[(max(blocks, between_parts) if between_here else blocks, heads, batch)](
         group, *table_args, state.units_at_selection, *outlier_args, flags, mass,
         float(scale), units, int(table.num_prompt_units), parts.stride(0), offset, heads,
         *strides, *mass.stride()[:2], state.held, challengers, room, between_parts,
-        *state.held.stride()[:2], *challengers.stride()[:2],
+        *state.held.stride()[:2], *challengers.stride()[:2], tickets, *inputs,
         D=dim, G=per_head, M=outlier_count, LEAVING_IGNORED=trigger.leaving == "ignored",
-        EVERY=trigger.every, C=count, BETWEEN_HERE=between_here, **between, **settings,
+        EVERY=trigger.every, C=count, BETWEEN_HERE=between_here, DECIDE=decide_here, **decide_settings,
+        DECIDE_BLOCK_H=triton.next_power_of_2(rows), DECIDE_BLOCK_S=triton.next_power_of_2(blocks), **between,
+        **settings,
     )
+    if decide_here:
+        return fire
     if chal:
         if not between_here:
             _between_kernel[(between_parts, heads, batch)](

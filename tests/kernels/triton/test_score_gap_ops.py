@@ -371,6 +371,79 @@ def test_outlier_fire_between_settings_match_reference(launch, keys, fixed, monk
                                                   0, 3, 4, monkeypatch)
 
 
+# the preset's options (measured every step, no challengers), with the layer above's follow and a cap, or without
+# (a cap the states' ages do not reach in these steps: its count is tested, and the gap still decides)
+@pytest.mark.parametrize("leaving, admit, follow, cap", [("ignored", "room", 0.0, 0), ("unheld", "evict", 1.5, 12)])
+def test_outlier_fire_decided_in_the_blocks_launch_as_by_the_decide_launch(leaving, admit, follow, cap, monkeypatch):
+    """``score_gap_outlier._DECIDE_IN_BLOCKS``: each sequence's last blocks program decides, and writes the layer's
+    ``Decision``, bit for bit as the decide launch after the blocks launch does, over steps that fire and keep."""
+    from kvpolicy.kernels.triton import score_gap_outlier
+    from kvpolicy.triggers.base import Decision
+
+    triton_ops = dispatch.bind("triton", DEVICE)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    options = dict(measure="mass", leaving=leaving, follow=follow, cap=cap, estimate="outlier", outliers=3,
+                   group="each", fixed_query=True)
+    # 3 blocks of units a row at D = 24 (256 units a block): more than one program of a sequence takes a ticket
+    launched = _state(gen, batch=6, heads=2, units=600, room=12, prompt_units=500, admit=admit, above=follow > 0)
+    _with_outlier_keys(gen, launched, dim=24, m=3)
+    launched.has_selection.copy_(torch.tensor([False] + [True] * 5))
+    fused = copy.deepcopy(launched)
+    queries = [torch.randn(6, 6, 24, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(6)]
+    # the margin: the median of the reference's finite gaps over the same steps in the rows with a selection (a
+    # row with nothing held has an infinite one), so the steps fire on some rows and keep others (the gaps do not
+    # depend on the margin)
+    probe, look = copy.deepcopy(launched), torch.Generator().set_state(gen.get_state())
+    finite = []
+    for query in queries:
+        reference_step.score_gap_outlier_fire(ScoreGap(margin=0.0, **options), probe, query, 0.2)
+        # (a row whose layer above re-selected compares its gap with the margin less ``follow``)
+        lowered = [follow * bool(above) for above in (probe.above.reselect.tolist() if follow else [0] * 6)]
+        finite += [g + low for g, low in list(zip(probe.gap.tolist(), lowered))[1:] if abs(g) < 1e4]
+        _next_look(look, probe)
+    trigger = ScoreGap(margin=float(torch.tensor(finite).median()), **options)
+    trigger.validate()
+
+    def decision():
+        return Decision(has_selection=(torch.rand(6, generator=gen) < 0.7).to(DEVICE),
+                        reselections=torch.randint(0, 9, (6,), generator=gen).to(DEVICE),
+                        boundary=(torch.rand(6, 40, generator=gen) < 0.5).to(DEVICE),
+                        slot=torch.tensor(0, device=DEVICE), reselect=torch.zeros(6, dtype=torch.bool, device=DEVICE))
+
+    want = decision()
+    got = Decision(*(t.clone() for t in want))
+    decided, gaps = [], []
+    launches = []  # the decide launches made: the launched path's only
+    decide = score_gap_outlier.decide_from_parts
+    monkeypatch.setattr(score_gap_outlier, "decide_from_parts",
+                        lambda *args, **kw: (launches.append(score_gap_outlier._DECIDE_IN_BLOCKS), decide(*args, **kw)))
+    for step, query in enumerate(queries):
+        want.slot.fill_(10 + step)
+        got.slot.fill_(10 + step)
+        monkeypatch.setattr(score_gap_outlier, "_DECIDE_IN_BLOCKS", False)
+        fire = triton_ops.score_gap_outlier_fire(trigger, launched, query, 0.2, decision=want)
+        monkeypatch.setattr(score_gap_outlier, "_DECIDE_IN_BLOCKS", True)
+        fired = triton_ops.score_gap_outlier_fire(trigger, fused, query.clone(), 0.2, decision=got)
+        assert torch.equal(fired, fire), f"step {step}: fire differs"
+        assert torch.equal(fused.gap, launched.gap), f"step {step}: gap {fused.gap} != {launched.gap}"
+        for name, a, b in zip(Decision._fields, got, want):
+            assert torch.equal(a, b), f"step {step}: the decision's {name} differs"
+        for name in ("held", "held_count", "held_end", "seen_open", "seen_size", "seen_admitted", "age",
+                     "held_scratch"):
+            a, b = getattr(fused, name), getattr(launched, name)
+            assert (a is None and b is None) or torch.equal(a, b), f"step {step}: state {name} differs"
+        decided += fire.tolist()
+        gaps.append([round(g, 2) for g in launched.gap.tolist()])
+        look = torch.Generator().set_state(gen.get_state())  # the same next look for both
+        _next_look(gen, launched)
+        _next_look(look, fused)
+    assert set(decided) == {True, False}, (f"the steps decided alike ({decided}; margin {trigger.margin:.2f}, gaps "
+                                           f"{gaps}): both ways were not tested")
+    assert launches == [False] * len(queries), f"the decide launch ran where the blocks launch decides: {launches}"
+    tickets = score_gap_outlier.zeroed(DEVICE, "score_gap_outlier_decide", (6,))
+    assert not tickets.any(), f"the tickets were not left at zero: {tickets.tolist()}"
+
+
 def test_outlier_log_mass_counts_each_outlier_by_its_own_logit():
     """``outlier_log_mass`` by hand: a prompt unit with one outlier at logit 4 and 3 other tokens at 0
     has log mass log(e**4 + 3); a decode unit of 2 tokens at logit 1, 1 + log 2; not selectable, -inf."""
@@ -451,6 +524,7 @@ def test_outlier_blocks_parts_match_reference_at_real_head_dims(dim, tile, stage
     monkeypatch.setattr(score_gap_outlier, "_KEY_STAGES", stages)
     monkeypatch.setattr(score_gap_outlier, "_BLOCKS_WARPS", warps)
     monkeypatch.setattr(score_gap_outlier, "_KEY_PRODUCT", product)
+    monkeypatch.setattr(score_gap_outlier, "_DECIDE_IN_BLOCKS", False)  # the parts reach the decide launch
     captured = []
     decide = score_gap_outlier.decide_from_parts
     monkeypatch.setattr(score_gap_outlier, "decide_from_parts",
