@@ -6,8 +6,8 @@
 # h200: floor, then the H200 rows the targets name and an H100 cannot hold or did not give (louiskv at 4x128K,
 # pariskv at 1x32K with rerank_select's radix and row methods side by side);
 # fused: the trigger's decision in its blocks launch (score_gap_outlier._DECIDE_IN_BLOCKS): its GPU tests, the op
-# beside the decide launch at 2,304 tokens and 32K, then louiskv end to end with each (2,304 tokens at batches 1 and
-# 4, and 1x32K; 1x128K has 128 blocks a row, past the fused decision's 64, so it is unchanged);
+# beside the decide launch at 2,304 tokens and 32K, then louiskv end to end with each at 2,304 tokens, batches 1 and
+# 4 (1x128K has 128 blocks a row, past the fused decision's 64, so it is unchanged);
 # suite: as session36_call.sh's.
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 floor() {
@@ -15,15 +15,15 @@ floor() {
   step fixed_test 120 python3 -m pytest -q -rs -p no:cacheprovider tests/triggers -k "low_rank_is_checked"
 }
 fused() {
-  step fused_tests 150 python3 -m pytest -q -rs -n 8 -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py \
+  step fused_tests 120 python3 -m pytest -q -rs -n 8 -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py \
     tests/kernels/triton/test_pdl.py -k "outlier or decide or pdl"
   for context in 2304 32768; do
-    step "blocks_$context" 60 python3 benchmarks/outlier_blocks.py --context $context --batch 1 --fixed-query \
+    step "blocks_$context" 50 python3 benchmarks/outlier_blocks.py --context $context --batch 1 --fixed-query \
       --only shipped,decide-launch
   done
   for setting in True False; do
-    step "e2e_fused_$setting" 200 python3 benchmarks/with_settings.py \
-      kvpolicy.kernels.triton.score_gap_outlier._DECIDE_IN_BLOCKS=$setting -- ${E2E#python3 } --contexts 2304,32768 \
+    step "e2e_fused_$setting" 170 python3 benchmarks/with_settings.py \
+      kvpolicy.kernels.triton.score_gap_outlier._DECIDE_IN_BLOCKS=$setting -- ${E2E#python3 } --contexts 2304 \
       --batches 1,4 --presets louiskv@gpu --json "$OUT/e2e_fused_$setting.json"
   done
 }
