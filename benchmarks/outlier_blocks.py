@@ -63,8 +63,13 @@ VARIANTS = {
     # 1x128K on an H100 (session 37)
     "decode16": ("shipped", {OUTLIER: {"_DECODE_DIMS": 16}}),
     # the decision in a launch of its own after the blocks launch (before session 38), where the shipped op makes it
-    # in the blocks launch's last program of each sequence (up to 64 blocks a row)
-    "decide-launch": ("shipped", {OUTLIER: {"_DECIDE_IN_BLOCKS": False}}),
+    # in the blocks launch's last program of each sequence (up to 16 blocks a row)
+    "decide-launch": ("shipped", {OUTLIER: {"_DECIDE_IN_BLOCKS_UP_TO": 0}}),
+    # fewer units a block (16 and 32 at D = 128): more programs, each a shorter chain, where a small table's few
+    # programs are latency-bound (a 2,304-token context: 3 blocks a row)
+    "units16": ("shipped", {OUTLIER: {"_TILE_ELEMENTS": 2048}}),
+    "units32": ("shipped", {OUTLIER: {"_TILE_ELEMENTS": 4096}}),
+    "units16+decide-launch": ("shipped", {OUTLIER: {"_TILE_ELEMENTS": 2048, "_DECIDE_IN_BLOCKS_UP_TO": 0}}),
 }
 
 

@@ -1,5 +1,5 @@
 """Triton score-gap trigger step with outlier keys (op ``score_gap_outlier_fire``): the reference
-(``reference_step.score_gap_outlier_fire``) in two launches up to 64 blocks a row (the preset's options), three
+(``reference_step.score_gap_outlier_fire``) in two launches up to 16 blocks a row (with the preset's options), three
 or four past that or with challengers or ``every``, scoring included.
 
 ``estimate="outlier"`` estimates a prompt unit's attention mass from its few keys that stand out
@@ -15,11 +15,11 @@ instead of taking the selector's unit scores:
    logsumexp a unit; then, per query head, the block's best unheld log mass and its held units'
    logsumexp parts, and, last, clears its units' marks (``score_gap.clear_marks``).
 3. ``score_gap._decide_kernel`` over the ``H * G`` query heads' rows: the largest gap decides; it
-   notes the layer's ``Decision`` when given one. Up to 64 blocks a row, without challengers and measuring
-   every step, the blocks launch's last program of each sequence does this instead (``_DECIDE_IN_BLOCKS``):
-   at a 2,304-token context the trigger's three launches cost 11 us a layer, their latency rather than their
-   bytes (BENCHMARKS.md, session 38). Past 64 blocks one program reading them all ran latency-bound (session 25),
-   so there the row stage and the decide launch stay.
+   notes the layer's ``Decision`` when given one. Up to 16 blocks a row (``_DECIDE_IN_BLOCKS_UP_TO``),
+   without challengers and measuring every step, the blocks launch's last program of each sequence does this
+   instead: on an H100 the op then took 10.5 us a layer against 11.7 at a 2,304-token context and 12.2 against
+   13.3 at 8K, and the same 18.1 at 32K (32 blocks a row; 18.1 against 17.3 in another run), so not past 16
+   (BENCHMARKS.md, session 38).
 
 With ``challengers`` (``score_gap_challengers.py``) the first launch also checks each head's
 challengers; on measured steps the blocks launch also stores every candidate's mass; between them
@@ -83,10 +83,10 @@ _KEY_STAGES = 0
 # session 31, removed.)
 _BETWEEN_LAUNCH = "own"
 _BETWEEN_KEYS = "loop"
-# Without challengers, measuring every step, and with at most ``score_gap._DECIDE_BLOCK`` blocks a row: the
-# decision in the blocks launch (its last program of each sequence) instead of a launch of its own after it (False:
-# the decide launch, for a side-by-side run: benchmarks/outlier_blocks.py's "decide-launch")
-_DECIDE_IN_BLOCKS = True
+# Without challengers, measuring every step, and with at most this many blocks a row: the decision in the blocks
+# launch (its last program of each sequence) instead of a launch of its own after it (0: always the decide launch,
+# benchmarks/outlier_blocks.py's "decide-launch"). At most ``score_gap._DECIDE_BLOCK``: one read of the parts
+_DECIDE_IN_BLOCKS_UP_TO = 16
 # ``kernels/fixed_point.py``'s constants, for the kernels (``ScoreGap.fixed_query``)
 _FRACTION_BITS = tl.constexpr(fixed_point.FRACTION_BITS)
 _LOWEST_STEP_EXPONENT = tl.constexpr(fixed_point.LOWEST_STEP_EXPONENT)
@@ -559,9 +559,9 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
                    KEYS_AT_ONCE=_setting("_BETWEEN_KEYS", ("loop", "tile")) == "tile",
                    BLOCK_M=triton.next_power_of_2(outlier_count))
     challengers = chal.ids if chal else state.held  # a placeholder without challengers (never read)
-    # the decision in the blocks launch's last program of each sequence, where its parts fit one read of the decide
-    # stage (more blocks a row: a row stage first, as its own launch)
-    decide_here = _DECIDE_IN_BLOCKS and chal is None and trigger.every == 1 and blocks <= _DECIDE_BLOCK
+    # the decision in the blocks launch's last program of each sequence, for a table of a few blocks a row
+    # (``_DECIDE_IN_BLOCKS_UP_TO``); else the decide launch (past 64 blocks a row, a row stage before it)
+    decide_here = chal is None and trigger.every == 1 and blocks <= min(_DECIDE_IN_BLOCKS_UP_TO, _DECIDE_BLOCK)
     inputs, decide_settings = decision_inputs(trigger, state, fire, decision)
     tickets = zeroed(device, "score_gap_outlier_decide", (batch,)) if decide_here else state.held_count
     _outlier_gap_blocks_kernel[(max(blocks, between_parts) if between_here else blocks, heads, batch)](

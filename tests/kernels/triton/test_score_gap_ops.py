@@ -375,7 +375,7 @@ def test_outlier_fire_between_settings_match_reference(launch, keys, fixed, monk
 # (a cap the states' ages do not reach in these steps: its count is tested, and the gap still decides)
 @pytest.mark.parametrize("leaving, admit, follow, cap", [("ignored", "room", 0.0, 0), ("unheld", "evict", 1.5, 12)])
 def test_outlier_fire_decided_in_the_blocks_launch_as_by_the_decide_launch(leaving, admit, follow, cap, monkeypatch):
-    """``score_gap_outlier._DECIDE_IN_BLOCKS``: each sequence's last blocks program decides, and writes the layer's
+    """``score_gap_outlier._DECIDE_IN_BLOCKS_UP_TO``: each sequence's last blocks program decides, and writes the layer's
     ``Decision``, bit for bit as the decide launch after the blocks launch does, over steps that fire and keep."""
     from kvpolicy.kernels.triton import score_gap_outlier
     from kvpolicy.triggers.base import Decision
@@ -416,13 +416,13 @@ def test_outlier_fire_decided_in_the_blocks_launch_as_by_the_decide_launch(leavi
     launches = []  # the decide launches made: the launched path's only
     decide = score_gap_outlier.decide_from_parts
     monkeypatch.setattr(score_gap_outlier, "decide_from_parts",
-                        lambda *args, **kw: (launches.append(score_gap_outlier._DECIDE_IN_BLOCKS), decide(*args, **kw)))
+                        lambda *args, **kw: (launches.append(score_gap_outlier._DECIDE_IN_BLOCKS_UP_TO), decide(*args, **kw)))
     for step, query in enumerate(queries):
         want.slot.fill_(10 + step)
         got.slot.fill_(10 + step)
-        monkeypatch.setattr(score_gap_outlier, "_DECIDE_IN_BLOCKS", False)
+        monkeypatch.setattr(score_gap_outlier, "_DECIDE_IN_BLOCKS_UP_TO", 0)
         fire = triton_ops.score_gap_outlier_fire(trigger, launched, query, 0.2, decision=want)
-        monkeypatch.setattr(score_gap_outlier, "_DECIDE_IN_BLOCKS", True)
+        monkeypatch.setattr(score_gap_outlier, "_DECIDE_IN_BLOCKS_UP_TO", 16)
         fired = triton_ops.score_gap_outlier_fire(trigger, fused, query.clone(), 0.2, decision=got)
         assert torch.equal(fired, fire), f"step {step}: fire differs"
         assert torch.equal(fused.gap, launched.gap), f"step {step}: gap {fused.gap} != {launched.gap}"
@@ -439,7 +439,7 @@ def test_outlier_fire_decided_in_the_blocks_launch_as_by_the_decide_launch(leavi
         _next_look(look, fused)
     assert set(decided) == {True, False}, (f"the steps decided alike ({decided}; margin {trigger.margin:.2f}, gaps "
                                            f"{gaps}): both ways were not tested")
-    assert launches == [False] * len(queries), f"the decide launch ran where the blocks launch decides: {launches}"
+    assert launches == [0] * len(queries), f"the decide launch ran where the blocks launch decides: {launches}"
     tickets = score_gap_outlier.zeroed(DEVICE, "score_gap_outlier_decide", (6,))
     assert not tickets.any(), f"the tickets were not left at zero: {tickets.tolist()}"
 
@@ -524,7 +524,7 @@ def test_outlier_blocks_parts_match_reference_at_real_head_dims(dim, tile, stage
     monkeypatch.setattr(score_gap_outlier, "_KEY_STAGES", stages)
     monkeypatch.setattr(score_gap_outlier, "_BLOCKS_WARPS", warps)
     monkeypatch.setattr(score_gap_outlier, "_KEY_PRODUCT", product)
-    monkeypatch.setattr(score_gap_outlier, "_DECIDE_IN_BLOCKS", False)  # the parts reach the decide launch
+    monkeypatch.setattr(score_gap_outlier, "_DECIDE_IN_BLOCKS_UP_TO", 0)  # the parts reach the decide launch
     captured = []
     decide = score_gap_outlier.decide_from_parts
     monkeypatch.setattr(score_gap_outlier, "decide_from_parts",
