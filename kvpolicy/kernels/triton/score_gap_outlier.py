@@ -489,6 +489,14 @@ def _between_program(
         _store_parts(out, parts_sk, real_column, nothing, tl.sum(counted.to(tl.float32), axis=0), top, total)
 
 
+def _no_decision(fire: torch.Tensor) -> tuple[torch.Tensor, tuple, dict]:
+    """The blocks kernel's ticket and decision arguments where it does not decide (never read): one placeholder
+    tensor and fixed settings, so that kernel compiles once whatever the table's size or the layer's options."""
+    flag = fire.view(torch.uint8)
+    inputs = (flag,) * 7 + (0.0, 0.0, 0) + (flag,) * 5 + (0,)  # as decision_inputs' kinds
+    return flag, inputs, dict(FOLLOW=False, CAP=False, NOTE=False, DECIDE_BLOCK_H=1, DECIDE_BLOCK_S=1)
+
+
 @implement("triton", "score_gap_outlier_fire", supports=triton_runs_on)
 def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *, decision=None) -> torch.Tensor:
     """Three or four launches of ``reference_step.score_gap_outlier_fire`` (the last also writes ``decision``);
@@ -562,16 +570,19 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
     # the decision in the blocks launch's last program of each sequence, for a table of a few blocks a row
     # (``_DECIDE_IN_BLOCKS_UP_TO``); else the decide launch (past 64 blocks a row, a row stage before it)
     decide_here = chal is None and trigger.every == 1 and blocks <= min(_DECIDE_IN_BLOCKS_UP_TO, _DECIDE_BLOCK)
-    inputs, decide_settings = decision_inputs(trigger, state, fire, decision)
-    tickets = zeroed(device, "score_gap_outlier_decide", (batch,)) if decide_here else state.held_count
+    if decide_here:
+        inputs, decide_settings = decision_inputs(trigger, state, fire, decision)
+        decide_settings.update(DECIDE_BLOCK_H=triton.next_power_of_2(rows), DECIDE_BLOCK_S=triton.next_power_of_2(blocks))
+        tickets = zeroed(device, "score_gap_outlier_decide", (batch,))
+    else:
+        tickets, inputs, decide_settings = _no_decision(fire)
     _outlier_gap_blocks_kernel[(max(blocks, between_parts) if between_here else blocks, heads, batch)](
         group, *table_args, state.units_at_selection, *outlier_args, flags, mass,
         float(scale), units, int(table.num_prompt_units), parts.stride(0), offset, heads,
         *strides, *mass.stride()[:2], state.held, challengers, room, between_parts,
         *state.held.stride()[:2], *challengers.stride()[:2], tickets, *inputs,
         D=dim, G=per_head, M=outlier_count, LEAVING_IGNORED=trigger.leaving == "ignored",
-        EVERY=trigger.every, C=count, BETWEEN_HERE=between_here, DECIDE=decide_here, **decide_settings,
-        DECIDE_BLOCK_H=triton.next_power_of_2(rows), DECIDE_BLOCK_S=triton.next_power_of_2(blocks), **between,
+        EVERY=trigger.every, C=count, BETWEEN_HERE=between_here, DECIDE=decide_here, **decide_settings, **between,
         **settings,
     )
     if decide_here:
