@@ -70,6 +70,9 @@ VARIANTS = {
     "units16": ("shipped", {OUTLIER: {"_TILE_ELEMENTS": 2048}}),
     "units32": ("shipped", {OUTLIER: {"_TILE_ELEMENTS": 4096}}),
     "units16+decide-launch": ("shipped", {OUTLIER: {"_TILE_ELEMENTS": 2048, "_DECIDE_IN_BLOCKS_UP_TO": 0}}),
+    # the follow launch before the blocks launch (before session 39), where the shipped op reads the open unit's add
+    # in the blocks launch and makes the follow's writes in the decision
+    "follow-launch": ("shipped", {OUTLIER: {"_LEAVING_IN_BLOCKS": False}}),
 }
 
 

@@ -243,6 +243,7 @@ def follow_leaving_token(state, leaving_unheld: bool, evict: bool) -> None:
     state.seen_open.copy_(unit)
     state.seen_size.copy_(size)
     state.seen_admitted.copy_(admitted_now)
+    state.held_marks = None  # the Triton ops' marks of the list: made from it again where next read
 
 
 def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float,
@@ -452,4 +453,5 @@ def score_gap_selected(state, unit_ids: torch.Tensor, reselect: torch.Tensor) ->
     state.units_at_selection.copy_(torch.where(reselect, units.decode_units, state.units_at_selection))
     state.age.masked_fill_(reselect, 0)
     state.has_selection.logical_or_(reselect)
+    state.held_marks = None  # the Triton ops' marks of the list: made from it again where next read
 

@@ -65,8 +65,9 @@ class ScoreGapState:
     held_end: torch.Tensor | None = None
     units_at_selection: torch.Tensor | None = None  # (B,) long: decode units opened by the last selection
     above: Any = None  # the PolicyLayerState of the preceding served layer, for ``follow``
-    # (B, H, U) uint8, the fused op's held mask (``kernels/triton/score_gap.py``): zeros between steps
-    held_scratch: torch.Tensor | None = None
+    # (B, H, U) uint8, the Triton ops' held marks: the held list as a mask, kept in step with it
+    # (``kernels/triton/score_gap.py``)
+    held_marks: torch.Tensor | None = None
     # (B,) long: steps since the last selection, this one included (counted where ``cap`` is set)
     age: torch.Tensor | None = None
     # (B,) long: the layer's steps so far (counted where ``every`` > 1: which steps measure the gap)

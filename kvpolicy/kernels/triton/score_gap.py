@@ -7,10 +7,10 @@ On a step that keeps its selection the first is what the louiskv preset's trigge
 unit scoring, and every small launch of a replayed graph costs about what it runs, so it is fused:
 
 1. ``_follow_kernel``, one program per (KV head, sequence): follows the token that left the
-   local window in the held list and marks the held units in that head's row of a byte mask.
+   local window in the held list, and keeps the held marks in step with it.
 2. ``_gap_blocks_kernel``, one program per block of units of each (head, sequence): reads the
-   scores once, takes the block's best unheld unit and its held units' side (the weakest score,
-   or a logsumexp of their estimated mass), and, last, clears its units' marks. Blocks run in parallel:
+   scores and the held marks once, and takes the block's best unheld unit and its held units' side (the
+   weakest score, or a logsumexp of their estimated mass). Blocks run in parallel:
    one program walking a head's whole table was latency-bound (24 us a layer at 4x128K, H200).
 3. ``_decide_kernel``, one program per sequence: combines the blocks (``_DECIDE_BLOCK`` at a time;
    past that many a row, ``_row_parts_kernel`` first makes them one a row, a few rows a program)
@@ -21,19 +21,22 @@ unit scoring, and every small launch of a replayed graph costs about what it run
 Measure ``rank``: the first launch also takes the held units' mean score (over the held list, a unit
 listed once), the second counts the unheld units above it per block, the third sums the counts.
 ``cap``: the third launch counts the selection's age. ``every``: it also counts the layer's steps, and
-on a step that does not measure the gap the first launch marks nothing, the second returns at once
+on a step that does not measure the gap the second launch returns at once
 (reading no score or key) and the third keeps the selection. ``margins``: each layer's launch takes its own
 margin. ``estimate="outlier"`` is its own op (``score_gap_outlier.py``; with ``challengers``, the
 follow launch also checks them and the row stage always runs: ``score_gap_challengers.py``); the
 reference-only options (the other ``estimate``s, ``group="each"`` without outliers, ``count``) are
 refused with a ConfigError (``unsupported``), at attach and here.
 
-The mask is a scratch row per (sequence, head) that is all zeros between steps (each step clears
-what it set), so no launch zeroes it. Per-sequence state (``seen_open``) is written by the last
-launch, after every head read it.
+The held marks (``ScoreGapState.held_marks``, ``held_marks``) are the held list as a byte mask over the unit
+table, a row per (sequence, head): made from the list where the state has none (or the table grew), then kept
+in step with it by every op that changes the list, so a step reads a unit's mark where the list would take a
+scan (a unit is listed once). Per-sequence state (``seen_open``) is written by the last launch, after every
+head read it.
 
 ``_selected_kernel``, one program per (KV head, sequence) that re-selected: the held list
-becomes the selection's units, each with the buffer row where it ends (a running sum of sizes).
+becomes the selection's units, each with the buffer row where it ends (a running sum of sizes), and
+their marks replace the old list's.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import triton.language as tl
 from ...errors import ConfigError
 from ..dispatch import implement, triton_runs_on
 from .pdl import pdl_kernel, wait_for_previous
+from ..reference_step import held_units_mask
 from .score_gap_challengers import check_challengers, measures_whole, merge_challengers
 from .step import note_rows
 
@@ -64,47 +68,82 @@ def _measures(steps_ptr, b, offset, EVERY: tl.constexpr):
     return (tl.load(steps_ptr + b) + offset) % EVERY == 0
 
 
+@triton.jit
+def leaving_token(b, h, ok, unit, seen_open_ptr, size_ptr, seen_size_ptr, admitted_ptr, seen_admitted_ptr,
+                  marks_ptr, U, sz_sb, sz_sh, ss_sb, ad_sb, sa_sb, mk_sb, mk_sh):
+    """What the last step's leaving token did, for KV head(s) ``h`` of sequence ``b`` (where ``ok``): whether
+    the open unit ``unit`` took it (moved on, or grew), whether the retrieved buffer admitted it (its count grew),
+    and whether the held list lists that unit (its mark); then the unit's size and the admitted count now.
+    (Scalars meet vectors in wheres, not ands: the interpreter makes a vector-and-scalar int32.)"""
+    size_now = tl.load(size_ptr + b * sz_sb + h * sz_sh + tl.maximum(unit, 0), mask=ok, other=0)
+    moved = unit != tl.load(seen_open_ptr + b)
+    grew = size_now != tl.load(seen_size_ptr + b * ss_sb + h, mask=ok, other=0)
+    appended = tl.where(unit >= 0, tl.where(moved, True, grew), False)
+    admitted_now = tl.load(admitted_ptr + b * ad_sb + h, mask=ok, other=0)
+    admitted = admitted_now > tl.load(seen_admitted_ptr + b * sa_sb + h, mask=ok, other=0)
+    listed = tl.load(marks_ptr + b * mk_sb + h * mk_sh + tl.maximum(unit, 0),
+                     mask=tl.where(ok, (unit >= 0) & (unit < U), False), other=0) != 0
+    return appended, admitted, listed, size_now, admitted_now
+
+
+@triton.jit
+def take_leaving_token(b, open_ptr, seen_open_ptr, size_ptr, seen_size_ptr, admitted_ptr, seen_admitted_ptr,
+                       marks_ptr, held_ptr, held_end_ptr, held_count_ptr, KV, U, R,
+                       sz_sb, sz_sh, ss_sb, ad_sb, sa_sb, mk_sb, mk_sh, hl_sb, hl_sh, he_sb, he_sh, hc_sb,
+                       BLOCK_KV: tl.constexpr):
+    """``_follow_kernel``'s writes for every KV head of sequence ``b`` at once, without ``admit="evict"`` or
+    ``leaving="unheld"`` (neither drops a unit then): the open unit joins the held list where the buffer admitted
+    its token, and the last look moves on. For a launch whose programs read the list's marks as they were (the
+    outlier blocks launch's last program of a sequence, or the decide launch after it), so the step needs no
+    follow launch; ``seen_open`` is the decision's to write, after this."""
+    heads = tl.arange(0, BLOCK_KV).to(tl.int64)
+    ok = heads < KV
+    unit = tl.load(open_ptr + b)
+    appended, admitted, listed, size_now, admitted_now = leaving_token(
+        b, heads, ok, unit, seen_open_ptr, size_ptr, seen_size_ptr, admitted_ptr, seen_admitted_ptr, marks_ptr, U,
+        sz_sb, sz_sh, ss_sb, ad_sb, sa_sb, mk_sb, mk_sh)
+    add = tl.where(ok, appended & admitted & ~listed, False)
+    count = tl.load(held_count_ptr + b * hc_sb + heads, mask=ok, other=0)
+    position = tl.minimum(count, R - 1)
+    listed_at = held_ptr + b * hl_sb + heads * hl_sh + position
+    old = tl.load(listed_at, mask=add, other=-1)  # a full list gives its last entry up (as the follow launch)
+    tl.store(listed_at, tl.zeros_like(count) + unit, mask=add)
+    tl.store(held_end_ptr + b * he_sb + heads * he_sh + position, tl.zeros_like(count), mask=add)
+    marks_at = marks_ptr + b * mk_sb + heads * mk_sh
+    tl.store(marks_at + old, tl.zeros([BLOCK_KV], tl.uint8), mask=add & (old >= 0) & (old < U))
+    tl.store(marks_at + unit, tl.full([BLOCK_KV], 1, tl.uint8), mask=tl.where(add, unit < U, False))
+    tl.store(held_count_ptr + b * hc_sb + heads, count + add.to(tl.int64), mask=ok)
+    tl.store(seen_size_ptr + b * ss_sb + heads, size_now, mask=ok)
+    tl.store(seen_admitted_ptr + b * sa_sb + heads, admitted_now, mask=ok)
+
+
 @pdl_kernel
 @triton.jit
 def _follow_kernel(
     size_ptr, open_ptr, seen_open_ptr, seen_size_ptr, admitted_ptr, seen_admitted_ptr,
-    held_ptr, held_end_ptr, held_count_ptr, kept_ptr, mask_ptr, scores_ptr, middle_ptr, steps_ptr,
+    held_ptr, held_end_ptr, held_count_ptr, kept_ptr, mask_ptr, scores_ptr, middle_ptr,
     chal_ptr, flags_ptr, selectable_ptr,
-    U, R, scale, offset,
+    U, R, scale,
     sz_sb, sz_sh, ss_sb, ad_sb, sa_sb, hl_sb, hl_sh, he_sb, he_sh, hc_sb, kp_sb, mk_sb, mk_sh, sc_sb, sc_sh,
     ch_sb, ch_sh, sl_sb, sl_sh,
-    EVICT: tl.constexpr, LEAVING_UNHELD: tl.constexpr, RANK: tl.constexpr, EVERY: tl.constexpr,
+    EVICT: tl.constexpr, LEAVING_UNHELD: tl.constexpr, RANK: tl.constexpr,
     CHALLENGERS: tl.constexpr, GC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_GC: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     h = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
-    # what the last step's leaving token did: the open unit took it (moved on, or grew) and the
-    # retrieved buffer admitted it (its count grew) or not
     unit = tl.load(open_ptr + b)
-    size_now = tl.load(size_ptr + b * sz_sb + h * sz_sh + tl.maximum(unit, 0))
-    moved = unit != tl.load(seen_open_ptr + b)
-    appended = (unit >= 0) & (moved | (size_now != tl.load(seen_size_ptr + b * ss_sb + h)))
-    admitted_now = tl.load(admitted_ptr + b * ad_sb + h)
-    admitted = admitted_now > tl.load(seen_admitted_ptr + b * sa_sb + h)
+    appended, admitted, listed, size_now, admitted_now = leaving_token(
+        b, h, h >= 0, unit, seen_open_ptr, size_ptr, seen_size_ptr, admitted_ptr, seen_admitted_ptr, mask_ptr, U,
+        sz_sb, sz_sh, ss_sb, ad_sb, sa_sb, mk_sb, mk_sh)
     held_at = held_ptr + b * hl_sb + h * hl_sh
     end_at = held_end_ptr + b * he_sb + h * he_sh
-    listed = tl.sum(tl.zeros([BLOCK_R], tl.int32), axis=0)
-    for r0 in range(0, R, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        ids = tl.load(held_at + rows, mask=rows < R, other=-1)
-        listed += tl.sum((ids == unit).to(tl.int32), axis=0)
-    add = appended & admitted & (listed == 0)
+    mask_at = mask_ptr + b * mk_sb + h * mk_sh
+    add = appended & admitted & ~listed
     drop = appended & ~admitted
     count = tl.load(held_count_ptr + b * hc_sb + h)
     position = tl.minimum(count, R - 1)
     kept = tl.load(kept_ptr + b * kp_sb + h)  # read only when evicting
-    mask_at = mask_ptr + b * mk_sb + h * mk_sh
-    if EVERY > 1:
-        if not CHALLENGERS:
-            # marks only where this step measures the gap: the block pass that clears them runs only then
-            # (with challengers it runs every step, and reads the held units' marks on each)
-            marking = _measures(steps_ptr, b, offset, EVERY)
     # measure "rank": the held units' mean score (each held unit listed once)
     held_sum = tl.sum(tl.zeros([BLOCK_R], tl.float32), axis=0)
     held_n = tl.sum(tl.zeros([BLOCK_R], tl.float32), axis=0)
@@ -120,13 +159,12 @@ def _follow_kernel(
             ids = tl.where(new_end > kept, -1, ids)
         if LEAVING_UNHELD:  # a held unit's token the buffer did not admit: not all attended
             ids = tl.where(drop & (old == unit), -1, ids)
-        tl.store(held_at + rows, ids, mask=ok & (ids != old))
+        changed = ok & (ids != old)
+        tl.store(held_at + rows, ids, mask=changed)
         tl.store(end_at + rows, new_end, mask=ok & (new_end != end))
-        marks = ok & (ids >= 0) & (ids < U)
-        if EVERY > 1:
-            if not CHALLENGERS:  # (a where, not an and: the interpreter makes a vector-and-scalar int32)
-                marks = tl.where(marking, marks, False)
-        tl.store(mask_at + ids, tl.full([BLOCK_R], 1, tl.uint8), mask=marks)
+        # the marks follow the list: a unit that left it unmarked, one that joined marked (never the same unit)
+        tl.store(mask_at + old, tl.zeros([BLOCK_R], tl.uint8), mask=changed & (old >= 0) & (old < U))
+        tl.store(mask_at + ids, tl.full([BLOCK_R], 1, tl.uint8), mask=changed & (ids >= 0) & (ids < U))
         if RANK:
             real = ok & (ids >= 0) & (ids < U)
             s = tl.load(scores_ptr + b * sc_sb + h * sc_sh + tl.maximum(ids, 0), mask=real,
@@ -192,17 +230,6 @@ def _gap_blocks_kernel(
         tl.store(out + 3 * parts_sk, tl.sum(tl.where(counted, tl.exp(s - shift), 0.0), axis=0))
     elif not RANK:
         tl.store(out + 2 * parts_sk, tl.min(tl.where(counted, s, float("inf")), axis=0))
-    clear_marks(mask_at, ok, BLOCK_U)
-
-
-@triton.jit
-def clear_marks(mask_at, ok, BLOCK_U: tl.constexpr):
-    """A block pass's last act: its units' held marks cleared for the next step, after a barrier. The
-    compiler may load the marks again in another layout for a reduction, in other warps of the program;
-    a clear before such a load lost held units (session 28, H100: held units missing from the parts, run to
-    run differently). All of the block's units are cleared, so the store depends on no mark."""
-    tl.debug_barrier()
-    tl.store(mask_at, tl.zeros([BLOCK_U], tl.uint8), mask=ok)
 
 
 @triton.jit
@@ -293,10 +320,24 @@ def _decide_kernel(
     parts_ptr, H, S, parts_sk, pt_sb, pt_sh, steps_ptr, offset,
     has_ptr, above_ptr, open_ptr, seen_open_ptr, fire_ptr, out_gap_ptr, age_ptr, margin, follow_margin, cap,
     noted_ptr, count_ptr, boundary_ptr, slot_ptr, reselect_ptr, boundary_sb,
+    lv_open_ptr, lv_seen_open_ptr, lv_size_ptr, lv_seen_size_ptr, lv_admitted_ptr, lv_seen_admitted_ptr, lv_marks_ptr,
+    lv_held_ptr, lv_end_ptr, lv_count_ptr, KV, U, R,
+    lv_sz_sb, lv_sz_sh, lv_ss_sb, lv_ad_sb, lv_sa_sb, lv_mk_sb, lv_mk_sh, lv_hl_sb, lv_hl_sh, lv_he_sb, lv_he_sh,
+    lv_hc_sb,
     MASS: tl.constexpr, RANK: tl.constexpr, FOLLOW: tl.constexpr, CAP: tl.constexpr, NOTE: tl.constexpr,
-    EVERY: tl.constexpr, CHALLENGERS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    EVERY: tl.constexpr, CHALLENGERS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+    LEAVING: tl.constexpr, BLOCK_KV: tl.constexpr, PDL: tl.constexpr,
 ):
+    """A program a sequence: its decision (``decide_sequence``); with ``LEAVING``, first the follow launch's
+    writes (``take_leaving_token``), where the launches before it read the held marks as they were."""
     wait_for_previous(PDL)
+    if LEAVING:
+        take_leaving_token(
+            tl.program_id(0).to(tl.int64), lv_open_ptr, lv_seen_open_ptr, lv_size_ptr, lv_seen_size_ptr,
+            lv_admitted_ptr, lv_seen_admitted_ptr, lv_marks_ptr, lv_held_ptr, lv_end_ptr, lv_count_ptr, KV, U, R,
+            lv_sz_sb, lv_sz_sh, lv_ss_sb, lv_ad_sb, lv_sa_sb, lv_mk_sb, lv_mk_sh, lv_hl_sb, lv_hl_sh, lv_he_sb,
+            lv_he_sh, lv_hc_sb, BLOCK_KV)
+        tl.debug_barrier()  # its reads of ``seen_open`` before the decision writes it
     decide_sequence(
         tl.program_id(0).to(tl.int64), parts_ptr, H, S, parts_sk, pt_sb, pt_sh, steps_ptr, offset,
         has_ptr, above_ptr, open_ptr, seen_open_ptr, fire_ptr, out_gap_ptr, age_ptr, margin, follow_margin, cap,
@@ -350,14 +391,16 @@ def decide_sequence(
         note_rows(fire, b, True, noted_ptr, count_ptr, boundary_ptr, slot_ptr, reselect_ptr, boundary_sb)
 
 
-def _scratch_mask(state, batch: int, heads: int, units: int, device: torch.device) -> torch.Tensor:
-    """The state's ``(B, H, U)`` byte mask, all zeros between steps; made again when the table
-    grew (outside the step: a table grows in the layer's plan, before it)."""
-    mask = getattr(state, "held_scratch", None)
-    if mask is None or mask.shape != (batch, heads, units) or mask.device != device:
-        mask = torch.zeros(batch, heads, units, dtype=torch.uint8, device=device)
-        state.held_scratch = mask
-    return mask
+def held_marks(state, units: int) -> torch.Tensor:
+    """The state's ``(B, H, U)`` held marks over a table of ``units``: 1 where the held list lists the unit. Made
+    from the list where the state has none or the table grew (outside the step: a table grows in the layer's
+    plan, before it); the ops that change the list keep them in step."""
+    marks = state.held_marks
+    batch, heads = state.held.shape[:2]
+    if marks is None or marks.shape != (batch, heads, units) or marks.device != state.held.device:
+        marks = held_units_mask(state.held, units).to(torch.uint8)
+        state.held_marks = marks
+    return marks
 
 
 @implement("triton", "score_gap_fire", supports=triton_runs_on)
@@ -380,7 +423,7 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float, *, decisi
     if trigger.estimate == "outlier":
         raise ConfigError("triton score_gap_fire: estimate 'outlier' scores its own keys; call "
                           "score_gap_outlier_fire (ScoreGap does)")
-    mask = _scratch_mask(state, batch, heads, units, device)
+    mask = held_marks(state, table.capacity)
     rank = trigger.measure == "rank"
     middle = torch.empty(batch, heads, dtype=torch.float32, device=device) if rank else state.gap  # read if rank
     follow_and_mark(trigger, state, mask, scores, middle, scale, rank)
@@ -424,25 +467,26 @@ def follow_and_mark(trigger, state, mask: torch.Tensor, scores: torch.Tensor, mi
     per_head = chal.shape[-2] * chal.shape[-1] if challenging else 1
     _follow_kernel[(heads, batch)](
         table.size, table.open_unit, state.seen_open, state.seen_size, store.admitted, state.seen_admitted,
-        state.held, state.held_end, state.held_count, kept, mask, scores, middle, state.steps,
+        state.held, state.held_end, state.held_count, kept, mask, scores, middle,
         chal, flags, selectable,
-        mask.shape[-1], room, float(scale), step_offset(trigger, layer),
+        mask.shape[-1], room, float(scale),
         *table.size.stride()[:2], state.seen_size.stride(0), store.admitted.stride(0),
         state.seen_admitted.stride(0), *state.held.stride()[:2], *state.held_end.stride()[:2],
         state.held_count.stride(0), kept.stride(0), *mask.stride()[:2], *scores.stride()[:2],
         *chal.stride()[:2], *selectable.stride()[:2],
-        EVICT=evict, LEAVING_UNHELD=trigger.leaving == "unheld", RANK=rank, EVERY=trigger.every,
+        EVICT=evict, LEAVING_UNHELD=trigger.leaving == "unheld", RANK=rank,
         CHALLENGERS=challenging, GC=per_head, BLOCK_R=min(4096, triton.next_power_of_2(room)),
         BLOCK_GC=max(16, triton.next_power_of_2(per_head)),
     )
 
 
 def decide_from_parts(trigger, state, parts: torch.Tensor, fire: torch.Tensor, mass: bool, rank: bool,
-                      decision, challenge=None) -> None:
+                      decision, challenge=None, leaving: bool = False) -> None:
     """The last launch of a fused score-gap step (``_decide_kernel``): combine the ``(4, B, rows,
     blocks)`` block parts (a row a KV head, or a query head), decide into ``fire`` with the layer's
     margin, ``follow`` and ``cap``, and write ``decision`` when given. ``challenge``: the outlier op's
-    ``score_gap_challengers.Challenge``: the row stage then always runs, and merges the next challengers."""
+    ``score_gap_challengers.Challenge``: the row stage then always runs, and merges the next challengers.
+    ``leaving``: it also makes the follow launch's writes (``take_leaving_token``), where no follow launch ran."""
     layer = state.layer
     rows, blocks = parts.shape[2], parts.shape[3]
     if blocks > _DECIDE_BLOCK or challenge is not None:
@@ -470,9 +514,24 @@ def decide_from_parts(trigger, state, parts: torch.Tensor, fire: torch.Tensor, m
     inputs, settings = decision_inputs(trigger, state, fire, decision)
     _decide_kernel[(fire.shape[0],)](
         parts, rows, blocks, parts.stride(0), *parts.stride()[1:3], state.steps, step_offset(trigger, layer),
-        *inputs, MASS=mass, RANK=rank, EVERY=trigger.every, CHALLENGERS=challenge is not None,
-        BLOCK_H=triton.next_power_of_2(rows), BLOCK_S=min(_DECIDE_BLOCK, triton.next_power_of_2(blocks)), **settings,
+        *inputs, *leaving_inputs(state), MASS=mass, RANK=rank, EVERY=trigger.every, CHALLENGERS=challenge is not None,
+        BLOCK_H=triton.next_power_of_2(rows), BLOCK_S=min(_DECIDE_BLOCK, triton.next_power_of_2(blocks)),
+        LEAVING=leaving, BLOCK_KV=triton.next_power_of_2(state.held.shape[1]), **settings,
     )
+
+
+def leaving_inputs(state) -> tuple:
+    """What ``leaving_token`` and ``take_leaving_token`` read and write (the kernels' arguments from
+    ``lv_open_ptr`` to ``lv_hc_sb``): the table's open unit and sizes, the buffer's admitted counts, the state's
+    last look, held marks (made where missing: ``held_marks``), held list, ends and counts, then their sizes and
+    strides."""
+    table, store = state.layer.units, state.layer.store
+    marks = held_marks(state, table.capacity)
+    return (table.open_unit, state.seen_open, table.size, state.seen_size, store.admitted, state.seen_admitted, marks,
+            state.held, state.held_end, state.held_count, state.held.shape[1], table.capacity, state.held.shape[2],
+            *table.size.stride()[:2], state.seen_size.stride(0), store.admitted.stride(0),
+            state.seen_admitted.stride(0), *marks.stride()[:2], *state.held.stride()[:2],
+            *state.held_end.stride()[:2], state.held_count.stride(0))
 
 
 def decision_inputs(trigger, state, fire: torch.Tensor, decision) -> tuple[tuple, dict]:
@@ -523,9 +582,9 @@ score_gap_fire.unsupported = unsupported
 def _selected_kernel(
     ids_ptr, take_ptr, size_ptr, open_ptr, decode_units_ptr, admitted_ptr,
     held_ptr, held_end_ptr, held_count_ptr, seen_open_ptr, seen_size_ptr, seen_admitted_ptr,
-    at_selection_ptr, has_ptr, age_ptr,
-    K, R, capacity,
-    id_sb, id_sh, sz_sb, sz_sh, ad_sb, hl_sb, hl_sh, he_sb, he_sh, hc_sb, ss_sb, sa_sb,
+    at_selection_ptr, has_ptr, age_ptr, marks_ptr,
+    K, R, capacity, U,
+    id_sb, id_sh, sz_sb, sz_sh, ad_sb, hl_sb, hl_sh, he_sb, he_sh, hc_sb, ss_sb, sa_sb, mk_sb, mk_sh,
     BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
@@ -533,6 +592,13 @@ def _selected_kernel(
     b = tl.program_id(1).to(tl.int64)
     if tl.load(take_ptr + b) == 0:
         return
+    # the old list's marks cleared, then (after a barrier: a unit may be in both lists) the new one's set
+    marks_at = marks_ptr + b * mk_sb + h * mk_sh
+    for r0 in range(0, R, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        old = tl.load(held_ptr + b * hl_sb + h * hl_sh + rows, mask=rows < R, other=-1)
+        tl.store(marks_at + old, tl.zeros([BLOCK_R], tl.uint8), mask=(old >= 0) & (old < U))
+    tl.debug_barrier()
     sizes_at = size_ptr + b * sz_sb + h * sz_sh
     carry = tl.sum(tl.zeros([BLOCK_R], tl.int64), axis=0)  # the sizes summed so far
     count = tl.sum(tl.zeros([BLOCK_R], tl.int64), axis=0)
@@ -545,6 +611,7 @@ def _selected_kernel(
         ends = tl.minimum(carry + tl.cumsum(sizes, axis=0), capacity)
         tl.store(held_ptr + b * hl_sb + h * hl_sh + rows, ids, mask=ok)
         tl.store(held_end_ptr + b * he_sb + h * he_sh + rows, tl.where(listed, ends, 0), mask=ok)
+        tl.store(marks_at + ids, tl.full([BLOCK_R], 1, tl.uint8), mask=ok & listed & (ids < U))
         carry += tl.sum(sizes, axis=0)
         count += tl.sum(listed.to(tl.int64), axis=0)
     tl.store(held_count_ptr + b * hc_sb + h, count)
@@ -570,13 +637,14 @@ def score_gap_selected(state, unit_ids: torch.Tensor, reselect: torch.Tensor) ->
         if t.stride(-1) != 1:
             raise ValueError(f"triton score_gap_selected: {name} must be contiguous in its last dim")
     room = state.held.shape[-1]
+    marks = held_marks(state, table.capacity)
     _selected_kernel[(heads, batch)](
         unit_ids, reselect.view(torch.uint8), table.size, table.open_unit, table.decode_units, store.admitted,
         state.held, state.held_end, state.held_count, state.seen_open, state.seen_size, state.seen_admitted,
-        state.units_at_selection, state.has_selection.view(torch.uint8), state.age,
-        listed, room, store.retrieval_capacity,
+        state.units_at_selection, state.has_selection.view(torch.uint8), state.age, marks,
+        listed, room, store.retrieval_capacity, table.capacity,
         *unit_ids.stride()[:2], *table.size.stride()[:2], store.admitted.stride(0),
         *state.held.stride()[:2], *state.held_end.stride()[:2], state.held_count.stride(0),
-        state.seen_size.stride(0), state.seen_admitted.stride(0),
+        state.seen_size.stride(0), state.seen_admitted.stride(0), *marks.stride()[:2],
         BLOCK_R=min(1024, triton.next_power_of_2(room)),
     )

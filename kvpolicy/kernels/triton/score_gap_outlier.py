@@ -1,6 +1,7 @@
 """Triton score-gap trigger step with outlier keys (op ``score_gap_outlier_fire``): the reference
-(``reference_step.score_gap_outlier_fire``) in two launches up to 16 blocks a row (with the preset's options), three
-or four past that or with challengers or ``every``, scoring included.
+(``reference_step.score_gap_outlier_fire``) in one launch up to 16 blocks a row (with the preset's options), two or
+three past that, three to five with challengers, ``every``, ``admit="evict"`` or ``leaving="unheld"``, scoring
+included.
 
 ``estimate="outlier"`` estimates a prompt unit's attention mass from its few keys that stand out
 of it, one by one, plus its other tokens at their mean key (``triggers/outlier_keys.py``), for
@@ -8,12 +9,14 @@ each query head (``group="each"``) or the query group's mean. So the op scores t
 instead of taking the selector's unit scores:
 
 1. ``score_gap._follow_kernel``: follows the token that left the local window in the held list
-   and marks the held units (as ``score_gap_fire``).
+   and keeps the held marks in step with it (as ``score_gap_fire``). With the preset's options
+   (``_LEAVING_IN_BLOCKS``) there is no such launch: the blocks launch reads what it would add, and
+   the decision makes its writes (``score_gap.take_leaving_token``).
 2. ``_outlier_gap_blocks_kernel``, one program per block of units of each (KV head, sequence):
    the block's decode-unit means and prompt-unit rest means in one tile, then its outlier keys a
    tile each, each tile scored against every query head with one ``tl.dot``, and a running
    logsumexp a unit; then, per query head, the block's best unheld log mass and its held units'
-   logsumexp parts, and, last, clears its units' marks (``score_gap.clear_marks``).
+   logsumexp parts.
 3. ``score_gap._decide_kernel`` over the ``H * G`` query heads' rows: the largest gap decides; it
    notes the layer's ``Decision`` when given one. Up to 16 blocks a row (``_DECIDE_IN_BLOCKS_UP_TO``),
    without challengers and measuring every step, the blocks launch's last program of each sequence does this
@@ -49,8 +52,9 @@ from .. import fixed_point
 from ..dispatch import implement, triton_runs_on
 from .pdl import pdl_kernel, wait_for_previous
 from .scratch import zeroed
-from .score_gap import (_DECIDE_BLOCK, _measures, _scratch_mask, clear_marks, decide_from_parts, decide_sequence,
-                        decision_inputs, follow_and_mark, step_offset, unsupported)
+from .score_gap import (_DECIDE_BLOCK, _measures, decide_from_parts, decide_sequence, decision_inputs,
+                        follow_and_mark, held_marks, leaving_inputs, leaving_token, step_offset, take_leaving_token,
+                        unsupported)
 from .score_gap_challengers import challenger_buffers, measures_whole
 
 # The blocks kernel's settings (benchmarks/outlier_blocks.py times them side by side; session 28, H100,
@@ -87,6 +91,12 @@ _BETWEEN_KEYS = "loop"
 # launch (its last program of each sequence) instead of a launch of its own after it (0: always the decide launch,
 # benchmarks/outlier_blocks.py's "decide-launch"). At most ``score_gap._DECIDE_BLOCK``: one read of the parts
 _DECIDE_IN_BLOCKS_UP_TO = 16
+# Without challengers, measuring every step, and with options that never drop a held unit (not ``admit="evict"``
+# nor ``leaving="unheld"``): the follow launch's work in the blocks launch (the program whose block holds the open
+# unit counts it held where the follow would list it) and its writes in the decision (``score_gap.
+# take_leaving_token``, in the blocks launch's last program or the decide launch): one launch fewer a step. False:
+# the follow launch (benchmarks/outlier_blocks.py's "follow-launch")
+_LEAVING_IN_BLOCKS = True
 # ``kernels/fixed_point.py``'s constants, for the kernels (``ScoreGap.fixed_query``)
 _FRACTION_BITS = tl.constexpr(fixed_point.FRACTION_BITS)
 _LOWEST_STEP_EXPONENT = tl.constexpr(fixed_point.LOWEST_STEP_EXPONENT)
@@ -306,20 +316,26 @@ def _outlier_gap_blocks_kernel(
     ms_sb, ms_sr, held_ptr, chal_ptr, R, S_BETWEEN, hl_sb, hl_sh, ch_sb, ch_sh,
     tickets_ptr, has_ptr, above_ptr, open_ptr, seen_open_ptr, fire_ptr, out_gap_ptr, age_ptr, margin, follow_margin,
     cap, noted_ptr, count_ptr, boundary_ptr, slot_ptr, reselect_ptr, boundary_sb,
+    lv_open_ptr, lv_seen_open_ptr, lv_size_ptr, lv_seen_size_ptr, lv_admitted_ptr, lv_seen_admitted_ptr, lv_marks_ptr,
+    lv_held_ptr, lv_end_ptr, lv_count_ptr, KV, lv_U, lv_R,
+    lv_sz_sb, lv_sz_sh, lv_ss_sb, lv_ad_sb, lv_sa_sb, lv_mk_sb, lv_mk_sh, lv_hl_sb, lv_hl_sh, lv_he_sb, lv_he_sh,
+    lv_hc_sb,
     D: tl.constexpr, G: tl.constexpr, M: tl.constexpr, LEAVING_IGNORED: tl.constexpr,
     EVERY: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     PRECISION: tl.constexpr, KEY_DTYPE: tl.constexpr, KEY_STAGES: tl.constexpr,
     C: tl.constexpr, BLOCK_H: tl.constexpr, BETWEEN_HERE: tl.constexpr, BLOCK_GC: tl.constexpr,
     KEYS_AT_ONCE: tl.constexpr, BLOCK_M: tl.constexpr, DECODE_DIMS: tl.constexpr,
     DECIDE: tl.constexpr, FOLLOW: tl.constexpr, CAP: tl.constexpr, NOTE: tl.constexpr, DECIDE_BLOCK_H: tl.constexpr,
-    DECIDE_BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    DECIDE_BLOCK_S: tl.constexpr, LEAVING_HERE: tl.constexpr, BLOCK_KV: tl.constexpr, PDL: tl.constexpr,
 ):
     """A measured step: program ``block`` scores a block of the table. With challengers, a step between
     measured ones is ``_between_program``'s: in this launch (``BETWEEN_HERE``, its first ``S_BETWEEN``
     programs; the launch is as wide as the larger of the two) or in ``_between_kernel``'s. With ``DECIDE``
     (no challengers, every step measured), a sequence's last program to finish (a ticket a sequence) also
     decides for it (``score_gap.decide_sequence``, the arguments from ``has_ptr`` on), in place of the decide
-    launch."""
+    launch. With ``LEAVING_HERE`` no follow launch ran: the program whose block holds the open unit counts it held
+    where the follow launch would have listed it, and the decision makes that launch's writes (the arguments from
+    ``lv_open_ptr`` on, ``score_gap.leaving_inputs``)."""
     wait_for_previous(PDL)
     block = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
@@ -362,8 +378,18 @@ def _outlier_gap_blocks_kernel(
         rest_count_ptr, mn_sb, mn_sh, mn_su, sl_sb, sl_sh, sz_sb, sz_sh,
         ok_sb, ok_sh, ok_su, ok_sm, ov_sb, ov_sh, ov_su, rs_sb, rs_sh, rs_su, rc_sb, rc_sh,
         D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, False, BLOCK_M, DECODE_DIMS)
-    mask_at = mask_ptr + b * mk_sb + h * mk_sh + ids
-    held = tl.load(mask_at, mask=ok, other=0) != 0
+    held = tl.load(mask_ptr + b * mk_sb + h * mk_sh + ids, mask=ok, other=0) != 0
+    if LEAVING_HERE:
+        # the follow's add: the open unit is held from this step where the buffer admitted its token, in the list's
+        # next entry, and what that entry listed before is not (as the follow launch replaces it)
+        unit = tl.load(lv_open_ptr + b)
+        appended, admitted, listed, _, _ = leaving_token(
+            b, h, h >= 0, unit, lv_seen_open_ptr, lv_size_ptr, lv_seen_size_ptr, lv_admitted_ptr, lv_seen_admitted_ptr,
+            lv_marks_ptr, lv_U, lv_sz_sb, lv_sz_sh, lv_ss_sb, lv_ad_sb, lv_sa_sb, lv_mk_sb, lv_mk_sh)
+        add = appended & admitted & ~listed
+        position = tl.minimum(tl.load(lv_count_ptr + b * lv_hc_sb + h), lv_R - 1)
+        replaced = tl.load(lv_held_ptr + b * lv_hl_sb + h * lv_hl_sh + position, mask=add, other=-1)
+        held = tl.where(ids == unit, held | add, tl.where(ids == replaced, False, held))
     finite = log_mass > float("-inf")
     candidate = ~held[:, None] & finite
     if LEAVING_IGNORED:  # units opened since the selection that the buffer did not admit
@@ -380,12 +406,18 @@ def _outlier_gap_blocks_kernel(
     shift = tl.where((best_held > float("-inf")) & (best_held < float("inf")), best_held, 0.0)
     _store_parts(out, parts_sk, real_column, tl.max(unheld, axis=0), tl.sum(counted.to(tl.float32), axis=0),
                  best_held, tl.sum(tl.where(counted, tl.exp(log_mass - shift[None, :]), 0.0), axis=0))
-    clear_marks(mask_at, ok, BLOCK_U)
     if DECIDE:
         # the ticket (acq_rel) after this program's parts (the barrier puts every warp's stores first); the
         # last program of the sequence reads them all past L1 and leaves the ticket zero for the next step
         tl.debug_barrier()
         if tl.atomic_add(tickets_ptr + b, 1, sem="acq_rel") == tl.num_programs(0) * tl.num_programs(1) - 1:
+            if LEAVING_HERE:  # every program of the sequence has read the marks and the last look
+                take_leaving_token(
+                    b, lv_open_ptr, lv_seen_open_ptr, lv_size_ptr, lv_seen_size_ptr, lv_admitted_ptr,
+                    lv_seen_admitted_ptr, lv_marks_ptr, lv_held_ptr, lv_end_ptr, lv_count_ptr, KV, lv_U, lv_R,
+                    lv_sz_sb, lv_sz_sh, lv_ss_sb, lv_ad_sb, lv_sa_sb, lv_mk_sb, lv_mk_sh, lv_hl_sb, lv_hl_sh, lv_he_sb,
+                    lv_he_sh, lv_hc_sb, BLOCK_KV)
+                tl.debug_barrier()  # its reads of ``seen_open`` before the decision writes it
             decide_sequence(
                 b, parts_ptr, H * G, tl.num_programs(0), parts_sk, pt_sb, pt_sh, steps_ptr, offset,
                 has_ptr, above_ptr, open_ptr, seen_open_ptr, fire_ptr, out_gap_ptr, age_ptr, margin, follow_margin,
@@ -441,7 +473,7 @@ def _between_program(
     BLOCK_M: tl.constexpr, DECODE_DIMS: tl.constexpr,
 ):
     """A step between measured ones, with challengers: ``chunk < chunks`` scores the held units ``ids`` (its
-    chunk of the held list) and clears their marks; ``chunk == chunks`` each query head's challengers (none
+    chunk of the held list); ``chunk == chunks`` each query head's challengers (none
     held: the follow launch's check saw to that), each into its column of the parts. No other unit's byte is
     read."""
     # (branches without an early return: Triton 3.6 does not compile a return inside a called function's if)
@@ -484,8 +516,6 @@ def _between_program(
         top = tl.max(tl.where(counted, log_mass, float("-inf")), axis=0)
         shift = tl.where((top > float("-inf")) & (top < float("inf")), top, 0.0)
         total = tl.sum(tl.where(counted, tl.exp(log_mass - shift[None, :]), 0.0), axis=0)
-        # the follow launch marked them (a challenger's check reads the marks): cleared by id
-        tl.store(mask_ptr + b * mk_sb + h * mk_sh + ids, tl.zeros([BLOCK_U], tl.uint8), mask=listed)
         _store_parts(out, parts_sk, real_column, nothing, tl.sum(counted.to(tl.float32), axis=0), top, total)
 
 
@@ -524,7 +554,7 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
         raise ValueError("triton score_gap_outlier_fire: the outlier keys' scales and rest counts must share "
                          f"strides, got {outliers.key_scale.stride()}, {outliers.rest_scale.stride()} and "
                          f"{outliers.rest_count.stride()}")
-    mask = _scratch_mask(state, batch, heads, units, device)
+    mask = held_marks(state, units)
     per_head = group.shape[2]
     block_d = triton.next_power_of_2(dim)
     block = max(16, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(max(units, 1))))
@@ -536,9 +566,14 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
     chal = None
     if trigger.challengers:
         chal = challenger_buffers(trigger, state, batch, heads, per_head, units, block, device)
-    # measure "mass": no rank, so the scores and middle tensors are never read (any tensors)
-    follow_and_mark(trigger, state, mask, table.size, state.gap, scale, rank=False,
-                    challengers=chal.ids if chal else None, flags=chal.flags if chal else None)
+    # the follow launch's work in the blocks launch and the decision, where the options leave it a unit to add
+    # and none to drop (``_LEAVING_IN_BLOCKS``)
+    leaving_here = (_LEAVING_IN_BLOCKS and chal is None and trigger.every == 1 and trigger.leaving != "unheld"
+                    and layer.policy.admit != "evict")
+    if not leaving_here:
+        # measure "mass": no rank, so the scores and middle tensors are never read (any tensors)
+        follow_and_mark(trigger, state, mask, table.size, state.gap, scale, rank=False,
+                        challengers=chal.ids if chal else None, flags=chal.flags if chal else None)
     # a step between measured ones (challengers) writes a column a chunk of the held list, then the challengers'
     between_parts = triton.cdiv(room, block) + 1
     parts = torch.empty(4, batch, rows, max(blocks, between_parts) if chal else blocks, dtype=torch.float32,
@@ -580,10 +615,10 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
         group, *table_args, state.units_at_selection, *outlier_args, flags, mass,
         float(scale), units, int(table.num_prompt_units), parts.stride(0), offset, heads,
         *strides, *mass.stride()[:2], state.held, challengers, room, between_parts,
-        *state.held.stride()[:2], *challengers.stride()[:2], tickets, *inputs,
+        *state.held.stride()[:2], *challengers.stride()[:2], tickets, *inputs, *leaving_inputs(state),
         D=dim, G=per_head, M=outlier_count, LEAVING_IGNORED=trigger.leaving == "ignored",
-        EVERY=trigger.every, C=count, BETWEEN_HERE=between_here, DECIDE=decide_here, **decide_settings, **between,
-        **settings,
+        EVERY=trigger.every, C=count, BETWEEN_HERE=between_here, DECIDE=decide_here, LEAVING_HERE=leaving_here,
+        BLOCK_KV=triton.next_power_of_2(heads), **decide_settings, **between, **settings,
     )
     if decide_here:
         return fire
@@ -596,5 +631,6 @@ def score_gap_outlier_fire(trigger, state, query: torch.Tensor, scale: float, *,
                 D=dim, G=per_head, M=outlier_count, EVERY=trigger.every, C=count, **between, **settings,
             )
         chal = chal._replace(blocks=blocks, between_parts=between_parts)
-    decide_from_parts(trigger, state, parts, fire, mass=True, rank=False, decision=decision, challenge=chal)
+    decide_from_parts(trigger, state, parts, fire, mass=True, rank=False, decision=decision, challenge=chal,
+                      leaving=leaving_here)
     return fire

@@ -1,7 +1,7 @@
 """The score-gap trigger's fused ops (kernels/triton/score_gap.py) against their references
 (``reference_step.score_gap_fire`` and ``score_gap_selected``) on fresh random trigger states:
 the decision and the held list bit for bit, the gap to float32 rounding (a blocked logsumexp),
-over several steps so that the scratch mask's clearing is tested too."""
+over several steps, so that the held marks are tested to follow the held list."""
 
 from __future__ import annotations
 
@@ -97,15 +97,23 @@ def _next_look(gen: torch.Generator, state: ScoreGapState) -> None:
     store.admitted.add_(torch.randint(0, 2, store.admitted.shape, generator=gen).to(DEVICE))
 
 
+def _assert_marks_follow_the_list(state: ScoreGapState, where: str) -> None:
+    """The Triton ops' held marks are the held list as a mask (``score_gap.held_marks``)."""
+    want = reference_step.held_units_mask(state.held, state.layer.units.capacity)
+    assert state.held_marks is not None, f"{where}: no held marks"
+    wrong = (state.held_marks.bool() != want).nonzero().tolist()
+    assert not wrong, f"{where}: the held marks differ from the list at (sequence, head, unit) {wrong[:5]}"
+
+
 def _assert_same_step(got: torch.Tensor, want: torch.Tensor, fast: ScoreGapState, ref: ScoreGapState,
                       where: str) -> None:
     """A fused step against the reference's: the decision and the state bit for bit, the gap to
-    float32 rounding, and the scratch mask cleared."""
+    float32 rounding, and the held marks the held list's."""
     assert torch.equal(got, want), f"{where}: fire {got.tolist()} != {want.tolist()} (gap {ref.gap.tolist()})"
     torch.testing.assert_close(fast.gap, ref.gap, rtol=1e-5, atol=1e-5, equal_nan=True, msg=where)
     for name in STATE_TENSORS:
         assert torch.equal(getattr(fast, name), getattr(ref, name)), f"{where}: {name} differs"
-    assert not fast.held_scratch.any(), f"{where}: the scratch mask was not cleared"
+    _assert_marks_follow_the_list(fast, where)
 
 
 @pytest.mark.parametrize("measure", ["weakest", "mass", "rank"])
@@ -220,6 +228,7 @@ def test_score_gap_selected_matches_reference(listed, room):
         triton_ops.score_gap_selected(fast, ids, reselect)
         for name in (*STATE_TENSORS, "units_at_selection"):
             assert torch.equal(getattr(fast, name), getattr(ref, name)), f"seed {seed}: {name} differs"
+        _assert_marks_follow_the_list(fast, f"seed {seed}")
         capped += int((ref.held_end[reselect] == ref.layer.store.retrieval_capacity).sum())
     assert capped, "no selection reached the buffer's capacity: the cap went untested"
 
@@ -429,7 +438,7 @@ def test_outlier_fire_decided_in_the_blocks_launch_as_by_the_decide_launch(leavi
         for name, a, b in zip(Decision._fields, got, want):
             assert torch.equal(a, b), f"step {step}: the decision's {name} differs"
         for name in ("held", "held_count", "held_end", "seen_open", "seen_size", "seen_admitted", "age",
-                     "held_scratch"):
+                     "held_marks"):
             a, b = getattr(fused, name), getattr(launched, name)
             assert (a is None and b is None) or torch.equal(a, b), f"step {step}: state {name} differs"
         decided += fire.tolist()
