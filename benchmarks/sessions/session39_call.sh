@@ -6,6 +6,7 @@
 # preset's trigger; pariskv at 1x32K, rerank_select's radix and row methods side by side);
 # leaving: the trigger's follow launch folded into its blocks launch and decision (_LEAVING_IN_BLOCKS) against the
 # follow launch: the op at 2,304 tokens and 1x128K, then louiskv end to end at 2,304 tokens, batches 1 and 4;
+# first: the trigger's GPU tests, then leaving;
 # cell: issue 12's own floor cell (louiskv at 2,304 tokens, batches 1 and 4) against the floor in the same run.
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 case ${3:?} in
@@ -17,10 +18,14 @@ h200)
       kvpolicy.kernels.triton.rerank_select.METHOD="'$method'" -- ${E2E#python3 } --contexts 32768 --batches 1 \
       --presets pariskv@gpu --json "$OUT/e2e_paris32k_$method.json"
   done ;;
+first)  # the trigger's GPU tests, then leaving's rows (one call)
+  step trigger_tests 150 python3 -m pytest -q -rs -n 12 -p no:cacheprovider tests/kernels/triton/test_score_gap_ops.py \
+    tests/kernels/triton/test_pdl.py tests/triggers tests/integration/test_score_gap_dense.py
+  bash "$0" "$OUT" "$TAR" leaving ;;
 leaving)  # the follow launch's work in the blocks launch and the decision (_LEAVING_IN_BLOCKS), against the launch
   for context in 2304 131072; do
     step "blocks_$context" 60 python3 benchmarks/outlier_blocks.py --context $context --batch 1 --fixed-query \
-      --only shipped,follow-launch,decide-launch
+      --only shipped,follow-launch
   done
   for setting in True False; do
     step "e2e_leaving_$setting" 170 python3 benchmarks/with_settings.py \
@@ -28,5 +33,5 @@ leaving)  # the follow launch's work in the blocks launch and the decision (_LEA
       --batches 1,4 --presets louiskv@gpu --json "$OUT/e2e_leaving_$setting.json"
   done ;;
 cell) step e2e_floor_cell 240 ${E2E} --contexts 2304 --batches 1,4 --presets louiskv@gpu --json "$OUT/e2e_floor_cell.json" ;;
-*) echo "session39_call.sh: MODE must be suite, h200, leaving or cell, got '$3'" >&2; exit 2 ;;
+*) echo "session39_call.sh: MODE must be suite, h200, first, leaving or cell, got '$3'" >&2; exit 2 ;;
 esac
