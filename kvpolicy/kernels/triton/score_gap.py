@@ -87,15 +87,15 @@ def leaving_token(b, h, ok, unit, seen_open_ptr, size_ptr, seen_size_ptr, admitt
 
 
 @triton.jit
-def take_leaving_token(b, open_ptr, seen_open_ptr, size_ptr, seen_size_ptr, admitted_ptr, seen_admitted_ptr,
+def read_leaving_token(b, open_ptr, seen_open_ptr, size_ptr, seen_size_ptr, admitted_ptr, seen_admitted_ptr,
                        marks_ptr, held_ptr, held_end_ptr, held_count_ptr, KV, U, R,
                        sz_sb, sz_sh, ss_sb, ad_sb, sa_sb, mk_sb, mk_sh, hl_sb, hl_sh, he_sb, he_sh, hc_sb,
                        BLOCK_KV: tl.constexpr):
-    """``_follow_kernel``'s writes for every KV head of sequence ``b`` at once, without ``admit="evict"`` or
-    ``leaving="unheld"`` (neither drops a unit then): the open unit joins the held list where the buffer admitted
-    its token, and the last look moves on. For a launch whose programs read the list's marks as they were (the
-    outlier blocks launch's last program of a sequence, or the decide launch after it), so the step needs no
-    follow launch; ``seen_open`` is the decision's to write, after this."""
+    """``_follow_kernel``'s reads for every KV head of sequence ``b`` at once (``[BLOCK_KV]``), without
+    ``admit="evict"`` or ``leaving="unheld"`` (neither drops a unit then): the open unit ``unit``; ``add``, where
+    it joins the held list (the buffer admitted its token); the list's ``count``; the entry it takes and what that
+    listed (``replaced``: -1 but in a full list); the unit's size and the admitted count now, the next last look.
+    ``write_leaving_token`` makes the writes. (The arguments after ``b``: ``leaving_inputs``.)"""
     heads = tl.arange(0, BLOCK_KV).to(tl.int64)
     ok = heads < KV
     unit = tl.load(open_ptr + b)
@@ -104,13 +104,28 @@ def take_leaving_token(b, open_ptr, seen_open_ptr, size_ptr, seen_size_ptr, admi
         sz_sb, sz_sh, ss_sb, ad_sb, sa_sb, mk_sb, mk_sh)
     add = tl.where(ok, appended & admitted & ~listed, False)
     count = tl.load(held_count_ptr + b * hc_sb + heads, mask=ok, other=0)
+    replaced = tl.load(held_ptr + b * hl_sb + heads * hl_sh + tl.minimum(count, R - 1), mask=add, other=-1)
+    return unit, add, count, replaced, size_now, admitted_now
+
+
+@triton.jit
+def write_leaving_token(b, unit, add, count, replaced, size_now, admitted_now,
+                        open_ptr, seen_open_ptr, size_ptr, seen_size_ptr, admitted_ptr, seen_admitted_ptr,
+                        marks_ptr, held_ptr, held_end_ptr, held_count_ptr, KV, U, R,
+                        sz_sb, sz_sh, ss_sb, ad_sb, sa_sb, mk_sb, mk_sh, hl_sb, hl_sh, he_sb, he_sh, hc_sb,
+                        BLOCK_KV: tl.constexpr):
+    """``_follow_kernel``'s writes from ``read_leaving_token``'s values: the open unit in the held list's next
+    entry (marked; what that entry listed unmarked) where it joins, the counts, and the last look moved on. For a
+    launch after every program that reads the list's marks as they were (the outlier blocks launch's last program
+    of a sequence, or the decide launch after it), so the step needs no follow launch; ``seen_open`` is the
+    decision's to write."""
+    heads = tl.arange(0, BLOCK_KV).to(tl.int64)
+    ok = heads < KV
     position = tl.minimum(count, R - 1)
-    listed_at = held_ptr + b * hl_sb + heads * hl_sh + position
-    old = tl.load(listed_at, mask=add, other=-1)  # a full list gives its last entry up (as the follow launch)
-    tl.store(listed_at, tl.zeros_like(count) + unit, mask=add)
+    tl.store(held_ptr + b * hl_sb + heads * hl_sh + position, tl.zeros_like(count) + unit, mask=add)
     tl.store(held_end_ptr + b * he_sb + heads * he_sh + position, tl.zeros_like(count), mask=add)
     marks_at = marks_ptr + b * mk_sb + heads * mk_sh
-    tl.store(marks_at + old, tl.zeros([BLOCK_KV], tl.uint8), mask=add & (old >= 0) & (old < U))
+    tl.store(marks_at + replaced, tl.zeros([BLOCK_KV], tl.uint8), mask=add & (replaced >= 0) & (replaced < U))
     tl.store(marks_at + unit, tl.full([BLOCK_KV], 1, tl.uint8), mask=tl.where(add, unit < U, False))
     tl.store(held_count_ptr + b * hc_sb + heads, count + add.to(tl.int64), mask=ok)
     tl.store(seen_size_ptr + b * ss_sb + heads, size_now, mask=ok)
@@ -329,14 +344,20 @@ def _decide_kernel(
     LEAVING: tl.constexpr, BLOCK_KV: tl.constexpr, PDL: tl.constexpr,
 ):
     """A program a sequence: its decision (``decide_sequence``); with ``LEAVING``, first the follow launch's
-    writes (``take_leaving_token``), where the launches before it read the held marks as they were."""
+    writes (``read_leaving_token``, ``write_leaving_token``), where the launches before it read the held marks as
+    they were."""
     wait_for_previous(PDL)
     if LEAVING:
-        take_leaving_token(
-            tl.program_id(0).to(tl.int64), lv_open_ptr, lv_seen_open_ptr, lv_size_ptr, lv_seen_size_ptr,
-            lv_admitted_ptr, lv_seen_admitted_ptr, lv_marks_ptr, lv_held_ptr, lv_end_ptr, lv_count_ptr, KV, U, R,
-            lv_sz_sb, lv_sz_sh, lv_ss_sb, lv_ad_sb, lv_sa_sb, lv_mk_sb, lv_mk_sh, lv_hl_sb, lv_hl_sh, lv_he_sb,
-            lv_he_sh, lv_hc_sb, BLOCK_KV)
+        b = tl.program_id(0).to(tl.int64)
+        unit, add, count, replaced, size_now, admitted_now = read_leaving_token(
+            b, lv_open_ptr, lv_seen_open_ptr, lv_size_ptr, lv_seen_size_ptr, lv_admitted_ptr, lv_seen_admitted_ptr,
+            lv_marks_ptr, lv_held_ptr, lv_end_ptr, lv_count_ptr, KV, U, R, lv_sz_sb, lv_sz_sh, lv_ss_sb, lv_ad_sb,
+            lv_sa_sb, lv_mk_sb, lv_mk_sh, lv_hl_sb, lv_hl_sh, lv_he_sb, lv_he_sh, lv_hc_sb, BLOCK_KV)
+        write_leaving_token(
+            b, unit, add, count, replaced, size_now, admitted_now, lv_open_ptr, lv_seen_open_ptr, lv_size_ptr,
+            lv_seen_size_ptr, lv_admitted_ptr, lv_seen_admitted_ptr, lv_marks_ptr, lv_held_ptr, lv_end_ptr,
+            lv_count_ptr, KV, U, R, lv_sz_sb, lv_sz_sh, lv_ss_sb, lv_ad_sb, lv_sa_sb, lv_mk_sb, lv_mk_sh, lv_hl_sb,
+            lv_hl_sh, lv_he_sb, lv_he_sh, lv_hc_sb, BLOCK_KV)
         tl.debug_barrier()  # its reads of ``seen_open`` before the decision writes it
     decide_sequence(
         tl.program_id(0).to(tl.int64), parts_ptr, H, S, parts_sk, pt_sb, pt_sh, steps_ptr, offset,
@@ -486,7 +507,7 @@ def decide_from_parts(trigger, state, parts: torch.Tensor, fire: torch.Tensor, m
     blocks)`` block parts (a row a KV head, or a query head), decide into ``fire`` with the layer's
     margin, ``follow`` and ``cap``, and write ``decision`` when given. ``challenge``: the outlier op's
     ``score_gap_challengers.Challenge``: the row stage then always runs, and merges the next challengers.
-    ``leaving``: it also makes the follow launch's writes (``take_leaving_token``), where no follow launch ran."""
+    ``leaving``: it also makes the follow launch's writes (``write_leaving_token``), where no follow launch ran."""
     layer = state.layer
     rows, blocks = parts.shape[2], parts.shape[3]
     if blocks > _DECIDE_BLOCK or challenge is not None:
@@ -521,7 +542,7 @@ def decide_from_parts(trigger, state, parts: torch.Tensor, fire: torch.Tensor, m
 
 
 def leaving_inputs(state) -> tuple:
-    """What ``leaving_token`` and ``take_leaving_token`` read and write (the kernels' arguments from
+    """What ``read_leaving_token`` and ``write_leaving_token`` read and write (the kernels' arguments from
     ``lv_open_ptr`` to ``lv_hc_sb``): the table's open unit and sizes, the buffer's admitted counts, the state's
     last look, held marks (made where missing: ``held_marks``), held list, ends and counts, then their sizes and
     strides."""

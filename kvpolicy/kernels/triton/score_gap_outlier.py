@@ -11,7 +11,7 @@ instead of taking the selector's unit scores:
 1. ``score_gap._follow_kernel``: follows the token that left the local window in the held list
    and keeps the held marks in step with it (as ``score_gap_fire``). With the preset's options
    (``_LEAVING_IN_BLOCKS``) there is no such launch: the blocks launch reads what it would add, and
-   the decision makes its writes (``score_gap.take_leaving_token``).
+   the decision makes its writes (``score_gap.write_leaving_token``).
 2. ``_outlier_gap_blocks_kernel``, one program per block of units of each (KV head, sequence):
    the block's decode-unit means and prompt-unit rest means in one tile, then its outlier keys a
    tile each, each tile scored against every query head with one ``tl.dot``, and a running
@@ -53,8 +53,8 @@ from ..dispatch import implement, triton_runs_on
 from .pdl import pdl_kernel, wait_for_previous
 from .scratch import zeroed
 from .score_gap import (_DECIDE_BLOCK, _measures, decide_from_parts, decide_sequence, decision_inputs,
-                        follow_and_mark, held_marks, leaving_inputs, leaving_token, step_offset, take_leaving_token,
-                        unsupported)
+                        follow_and_mark, held_marks, leaving_inputs, read_leaving_token, step_offset, unsupported,
+                        write_leaving_token)
 from .score_gap_challengers import challenger_buffers, measures_whole
 
 # The blocks kernel's settings (benchmarks/outlier_blocks.py times them side by side; session 28, H100,
@@ -94,7 +94,7 @@ _DECIDE_IN_BLOCKS_UP_TO = 16
 # Without challengers, measuring every step, and with options that never drop a held unit (not ``admit="evict"``
 # nor ``leaving="unheld"``): the follow launch's work in the blocks launch (the program whose block holds the open
 # unit counts it held where the follow would list it) and its writes in the decision (``score_gap.
-# take_leaving_token``, in the blocks launch's last program or the decide launch): one launch fewer a step. False:
+# write_leaving_token``, in the blocks launch's last program or the decide launch): one launch fewer a step. False:
 # the follow launch (benchmarks/outlier_blocks.py's "follow-launch")
 _LEAVING_IN_BLOCKS = True
 # ``kernels/fixed_point.py``'s constants, for the kernels (``ScoreGap.fixed_query``)
@@ -333,9 +333,9 @@ def _outlier_gap_blocks_kernel(
     programs; the launch is as wide as the larger of the two) or in ``_between_kernel``'s. With ``DECIDE``
     (no challengers, every step measured), a sequence's last program to finish (a ticket a sequence) also
     decides for it (``score_gap.decide_sequence``, the arguments from ``has_ptr`` on), in place of the decide
-    launch. With ``LEAVING_HERE`` no follow launch ran: the program whose block holds the open unit counts it held
-    where the follow launch would have listed it, and the decision makes that launch's writes (the arguments from
-    ``lv_open_ptr`` on, ``score_gap.leaving_inputs``)."""
+    launch. With ``LEAVING_HERE`` no follow launch ran: each program reads what it would have read, the program
+    whose block holds the open unit counts it held where the follow launch would have listed it, and the decision
+    makes that launch's writes (the arguments from ``lv_open_ptr`` on, ``score_gap.leaving_inputs``)."""
     wait_for_previous(PDL)
     block = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
@@ -364,6 +364,13 @@ def _outlier_gap_blocks_kernel(
     elif EVERY > 1:
         if not _measures(steps_ptr, b, offset, EVERY):
             return  # a step between measured ones (``ScoreGap.every``): no key is read
+    if LEAVING_HERE:
+        # what the follow launch would read, for every KV head of the sequence (the decision writes it): loaded
+        # first, so its latency passes under the scoring's
+        lv_unit, lv_add, lv_count, lv_replaced, lv_size, lv_admitted = read_leaving_token(
+            b, lv_open_ptr, lv_seen_open_ptr, lv_size_ptr, lv_seen_size_ptr, lv_admitted_ptr, lv_seen_admitted_ptr,
+            lv_marks_ptr, lv_held_ptr, lv_end_ptr, lv_count_ptr, KV, lv_U, lv_R, lv_sz_sb, lv_sz_sh, lv_ss_sb,
+            lv_ad_sb, lv_sa_sb, lv_mk_sb, lv_mk_sh, lv_hl_sb, lv_hl_sh, lv_he_sb, lv_he_sh, lv_hc_sb, BLOCK_KV)
     # the query group transposed, ``[BLOCK_D, BLOCK_G]``: a ``tl.dot`` operand (zero past ``G``)
     dims = tl.arange(0, BLOCK_D)
     columns = tl.arange(0, BLOCK_G)
@@ -380,16 +387,12 @@ def _outlier_gap_blocks_kernel(
         D, G, M, BLOCK_U, BLOCK_D, BLOCK_G, PRECISION, KEY_DTYPE, KEY_STAGES, False, BLOCK_M, DECODE_DIMS)
     held = tl.load(mask_ptr + b * mk_sb + h * mk_sh + ids, mask=ok, other=0) != 0
     if LEAVING_HERE:
-        # the follow's add: the open unit is held from this step where the buffer admitted its token, in the list's
-        # next entry, and what that entry listed before is not (as the follow launch replaces it)
-        unit = tl.load(lv_open_ptr + b)
-        appended, admitted, listed, _, _ = leaving_token(
-            b, h, h >= 0, unit, lv_seen_open_ptr, lv_size_ptr, lv_seen_size_ptr, lv_admitted_ptr, lv_seen_admitted_ptr,
-            lv_marks_ptr, lv_U, lv_sz_sb, lv_sz_sh, lv_ss_sb, lv_ad_sb, lv_sa_sb, lv_mk_sb, lv_mk_sh)
-        add = appended & admitted & ~listed
-        position = tl.minimum(tl.load(lv_count_ptr + b * lv_hc_sb + h), lv_R - 1)
-        replaced = tl.load(lv_held_ptr + b * lv_hl_sb + h * lv_hl_sh + position, mask=add, other=-1)
-        held = tl.where(ids == unit, held | add, tl.where(ids == replaced, False, held))
+        # the follow's add in this head: the open unit is held from this step where the buffer admitted its token,
+        # in the list's next entry, and what that entry listed is not (as the follow launch replaces it)
+        mine = tl.arange(0, BLOCK_KV) == h
+        add = tl.sum(tl.where(mine, lv_add.to(tl.int32), 0), axis=0) > 0
+        replaced = tl.sum(tl.where(mine, lv_replaced, 0), axis=0)
+        held = tl.where(ids == lv_unit, held | add, tl.where(ids == replaced, False, held))
     finite = log_mass > float("-inf")
     candidate = ~held[:, None] & finite
     if LEAVING_IGNORED:  # units opened since the selection that the buffer did not admit
@@ -412,11 +415,11 @@ def _outlier_gap_blocks_kernel(
         tl.debug_barrier()
         if tl.atomic_add(tickets_ptr + b, 1, sem="acq_rel") == tl.num_programs(0) * tl.num_programs(1) - 1:
             if LEAVING_HERE:  # every program of the sequence has read the marks and the last look
-                take_leaving_token(
-                    b, lv_open_ptr, lv_seen_open_ptr, lv_size_ptr, lv_seen_size_ptr, lv_admitted_ptr,
-                    lv_seen_admitted_ptr, lv_marks_ptr, lv_held_ptr, lv_end_ptr, lv_count_ptr, KV, lv_U, lv_R,
-                    lv_sz_sb, lv_sz_sh, lv_ss_sb, lv_ad_sb, lv_sa_sb, lv_mk_sb, lv_mk_sh, lv_hl_sb, lv_hl_sh, lv_he_sb,
-                    lv_he_sh, lv_hc_sb, BLOCK_KV)
+                write_leaving_token(
+                    b, lv_unit, lv_add, lv_count, lv_replaced, lv_size, lv_admitted, lv_open_ptr, lv_seen_open_ptr,
+                    lv_size_ptr, lv_seen_size_ptr, lv_admitted_ptr, lv_seen_admitted_ptr, lv_marks_ptr, lv_held_ptr,
+                    lv_end_ptr, lv_count_ptr, KV, lv_U, lv_R, lv_sz_sb, lv_sz_sh, lv_ss_sb, lv_ad_sb, lv_sa_sb,
+                    lv_mk_sb, lv_mk_sh, lv_hl_sb, lv_hl_sh, lv_he_sb, lv_he_sh, lv_hc_sb, BLOCK_KV)
                 tl.debug_barrier()  # its reads of ``seen_open`` before the decision writes it
             decide_sequence(
                 b, parts_ptr, H * G, tl.num_programs(0), parts_sk, pt_sb, pt_sh, steps_ptr, offset,
