@@ -6,7 +6,7 @@
 # preset's trigger; pariskv at 1x32K, rerank_select's radix and row methods side by side);
 # leaving: the trigger's follow launch folded into its blocks launch and decision (_LEAVING_IN_BLOCKS) against the
 # follow launch: the op at 2,304 tokens and 1x128K, then louiskv end to end at 2,304 tokens, batches 1 and 4;
-# first: the trigger's GPU tests, then leaving;
+# first: the trigger's GPU tests, then leaving; again: leaving's end-to-end pair in the other order;
 # cell: issue 12's own floor cell (louiskv at 2,304 tokens, batches 1 and 4) against the floor in the same run.
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 case ${3:?} in
@@ -32,6 +32,12 @@ leaving)  # the follow launch's work in the blocks launch and the decision (_LEA
       kvpolicy.kernels.triton.score_gap_outlier._LEAVING_IN_BLOCKS=$setting -- ${E2E#python3 } --contexts 2304 \
       --batches 1,4 --presets louiskv@gpu --json "$OUT/e2e_leaving_$setting.json"
   done ;;
+again)  # leaving's end-to-end pair again, in the other order (the follow launch first)
+  for setting in False True; do
+    step "e2e_again_$setting" 170 python3 benchmarks/with_settings.py \
+      kvpolicy.kernels.triton.score_gap_outlier._LEAVING_IN_BLOCKS=$setting -- ${E2E#python3 } --contexts 2304 \
+      --batches 1,4 --presets louiskv@gpu --json "$OUT/e2e_again_$setting.json"
+  done ;;
 cell) step e2e_floor_cell 240 ${E2E} --contexts 2304 --batches 1,4 --presets louiskv@gpu --json "$OUT/e2e_floor_cell.json" ;;
-*) echo "session39_call.sh: MODE must be suite, h200, first, leaving or cell, got '$3'" >&2; exit 2 ;;
+*) echo "session39_call.sh: MODE must be suite, h200, first, leaving, again or cell, got '$3'" >&2; exit 2 ;;
 esac
