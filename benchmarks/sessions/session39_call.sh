@@ -6,7 +6,8 @@
 # preset's trigger; pariskv at 1x32K, rerank_select's radix and row methods side by side);
 # leaving: the trigger's follow launch folded into its blocks launch and decision (_LEAVING_IN_BLOCKS) against the
 # follow launch: the op at 2,304 tokens and 1x128K, then louiskv end to end at 2,304 tokens, batches 1 and 4;
-# first: the trigger's GPU tests, then leaving; again: leaving's end-to-end pair in the other order;
+# first: the trigger's GPU tests, then leaving; again: leaving's end-to-end pair in the other order; long: louiskv
+# at 1x128K as shipped (the floor target's other cell);
 # cell: issue 12's own floor cell (louiskv at 2,304 tokens, batches 1 and 4) against the floor in the same run.
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 case ${3:?} in
@@ -38,6 +39,7 @@ again)  # leaving's end-to-end pair again, in the other order (the follow launch
       kvpolicy.kernels.triton.score_gap_outlier._LEAVING_IN_BLOCKS=$setting -- ${E2E#python3 } --contexts 2304 \
       --batches 1,4 --presets louiskv@gpu --json "$OUT/e2e_again_$setting.json"
   done ;;
+long) step e2e_128k 200 ${E2E} --contexts 131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_128k.json" ;;
 cell) step e2e_floor_cell 240 ${E2E} --contexts 2304 --batches 1,4 --presets louiskv@gpu --json "$OUT/e2e_floor_cell.json" ;;
-*) echo "session39_call.sh: MODE must be suite, h200, first, leaving, again or cell, got '$3'" >&2; exit 2 ;;
+*) echo "session39_call.sh: MODE must be suite, h200, first, leaving, again, long or cell, got '$3'" >&2; exit 2 ;;
 esac
