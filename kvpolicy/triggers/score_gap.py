@@ -258,6 +258,7 @@ class ScoreGap(Trigger):
         # a unit held has a token in a retrieved row, so R ids cover every selection
         room = max(layer.store.retrieval_capacity, 1)
         state.held = torch.full((batch, heads, room), -1, dtype=torch.long, device=device)
+        state.held_marks = None  # made from the new list where an op first reads them
         state.held_count = torch.zeros(batch, heads, dtype=torch.long, device=device)
         state.seen_open = units.open_unit.clone()
         state.seen_size = open_unit_size(units)

@@ -47,8 +47,8 @@ import triton.language as tl
 
 from ...errors import ConfigError
 from ..dispatch import implement, triton_runs_on
-from .pdl import pdl_kernel, wait_for_previous
 from ..reference_step import held_units_mask
+from .pdl import pdl_kernel, wait_for_previous
 from .score_gap_challengers import check_challengers, measures_whole, merge_challengers
 from .step import note_rows
 
@@ -444,7 +444,9 @@ def score_gap_fire(trigger, state, scores: torch.Tensor, scale: float, *, decisi
     if trigger.estimate == "outlier":
         raise ConfigError("triton score_gap_fire: estimate 'outlier' scores its own keys; call "
                           "score_gap_outlier_fire (ScoreGap does)")
-    mask = held_marks(state, table.capacity)
+    if units != table.capacity:
+        raise ValueError(f"triton score_gap_fire: scores must cover the unit table's {table.capacity} units, got {units}")
+    mask = held_marks(state, units)
     rank = trigger.measure == "rank"
     middle = torch.empty(batch, heads, dtype=torch.float32, device=device) if rank else state.gap  # read if rank
     follow_and_mark(trigger, state, mask, scores, middle, scale, rank)
