@@ -7,6 +7,7 @@ import sys
 import pytest
 
 import kvpolicy
+from kvpolicy.cli import main
 
 
 def run_cli(*args, env=None):
@@ -64,8 +65,25 @@ def test_presets_lists_presets_and_components():
         (["bench", "e2e", "--backend", "reference", "--presets", "louiskv,@cpu"], "names no preset"),
     ],
 )
-def test_bad_input_exits_2_without_traceback(args, message, monkeypatch):
+def test_bad_input_exits_2_without_traceback(args, message, monkeypatch, capsys):
+    # in this process (a process a case costs seconds of imports on CI's CPU); an exception that escaped
+    # main would fail the test here as a traceback would there. test_bad_input_in_a_process_... runs the module.
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # so "--backend triton" cannot run on this CPU
+    try:
+        code = main(args)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    captured = capsys.readouterr()
+    assert code == 2, (captured.out, captured.err)
+    assert message in captured.err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run", "--preset", "louis"], "unknown preset 'louis'; known presets: full, streaming"),  # kvpolicy's own error
+    (["run", "--preset", "louiskv", "--backend", "cudnn"], "accepted: auto, reference, triton"),  # argparse's
+])
+def test_bad_input_in_a_process_exits_2_with_one_line_and_no_traceback(args, message, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     result = run_cli(*args)
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert message in result.stderr
