@@ -19,6 +19,35 @@ import transformers
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _patch_the_language_once_per_kernel() -> None:
+    """Triton's interpreter patches ``triton.language`` for a kernel's launch, then again at every call of a
+    ``@triton.jit`` helper inside it (``tl.sort``'s compare-and-swap steps are such helpers): each time it walks
+    every member of the language's modules, about 4 ms, so helper-heavy kernels spent a third of their CI time
+    there (cProfile, session 40). A helper's patch is never undone and changes nothing on modules already patched,
+    so it is skipped where every language module the helper sees is patched already."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang", None)
+    if original is None or not hasattr(interpreter, "_LangPatchScope") or getattr(original, "once", False):
+        return
+
+    def patch_lang(fn):
+        langs = [value for value in fn.__globals__.values() if value is tl or value is tl.core]
+        if langs and all(lang.static_print is print for lang in langs):  # the patch sets static_print to print
+            return interpreter._LangPatchScope()
+        return original(fn)
+
+    patch_lang.once = True
+    interpreter._patch_lang = patch_lang
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_the_language_once_per_kernel()
+
 VOCAB = 128
 PAD_ID = 0
 PAD_TOKENS = 7  # left padding of row 1 in `left_padded_batch`
