@@ -8,6 +8,8 @@ import re
 import pytest
 import torch
 
+from gpu_cross import GPU_CROSS, cross
+
 from kvpolicy import analytic
 from kvpolicy.kernels import dispatch, reference_analytic
 
@@ -181,8 +183,13 @@ _COUNT = pytest.param("count", marks=pytest.mark.skipif(
     DEVICE.type == "cuda", reason="the pre-session-10 'count' ranks disagree with the reference on a GPU"))
 
 
+# Under the interpreter a program's tl.sort of 256 centroids takes about a second, so the cases of
+# 256-centroid subspaces (8 dims) run there with one KV head (half the programs; other cases keep two),
+# and as first written on the GPU
 @pytest.mark.parametrize("ranks", ["sort", _COUNT])
-@pytest.mark.parametrize("batch,heads,group,dim,subspaces,tiers", [(1, 2, 4, 128, 16, 6), (2, 2, 3, 64, 16, 4), (1, 2, 1, 16, 16, 1)])
+@pytest.mark.parametrize("batch,heads,group,dim,subspaces,tiers", [
+    pytest.param(1, 2, 4, 128, 16, 6, marks=GPU_CROSS), (1, 1, 4, 128, 16, 6), (2, 2, 3, 64, 16, 4),
+    (1, 2, 1, 16, 16, 1)])
 def test_query_votes_matches_reference(monkeypatch, ranks, batch, heads, group, dim, subspaces, tiers):
     from kvpolicy.kernels.triton import query_votes
 
@@ -236,7 +243,9 @@ def test_query_votes_names_a_bad_ranks_setting(monkeypatch):
         query_votes.query_votes(torch.zeros(1, 1, 2, 16, device=DEVICE), torch.ones(16, device=DEVICE), 4, [2, 1])
 
 
-@pytest.mark.parametrize("batch,heads,group,dim,subspaces,tiers", [(1, 2, 3, 64, 8, 6), (1, 1, 4, 32, 8, 2), (2, 1, 1, 16, 4, 2)])
+# (the 256-centroid case with one KV head under the interpreter, as above)
+@pytest.mark.parametrize("batch,heads,group,dim,subspaces,tiers", [
+    pytest.param(1, 2, 3, 64, 8, 6, marks=GPU_CROSS), (1, 1, 3, 64, 8, 6), (1, 1, 4, 32, 8, 2), (2, 1, 1, 16, 4, 2)])
 def test_query_votes_per_head_matches_reference(batch, heads, group, dim, subspaces, tiers):
     # one table per query head (8-dim subspaces: 256 centroids; 4 and 2 dims: ids past them 0),
     # the rotated query still the group mean's
@@ -269,9 +278,14 @@ def test_query_votes_per_head_takes_the_sort_ranks_only(monkeypatch):
                                 per_head=True)
 
 
-# the per-head case at 16 centroids a subspace: at 256 it took the interpreter 56 s (CI's time)
+# the per-head case at 16 centroids a subspace: at 256 it took the interpreter 56 s (CI's time). Each
+# case runs twice (with and without the logit queries), a tl.sort a program: under the interpreter the
+# three larger cases with half their programs (one KV head, or one sequence), as first written on the GPU
 @pytest.mark.parametrize("per_head,batch,heads,group,dim,subspaces,tiers", [
-    (False, 1, 2, 4, 128, 16, 6), (False, 2, 2, 3, 64, 8, 4), (True, 2, 2, 3, 64, 16, 4), (True, 1, 2, 1, 16, 4, 2)])
+    pytest.param(False, 1, 2, 4, 128, 16, 6, marks=GPU_CROSS), (False, 1, 1, 4, 128, 16, 6),
+    pytest.param(False, 2, 2, 3, 64, 8, 4, marks=GPU_CROSS), (False, 2, 1, 3, 64, 8, 4),
+    pytest.param(True, 2, 2, 3, 64, 16, 4, marks=GPU_CROSS), (True, 1, 2, 3, 64, 16, 4),
+    (True, 1, 2, 1, 16, 4, 2)])
 def test_query_votes_logit_queries_match_reference(per_head, batch, heads, group, dim, subspaces, tiers):
     # rerank="head_softmax"'s query from the same launch: each head's analytic.head_logit_queries;
     # the rotated query and the table as without it
@@ -330,22 +344,32 @@ def test_query_votes_refuses_misshaped_inputs():
         query_votes.query_votes(torch.zeros(1, 1, 2, 16, device=DEVICE), torch.ones(16, device=DEVICE), 4, [1] * 20)
 
 
-@pytest.fixture(params=["fused", "pass", "pass-large-fold", "pass-small-call", "pass-small-call-threshold-launch"])
+COLLISION_PIPELINES = ["fused", "pass", "pass-large-fold", "pass-small-call", "pass-small-call-threshold-launch"]
+
+
+@pytest.fixture(params=COLLISION_PIPELINES)
 def small_chunks(monkeypatch, request):
     """Several chunks, steps and chunk blocks at interpreter sizes; each pipeline (session 10's
     two launches, and the three before it); "pass-large-fold": the pass pipeline's
     full-size chunks with the threshold folded into the compaction (``FOLD_LARGE_THRESHOLD``);
     "pass-small-call": the pass pipeline's chunk shrunk for a call with few programs (one step a
     chunk, the threshold folded into the compaction); "-threshold-launch": the same chunks with the
-    threshold pass launched (reading a row's chunks in one step)."""
+    threshold pass launched (reading a row's chunks in one step).
+
+    Under the interpreter (each program and step run in Python) the steps of 256-position chunks are
+    128 keys (two a chunk, not four), and the fused pipeline's chunks 512 positions (several a row
+    past 512 positions, where its 2,048 left one chunk of 32 mostly empty steps)."""
     from kvpolicy.kernels.triton import collision_candidates
 
+    coarse = DEVICE.type != "cuda"
     monkeypatch.setattr(collision_candidates, "PIPELINE", request.param.split("-")[0])
     monkeypatch.setattr(collision_candidates, "FOLD_SMALL_THRESHOLD", not request.param.endswith("-threshold-launch"))
     monkeypatch.setattr(collision_candidates, "FOLD_LARGE_THRESHOLD", request.param == "pass-large-fold")
     monkeypatch.setattr(collision_candidates, "_CHUNK", 256)
-    monkeypatch.setattr(collision_candidates, "_SUB", 64)
-    monkeypatch.setattr(collision_candidates, "_COMPACT_SUB", 64)
+    monkeypatch.setattr(collision_candidates, "_SUB", 128 if coarse else 64)
+    monkeypatch.setattr(collision_candidates, "_COMPACT_SUB", 128 if coarse else 64)
+    if coarse:
+        monkeypatch.setattr(collision_candidates, "_FUSED_MIN_CHUNK", 512)
     monkeypatch.setattr(collision_candidates, "_CHUNK_BLOCK", 2)
     if request.param.startswith("pass-small-call"):  # 32-position chunks, dozens a row
         monkeypatch.setattr(collision_candidates, "_PASS_PROGRAMS", 1 << 20)
@@ -359,9 +383,14 @@ def small_chunks(monkeypatch, request):
     return collision_candidates.collision_candidates
 
 
+# the pipelines: 0 fused, 1 pass, 2 pass-large-fold, 3 pass-small-call, 4 pass-small-call-threshold-launch.
+# The length rule runs in the threshold pass (1, 4) or in the folded compaction (0, 2, 3), the votes in
+# the fused pipeline's pass (0) or the others' (with the row histogram: 2, 3). On the CPU every case of
+# the rule through both of the pass pipeline's (1, 2), each other pipeline through two or three of them;
+# the whole cross product on the GPU
 @pytest.mark.parametrize(
-    "n, tiers, indexed, width, floor, fraction, bands, hold",
-    [
+    "small_chunks, n, tiers, indexed, width, floor, fraction, bands, hold",
+    cross(COLLISION_PIPELINES, [
         (1100, 4, 1000, 600, 40, 0.1, ((300, 0.5), (600, 0.25), (900, 0.2)), False),  # the rule's last band
         (1100, 4, 500, 600, 40, 0.1, ((300, 0.5), (600, 0.25), (900, 0.2)), False),  # a lower band, indexed < n
         # ~400 voted: a quarter is 100, the count held from the bound at 300 is 150
@@ -370,7 +399,8 @@ def small_chunks(monkeypatch, request):
         (700, 4, 650, 120, 10, 0.5, (), False),  # the width cuts the rule's count
         (700, 4, 650, 700, 900, 0.1, (), False),  # the floor exceeds the zone: every voted token
         (300, 4, 0, 50, 10, 0.1, (), False),  # nothing indexed yet: all -1
-    ],
+    ], on_cpu=[(p, c) for p in (1, 2) for c in range(7)] + [(0, 2), (0, 3), (0, 6), (3, 0), (3, 4), (4, 1), (4, 5)]),
+    indirect=["small_chunks"],
 )
 def test_collision_candidates_matches_reference_exactly(
     small_chunks, n, tiers, indexed, width, floor, fraction, bands, hold
@@ -466,7 +496,13 @@ def test_collision_candidates_folds_the_threshold_where_its_flags_say(monkeypatc
     assert not cc.folds_threshold(8, 40960)
 
 
-@pytest.mark.parametrize("subspaces, view", [(16, "strided"), (6, "contiguous")])
+# the ids a byte at a time: in both votes passes (fused, and the others') each case, each other pipeline once
+@pytest.mark.parametrize(
+    "small_chunks, subspaces, view",
+    cross(COLLISION_PIPELINES, [(16, "strided"), (6, "contiguous")],
+          on_cpu=[(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (3, 1), (4, 0)]),
+    indirect=["small_chunks"],
+)
 def test_collision_candidates_reads_an_int8_table_and_ids_bytewise(small_chunks, subspaces, view):
     # query_votes' int8 table; ids the kernel cannot read as int32 words (a strided view, or 6
     # subspaces, not a multiple of 4), so it reads them a byte at a time
@@ -493,13 +529,16 @@ def test_collision_candidates_reads_an_int8_table_and_ids_bytewise(small_chunks,
     assert torch.equal(want, reference_analytic.collision_candidates(table.int(), ids, token_valid, *args))
 
 
+# the per-head tables change the votes passes only (HEADS): every case through both (fused, and the
+# others' in the pass pipeline), each other pipeline once; the rest on the GPU
 @pytest.mark.parametrize(
-    "group, tiers, ids_layout, table_dtype, width, floor, fraction",
-    [
+    "small_chunks, group, tiers, ids_layout, table_dtype, width, floor, fraction",
+    cross(COLLISION_PIPELINES, [
         (4, 4, "words", torch.int8, 300, 20, 0.2),  # GQA 4: query_votes' table, ids as int32 words
         (3, 1, "strided", torch.int32, 500, 90, 0.05),  # votes 0..16: ties everywhere; ids a byte at a time
         (1, 4, "words", torch.int8, 120, 10, 0.5),  # one query head: the group mean's candidates
-    ],
+    ], on_cpu=[(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0), (3, 2), (4, 1)]),
+    indirect=["small_chunks"],
 )
 def test_collision_candidates_per_head_matches_reference(small_chunks, group, tiers, ids_layout, table_dtype, width,
                                                          floor, fraction):
@@ -607,7 +646,14 @@ def test_collision_candidates_refuses_misshaped_inputs():
         collision_candidates.collision_candidates(table, keys, valid, indexed, 5, 16, 1, 0.1, [(9, 0.5)] * 5)
 
 
-@pytest.mark.parametrize("indexed, count", [(299, 150), (300, 30), (599, 60), (600, 30)])
+# the bounds where the rule runs: the threshold pass (pass) and the folded compaction (pass-large-fold)
+# each bound; each other pipeline one bound; the rest on the GPU
+@pytest.mark.parametrize(
+    "small_chunks, indexed, count",
+    cross(COLLISION_PIPELINES, [(299, 150), (300, 30), (599, 60), (600, 30)],
+          on_cpu=[(p, c) for p in (1, 2) for c in range(4)] + [(0, 3), (3, 0), (4, 2)]),
+    indirect=["small_chunks"],
+)
 def test_collision_candidates_band_bounds_are_exclusive(small_chunks, indexed, count):
     # every token valid, so the zone is `indexed` tokens exactly: a band holds zones below its bound
     keys, query = _encoded(indexed, 1, 2, 700, 32, 8, 7)
@@ -623,29 +669,36 @@ def test_collision_candidates_band_bounds_are_exclusive(small_chunks, indexed, c
 # -- the fused rerank and final selection: rerank_select ----------------------------------------
 
 
-@pytest.fixture(params=["radix", "radix-level-chunk", "radix-no-preload", "row", "split", "torch"])
+SELECT_METHODS = ["radix", "radix-level-chunk", "radix-no-preload", "row", "split", "torch"]
+
+
+@pytest.fixture(params=SELECT_METHODS)
 def small_select(request, monkeypatch):
-    """Each method at interpreter sizes: several chunks (radix: 16-32 candidates each), steps
-    within a chunk, chunk blocks and finish blocks; "radix-level-chunk": the level and place
-    passes on chunks larger than the score pass's; "radix-no-preload": the place pass loading
-    the chosen candidates' positions and slots only (a large call's); "row": one program a row after the
-    score pass, its output rows in steps of 32."""
+    """Each method at interpreter sizes: several chunks (radix: 16-32 candidates each on a GPU,
+    32-128 under the interpreter), steps within a chunk, chunk blocks and finish blocks;
+    "radix-level-chunk": the level and place passes on chunks larger than the score pass's;
+    "radix-no-preload": the place pass loading the chosen candidates' positions and slots only (a
+    large call's); "row": one program a row after the score pass, its output rows in steps of 32.
+
+    The interpreter runs each program and step in Python, so there the radix passes take a quarter
+    of the programs and twice the steps' width (still 3-7 chunks a row at the tests' widths, of up to
+    8 steps, the place pass's rows in several steps); a GPU keeps the finer split."""
     from kvpolicy.kernels.triton import rerank_select
 
-
+    coarse = DEVICE.type != "cuda"
     monkeypatch.setattr(rerank_select, "_CHUNK", 128)
     monkeypatch.setattr(rerank_select, "_SCORE_SUB", 32 if request.param == "split" else 16)
     monkeypatch.setattr(rerank_select, "_SPLIT_SUB", 64)
     monkeypatch.setattr(rerank_select, "_CHUNK_BLOCK", 2)
     monkeypatch.setattr(rerank_select, "_BLOCK", 32)
-    monkeypatch.setattr(rerank_select, "_RADIX_PROGRAMS", 64)
-    monkeypatch.setattr(rerank_select, "_RADIX_SUB", 16)
-    monkeypatch.setattr(rerank_select, "_RADIX_SCORE_SUB", 8)
+    monkeypatch.setattr(rerank_select, "_RADIX_PROGRAMS", 16 if coarse else 64)
+    monkeypatch.setattr(rerank_select, "_RADIX_SUB", 32 if coarse else 16)
+    monkeypatch.setattr(rerank_select, "_RADIX_SCORE_SUB", 16 if coarse else 8)
     monkeypatch.setattr(rerank_select, "_RADIX_MIN_CHUNK", 8)
-    monkeypatch.setattr(rerank_select, "_PLACE_BLOCK", 4)
+    monkeypatch.setattr(rerank_select, "_PLACE_BLOCK", 8 if coarse else 4)
     monkeypatch.setattr(rerank_select, "_ROW_BLOCK", 32)
-    if request.param == "radix-level-chunk":
-        monkeypatch.setattr(rerank_select, "_RADIX_LEVEL_MIN_CHUNK", 32)
+    if request.param == "radix-level-chunk":  # (256: above the score pass's chunk at every width the tests take)
+        monkeypatch.setattr(rerank_select, "_RADIX_LEVEL_MIN_CHUNK", 256 if coarse else 32)
         monkeypatch.setattr(rerank_select, "_RADIX_LEVEL_LARGE_CALL", 0)
     if request.param == "radix-no-preload":
         monkeypatch.setattr(rerank_select, "_PRELOAD_CANDIDATES", 0)
@@ -698,15 +751,24 @@ def _assert_selects_like_reference(got, want, inputs, capacity, tolerance=1e-5):
             assert all(abs(score_of[p] - kth) <= tolerance * abs(kth) for p in swapped), (b, h, swapped)
 
 
+_SELECT_CASES = [
+    (900, 500, [[480, 300], [500, 10]], 850, 7, 120),  # several chunks; a row with fewer than k
+    (600, 300, [[300, 300], [0, 299]], 560, 0, 64),  # no buffer; an empty row
+    (300, 40, [[40, 40], [40, 40]], 280, 20, 64),  # width below the budget: a -1 tail
+    (300, 200, [[200, 200], [150, 200]], 250, 50, 50),  # the buffer fills the budget: nothing retrieved
+    (400, 350, [[350, 350], [350, 350]], 390, 5, 300),  # k near the candidates: deep into the tied bin
+]
+
+
+# every case through each method of its own passes (radix, row, split, torch); the two radix
+# variants, which change the level and place passes only, through the cases those passes branch on:
+# the larger level chunks where a row has several of them and where the ties run deep, the place
+# pass's own loads where a row is empty, has a -1 tail or retrieves nothing. The rest on the GPU
 @pytest.mark.parametrize(
-    "n, width, listed, indexed, buffered, capacity",
-    [
-        (900, 500, [[480, 300], [500, 10]], 850, 7, 120),  # several chunks; a row with fewer than k
-        (600, 300, [[300, 300], [0, 299]], 560, 0, 64),  # no buffer; an empty row
-        (300, 40, [[40, 40], [40, 40]], 280, 20, 64),  # width below the budget: a -1 tail
-        (300, 200, [[200, 200], [150, 200]], 250, 50, 50),  # the buffer fills the budget: nothing retrieved
-        (400, 350, [[350, 350], [350, 350]], 390, 5, 300),  # k near the candidates: deep into the tied bin
-    ],
+    "small_select, n, width, listed, indexed, buffered, capacity",
+    cross(SELECT_METHODS, _SELECT_CASES,
+          on_cpu=[(m, c) for m in (0, 3, 4, 5) for c in range(5)] + [(1, 0), (1, 4), (2, 1), (2, 2), (2, 3)]),
+    indirect=["small_select"],
 )
 def test_rerank_select_matches_reference(small_select, n, width, listed, indexed, buffered, capacity):
     inputs = _select_inputs(n + width, 2, 2, n, 32, 4, width, listed, indexed, buffered)
@@ -723,10 +785,12 @@ def test_rerank_select_leaves_its_scratch_zeroed_for_the_next_call(monkeypatch, 
     from kvpolicy.kernels.triton import rerank_select, scratch
 
     monkeypatch.setattr(rerank_select, "METHOD", method)
-    # several chunks a row at these sizes, so the last program of several clears
-    monkeypatch.setattr(rerank_select, "_RADIX_PROGRAMS", 64)
-    monkeypatch.setattr(rerank_select, "_RADIX_SUB", 16)
-    monkeypatch.setattr(rerank_select, "_RADIX_SCORE_SUB", 8)
+    # several chunks a row at these sizes, so the last program of several clears (under the
+    # interpreter 4-5 chunks a row of 2-8 steps, on a GPU 8-10 chunks of 2-8 steps)
+    coarse = DEVICE.type != "cuda"
+    monkeypatch.setattr(rerank_select, "_RADIX_PROGRAMS", 32 if coarse else 64)
+    monkeypatch.setattr(rerank_select, "_RADIX_SUB", 32 if coarse else 16)
+    monkeypatch.setattr(rerank_select, "_RADIX_SCORE_SUB", 16 if coarse else 8)
     monkeypatch.setattr(rerank_select, "_RADIX_MIN_CHUNK", 8)
     assert rerank_select.radix_chunk(6, 300) < 300
     for seed, (n, width, capacity) in enumerate([(900, 500, 120), (600, 300, 64), (900, 500, 200)]):
@@ -1012,8 +1076,10 @@ def _per_head(inputs, seed, group):
     return [analytic.head_logit_queries(queries, signs).to(inputs[0].device), *inputs[1:]]
 
 
-@pytest.mark.parametrize("group", [1, 3, 4])
-@pytest.mark.parametrize("count", [300, 77, 16])  # 300 and 77: a partial chunk and step
+# 300 and 77: a partial chunk and step; every group at 77 and 16 candidates, the 300 (several chunks of
+# several steps) with four heads, the rest on the GPU
+@pytest.mark.parametrize("count, group", cross([300, 77, 16], [1, 3, 4],
+                                               on_cpu=[(0, 2), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]))
 def test_head_softmax_rerank_matches_reference(small_head_softmax, group, count):
     from kvpolicy.kernels.triton import rerank as triton_rerank
 
@@ -1051,14 +1117,19 @@ def test_head_softmax_rerank_reads_a_strided_pool_and_query(small_head_softmax):
     assert got[0, 1].tolist() == [-1] * 6 and got[0, 0, 4:].tolist() == [-1, -1]
 
 
+# the head softmax replaces the score pass only (head_softmax.keys writes its "radix", "split" or
+# "wide" keys); the later passes are the group mean's, each case of them run above. So: every case
+# through the radix method, each other output with one head and with several, each other method
+# once; the rest on the GPU
 @pytest.mark.parametrize(
-    "group, n, width, listed, indexed, buffered, capacity",
-    [
+    "small_select, group, n, width, listed, indexed, buffered, capacity",
+    cross(SELECT_METHODS, [
         (4, 900, 500, [[480, 300], [500, 10]], 850, 7, 120),  # several chunks; a row with fewer than k
         (1, 600, 300, [[300, 300], [0, 299]], 560, 0, 64),  # one head; no buffer; an empty row
         (4, 600, 300, [[300, 300], [0, 299]], 560, 0, 64),
         (3, 300, 40, [[40, 40], [40, 40]], 280, 20, 64),  # width below the budget: a -1 tail
-    ],
+    ], on_cpu=[(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (2, 3), (3, 2), (4, 0), (4, 1), (5, 1), (5, 3)]),
+    indirect=["small_select"],
 )
 def test_rerank_select_head_softmax_matches_reference(small_select, small_head_softmax, group, n, width, listed,
                                                       indexed, buffered, capacity):
