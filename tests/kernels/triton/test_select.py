@@ -14,6 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpu_cross import GPU_CROSS, cross
+
 from kvpolicy.kernels import dispatch, reference
 
 CUDA = torch.cuda.is_available()
@@ -65,16 +67,23 @@ def _check(scores, sizes, starts, order, capacity, take=None):
 
 
 @pytest.mark.parametrize(
-    "batch, heads, units, tokens, max_size, capacity, levels",
+    "batch, heads, units, tokens, max_size, capacity, levels, block",
     [
-        (2, 3, 40, 300, 12, 64, None),  # budget cut inside a unit
-        (1, 2, 30, 200, 9, 1000, None),  # budget larger than all tokens
-        (2, 2, 50, 400, 8, 37, 3),  # many ties
-        (1, 1, 12, 500, 400, 100, None),  # units larger than the budget
-        (2, 2, 1500, 4000, 6, 1100, 50),  # several blocks of units and of positions
+        (2, 3, 40, 300, 12, 64, None, None),  # budget cut inside a unit
+        (1, 2, 30, 200, 9, 1000, None, None),  # budget larger than all tokens
+        (2, 2, 50, 400, 8, 37, 3, None),  # many ties
+        (1, 1, 12, 500, 400, 100, None, None),  # units larger than the budget
+        # 1,500 units: one full sort of 2,048 keys a row, ~7 s each under the interpreter: on the GPU
+        pytest.param(2, 2, 1500, 4000, 6, 1100, 50, None, marks=GPU_CROSS),
+        (2, 2, 250, 700, 6, 180, 50, 64),  # several blocks of units and of positions (blocks of 64)
     ],
 )
-def test_select_budget_matches_reference(batch, heads, units, tokens, max_size, capacity, levels):
+def test_select_budget_matches_reference(batch, heads, units, tokens, max_size, capacity, levels, block,
+                                         monkeypatch):
+    from kvpolicy.kernels.triton import select
+
+    if block is not None:
+        monkeypatch.setattr(select, "_BLOCK", block)
     seed = units * 7 + capacity
     _check(*_random_units(batch, heads, units, tokens, max_size, seed, levels=levels), capacity)
 
@@ -160,8 +169,12 @@ def _special_scores(batch, heads, units, seed):
     return specials[pick]
 
 
-@pytest.mark.parametrize("ranking", RANKINGS)
-@pytest.mark.parametrize("units, capacity, block", [(7, 20, None), (64, 100, None), (300, 250, 64), (300, 40, 64)])
+# every ranking at the two one-block sizes; at 300 units (several blocks: full sorts of 512 keys, about
+# 2 s each under the interpreter) every ranking but "auto" (which picks "full" there, as at any size up
+# to 2,048 units) with the cut late, and all but "full" with it early; the rest on the GPU
+@pytest.mark.parametrize("units, capacity, block, ranking", cross(
+    [(7, 20, None), (64, 100, None), (300, 250, 64), (300, 40, 64)], RANKINGS,
+    on_cpu=[(s, r) for s in (0, 1) for r in range(6)] + [(2, r) for r in range(1, 6)] + [(3, r) for r in range(2, 6)]))
 def test_ranking_of_special_scores_and_ties(units, capacity, block, ranking, monkeypatch):
     from kvpolicy.kernels.triton import select
 
@@ -196,20 +209,33 @@ def test_descending_key_orders_like_a_stable_descending_sort():
 # the auto rule's limits lowered so the interpreter stays quick (full sorts up to 128 units
 # without take and 256 with take, the radix select above)
 _SMALL_AUTO_RANKING = ((128, "full", "full"), (256, "full", "radix"), (None, "radix", "radix"))
+# ... and a quarter of those, with a quarter of the blocks, radix chunks, tokens and budget: the
+# interpreter's full sort of a 256-key block takes about a second a row, of a 64-key block a tenth.
+# The limits at their first lowering run on the GPU
+_TINY_AUTO_RANKING = ((32, "full", "full"), (64, "full", "radix"), (None, "radix", "radix"))
+_LOWERED_LIMITS = [  # (table, block, radix chunk, tokens, capacity, the limit)
+    pytest.param(_SMALL_AUTO_RANKING, 32, 32, 1000, 150, 256, marks=GPU_CROSS, id="limit256"),
+    pytest.param(_TINY_AUTO_RANKING, 8, 8, 250, 40, 64, id="limit64"),
+]
 
 
-@pytest.mark.parametrize("units", [255, 256, 257])
-def test_select_budget_around_the_full_sort_limit(units, monkeypatch):
-    # a padded block, a full one, and the radix select just above; small blocks and radix chunks
-    # so every walk takes several steps (257: a last chunk of one unit)
+@pytest.mark.parametrize("table, block, chunk, tokens, capacity, limit", _LOWERED_LIMITS)
+@pytest.mark.parametrize("above", [-1, 0, 1], ids=["below", "at", "above"])
+def test_select_budget_around_the_full_sort_limit(above, table, block, chunk, tokens, capacity, limit, monkeypatch):
+    # a padded block, a full one, and the radix select just above (units = limit - 1, limit,
+    # limit + 1); small blocks and radix chunks so every walk takes several steps (limit + 1: a
+    # last chunk of one unit)
     from kvpolicy.kernels.triton import select
 
-    monkeypatch.setattr(select, "AUTO_RANKING", _SMALL_AUTO_RANKING)
-    monkeypatch.setattr(select, "_BLOCK", 32)
-    monkeypatch.setattr(select, "_RADIX_CHUNK", 32)
-    inputs = _random_units(2, 2, units, 1000, 4, seed=units, levels=20)
-    _check(*inputs, 150, torch.tensor([False, True], device=DEVICE))
-    _check(*inputs, 150)
+    units = limit + above
+    monkeypatch.setattr(select, "AUTO_RANKING", table)
+    monkeypatch.setattr(select, "_BLOCK", block)
+    monkeypatch.setattr(select, "_RADIX_CHUNK", chunk)
+    assert select.auto_ranking(units, take_inline=True) == ("full" if above <= 0 else "radix")
+    assert units % chunk == (1 if above > 0 else 0 if above == 0 else chunk - 1)
+    inputs = _random_units(2, 2, units, tokens, 4, seed=units, levels=20)
+    _check(*inputs, capacity, torch.tensor([False, True], device=DEVICE))
+    _check(*inputs, capacity)
 
 
 def _count_library_rankings(monkeypatch):
@@ -221,25 +247,27 @@ def _count_library_rankings(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("units", [128, 129, 257])
-def test_auto_never_calls_a_library_ranking(units, monkeypatch):
+@pytest.mark.parametrize("table, block, chunk, tokens, capacity, limit", _LOWERED_LIMITS)
+@pytest.mark.parametrize("units_past", [0, 1, "both"], ids=["first-limit", "past-first", "past-both"])
+def test_auto_never_calls_a_library_ranking(units_past, table, block, chunk, tokens, capacity, limit, monkeypatch):
     # with take inline, without take and inside a conditional node's body (only re-selecting
-    # steps run it), below and above the lowered limits: the kernels rank (only the Triton
-    # op's calls count)
+    # steps run it), below and above the lowered limits (the first limit's units, one more, one
+    # more than the second's): the kernels rank (only the Triton op's calls count)
     from kvpolicy import graph_branch
     from kvpolicy.kernels.triton import select
 
-    monkeypatch.setattr(select, "AUTO_RANKING", _SMALL_AUTO_RANKING)
-    monkeypatch.setattr(select, "_BLOCK", 32)
-    monkeypatch.setattr(select, "_RADIX_CHUNK", 64)
-    inputs = _random_units(2, 2, units, 1000, 4, seed=units, levels=20)
-    want = reference.select_budget(*inputs, 150)
+    units = limit + 1 if units_past == "both" else limit // 2 + units_past
+    monkeypatch.setattr(select, "AUTO_RANKING", table)
+    monkeypatch.setattr(select, "_BLOCK", block)
+    monkeypatch.setattr(select, "_RADIX_CHUNK", 2 * chunk)
+    inputs = _random_units(2, 2, units, tokens, 4, seed=units, levels=20)
+    want = reference.select_budget(*inputs, capacity)
     calls = _count_library_rankings(monkeypatch)
     for take in (torch.tensor([True, True], device=DEVICE), None):
-        got = _select_budget()(*inputs, 150, take)
+        got = _select_budget()(*inputs, capacity, take)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     monkeypatch.setattr(graph_branch, "in_conditional_body", lambda: True)
-    got = _select_budget()(*inputs, 150, torch.tensor([True, False], device=DEVICE))
+    got = _select_budget()(*inputs, capacity, torch.tensor([True, False], device=DEVICE))
     assert all(torch.equal(a[:1], b[:1]) for a, b in zip(got, want))
     assert calls == []
 
@@ -284,15 +312,31 @@ def test_an_unknown_ranking_is_refused(monkeypatch):
         _select_budget()(*_random_units(1, 1, 8, 50, 3, seed=1), 10)
 
 
-@pytest.mark.parametrize(
-    "ranking, capacity", [("threshold", 700), ("threshold", 40000), ("threshold", 90000), ("radix", 700)]
-)
-def test_threshold_select_past_many_blocks(capacity, ranking, monkeypatch):
-    # 2,049 units: the budget cut mid-ranking, and a budget of more tokens than all units hold
-    # (every unit taken); for the radix select three chunks, the last of one unit (the
-    # interpreter's sort of the 4,096-key block a budget above 2,048 needs is too slow here)
+@pytest.mark.parametrize("ranking, units, tokens, capacity, block, chunk", [
+    # 2,049 units at the default blocks (5 of 512 for the threshold select), on the GPU: the
+    # interpreter's sort of the 4,096-key block a budget above 2,048 needs takes ~15 s a row
+    pytest.param("threshold", 2049, 40000, 700, None, None, marks=GPU_CROSS),
+    pytest.param("threshold", 2049, 40000, 40000, None, None, marks=GPU_CROSS),
+    pytest.param("threshold", 2049, 40000, 90000, None, None, marks=GPU_CROSS),
+    pytest.param("radix", 2049, 40000, 700, None, None, marks=GPU_CROSS),
+    # the same at an eighth: 257 units over 9 threshold blocks of 32, radix chunks of 128
+    ("threshold", 257, 5000, 90, 32, 128),
+    ("threshold", 257, 5000, 5000, 32, 128),
+    ("threshold", 257, 5000, 11250, 32, 128),
+    ("radix", 257, 5000, 90, 32, 128),
+])
+def test_threshold_select_past_many_blocks(ranking, units, tokens, capacity, block, chunk, monkeypatch):
+    # the budget cut mid-ranking (a fifth of the tokens), and a budget of more tokens than all
+    # units hold (every unit taken: as many as the positions, and more); for the radix select three
+    # chunks, the last of one unit
+    from kvpolicy.kernels.triton import select
+
     _use_ranking(ranking, monkeypatch)
-    inputs = _random_units(2, 1, 2049, 40000, 3, seed=2049, levels=200)
+    if block is not None:
+        monkeypatch.setattr(select, "_THRESHOLD_BLOCK", block)
+        monkeypatch.setattr(select, "_RADIX_CHUNK", chunk)
+    assert units % (chunk or select._RADIX_CHUNK) == 1 and units > 4 * (block or select._THRESHOLD_BLOCK)
+    inputs = _random_units(2, 1, units, tokens, 3, seed=units, levels=200)
     _check(*inputs, capacity, torch.tensor([True, False], device=DEVICE))
     _check(*inputs, capacity)
 
