@@ -19,6 +19,7 @@ from kvpolicy.errors import ConfigError
 from kvpolicy.layer import PolicyLayerState
 from kvpolicy.triggers.score_gap import ScoreGap
 
+from gpu_cross import cross
 from host_reads import no_host_reads
 from test_graph_ready import _host_state, _restore, _tensors
 
@@ -221,21 +222,32 @@ def test_the_step_replays_with_frozen_host_state(admit, trigger):
     assert (1 < replayed.reselections).all() and (replayed.reselections < steps).all()
 
 
+_FUSED_TRIGGERS = {
+    "weakest": {"name": "score_gap", "margin": 0.5},
+    "mass": {"name": "score_gap", "margin": -1.0, "measure": "mass", "leaving": "ignored"},  # the louiskv preset's kind
+    "rank-cap": {"name": "score_gap", "margin": 0.5, "measure": "rank", "leaving": "ignored", "cap": 5},
+    # the op that scores the outlier keys itself (ops.score_gap_outlier_fire)
+    "outlier": {"name": "score_gap", "margin": -1.0, "measure": "mass", "leaving": "ignored", "estimate": "outlier",
+                "outliers": 2, "group": "each"},
+    "outlier-every-2": {"name": "score_gap", "margin": -1.0, "measure": "mass", "leaving": "ignored",
+                        "estimate": "outlier", "outliers": 2, "group": "each", "every": 2},
+    "outlier-challengers": {"name": "score_gap", "margin": -1.0, "measure": "mass", "leaving": "ignored",
+                            "estimate": "outlier", "outliers": 2, "group": "each", "every": 3, "challengers": 2},
+}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the Triton step needs a CUDA device or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("trigger", [
-    {"name": "score_gap", "margin": 0.5},
-    {"name": "score_gap", "margin": -1.0, "measure": "mass", "leaving": "ignored"},  # the louiskv preset's kind
-    {"name": "score_gap", "margin": 0.5, "measure": "rank", "leaving": "ignored", "cap": 5},
-    # the op that scores the outlier keys itself (ops.score_gap_outlier_fire)
-    {"name": "score_gap", "margin": -1.0, "measure": "mass", "leaving": "ignored", "estimate": "outlier",
-     "outliers": 2, "group": "each"},
-    {"name": "score_gap", "margin": -1.0, "measure": "mass", "leaving": "ignored", "estimate": "outlier",
-     "outliers": 2, "group": "each", "every": 2},
-    {"name": "score_gap", "margin": -1.0, "measure": "mass", "leaving": "ignored", "estimate": "outlier",
-     "outliers": 2, "group": "each", "every": 3, "challengers": 2},
-])
-@pytest.mark.parametrize("admit", ["room", "evict"])
+# On the CPU (gpu_cross) each trigger with one admit rule, and where the fused op branches on the rule for that
+# trigger, with the pair it branches on: leaving="unheld" with "evict" (the follow launch drops and evicts),
+# measure "rank" with "evict" (the held mean over the list it evicted), challengers with "evict" (checked
+# against the marks it dropped), and the outlier op at every step with both (with "room" the blocks launch does
+# the follow launch's work, with "evict" the follow launch runs); the whole cross product on the GPU
+@pytest.mark.parametrize("trigger, admit", [
+    pytest.param(*case.values, marks=case.marks, id=f"{name}-{case.values[1]}")
+    for name, case in zip([name for name in _FUSED_TRIGGERS for _ in range(2)], cross(
+        list(_FUSED_TRIGGERS.values()), ["room", "evict"],
+        on_cpu=[(0, 1), (1, 0), (2, 1), (3, 0), (3, 1), (4, 1), (5, 1)]))])
 def test_the_fused_step_decides_as_the_reference(trigger, admit):
     # the layer's decode through the Triton op (ops.score_gap_fire) against the reference trigger:
     # the same decisions, held lists and outputs over a decode whose query wanders across pages

@@ -16,6 +16,8 @@ import torch
 from kvpolicy.kernels import dispatch, reference_step
 from kvpolicy.triggers.score_gap import ScoreGap, ScoreGapState
 
+from gpu_cross import GPU_CROSS, cross
+
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
     reason="Triton needs a CUDA device or TRITON_INTERPRET=1",
@@ -116,11 +118,16 @@ def _assert_same_step(got: torch.Tensor, want: torch.Tensor, fast: ScoreGapState
     _assert_marks_follow_the_list(fast, where)
 
 
-@pytest.mark.parametrize("measure", ["weakest", "mass", "rank"])
-@pytest.mark.parametrize("leaving", ["unheld", "ignored"])
-# ``every`` 3: a sequence's layer measures the gap at one step in three (its steps counted), skipping the rest
-@pytest.mark.parametrize("admit, follow, cap, every", [("room", 0.0, 0, 1), ("evict", 0.0, 3, 1), ("room", 1.5, 0, 3),
-                                                       ("evict", math.inf, 0, 1)])
+# ``every`` 3: a sequence's layer measures the gap at one step in three (its steps counted), skipping the rest.
+# On the CPU (gpu_cross) each measure with each option set, the leaving rules alternating, so that every
+# (measure, leaving, admit) triple runs (the follow launch branches on the leaving rule, ``admit="evict"`` and
+# measure "rank" together; the gap blocks on the leaving rule and the measure; the decide launch on the measure,
+# ``every``, ``follow`` and ``cap``), with the held list past one block of the follow-up (mass, unheld, evict)
+@pytest.mark.parametrize("measure, leaving, admit, follow, cap, every", cross(
+    [("weakest", "unheld"), ("weakest", "ignored"), ("mass", "unheld"), ("mass", "ignored"), ("rank", "unheld"),
+     ("rank", "ignored")],
+    [("room", 0.0, 0, 1), ("evict", 0.0, 3, 1), ("room", 1.5, 0, 3), ("evict", math.inf, 0, 1)],
+    on_cpu=[(0, 0), (3, 0), (4, 0), (1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (5, 2), (0, 3), (3, 3), (5, 3)]))
 def test_score_gap_fire_matches_reference(measure, leaving, admit, follow, cap, every, monkeypatch):
     from kvpolicy.kernels.triton import score_gap
 
@@ -309,15 +316,30 @@ def _with_outlier_keys(gen: torch.Generator, state: ScoreGapState, dim: int, m: 
 # them): the key loop software-pipelined with a wide row stage; the keys' product in bfloat16 (exact
 # too), on the GPU only
 # ``fixed``: ``ScoreGap.fixed_query``, int8 products with the query's fixed-point digits
-@pytest.mark.parametrize("group, dtype, product, stages, row_span, fixed", [
+_OUTLIER_SETTINGS = [
     ("each", torch.float32, "tf32", 0, 64, False), ("mean", torch.float32, "tf32", 0, 64, False),
     ("each", torch.bfloat16, "tf32", 0, 64, False), ("each", torch.bfloat16, "tf32", 2, 256, False),
-    ("each", torch.bfloat16, "tf32", 0, 64, True), ("mean", torch.float32, "tf32", 0, 256, True),
-    pytest.param("each", torch.bfloat16, "query", 0, 64, False, marks=ON_GPU_ONLY)])
+    ("each", torch.bfloat16, "tf32", 0, 64, True), ("mean", torch.float32, "tf32", 0, 256, True)]
 # ``challengers``: the steps between measured ones score the held units and the challengers alone
-@pytest.mark.parametrize("leaving, admit, follow, cap, every, challengers", [
+_OUTLIER_OPTIONS = [
     ("ignored", "room", 0.0, 0, 1, 0), ("unheld", "evict", 1.5, 6, 1, 0), ("ignored", "room", 0.0, 0, 2, 0),
-    ("ignored", "room", 0.0, 0, 3, 4), ("unheld", "evict", 1.5, 0, 2, 2)])
+    ("ignored", "room", 0.0, 0, 3, 4), ("unheld", "evict", 1.5, 0, 2, 2)]
+
+
+# On the CPU (gpu_cross) every setting and option set, and the pairs the kernels branch on together: challengers
+# (the steps between, the row stage's merge) with the query in fixed point and not, a group's mean and each
+# head's, a float32 and a bfloat16 query, the pipelined key loop and the unrolled one, and a row stage reading its
+# parts one at a time and all at once (at seed 1); the same row stage without challengers both ways; the decision
+# in the blocks launch (no challengers, every step) with a group's mean and each head's, in fixed point (the
+# preset's) and not; ``every`` without challengers (the decide launch). (The test below runs the first setting
+# with challengers, ``every`` 3, in each way of scoring the steps between.)
+@pytest.mark.parametrize("group, dtype, product, stages, row_span, fixed, leaving, admit, follow, cap, every, "
+                         "challengers", cross(
+                             _OUTLIER_SETTINGS, _OUTLIER_OPTIONS,
+                             on_cpu=[(1, 0), (4, 0), (3, 1), (0, 2), (2, 2), (1, 3), (5, 4), (3, 4)]) + [
+    pytest.param("each", torch.bfloat16, "query", 0, 64, False, *options, marks=ON_GPU_ONLY)
+    for options in _OUTLIER_OPTIONS],
+    ids=lambda value: str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None)
 def test_score_gap_outlier_fire_matches_reference(group, dtype, product, stages, row_span, fixed, leaving, admit,
                                                   follow, cap, every, challengers, monkeypatch):
     """The fused outlier op (scoring included) against ``reference_step.score_gap_outlier_fire``:
@@ -340,13 +362,16 @@ def test_score_gap_outlier_fire_matches_reference(group, dtype, product, stages,
                            margins=(99.0, margin) if cap else (), estimate="outlier", outliers=3, group=group,
                            every=every, challengers=challengers, fixed_query=fixed)
         trigger.validate()
-        ref = _state(gen, batch=3, heads=2, units=400, room=12, prompt_units=300, admit=admit, above=follow > 0)
+        # 2 sequences (the interpreter runs a launch's programs one by one: a sequence's cost), the first with no
+        # decode unit open at first: every branch of the follow-up still happens in each case, both decisions,
+        # and with challengers steps between measured ones
+        ref = _state(gen, batch=2, heads=2, units=400, room=12, prompt_units=300, admit=admit, above=follow > 0)
         _with_outlier_keys(gen, ref, dim=24, m=3)
         if seed == 2:  # every row has a selection: with the largest margin some keep it
             ref.has_selection.fill_(True)
         fast = copy.deepcopy(ref)
         for step in range(5 if challengers else 3):
-            query = torch.randn(3, 6, 24, generator=gen).to(DEVICE, dtype)
+            query = torch.randn(2, 6, 24, generator=gen).to(DEVICE, dtype)
             had = ref.has_selection.clone()
             kept_before = None if ref.challengers is None else ref.challengers.clone()
             want = reference_step.score_gap_outlier_fire(trigger, ref, query, 0.2)
@@ -367,8 +392,11 @@ def test_score_gap_outlier_fire_matches_reference(group, dtype, product, stages,
 
 # a step between measured ones in the blocks launch or its own, its keys a tile or a loop (the test above
 # runs the shipped settings, "own" and "loop")
-# (``fixed``: the keys as a tile with the query in fixed point, ``ScoreGap.fixed_query``)
-@pytest.mark.parametrize("launch, keys, fixed", [("blocks", "tile", False), ("own", "tile", False),
+# (``fixed``: the keys as a tile with the query in fixed point, ``ScoreGap.fixed_query``). On the CPU each launch
+# with each way of reading the keys, and each way with the query in fixed point and not (the shipped "own" and
+# "loop" run above, in fixed point too): "own" and "tile" in float runs on the GPU (gpu_cross)
+@pytest.mark.parametrize("launch, keys, fixed", [("blocks", "tile", False),
+                                                 pytest.param("own", "tile", False, marks=GPU_CROSS),
                                                  ("blocks", "loop", False), ("own", "tile", True)])
 def test_outlier_fire_between_settings_match_reference(launch, keys, fixed, monkeypatch):
     """With challengers, each setting of the steps between measured ones against the reference, as above."""
@@ -394,11 +422,16 @@ def test_outlier_fire_decided_in_the_blocks_launch_as_by_the_decide_launch(leavi
     options = dict(measure="mass", leaving=leaving, follow=follow, cap=cap, estimate="outlier", outliers=3,
                    group="each", fixed_query=True)
     # 3 blocks of units a row at D = 24 (256 units a block): more than one program of a sequence takes a ticket
-    launched = _state(gen, batch=6, heads=2, units=600, room=12, prompt_units=500, admit=admit, above=follow > 0)
+    # (its 3 blocks x 2 KV heads); 5 sequences, the first with no selection (it fires), the others deciding on
+    # the gap (the interpreter runs the programs one by one: a sequence's cost). Not fewer: a row whose heads hold
+    # nothing has no finite gap at any step, one in ten with "evict", and with none finite there is no margin
+    batch = 5
+    launched = _state(gen, batch=batch, heads=2, units=600, room=12, prompt_units=500, admit=admit,
+                      above=follow > 0)
     _with_outlier_keys(gen, launched, dim=24, m=3)
-    launched.has_selection.copy_(torch.tensor([False] + [True] * 5))
+    launched.has_selection.copy_(torch.tensor([False] + [True] * (batch - 1)))
     fused = copy.deepcopy(launched)
-    queries = [torch.randn(6, 6, 24, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(6)]
+    queries = [torch.randn(batch, 6, 24, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(6)]
     # the margin: the median of the reference's finite gaps over the same steps in the rows with a selection (a
     # row with nothing held has an infinite one), so the steps fire on some rows and keep others (the gaps do not
     # depend on the margin)
@@ -407,17 +440,18 @@ def test_outlier_fire_decided_in_the_blocks_launch_as_by_the_decide_launch(leavi
     for query in queries:
         reference_step.score_gap_outlier_fire(ScoreGap(margin=0.0, **options), probe, query, 0.2)
         # (a row whose layer above re-selected compares its gap with the margin less ``follow``)
-        lowered = [follow * bool(above) for above in (probe.above.reselect.tolist() if follow else [0] * 6)]
+        lowered = [follow * bool(above) for above in (probe.above.reselect.tolist() if follow else [0] * batch)]
         finite += [g + low for g, low in list(zip(probe.gap.tolist(), lowered))[1:] if abs(g) < 1e4]
         _next_look(look, probe)
     trigger = ScoreGap(margin=float(torch.tensor(finite).median()), **options)
     trigger.validate()
 
     def decision():
-        return Decision(has_selection=(torch.rand(6, generator=gen) < 0.7).to(DEVICE),
-                        reselections=torch.randint(0, 9, (6,), generator=gen).to(DEVICE),
-                        boundary=(torch.rand(6, 40, generator=gen) < 0.5).to(DEVICE),
-                        slot=torch.tensor(0, device=DEVICE), reselect=torch.zeros(6, dtype=torch.bool, device=DEVICE))
+        return Decision(has_selection=(torch.rand(batch, generator=gen) < 0.7).to(DEVICE),
+                        reselections=torch.randint(0, 9, (batch,), generator=gen).to(DEVICE),
+                        boundary=(torch.rand(batch, 40, generator=gen) < 0.5).to(DEVICE),
+                        slot=torch.tensor(0, device=DEVICE),
+                        reselect=torch.zeros(batch, dtype=torch.bool, device=DEVICE))
 
     want = decision()
     got = Decision(*(t.clone() for t in want))
@@ -449,7 +483,7 @@ def test_outlier_fire_decided_in_the_blocks_launch_as_by_the_decide_launch(leavi
     assert set(decided) == {True, False}, (f"the steps decided alike ({decided}; margin {trigger.margin:.2f}, gaps "
                                            f"{gaps}): both ways were not tested")
     assert launches == [0] * len(queries), f"the decide launch ran where the blocks launch decides: {launches}"
-    tickets = score_gap_outlier.zeroed(DEVICE, "score_gap_outlier_decide", (6,))
+    tickets = score_gap_outlier.zeroed(DEVICE, "score_gap_outlier_decide", (batch,))
     assert not tickets.any(), f"the tickets were not left at zero: {tickets.tolist()}"
 
 
@@ -513,7 +547,9 @@ def _reference_parts(state, query: torch.Tensor, scale: float, block: int, fixed
 # (and the shipped settings at SmolLM2's and Gemma 3's head dimensions, 64 and 256)
 @pytest.mark.parametrize("dim, tile, stages, warps, product, fixed", [
     (128, 4096, 0, 4, "tf32", False), (128, 4096, 2, 4, "tf32", False), (128, 8192, 0, 4, "tf32", False),
-    (128, 8192, 2, 4, "tf32", False), (128, 2048, 0, 4, "tf32", False), (128, 4096, 0, 2, "tf32", False),
+    (128, 8192, 2, 4, "tf32", False), (128, 2048, 0, 4, "tf32", False),
+    # (the interpreter ignores ``num_warps``: on the CPU this case is the one at 4 warps)
+    pytest.param(128, 4096, 0, 2, "tf32", False, marks=GPU_CROSS),
     (128, 8192, 0, 4, "tf32", True), (64, 8192, 0, 4, "tf32", True),
     pytest.param(128, 8192, 0, 4, "query", False, marks=ON_GPU_ONLY),
     pytest.param(128, 8192, 2, 4, "query", False, marks=ON_GPU_ONLY),
@@ -562,7 +598,9 @@ def test_outlier_blocks_parts_match_reference_at_real_head_dims(dim, tile, stage
 
 
 
-@pytest.mark.parametrize("maxnreg, decode_dims", [(64, 16), (80, 16), (None, 32), (None, 1024)])
+# (the interpreter ignores ``maxnreg``: on the CPU the cap of 80 registers runs as the cap of 64)
+@pytest.mark.parametrize("maxnreg, decode_dims", [(64, 16), pytest.param(80, 16, marks=GPU_CROSS), (None, 32),
+                                                  (None, 1024)])
 def test_outlier_blocks_parts_match_reference_under_a_register_cap(maxnreg, decode_dims, monkeypatch):
     # score_gap_outlier._BLOCKS_MAXNREG (benchmarks/outlier_blocks.py's "maxnreg" variants): the cap makes the
     # compiler spill, which must not change a part; and the decode units' means in tiles of other widths (1024:
