@@ -10,6 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpu_cross import GPU_CROSS
+
 import kvpolicy
 from kvpolicy import ConfigError, Policy, analytic
 from kvpolicy.layer import PolicyLayerState
@@ -212,7 +214,13 @@ def test_layer_attends_the_update_buffer_in_full():
             assert len(attended) <= 100
 
 
-def test_triton_backend_attends_what_the_reference_backend_attends():
+# the prompt: 1,500 tokens on the GPU; under the interpreter 400 (its prefill encodes every prompt key in
+# Python: three quarters of the time at 1,500). Either way the retrieval zone (1,432 or 332 tokens) is in
+# the length rule's first band, its candidates (716 or 166) above the floor (120) and the budget, so the
+# rerank cuts them; the votes and the rerank run over several chunks a row; six decode steps each
+# re-select with a growing update buffer
+@pytest.mark.parametrize("prompt", [pytest.param(1500, marks=GPU_CROSS), 400])
+def test_triton_backend_attends_what_the_reference_backend_attends(prompt):
     # the whole selection (collision votes, counting-sort candidates, rerank) through Triton
     # (the interpreter on CPU) against the reference ops, step by step; on a CUDA machine both
     # backends run on the GPU (Triton without the interpreter cannot take CPU tensors)
@@ -222,13 +230,13 @@ def test_triton_backend_attends_what_the_reference_backend_attends():
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton needs a CUDA device or TRITON_INTERPRET=1")
     gen = torch.Generator().manual_seed(3)
-    keys, values = torch.randn(2, 2, 2, 1500, 32, generator=gen).to(device)
+    keys, values = torch.randn(2, 2, 2, prompt, 32, generator=gen).to(device)
     steps = torch.randn(6, 3, 2, 4, 32, generator=gen).to(device)
     attended = {}
     for backend in ("reference", "triton"):
         policy = kvpolicy.preset("pariskv", budget=128, backend=backend)
         state = PolicyLayerState(policy, 0, device)
-        state.prefill(keys, values, torch.ones(2, 1500, dtype=torch.bool, device=device), 4)
+        state.prefill(keys, values, torch.ones(2, prompt, dtype=torch.bool, device=device), 4)
         seen = []
         for q, k, v in steps:
             state.decode(q, k[:, :2], v[:, :2], 32**-0.5)
