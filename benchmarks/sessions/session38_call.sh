@@ -39,11 +39,7 @@ fused) fused ;;
 h200)
   floor
   step e2e_128k4 200 ${E2E} --contexts 131072 --batches 4 --presets louiskv@gpu --json "$OUT/e2e_128k4.json"
-  for method in radix row; do
-    step "e2e_paris32k_$method" 100 python3 benchmarks/with_settings.py \
-      kvpolicy.kernels.triton.rerank_select.METHOD="'$method'" -- ${E2E#python3 } --contexts 32768 --batches 1 \
-      --presets pariskv@gpu --json "$OUT/e2e_paris32k_$method.json"
-  done ;;
+  paris_select_pair 100 ;;
 suite) bash "$(dirname "$0")/session36_call.sh" "$OUT" "$TAR" suite ;;
 *) echo "session38_call.sh: MODE must be tiles, floor, fused, h200 or suite, got '$3'" >&2; exit 2 ;;
 esac

@@ -17,11 +17,7 @@ long)
   step e2e_128k4 330 ${E2E} --contexts 131072 --batches 4 --presets louiskv@gpu,louiskv@cpu --json "$OUT/e2e_128k4.json" ;;
 huge)
   step e2e_512k 300 ${E2E} --contexts 524288 --batches 1 --presets louiskv@cpu --json "$OUT/e2e_512k.json"
-  for method in radix row; do
-    step "e2e_paris32k_$method" 120 python3 benchmarks/with_settings.py \
-      kvpolicy.kernels.triton.rerank_select.METHOD="'$method'" -- ${E2E#python3 } --contexts 32768 --batches 1 \
-      --presets pariskv@gpu --json "$OUT/e2e_paris32k_$method.json"
-  done ;;
+  paris_select_pair 120 ;;
 profile)
   gap='"name":"score_gap","measure":"mass","margin":1e9,"leaving":"ignored","estimate":"outlier","outliers":4,"group":"each","fixed_query":true'
   for setting in True False; do
