@@ -243,11 +243,8 @@ _FUSED_TRIGGERS = {
 # measure "rank" with "evict" (the held mean over the list it evicted), challengers with "evict" (checked
 # against the marks it dropped), and the outlier op at every step with both (with "room" the blocks launch does
 # the follow launch's work, with "evict" the follow launch runs); the whole cross product on the GPU
-@pytest.mark.parametrize("trigger, admit", [
-    pytest.param(*case.values, marks=case.marks, id=f"{name}-{case.values[1]}")
-    for name, case in zip([name for name in _FUSED_TRIGGERS for _ in range(2)], cross(
-        list(_FUSED_TRIGGERS.values()), ["room", "evict"],
-        on_cpu=[(0, 1), (1, 0), (2, 1), (3, 0), (3, 1), (4, 1), (5, 1)]))])
+@pytest.mark.parametrize("trigger, admit", cross(_FUSED_TRIGGERS, ["room", "evict"],
+                                                  on_cpu=[(0, 1), (1, 0), (2, 1), (3, 0), (3, 1), (4, 1), (5, 1)]))
 def test_the_fused_step_decides_as_the_reference(trigger, admit):
     # the layer's decode through the Triton op (ops.score_gap_fire) against the reference trigger:
     # the same decisions, held lists and outputs over a decode whose query wanders across pages
