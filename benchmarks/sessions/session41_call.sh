@@ -20,9 +20,8 @@ byslot)
   # profile8 found batch 8's attention kernel at 43.8 us a layer against the floor's 27.7: the retrieved rows read
   # from a GPU pool by slot (store.ATTEND_POOL_BY_SLOT) against rows fetched into the buffer, end to end
   for setting in False True; do
-    step "e2e_byslot_$setting" 260 python3 benchmarks/with_settings.py kvpolicy.store.ATTEND_POOL_BY_SLOT=$setting \
-      -- ${E2E#python3 } --contexts 2304 --batches $([ $setting = False ] && echo 1,8 || echo 8) \
-      --presets louiskv@gpu --json "$OUT/e2e_byslot_$setting.json"
+    step "e2e_byslot_$setting" 170 python3 benchmarks/with_settings.py kvpolicy.store.ATTEND_POOL_BY_SLOT=$setting \
+      -- ${E2E#python3 } --contexts 2304 --batches 8 --presets louiskv@gpu --json "$OUT/e2e_byslot_$setting.json"
   done ;;
 *) echo "session41_call.sh: MODE must be tests, profile8 or byslot, got '$3'" >&2; exit 2 ;;
 esac
