@@ -15,6 +15,8 @@ from kvpolicy.kernels import dispatch, reference_analytic
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
+# under the interpreter (each program and step run in Python) some fixtures take coarser block settings
+COARSE = not CUDA
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -361,14 +363,13 @@ def small_chunks(monkeypatch, request):
     past 512 positions, where its 2,048 left one chunk of 32 mostly empty steps)."""
     from kvpolicy.kernels.triton import collision_candidates
 
-    coarse = DEVICE.type != "cuda"
     monkeypatch.setattr(collision_candidates, "PIPELINE", request.param.split("-")[0])
     monkeypatch.setattr(collision_candidates, "FOLD_SMALL_THRESHOLD", not request.param.endswith("-threshold-launch"))
     monkeypatch.setattr(collision_candidates, "FOLD_LARGE_THRESHOLD", request.param == "pass-large-fold")
     monkeypatch.setattr(collision_candidates, "_CHUNK", 256)
-    monkeypatch.setattr(collision_candidates, "_SUB", 128 if coarse else 64)
-    monkeypatch.setattr(collision_candidates, "_COMPACT_SUB", 128 if coarse else 64)
-    if coarse:
+    monkeypatch.setattr(collision_candidates, "_SUB", 128 if COARSE else 64)
+    monkeypatch.setattr(collision_candidates, "_COMPACT_SUB", 128 if COARSE else 64)
+    if COARSE:
         monkeypatch.setattr(collision_candidates, "_FUSED_MIN_CHUNK", 512)
     monkeypatch.setattr(collision_candidates, "_CHUNK_BLOCK", 2)
     if request.param.startswith("pass-small-call"):  # 32-position chunks, dozens a row
@@ -685,20 +686,19 @@ def small_select(request, monkeypatch):
     8 steps, the place pass's rows in several steps); a GPU keeps the finer split."""
     from kvpolicy.kernels.triton import rerank_select
 
-    coarse = DEVICE.type != "cuda"
     monkeypatch.setattr(rerank_select, "_CHUNK", 128)
     monkeypatch.setattr(rerank_select, "_SCORE_SUB", 32 if request.param == "split" else 16)
     monkeypatch.setattr(rerank_select, "_SPLIT_SUB", 64)
     monkeypatch.setattr(rerank_select, "_CHUNK_BLOCK", 2)
     monkeypatch.setattr(rerank_select, "_BLOCK", 32)
-    monkeypatch.setattr(rerank_select, "_RADIX_PROGRAMS", 16 if coarse else 64)
-    monkeypatch.setattr(rerank_select, "_RADIX_SUB", 32 if coarse else 16)
-    monkeypatch.setattr(rerank_select, "_RADIX_SCORE_SUB", 16 if coarse else 8)
+    monkeypatch.setattr(rerank_select, "_RADIX_PROGRAMS", 16 if COARSE else 64)
+    monkeypatch.setattr(rerank_select, "_RADIX_SUB", 32 if COARSE else 16)
+    monkeypatch.setattr(rerank_select, "_RADIX_SCORE_SUB", 16 if COARSE else 8)
     monkeypatch.setattr(rerank_select, "_RADIX_MIN_CHUNK", 8)
-    monkeypatch.setattr(rerank_select, "_PLACE_BLOCK", 8 if coarse else 4)
+    monkeypatch.setattr(rerank_select, "_PLACE_BLOCK", 8 if COARSE else 4)
     monkeypatch.setattr(rerank_select, "_ROW_BLOCK", 32)
     if request.param == "radix-level-chunk":  # (256: above the score pass's chunk at every width the tests take)
-        monkeypatch.setattr(rerank_select, "_RADIX_LEVEL_MIN_CHUNK", 256 if coarse else 32)
+        monkeypatch.setattr(rerank_select, "_RADIX_LEVEL_MIN_CHUNK", 256 if COARSE else 32)
         monkeypatch.setattr(rerank_select, "_RADIX_LEVEL_LARGE_CALL", 0)
     if request.param == "radix-no-preload":
         monkeypatch.setattr(rerank_select, "_PRELOAD_CANDIDATES", 0)
@@ -787,10 +787,9 @@ def test_rerank_select_leaves_its_scratch_zeroed_for_the_next_call(monkeypatch, 
     monkeypatch.setattr(rerank_select, "METHOD", method)
     # several chunks a row at these sizes, so the last program of several clears (under the
     # interpreter 4-5 chunks a row of 2-8 steps, on a GPU 8-10 chunks of 2-8 steps)
-    coarse = DEVICE.type != "cuda"
-    monkeypatch.setattr(rerank_select, "_RADIX_PROGRAMS", 32 if coarse else 64)
-    monkeypatch.setattr(rerank_select, "_RADIX_SUB", 32 if coarse else 16)
-    monkeypatch.setattr(rerank_select, "_RADIX_SCORE_SUB", 16 if coarse else 8)
+    monkeypatch.setattr(rerank_select, "_RADIX_PROGRAMS", 32 if COARSE else 64)
+    monkeypatch.setattr(rerank_select, "_RADIX_SUB", 32 if COARSE else 16)
+    monkeypatch.setattr(rerank_select, "_RADIX_SCORE_SUB", 16 if COARSE else 8)
     monkeypatch.setattr(rerank_select, "_RADIX_MIN_CHUNK", 8)
     assert rerank_select.radix_chunk(6, 300) < 300
     for seed, (n, width, capacity) in enumerate([(900, 500, 120), (600, 300, 64), (900, 500, 200)]):
