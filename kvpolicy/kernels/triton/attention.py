@@ -59,6 +59,11 @@ NUM_STAGES = 3
 # 175 (197 against 232 through the zone map; a part alone 135), both as 16-byte cp.async loads with no
 # spill; which is faster is not measured yet (no GPU in session 20)
 POOL_ROWS_BY_POINTER = True
+# a part's pool rows: their slots (and zone rows) load for every row of the pool range, not only the
+# valid ones, so those loads need not wait for ``valid``'s and only the K/V loads do (a masked row's
+# slot is an entry of ``slots`` and its zone row is clamped into the map, so every read is in bounds).
+# False: the slot loads wait for ``valid`` (before session 42), a setting so a benchmark can time both
+SLOTS_AHEAD_OF_VALID = True
 
 
 @triton.jit
@@ -66,18 +71,21 @@ def _load_rows(
     k_base, v_base, offs, keep, d, stride_kn, stride_vn,
     pk_ptr, pv_ptr, slots_ptr, zone_ptr, b, h, pool_lo, pool_n, zone_end,
     pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh,
-    FROM_POOL: tl.constexpr, HAS_ZONE: tl.constexpr, BY_POINTER: tl.constexpr,
+    FROM_POOL: tl.constexpr, HAS_ZONE: tl.constexpr, BY_POINTER: tl.constexpr, SLOTS_AHEAD: tl.constexpr,
 ):
     """The ``[BLOCK_N, D]`` key and value tiles of the rows ``offs`` where ``keep`` (zeros
     elsewhere: invalid rows are not read, they may hold garbage): the part's rows, and with
     ``FROM_POOL`` the pool row of the slot of each row in ``[pool_lo, pool_lo + pool_n)``, through a
-    pointer chosen per row (``BY_POINTER``) or a second masked load (``POOL_ROWS_BY_POINTER``)."""
+    pointer chosen per row (``BY_POINTER``) or a second masked load (``POOL_ROWS_BY_POINTER``); the
+    slots load for the whole range (``SLOTS_AHEAD``) or for its valid rows alone."""
     if FROM_POOL:
-        pooled = keep & (offs >= pool_lo) & (offs < pool_lo + pool_n)
-        slot = tl.load(slots_ptr + b * s_sb + h * s_sh + (offs - pool_lo), mask=pooled, other=0).to(tl.int64)
+        in_range = (offs >= pool_lo) & (offs < pool_lo + pool_n)
+        pooled = keep & in_range
+        slot_mask = in_range if SLOTS_AHEAD else pooled
+        slot = tl.load(slots_ptr + b * s_sb + h * s_sh + (offs - pool_lo), mask=slot_mask, other=0).to(tl.int64)
         row = slot
         if HAS_ZONE:
-            row = zone_pool_row(slot, zone_ptr + b * z_sb + h * z_sh, zone_end, pooled)
+            row = zone_pool_row(slot, zone_ptr + b * z_sb + h * z_sh, zone_end, slot_mask)
         k_rows = pk_ptr + b * pk_sb + h * pk_sh + row[:, None] * pk_sn + d[None, :]
         v_rows = pv_ptr + b * pv_sb + h * pv_sh + row[:, None] * pv_sn + d[None, :]
         k_own = k_base + offs[:, None] * stride_kn + d[None, :]
@@ -107,7 +115,7 @@ def _attend_split(
     pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh,
     G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_FP32: tl.constexpr, PV_FP32: tl.constexpr, FROM_POOL: tl.constexpr, HAS_ZONE: tl.constexpr,
-    BY_POINTER: tl.constexpr,
+    BY_POINTER: tl.constexpr, SLOTS_AHEAD: tl.constexpr,
 ):
     """Online softmax of one split of one part for the ``G_PAD`` query rows ``q``."""
     d = tl.arange(0, D)
@@ -132,6 +140,7 @@ def _attend_split(
             k_base, v_base, offs, keep, d, stride_kn, stride_vn,
             pk_ptr, pv_ptr, slots_ptr, zone_ptr, b, h, pool_lo, pool_n, zone_end,
             pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh, FROM_POOL, HAS_ZONE, BY_POINTER,
+            SLOTS_AHEAD,
         )
         if QK_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -165,7 +174,7 @@ def _split_kernel(
     pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_FP32: tl.constexpr, PV_FP32: tl.constexpr, FROM_POOL: tl.constexpr, HAS_ZONE: tl.constexpr,
-    BY_POINTER: tl.constexpr, PDL: tl.constexpr,
+    BY_POINTER: tl.constexpr, SLOTS_AHEAD: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     bh = tl.program_id(0).to(tl.int64)
@@ -181,7 +190,7 @@ def _split_kernel(
         stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mn,
         pk_ptr, pv_ptr, slots_ptr, zone_ptr, pool_lo, pool_n, zone_end,
         pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh,
-        G_PAD, D, BLOCK_N, QK_FP32, PV_FP32, FROM_POOL, HAS_ZONE, BY_POINTER,
+        G_PAD, D, BLOCK_N, QK_FP32, PV_FP32, FROM_POOL, HAS_ZONE, BY_POINTER, SLOTS_AHEAD,
     )
     # partials are laid out (B * Hq, total_splits[, D]); row = b * Hq + h * G + g
     row = bh * G + g
@@ -388,7 +397,7 @@ def sparse_decode_attention(
             args[3], kv_heads, total_splits, offset, args[4], qk_scale,
             query.stride(0), query.stride(1), *args[5:], *pool_args,
             G=group, G_PAD=group_pad, D=dim, BLOCK_N=block_n, FROM_POOL=from_pool, HAS_ZONE=has_zone,
-            BY_POINTER=POOL_ROWS_BY_POINTER,
+            BY_POINTER=POOL_ROWS_BY_POINTER, SLOTS_AHEAD=SLOTS_AHEAD_OF_VALID,
             # float32 tiles, or a query of another dtype, take exact float32 dots
             QK_FP32=keys.dtype == torch.float32 or keys.dtype != query.dtype or keys.dtype in fp32_dots_for,
             PV_FP32=values.dtype == torch.float32 or values.dtype in fp32_dots_for,

@@ -239,12 +239,17 @@ def _pool_rows_case(gen, dtype, dim, zone, device=DEVICE):
     return (keys, values, valid, from_pool), (*copied, valid)
 
 
+@pytest.mark.parametrize("slots_ahead", [True, False], ids=["slots-ahead", "slots-after-valid"])
 @pytest.mark.parametrize("by_pointer", [True, False], ids=["pointer-a-row", "two-loads"])
 @pytest.mark.parametrize("zone", [0, 80])
 @pytest.mark.parametrize("dtype,dim,group", [("bfloat16", 128, 4), ("float32", 64, 2), ("float16", 64, 8)])
-def test_rows_read_from_the_pool_by_slot_match_the_rows_copied_in(zone, dtype, dim, group, by_pointer, monkeypatch):
-    # fresh random inputs each run; both ways of loading the pool rows (POOL_ROWS_BY_POINTER)
+def test_rows_read_from_the_pool_by_slot_match_the_rows_copied_in(zone, dtype, dim, group, by_pointer, slots_ahead,
+                                                                   monkeypatch):
+    # fresh random inputs each run; both ways of loading the pool rows (POOL_ROWS_BY_POINTER), with their
+    # slots loaded for every row or for the valid ones (SLOTS_AHEAD_OF_VALID: the unattended rows' slots
+    # are 10**9, so their zone rows must be clamped and their K/V never read)
     monkeypatch.setattr(attention, "POOL_ROWS_BY_POINTER", by_pointer)
+    monkeypatch.setattr(attention, "SLOTS_AHEAD_OF_VALID", slots_ahead)
     dtype = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     pooled, copied = _pool_rows_case(gen, dtype, dim, zone)
