@@ -11,6 +11,8 @@ Rows, each timed side by side in one run:
 - ``by slot``: read from the pool through the slot -> row map, the slots loaded ahead of ``valid``
   (``attention.SLOTS_AHEAD_OF_VALID``, the default) and after it;
 - ``by row``: the same with the map already applied (the slots are pool rows: no zone map to read).
+Each at the kernel's own split choice, then at each of ``--split-tokens`` (tokens a split: more tiles a program
+let its loads pipeline, fewer programs hide less latency).
 """
 
 from __future__ import annotations
@@ -58,11 +60,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1980, help="retrieved rows a (sequence, KV head)")
     parser.add_argument("--calls", type=int, default=36, help="launches a replay (a step's layers)")
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--split-tokens", default="128,256", help="comma-separated forced split sizes also timed")
     args = parser.parse_args()
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     scale = 128 ** -0.5
-    print(f"{'batch':>5} {'row':<28} {'us a call':>10} {'vs copied':>10}")
+    splits = [None] + [int(t) for t in args.split_tokens.split(",") if t]
+    print(f"{'batch':>5} {'row':<28} {'split':>6} {'us a call':>10} {'vs copied':>10}")
     for batch in (int(b) for b in args.batches.split(",")):
         query, parts = _case(batch, args.context, args.rows, 32, 8, 128, device, gen)
         expected = attention.sparse_decode_attention(query, [parts["copied"]], scale)
@@ -70,19 +74,23 @@ def main() -> None:
                     ("by slot, slots after valid", "by slot", False), ("by row, slots ahead", "by row", True),
                     ("by row, slots after valid", "by row", False)]
         base = None
-        for label, part, ahead in variants:
-            attention.SLOTS_AHEAD_OF_VALID = ahead
-            out = attention.sparse_decode_attention(query, [parts[part]], scale)
-            if not torch.equal(out, expected):  # the same loads and arithmetic: bit for bit
-                raise SystemExit(f"attention_by_slot: {label} differs from the copied rows at batch {batch}")
+        for split in splits:
+            for label, part, ahead in variants:
+                attention.SLOTS_AHEAD_OF_VALID = ahead
+                out = attention.sparse_decode_attention(query, [parts[part]], scale, split_tokens=split)
+                # the same loads and arithmetic as the copied rows at the same split: bit for bit
+                if not torch.equal(out, attention.sparse_decode_attention(query, [parts["copied"]], scale,
+                                                                          split_tokens=split)):
+                    raise SystemExit(f"attention_by_slot: {label} differs from the copied rows at batch {batch}")
+                torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
 
-            def calls(part=parts[part]):
-                for _ in range(args.calls):
-                    attention.sparse_decode_attention(query, [part], scale)
+                def calls(part=parts[part], split=split):
+                    for _ in range(args.calls):
+                        attention.sparse_decode_attention(query, [part], scale, split_tokens=split)
 
-            us = 1e3 * time_replay_ms(calls, device, repeats=args.repeats) / args.calls
-            base = base or us
-            print(f"{batch:>5} {label:<28} {us:>10.2f} {us / base:>10.2f}", flush=True)
+                us = 1e3 * time_replay_ms(calls, device, repeats=args.repeats) / args.calls
+                base = base or us
+                print(f"{batch:>5} {label:<28} {split or 'auto':>6} {us:>10.2f} {us / base:>10.2f}", flush=True)
         attention.SLOTS_AHEAD_OF_VALID = True
 
 
