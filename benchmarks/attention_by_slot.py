@@ -10,7 +10,9 @@ Rows, each timed side by side in one run:
 - ``copied``: the rows in the buffer itself (``store.ATTEND_POOL_BY_SLOT = False``: a re-selection copies them);
 - ``by slot``: read from the pool through the slot -> row map, the slots loaded ahead of ``valid``
   (``attention.SLOTS_AHEAD_OF_VALID``, the default) and after it;
-- ``by row``: the same with the map already applied (the slots are pool rows: no zone map to read).
+- ``by row``: the same with the map already applied (the slots are pool rows: no zone map to read);
+- ``kv ahead``: K/V loaded for every row, valid or not (``attention.KV_AHEAD_OF_VALID``), copied and by slot;
+- ``N stages``: the kernel's software pipeline at ``N`` stages (``attention.NUM_STAGES``; shipped 3).
 Each at the kernel's own split choice, then at each of ``--split-tokens`` (tokens a split: more tiles a program
 let its loads pipeline, fewer programs hide less latency).
 """
@@ -21,7 +23,7 @@ import argparse
 
 import torch
 
-from kvpolicy.bench.timing import time_replay_ms
+from kvpolicy.bench.timing import time_ms, time_replay_ms
 from kvpolicy.kernels import reference
 from kvpolicy.kernels.triton import attention
 from kvpolicy.tiers import PoolRows
@@ -61,8 +63,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=36, help="launches a replay (a step's layers)")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--split-tokens", default="128,256", help="comma-separated forced split sizes also timed")
+    parser.add_argument("--device", default="cuda", help="cpu: under TRITON_INTERPRET=1, a check of the script, "
+                                                          "timed eagerly")
     args = parser.parse_args()
-    device = torch.device("cuda")
+    device = torch.device(args.device)
+    timer = time_replay_ms if device.type == "cuda" else time_ms
     gen = torch.Generator(device=device).manual_seed(0)
     scale = 128 ** -0.5
     splits = [None] + [int(t) for t in args.split_tokens.split(",") if t]
@@ -70,13 +75,22 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         query, parts = _case(batch, args.context, args.rows, 32, 8, 128, device, gen)
         expected = attention.sparse_decode_attention(query, [parts["copied"]], scale)
-        variants = [("copied", "copied", True), ("by slot, slots ahead", "by slot", True),
-                    ("by slot, slots after valid", "by slot", False), ("by row, slots ahead", "by row", True),
-                    ("by row, slots after valid", "by row", False)]
+        # (label, part, SLOTS_AHEAD_OF_VALID, KV_AHEAD_OF_VALID, NUM_STAGES)
+        stages = attention.NUM_STAGES
+        variants = [("copied", "copied", True, False, stages), ("by slot, slots ahead", "by slot", True, False, stages),
+                    ("by slot, slots after valid", "by slot", False, False, stages),
+                    ("by row, slots ahead", "by row", True, False, stages),
+                    ("by row, slots after valid", "by row", False, False, stages),
+                    ("copied, kv ahead", "copied", True, True, stages),
+                    ("by slot, kv ahead", "by slot", True, True, stages),
+                    ("by row, kv ahead", "by row", True, True, stages),
+                    ("copied, 2 stages", "copied", True, False, 2), ("by slot, 2 stages", "by slot", True, False, 2),
+                    ("copied, 4 stages", "copied", True, False, 4), ("by slot, 4 stages", "by slot", True, False, 4)]
         base = None
         for split in splits:
-            for label, part, ahead in variants:
-                attention.SLOTS_AHEAD_OF_VALID = ahead
+            for label, part, ahead, kv_ahead, pipeline in variants:
+                attention.SLOTS_AHEAD_OF_VALID, attention.KV_AHEAD_OF_VALID = ahead, kv_ahead
+                attention.NUM_STAGES = pipeline
                 out = attention.sparse_decode_attention(query, [parts[part]], scale, split_tokens=split)
                 # the same loads and arithmetic as the copied rows at the same split: bit for bit
                 if not torch.equal(out, attention.sparse_decode_attention(query, [parts["copied"]], scale,
@@ -88,10 +102,10 @@ def main() -> None:
                     for _ in range(args.calls):
                         attention.sparse_decode_attention(query, [part], scale, split_tokens=split)
 
-                us = 1e3 * time_replay_ms(calls, device, repeats=args.repeats) / args.calls
+                us = 1e3 * timer(calls, device, repeats=args.repeats) / args.calls
                 base = base or us
                 print(f"{batch:>5} {label:<28} {split or 'auto':>6} {us:>10.2f} {us / base:>10.2f}", flush=True)
-        attention.SLOTS_AHEAD_OF_VALID = True
+            attention.SLOTS_AHEAD_OF_VALID, attention.KV_AHEAD_OF_VALID, attention.NUM_STAGES = True, False, stages
 
 
 if __name__ == "__main__":
