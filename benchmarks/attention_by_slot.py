@@ -6,13 +6,12 @@ same rows copied into the buffer, as CUDA-graph replays of ``--calls`` launches 
 One attended part a (sequence, KV head): sink 4 | retrieved ``--rows`` | local 64, every row valid, bf16,
 Qwen3-8B's heads (32 query, 8 KV, head dim 128). The pool holds a prompt of ``--context`` tokens laid out
 unit by unit (a random zone order, as LouisKV's units), and the retrieved rows name random slots of it.
-Rows, each timed side by side in one run:
-- ``copied``: the rows in the buffer itself (``store.ATTEND_POOL_BY_SLOT = False``: a re-selection copies them);
-- ``by slot``: read from the pool through the slot -> row map, the slots loaded ahead of ``valid``
-  (``attention.SLOTS_AHEAD_OF_VALID``, the default) and after it;
-- ``by row``: the same with the map already applied (the slots are pool rows: no zone map to read);
-- ``kv ahead``: K/V loaded for every row, valid or not (``attention.KV_AHEAD_OF_VALID``), copied and by slot;
-- ``N stages``: the kernel's software pipeline at ``N`` stages (``attention.NUM_STAGES``; shipped 3).
+Rows, each timed side by side in one run, at 2, 3 and 4 software-pipeline stages (``attention.NUM_STAGES`` for a
+part's own rows, ``NUM_STAGES_BY_SLOT`` for rows read by slot; shipped 3 and 2):
+- ``copied``: the rows in the buffer itself (as a policy that keeps its selection has them: its re-selection
+  copies them, ``store.ATTEND_POOL_BY_SLOT``);
+- ``by slot``: read from the pool through the slot -> row map (as an every-step policy's are);
+- ``by row``: the same with the map already applied (the slots are pool rows: no zone map to read).
 Each at the kernel's own split choice, then at each of ``--split-tokens`` (tokens a split: more tiles a program
 let its loads pipeline, fewer programs hide less latency).
 """
@@ -71,26 +70,18 @@ def main() -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     scale = 128 ** -0.5
     splits = [None] + [int(t) for t in args.split_tokens.split(",") if t]
+    shipped = attention.NUM_STAGES, attention.NUM_STAGES_BY_SLOT
     print(f"{'batch':>5} {'row':<28} {'split':>6} {'us a call':>10} {'vs copied':>10}")
     for batch in (int(b) for b in args.batches.split(",")):
         query, parts = _case(batch, args.context, args.rows, 32, 8, 128, device, gen)
         expected = attention.sparse_decode_attention(query, [parts["copied"]], scale)
-        # (label, part, SLOTS_AHEAD_OF_VALID, KV_AHEAD_OF_VALID, NUM_STAGES)
-        stages = attention.NUM_STAGES
-        variants = [("copied", "copied", True, False, stages), ("by slot, slots ahead", "by slot", True, False, stages),
-                    ("by slot, slots after valid", "by slot", False, False, stages),
-                    ("by row, slots ahead", "by row", True, False, stages),
-                    ("by row, slots after valid", "by row", False, False, stages),
-                    ("copied, kv ahead", "copied", True, True, stages),
-                    ("by slot, kv ahead", "by slot", True, True, stages),
-                    ("by row, kv ahead", "by row", True, True, stages),
-                    ("copied, 2 stages", "copied", True, False, 2), ("by slot, 2 stages", "by slot", True, False, 2),
-                    ("copied, 4 stages", "copied", True, False, 4), ("by slot, 4 stages", "by slot", True, False, 4)]
+        # (label, part, pipeline stages)
+        variants = [(f"{part}, {stages} stages", part, stages) for stages in (3, 2, 4)
+                    for part in ("copied", "by slot", "by row")]
         base = None
         for split in splits:
-            for label, part, ahead, kv_ahead, pipeline in variants:
-                attention.SLOTS_AHEAD_OF_VALID, attention.KV_AHEAD_OF_VALID = ahead, kv_ahead
-                attention.NUM_STAGES = pipeline
+            for label, part, stages in variants:
+                attention.NUM_STAGES = attention.NUM_STAGES_BY_SLOT = stages
                 out = attention.sparse_decode_attention(query, [parts[part]], scale, split_tokens=split)
                 # the same loads and arithmetic as the copied rows at the same split: bit for bit
                 if not torch.equal(out, attention.sparse_decode_attention(query, [parts["copied"]], scale,
@@ -105,7 +96,7 @@ def main() -> None:
                 us = 1e3 * timer(calls, device, repeats=args.repeats) / args.calls
                 base = base or us
                 print(f"{batch:>5} {label:<28} {split or 'auto':>6} {us:>10.2f} {us / base:>10.2f}", flush=True)
-            attention.SLOTS_AHEAD_OF_VALID, attention.KV_AHEAD_OF_VALID, attention.NUM_STAGES = True, False, stages
+            attention.NUM_STAGES, attention.NUM_STAGES_BY_SLOT = shipped
 
 
 if __name__ == "__main__":

@@ -7,9 +7,7 @@ change costs in registers and whether its loads stay 16-byte ``cp.async`` copies
 Compiles ``kvpolicy.kernels.triton.attention._split_kernel`` as a launch would specialise it (the
 pointers and the strides that are multiples of 16 marked so, integers as i32; ``BLOCK_N`` and warps
 as ``sparse_decode_attention`` picks them), once per variant: a part alone, with pool rows by slot
-(``PoolRows``) and through the prompt zone's map, each loaded both ways (``POOL_ROWS_BY_POINTER``), and the
-zone's with its slots loaded after ``valid`` (``SLOTS_AHEAD_OF_VALID`` off), and with K/V loaded ahead of it
-(``KV_AHEAD_OF_VALID``). Prints each variant's registers
+(``PoolRows``) and through the prompt zone's map, each loaded both ways (``POOL_ROWS_BY_POINTER``). Prints each variant's registers
 and spill stack (``cuobjdump -res-usage``) and its global loads by PTX instruction. Uses Triton's
 compiler internals (``ASTSource``, ``GPUTarget``), which move between Triton releases: checked with
 Triton 3.9 on the CPU; the lent GPU's 3.6 may allocate differently, so read figures as a comparison
@@ -32,21 +30,17 @@ from triton.compiler import ASTSource
 
 from kvpolicy.kernels.triton import attention
 
-CONSTEXPRS = ("G", "G_PAD", "D", "BLOCK_N", "QK_FP32", "PV_FP32", "FROM_POOL", "HAS_ZONE", "BY_POINTER", "SLOTS_AHEAD",
-              "KV_AHEAD", "PDL")
+CONSTEXPRS = ("G", "G_PAD", "D", "BLOCK_N", "QK_FP32", "PV_FP32", "FROM_POOL", "HAS_ZONE", "BY_POINTER", "PDL")
 # integer arguments a launch passes as multiples of 16 (strides of dense (B, H, N, D) tensors)
 # (the valid mask's strides are the part's row counts: not marked)
 DIVISIBLE = ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn",
              "pk_sb", "pk_sh", "pk_sn", "pv_sb", "pv_sh", "pv_sn")
-VARIANTS = {  # (FROM_POOL, HAS_ZONE, BY_POINTER, SLOTS_AHEAD, KV_AHEAD)
-    "part alone": (False, False, True, True, False),
-    "pool rows by slot, a pointer a row": (True, False, True, True, False),
-    "pool rows by slot, two loads": (True, False, False, True, False),
-    "pool rows through the zone, a pointer a row": (True, True, True, True, False),
-    "pool rows through the zone, two loads": (True, True, False, True, False),
-    "through the zone, slots after valid": (True, True, True, False, False),
-    "part alone, kv ahead of valid": (False, False, True, True, True),
-    "through the zone, kv ahead of valid": (True, True, True, True, True),
+VARIANTS = {  # (FROM_POOL, HAS_ZONE, BY_POINTER)
+    "part alone": (False, False, True),
+    "pool rows by slot, a pointer a row": (True, False, True),
+    "pool rows by slot, two loads": (True, False, False),
+    "pool rows through the zone, a pointer a row": (True, True, True),
+    "pool rows through the zone, two loads": (True, True, False),
 }
 
 
@@ -56,8 +50,7 @@ def _pointer_type(name: str, dtype: str) -> str:
     return {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "slots_ptr": "*i64", "zone_ptr": "*i32"}.get(name, "*u8")
 
 
-def compile_variant(from_pool: bool, has_zone: bool, by_pointer: bool, slots_ahead: bool, kv_ahead: bool, dim: int,
-                    group: int, dtype: str, arch: int):
+def compile_variant(from_pool: bool, has_zone: bool, by_pointer: bool, dim: int, group: int, dtype: str, arch: int):
     fn = attention._split_kernel
     params = list(inspect.signature(fn.fn).parameters)
     signature = {}
@@ -73,13 +66,14 @@ def compile_variant(from_pool: bool, has_zone: bool, by_pointer: bool, slots_ahe
     constexprs = dict(G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim,
                       BLOCK_N=attention._block_n(dim, 4 if dtype == "fp32" else 2), QK_FP32=dtype == "fp32",
                       PV_FP32=dtype == "fp32", FROM_POOL=from_pool, HAS_ZONE=has_zone, BY_POINTER=by_pointer,
-                      SLOTS_AHEAD=slots_ahead, KV_AHEAD=kv_ahead, PDL=False)  # (without PDL's wait, which an sm_90 launch has: not measured here)
+                      PDL=False)  # (without PDL's wait, which an sm_90 launch has: not measured here)
     divisible = [p for p in params if p.endswith("_ptr") or p in DIVISIBLE]
     source = ASTSource(fn=fn, signature=signature,
                        constexprs={(params.index(k),): v for k, v in constexprs.items()},
                        attrs={(params.index(p),): [["tt.divisibility", 16]] for p in divisible})
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": attention.NUM_WARPS, "num_stages": attention.NUM_STAGES})
+                          options={"num_warps": attention.NUM_WARPS,
+                                   "num_stages": attention.NUM_STAGES_BY_SLOT if from_pool else attention.NUM_STAGES})
 
 
 def resources(kernel) -> str:

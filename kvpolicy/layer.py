@@ -121,7 +121,7 @@ class PolicyLayerState:
         # with units, the zone's pool rows are written unit by unit once the units exist
         self.store = TieredStore.from_prefill(
             keys, values, token_valid, policy.sink, policy.local, policy.retrieval_budget,
-            self.plan.place_prompt(keys), defer_zone=selects,
+            self.plan.place_prompt(keys), defer_zone=selects, reselects_every_step=policy.trigger.always_reselects,
         )
         self.plan.settle()
         side = _side_stream(device) if selects and _builds_on_side_stream(device) else None

@@ -45,11 +45,27 @@ from .kernels import dispatch, reference
 from .pinned import pinned_empty
 from .tiers import Evicted, Pool, PoolRows, RetrievedBuffer, RowCache, SinkTier, Tier
 
-# where the pool sits in the attention device's memory, attention reads the retrieved rows from
-# it by slot (``PoolRows``), and a re-selection writes the slots alone: copying every selected row
-# into the buffer (``fetch_whole``) wrote what attention then read again. A setting so that a
-# benchmark can time both (benchmarks/with_settings.py); read when a store is made
-ATTEND_POOL_BY_SLOT = True
+# where the pool sits in the attention device's memory, attention may read the retrieved rows from
+# it by slot (``PoolRows``), so that a re-selection writes the slots alone, or from the buffer, into
+# which a re-selection copies them (``fetch_whole``). By slot, every step's attention waits on the
+# slots' loads; copied, every re-selection moves the rows. So "every_step" (the default): by slot
+# where the policy re-selects at every step (it moves no row and reads each once either way), copied
+# where it keeps its selection (session 42, H100, 2,304 tokens, batch 8: a reusing step 9.56 ms
+# copied against 10.14 by slot, at 20% re-selecting 10.08 against 10.29, re-selecting at every step
+# 11.45 against 10.31; docs/bench/session42/s1). True or False: every such store by slot, or none
+# (a setting so that a benchmark can time them, benchmarks/with_settings.py); read when a store is made
+ATTEND_POOL_BY_SLOT: bool | str = "every_step"
+ATTEND_POOL_CHOICES = ("every_step", True, False)
+
+
+def attends_pool_by_slot(reselects_every_step: bool) -> bool:
+    """Whether a store whose pool sits in its attention device's memory attends it by slot
+    (``ATTEND_POOL_BY_SLOT``), for a policy that re-selects at every step or not."""
+    if isinstance(ATTEND_POOL_BY_SLOT, bool):
+        return ATTEND_POOL_BY_SLOT
+    if ATTEND_POOL_BY_SLOT == "every_step":
+        return reselects_every_step
+    raise ValueError(f"store.ATTEND_POOL_BY_SLOT must be one of {ATTEND_POOL_CHOICES}; got {ATTEND_POOL_BY_SLOT!r}")
 
 
 def _allocate_pool(like: torch.Tensor, capacity: int, device: torch.device, attention_device: torch.device) -> torch.Tensor:
@@ -244,11 +260,13 @@ class TieredStore:
         pool_device: torch.device,
         reserve: int = 256,
         defer_zone: bool = False,
+        reselects_every_step: bool = False,
     ) -> "TieredStore":
         """Lay out a prompt's KV (``(B, H, P, D)``; ``token_valid (B, P)``, False = padding).
 
         ``defer_zone``: leave the pool rows of the retrieval zone unwritten; the caller writes
-        them unit by unit with ``lay_out_zone`` once the units exist.
+        them unit by unit with ``lay_out_zone`` once the units exist. ``reselects_every_step``:
+        the policy re-selects at every step (``attends_pool_by_slot``).
         """
         batch, heads, prompt, dim = keys.shape
         device = keys.device
@@ -322,7 +340,8 @@ class TieredStore:
             local_limit=local,
             sink_slots_all=sink_slots,
             read_whole=pool_keys.device == device and device.type == "cuda",
-            attend_pool=ATTEND_POOL_BY_SLOT and pool_keys.device == device and device.type == "cuda",
+            attend_pool=attends_pool_by_slot(reselects_every_step) and pool_keys.device == device
+            and device.type == "cuda",
         )
 
     def lay_out_zone(self, keys: torch.Tensor, values: torch.Tensor, order: torch.Tensor | None, ops=None) -> None:

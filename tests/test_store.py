@@ -162,3 +162,47 @@ def test_the_attended_buffer_never_holds_more_than_the_full_kv(name, prompt):
                 sink = set(sorted(t for t in want if t < prompt)[:4])
                 want = sink | (want & set(range(newest - local + 1, newest + 1)))
             assert set(seen) == want, (b, h)
+
+
+# -- which stores attend a GPU pool by slot (store.ATTEND_POOL_BY_SLOT) ----------------------------------
+
+
+@pytest.mark.parametrize("setting,every_step,expected", [
+    ("every_step", True, True), ("every_step", False, False), (True, False, True), (False, True, False)])
+def test_attending_the_pool_by_slot_follows_the_setting(monkeypatch, setting, every_step, expected):
+    from kvpolicy import store
+
+    monkeypatch.setattr(store, "ATTEND_POOL_BY_SLOT", setting)
+    assert store.attends_pool_by_slot(every_step) is expected
+
+
+def test_an_unknown_attend_setting_is_a_clear_error(monkeypatch):
+    from kvpolicy import store
+
+    monkeypatch.setattr(store, "ATTEND_POOL_BY_SLOT", "sometimes")
+    with pytest.raises(ValueError, match=r"ATTEND_POOL_BY_SLOT must be one of \('every_step', True, False\); "
+                                         r"got 'sometimes'"):
+        store.attends_pool_by_slot(True)
+
+
+@pytest.mark.parametrize("name,every_step", [("clusterkv", True), ("quest", True), ("louiskv", False)])
+def test_a_layer_tells_its_store_whether_its_policy_reselects_every_step(monkeypatch, name, every_step):
+    # every-step policies attend a GPU pool by slot (a re-selection moves no row); a policy that keeps its
+    # selection copies the rows at a re-selection and reads them densely on the steps between
+    from kvpolicy.layer import PolicyLayerState
+    from kvpolicy.store import TieredStore
+
+    made = TieredStore.from_prefill.__func__
+    seen = []
+
+    def recording(cls, *args, **kwargs):
+        seen.append(kwargs.get("reselects_every_step"))
+        return made(cls, *args, **kwargs)
+
+    monkeypatch.setattr(TieredStore, "from_prefill", classmethod(recording))
+    gen = torch.Generator().manual_seed(2)
+    state = PolicyLayerState(kvpolicy.preset(name, budget=40, local=8, backend="reference"), 0, torch.device("cpu"))
+    state.prefill(torch.randn(1, 2, 96, 8, generator=gen), torch.randn(1, 2, 96, 8, generator=gen),
+                  torch.ones(1, 96, dtype=torch.bool), 2)
+    assert seen == [every_step]
+    assert not state.store.attend_pool  # a CPU store never attends by slot

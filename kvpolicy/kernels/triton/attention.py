@@ -53,70 +53,52 @@ _DEFAULT_SMS = 132  # an H100/H200; used off-GPU (the interpreter) so split choi
 _COMBINE_BLOCK = 16  # splits merged per step in stage 2
 NUM_WARPS = 4
 NUM_STAGES = 3
+# ... and for a part with rows read from a pool by slot, whose K/V loads wait on their slots': 2 stages
+# timed faster than 3 at batches 1, 4 and 8 of a 2,048-row budget (session 42, H100, 2,304 tokens, the
+# kernel alone as 36 replayed calls: 9.8 / 19.3 / 38.2 us a call against 10.2 / 22.7 / 46.5;
+# benchmarks/attention_by_slot.py, docs/bench/session42/s1)
+NUM_STAGES_BY_SLOT = 2
 # how a part's pool rows load (``_load_rows``): True, one load through a pointer chosen per row;
 # False, a second masked load and a choice of values. Compiled offline for sm_90 as a launch
 # specialises them (benchmarks/kernel_resources.py, Triton 3.9, head_dim 128): 142 registers against
 # 175 (197 against 232 through the zone map; a part alone 135), both as 16-byte cp.async loads with no
 # spill; which is faster is not measured yet (no GPU in session 20)
 POOL_ROWS_BY_POINTER = True
-# a part's pool rows: their slots (and zone rows) load for every row of the pool range, not only the
-# valid ones, so those loads need not wait for ``valid``'s and only the K/V loads do (a masked row's
-# slot is an entry of ``slots`` and its zone row is clamped into the map, so every read is in bounds).
-# False: the slot loads wait for ``valid`` (before session 42), a setting so a benchmark can time both
-SLOTS_AHEAD_OF_VALID = True
-# the K/V tiles load for every row of the part (a pool row's slot clamped into the pool), not only the
-# valid ones, so no K/V load waits for ``valid``'s: an invalid row's score is replaced and its values
-# zeroed after the load (it may hold garbage or NaN). False: the K/V loads are masked by ``valid``
-KV_AHEAD_OF_VALID = False
 
 
 @triton.jit
 def _load_rows(
-    k_base, v_base, offs, inside, keep, d, stride_kn, stride_vn,
-    pk_ptr, pv_ptr, slots_ptr, zone_ptr, b, h, pool_lo, pool_n, zone_end, pool_cap,
+    k_base, v_base, offs, keep, d, stride_kn, stride_vn,
+    pk_ptr, pv_ptr, slots_ptr, zone_ptr, b, h, pool_lo, pool_n, zone_end,
     pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh,
-    FROM_POOL: tl.constexpr, HAS_ZONE: tl.constexpr, BY_POINTER: tl.constexpr, SLOTS_AHEAD: tl.constexpr,
-    KV_AHEAD: tl.constexpr,
+    FROM_POOL: tl.constexpr, HAS_ZONE: tl.constexpr, BY_POINTER: tl.constexpr,
 ):
     """The ``[BLOCK_N, D]`` key and value tiles of the rows ``offs`` where ``keep`` (zeros
     elsewhere: invalid rows are not read, they may hold garbage): the part's rows, and with
     ``FROM_POOL`` the pool row of the slot of each row in ``[pool_lo, pool_lo + pool_n)``, through a
-    pointer chosen per row (``BY_POINTER``) or a second masked load (``POOL_ROWS_BY_POINTER``); the
-    slots load for the whole range (``SLOTS_AHEAD``) or for its valid rows alone. With ``KV_AHEAD``
-    the tiles load every row ``inside`` the part, and an invalid row's keys are whatever the part or
-    the pool holds there and its values zeros: the caller replaces its scores."""
-    if KV_AHEAD:
-        load = inside
-    else:
-        load = keep
+    pointer chosen per row (``BY_POINTER``) or a second masked load (``POOL_ROWS_BY_POINTER``)."""
     if FROM_POOL:
-        in_range = (offs >= pool_lo) & (offs < pool_lo + pool_n)
-        pooled = load & in_range
-        slot_mask = in_range if SLOTS_AHEAD else pooled
-        slot = tl.load(slots_ptr + b * s_sb + h * s_sh + (offs - pool_lo), mask=slot_mask, other=0).to(tl.int64)
+        pooled = keep & (offs >= pool_lo) & (offs < pool_lo + pool_n)
+        slot = tl.load(slots_ptr + b * s_sb + h * s_sh + (offs - pool_lo), mask=pooled, other=0).to(tl.int64)
         row = slot
         if HAS_ZONE:
-            row = zone_pool_row(slot, zone_ptr + b * z_sb + h * z_sh, zone_end, slot_mask)
-        if KV_AHEAD:  # an invalid row's slot may be anything: read inside the pool
-            row = tl.minimum(tl.maximum(row, 0), pool_cap - 1)
+            row = zone_pool_row(slot, zone_ptr + b * z_sb + h * z_sh, zone_end, pooled)
         k_rows = pk_ptr + b * pk_sb + h * pk_sh + row[:, None] * pk_sn + d[None, :]
         v_rows = pv_ptr + b * pv_sb + h * pv_sh + row[:, None] * pv_sn + d[None, :]
         k_own = k_base + offs[:, None] * stride_kn + d[None, :]
         v_own = v_base + offs[:, None] * stride_vn + d[None, :]
         if BY_POINTER:
-            k = tl.load(tl.where(pooled[:, None], k_rows, k_own), mask=load[:, None], other=0.0)
-            v = tl.load(tl.where(pooled[:, None], v_rows, v_own), mask=load[:, None], other=0.0)
+            k = tl.load(tl.where(pooled[:, None], k_rows, k_own), mask=keep[:, None], other=0.0)
+            v = tl.load(tl.where(pooled[:, None], v_rows, v_own), mask=keep[:, None], other=0.0)
         else:
-            own = load & ~pooled
+            own = keep & ~pooled
             k = tl.where(pooled[:, None], tl.load(k_rows, mask=pooled[:, None], other=0.0),
                          tl.load(k_own, mask=own[:, None], other=0.0))
             v = tl.where(pooled[:, None], tl.load(v_rows, mask=pooled[:, None], other=0.0),
                          tl.load(v_own, mask=own[:, None], other=0.0))
     else:
-        k = tl.load(k_base + offs[:, None] * stride_kn + d[None, :], mask=load[:, None], other=0.0)
-        v = tl.load(v_base + offs[:, None] * stride_vn + d[None, :], mask=load[:, None], other=0.0)
-    if KV_AHEAD:  # 0 * NaN would reach the sums: an invalid row's values are zeros
-        v = tl.where(keep[:, None], v, 0.0)
+        k = tl.load(k_base + offs[:, None] * stride_kn + d[None, :], mask=keep[:, None], other=0.0)
+        v = tl.load(v_base + offs[:, None] * stride_vn + d[None, :], mask=keep[:, None], other=0.0)
     return k, v
 
 
@@ -126,11 +108,11 @@ def _attend_split(
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_mb, stride_mh, stride_mn,
-    pk_ptr, pv_ptr, slots_ptr, zone_ptr, pool_lo, pool_n, zone_end, pool_cap,
+    pk_ptr, pv_ptr, slots_ptr, zone_ptr, pool_lo, pool_n, zone_end,
     pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh,
     G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_FP32: tl.constexpr, PV_FP32: tl.constexpr, FROM_POOL: tl.constexpr, HAS_ZONE: tl.constexpr,
-    BY_POINTER: tl.constexpr, SLOTS_AHEAD: tl.constexpr, KV_AHEAD: tl.constexpr,
+    BY_POINTER: tl.constexpr,
 ):
     """Online softmax of one split of one part for the ``G_PAD`` query rows ``q``."""
     d = tl.arange(0, D)
@@ -152,10 +134,9 @@ def _attend_split(
         inside = offs < n
         keep = (tl.load(valid_base + offs * stride_mn, mask=inside, other=0) != 0) & inside
         k, v = _load_rows(
-            k_base, v_base, offs, inside, keep, d, stride_kn, stride_vn,
-            pk_ptr, pv_ptr, slots_ptr, zone_ptr, b, h, pool_lo, pool_n, zone_end, pool_cap,
+            k_base, v_base, offs, keep, d, stride_kn, stride_vn,
+            pk_ptr, pv_ptr, slots_ptr, zone_ptr, b, h, pool_lo, pool_n, zone_end,
             pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh, FROM_POOL, HAS_ZONE, BY_POINTER,
-            SLOTS_AHEAD, KV_AHEAD,
         )
         if QK_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -185,11 +166,11 @@ def _split_kernel(
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_mb, stride_mh, stride_mn,
-    pk_ptr, pv_ptr, slots_ptr, zone_ptr, pool_lo, pool_n, zone_end, pool_cap,
+    pk_ptr, pv_ptr, slots_ptr, zone_ptr, pool_lo, pool_n, zone_end,
     pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_FP32: tl.constexpr, PV_FP32: tl.constexpr, FROM_POOL: tl.constexpr, HAS_ZONE: tl.constexpr,
-    BY_POINTER: tl.constexpr, SLOTS_AHEAD: tl.constexpr, KV_AHEAD: tl.constexpr, PDL: tl.constexpr,
+    BY_POINTER: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     bh = tl.program_id(0).to(tl.int64)
@@ -203,9 +184,9 @@ def _split_kernel(
     m_i, l_i, acc = _attend_split(
         q, k_ptr, v_ptr, valid_ptr, b, h, n, split, tiles_per_split, qk_scale,
         stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mn,
-        pk_ptr, pv_ptr, slots_ptr, zone_ptr, pool_lo, pool_n, zone_end, pool_cap,
+        pk_ptr, pv_ptr, slots_ptr, zone_ptr, pool_lo, pool_n, zone_end,
         pk_sb, pk_sh, pk_sn, pv_sb, pv_sh, pv_sn, s_sb, s_sh, z_sb, z_sh,
-        G_PAD, D, BLOCK_N, QK_FP32, PV_FP32, FROM_POOL, HAS_ZONE, BY_POINTER, SLOTS_AHEAD, KV_AHEAD,
+        G_PAD, D, BLOCK_N, QK_FP32, PV_FP32, FROM_POOL, HAS_ZONE, BY_POINTER,
     )
     # partials are laid out (B * Hq, total_splits[, D]); row = b * Hq + h * G + g
     row = bh * G + g
@@ -288,16 +269,15 @@ def _part_args(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, ti
 
 def _pool_args(part) -> tuple[tuple, bool, bool]:
     """A part's pool-rows arguments (pool keys, values, slots, zone rows, start, rows, zone end,
-    pool capacity, 10 strides), whether it has any, and whether a zone maps its slots; placeholders
-    without."""
+    10 strides), whether it has any, and whether a zone maps its slots; placeholders without."""
     from_pool = part[3] if len(part) > 3 else None
     if from_pool is None:
         keys = part[0]
-        return (keys, keys, keys, keys, 0, 0, 0, 0, *(0,) * 10), False, False
+        return (keys, keys, keys, keys, 0, 0, 0, *(0,) * 10), False, False
     has_zone = from_pool.zone_rows is not None and from_pool.zone_end > 0
     zone = from_pool.zone_rows if has_zone else from_pool.slots  # any tensor: never read without a zone
     pk, pv, slots = from_pool.keys, from_pool.values, from_pool.slots
-    args = (pk, pv, slots, zone, from_pool.start, slots.shape[-1], from_pool.zone_end, pk.shape[2],
+    args = (pk, pv, slots, zone, from_pool.start, slots.shape[-1], from_pool.zone_end,
             *pk.stride()[:3], *pv.stride()[:3], *slots.stride()[:2], *zone.stride()[:2])
     return args, True, has_zone
 
@@ -413,11 +393,11 @@ def sparse_decode_attention(
             args[3], kv_heads, total_splits, offset, args[4], qk_scale,
             query.stride(0), query.stride(1), *args[5:], *pool_args,
             G=group, G_PAD=group_pad, D=dim, BLOCK_N=block_n, FROM_POOL=from_pool, HAS_ZONE=has_zone,
-            BY_POINTER=POOL_ROWS_BY_POINTER, SLOTS_AHEAD=SLOTS_AHEAD_OF_VALID, KV_AHEAD=KV_AHEAD_OF_VALID,
+            BY_POINTER=POOL_ROWS_BY_POINTER,
             # float32 tiles, or a query of another dtype, take exact float32 dots
             QK_FP32=keys.dtype == torch.float32 or keys.dtype != query.dtype or keys.dtype in fp32_dots_for,
             PV_FP32=values.dtype == torch.float32 or values.dtype in fp32_dots_for,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES_BY_SLOT if from_pool else NUM_STAGES,
         )
         offset += splits
 
