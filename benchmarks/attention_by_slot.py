@@ -78,8 +78,8 @@ def main() -> None:
         # (label, part, pipeline stages)
         variants = [(f"{part}, {stages} stages", part, stages) for stages in (3, 2, 4)
                     for part in ("copied", "by slot", "by row")]
-        base = None
         for split in splits:
+            base = None  # this split's copied rows at 3 stages, the first variant
             for label, part, stages in variants:
                 attention.NUM_STAGES = attention.NUM_STAGES_BY_SLOT = stages
                 out = attention.sparse_decode_attention(query, [parts[part]], scale, split_tokens=split)

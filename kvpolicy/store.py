@@ -17,8 +17,9 @@
     retrieved  a fixed buffer of ``retrieval`` tokens fetched from the pool, reused until the
                trigger fires again; tokens leaving the local window join it while it has room.
                A re-selection reads from the pool only the rows the buffer does not hold yet.
-               With the pool in GPU memory the buffer holds only the slots: attention reads
-               their rows from the pool (``attends_pool_by_slot``).
+               With the pool in GPU memory a re-selection reads every selected row; where the
+               policy re-selects at every step the buffer holds only the slots, and attention
+               reads their rows from the pool (``attends_pool_by_slot``).
 
     cache      optional, on the attention device, not attended: the rows re-selections read
                from a host pool most recently (``RowCache``, first in first out), so a unit
@@ -198,8 +199,8 @@ class TieredStore:
     # than the HBM bytes it saves (~8 us)
     read_whole: bool = False
     # attention reads the retrieved rows from the pool by slot (``attends_pool_by_slot``): set
-    # with ``read_whole`` (``ATTEND_POOL_BY_SLOT``), cleared for good when the pool leaves the
-    # device (``stop_attending_pool``)
+    # with ``read_whole`` for a policy that re-selects at every step (``ATTEND_POOL_BY_SLOT``),
+    # cleared for good when the pool leaves the device (``stop_attending_pool``)
     attend_pool: bool = False
 
     def __post_init__(self) -> None:

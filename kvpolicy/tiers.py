@@ -130,7 +130,8 @@ class PoolRows:
     row ``start + i`` of head ``(b, h)`` is the pool row holding slot ``slots[b, h, i]`` (through
     ``zone_rows`` for a slot below ``zone_end``, as ``Pool.zone_rows`` says). The part's own
     ``valid`` still says which rows are attended. So a GPU pool's re-selection writes only the
-    selection's slots, and attention reads the rows where they already are."""
+    selection's slots, and attention reads the rows where they already are (where the policy
+    re-selects at every step: ``store.ATTEND_POOL_BY_SLOT``)."""
 
     keys: torch.Tensor  # (B, H, capacity, D), on the attention device
     values: torch.Tensor

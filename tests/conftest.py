@@ -189,10 +189,30 @@ def benchmark_script() -> Callable[[str], Any]:
 
 
 @pytest.fixture
+def pools_as_on_a_gpu(monkeypatch):
+    """Stores whose pool shares their attention device are set up as a GPU pool's are (``from_prefill``
+    does it on a GPU only): read whole at a re-selection (``read_whole``) and attended by slot where
+    ``store.attends_pool_by_slot`` says (an every-step policy's), so the CPU tests run those paths too."""
+    from kvpolicy import store as store_module
+    from kvpolicy.store import TieredStore
+
+    made = TieredStore.from_prefill.__func__
+
+    def as_on_a_gpu(cls, *args, reselects_every_step=False, **kwargs):
+        store = made(cls, *args, reselects_every_step=reselects_every_step, **kwargs)
+        on_device = store.pool.keys.device == store.retrieved.keys.device
+        store.read_whole = on_device
+        store.attend_pool = on_device and store_module.attends_pool_by_slot(reselects_every_step)
+        return store
+
+    monkeypatch.setattr(TieredStore, "from_prefill", classmethod(as_on_a_gpu))
+
+
+@pytest.fixture
 def pools_attended_by_slot(monkeypatch):
-    """Stores whose pool shares their attention device attend it by slot, as a GPU pool's do
-    (``TieredStore.attends_pool_by_slot``; ``from_prefill`` sets it on a GPU only), so the CPU
-    tests run that path too."""
+    """Stores whose pool shares their attention device attend it by slot, as a GPU pool's do for an
+    every-step policy, here for every policy (``store.ATTEND_POOL_BY_SLOT = True``; ``from_prefill``
+    sets it on a GPU only), so the CPU tests run that path with every policy."""
     from kvpolicy.store import TieredStore
 
     made = TieredStore.from_prefill.__func__

@@ -189,20 +189,19 @@ def test_an_unknown_attend_setting_is_a_clear_error(monkeypatch):
 def test_a_layer_tells_its_store_whether_its_policy_reselects_every_step(monkeypatch, name, every_step):
     # every-step policies attend a GPU pool by slot (a re-selection moves no row); a policy that keeps its
     # selection copies the rows at a re-selection and reads them densely on the steps between
+    from kvpolicy import store
     from kvpolicy.layer import PolicyLayerState
-    from kvpolicy.store import TieredStore
 
-    made = TieredStore.from_prefill.__func__
     seen = []
 
-    def recording(cls, *args, **kwargs):
-        seen.append(kwargs.get("reselects_every_step"))
-        return made(cls, *args, **kwargs)
+    def recording(reselects_every_step):  # what from_prefill asks the setting, answered by slot
+        seen.append(reselects_every_step)
+        return True
 
-    monkeypatch.setattr(TieredStore, "from_prefill", classmethod(recording))
+    monkeypatch.setattr(store, "attends_pool_by_slot", recording)
     gen = torch.Generator().manual_seed(2)
     state = PolicyLayerState(kvpolicy.preset(name, budget=40, local=8, backend="reference"), 0, torch.device("cpu"))
     state.prefill(torch.randn(1, 2, 96, 8, generator=gen), torch.randn(1, 2, 96, 8, generator=gen),
                   torch.ones(1, 96, dtype=torch.bool), 2)
     assert seen == [every_step]
-    assert not state.store.attend_pool  # a CPU store never attends by slot
+    assert not state.store.attend_pool  # asked, but a CPU store never attends by slot

@@ -144,7 +144,8 @@ def test_generate_matches_dense(reference, family, preset_name):
 
 @pytest.mark.parametrize("preset_name", [name for name in POLICIES if not make_policy(name).is_dense])
 def test_generate_attending_the_pool_by_slot_matches_dense(reference, preset_name, pools_attended_by_slot):
-    """As a GPU pool's store does: the retrieved rows read from the pool by slot, none copied."""
+    """As a GPU pool's store does with ``store.ATTEND_POOL_BY_SLOT = True`` (an every-step policy's by
+    default): the retrieved rows read from the pool by slot, none copied."""
     model, ids, mask, plain, _ = reference("llama")
     policy = make_policy(preset_name)
     with torch.no_grad(), policy.apply(model) as session, checking_reuse() as reuse:
@@ -153,6 +154,23 @@ def test_generate_attending_the_pool_by_slot_matches_dense(reference, preset_nam
     if policy.selector is not None:  # a unit cache keeps the buffer's rows: it copies them in
         assert all(state.store.attends_pool_by_slot == (state.store.cache is None)
                    for state in session.cache.policy_layers())
+    for step, (got, want) in enumerate(zip(out.scores, plain.scores)):
+        assert_close(got, want, f"decode step {step} scores")
+    assert torch.equal(out.sequences, plain.sequences)
+
+
+@pytest.mark.parametrize("preset_name", [name for name in POLICIES if not make_policy(name).is_dense
+                                         and not make_policy(name).trigger.always_reselects])
+def test_generate_with_the_pool_read_whole_and_copied_matches_dense(reference, preset_name, pools_as_on_a_gpu):
+    """As a GPU pool's store does for a policy that keeps its selection (``ATTEND_POOL_BY_SLOT``'s default):
+    a re-selection copies every selected row into the buffer (``fetch_whole``), attention reads the buffer."""
+    model, ids, mask, plain, _ = reference("llama")
+    policy = make_policy(preset_name)
+    with torch.no_grad(), policy.apply(model) as session, checking_reuse() as reuse:
+        out = generate(model, ids, mask)
+    check_policy_ran(session, policy, NEW_TOKENS - 1, preset_name, reuse)
+    stores = [state.store for state in session.cache.policy_layers()]
+    assert stores and all(store.read_whole and not store.attends_pool_by_slot for store in stores)
     for step, (got, want) in enumerate(zip(out.scores, plain.scores)):
         assert_close(got, want, f"decode step {step} scores")
     assert torch.equal(out.sequences, plain.sequences)

@@ -11,7 +11,7 @@ short ones stay in one.
 A part may name rows it reads from a GPU pool instead (a ``PoolRows``: rows ``[start, start + R)``
 by slot): those rows load from the pool row of their slot (mapped through the prompt zone's
 ``zone_rows``), the others from the part (``_load_rows``), so a GPU pool's re-selection moves no rows
-at all.
+at all (an every-step policy's: ``store.ATTEND_POOL_BY_SLOT``).
 
 Semantics beyond the reference: positions whose ``valid`` is False are never read (their cache
 slots may hold garbage or NaN), and a query head with no valid position in any part gets a zero
