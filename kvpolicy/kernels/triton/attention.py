@@ -56,13 +56,16 @@ NUM_STAGES = 3
 # ... and for a part with rows read from a pool by slot, whose K/V loads wait on their slots': 2 stages
 # timed faster than 3 at batches 1, 4 and 8 of a 2,048-row budget (session 42, H100, 2,304 tokens, the
 # kernel alone as 36 replayed calls: 9.8 / 19.3 / 38.2 us a call against 10.2 / 22.7 / 46.5;
-# benchmarks/attention_by_slot.py, docs/bench/session42/s1)
+# benchmarks/attention_by_slot.py, docs/bench/session42/s1; timed with the slots' loads masked by the
+# range alone, a load order since removed as no faster end to end). Offline (Triton 3.9, sm_90) the
+# variant through the zone map takes 140 registers at 2 stages, 205 at 3
 NUM_STAGES_BY_SLOT = 2
 # how a part's pool rows load (``_load_rows``): True, one load through a pointer chosen per row;
 # False, a second masked load and a choice of values. Compiled offline for sm_90 as a launch
-# specialises them (benchmarks/kernel_resources.py, Triton 3.9, head_dim 128): 142 registers against
-# 175 (197 against 232 through the zone map; a part alone 135), both as 16-byte cp.async loads with no
-# spill; which is faster is not measured yet (no GPU in session 20)
+# specialises them (benchmarks/kernel_resources.py, Triton 3.9, head_dim 128; at 3 stages, session 20):
+# 142 registers against 175 (197 against 232 through the zone map; a part alone 135), both as 16-byte
+# cp.async loads with no spill; at 2 stages (session 42) 140 against 152 (140 against 178 through the
+# map); which is faster is not measured yet
 POOL_ROWS_BY_POINTER = True
 
 
