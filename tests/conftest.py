@@ -209,17 +209,10 @@ def pools_as_on_a_gpu(monkeypatch):
 
 
 @pytest.fixture
-def pools_attended_by_slot(monkeypatch):
-    """Stores whose pool shares their attention device attend it by slot, as a GPU pool's do for an
-    every-step policy, here for every policy (``store.ATTEND_POOL_BY_SLOT = True``; ``from_prefill``
-    sets it on a GPU only), so the CPU tests run that path with every policy."""
-    from kvpolicy.store import TieredStore
+def pools_attended_by_slot(monkeypatch, pools_as_on_a_gpu):
+    """Stores set up as a GPU pool's are (``pools_as_on_a_gpu``), attended by slot as an every-step
+    policy's are, here for every policy (``store.ATTEND_POOL_BY_SLOT = True``), so the CPU tests run
+    that path with every policy."""
+    from kvpolicy import store
 
-    made = TieredStore.from_prefill.__func__
-
-    def attending(cls, *args, **kwargs):
-        store = made(cls, *args, **kwargs)
-        store.read_whole = store.attend_pool = store.pool.keys.device == store.retrieved.keys.device
-        return store
-
-    monkeypatch.setattr(TieredStore, "from_prefill", classmethod(attending))
+    monkeypatch.setattr(store, "ATTEND_POOL_BY_SLOT", True)
