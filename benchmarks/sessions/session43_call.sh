@@ -5,7 +5,9 @@
 # MODE check: the tests that run differently on a GPU (the Triton kernels, stores, graphs and placements, and
 # tests/gpu's dense anchor on GPU pools), then the floor cell at batches 1, 4 and 8;
 # long: louiskv at 1x128K (GPU pool) and 4x128K (GPU and pinned pools), issue 12's table;
-# every: an every-step policy end to end with its rows by slot at 2 stages (shipped) and 3 (before), then 1x/4x32K.
+# every: an every-step policy end to end with its rows by slot at 2 stages (shipped) and 3 (before), then 1x/4x32K;
+# paris: pariskv on a pinned pool at 4x128K (issue 13: 0.54x at random weights' miss 0.90) with its selection's
+# query pulled (--query-pull) so that successive selections overlap as on Gemma 3 (miss 0.24-0.33, EVAL.md).
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 case ${3:?} in
 check)
@@ -23,5 +25,8 @@ every)
       --presets clusterkv@gpu --json "$OUT/e2e_every_$stages.json"
   done
   step e2e_32k 240 ${E2E} --contexts 32768 --batches 1,4 --presets louiskv@gpu --json "$OUT/e2e_32k.json" ;;
-*) echo "session43_call.sh: MODE must be check, long or every, got '$3'" >&2; exit 2 ;;
+paris)
+  step e2e_paris128k4 560 ${E2E} --contexts 131072 --batches 4 --presets pariskv@cpu --query-pull 0,1,2,4 \
+    --json "$OUT/e2e_paris128k4.json" ;;
+*) echo "session43_call.sh: MODE must be check, long, every or paris, got '$3'" >&2; exit 2 ;;
 esac

@@ -13,6 +13,11 @@ so one setting means about the same overlap at any context or batch. The scoring
 as they do for ``top_budget``, plus the bias: one launch on the Triton backend (``sticky_bias.py``),
 a dozen PyTorch ops on the reference; the row's measured miss fraction says what overlap the bias
 produced.
+
+``StickyCollisionRerank`` does the same for ParisKV's selection, which ranks tokens through fused
+vote, candidate and rerank kernels with no unit scores to bias: it pulls the query towards a fixed
+direction by ``pull`` times the query's own norm, so the keys along that direction keep winning. The
+kernels run unchanged on the pulled query (two elementwise launches more a re-selection).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import dispatch
+from ..selectors.collision_rerank import CollisionRerank
 from ..selectors.top_budget import TopBudget
 
 
@@ -50,6 +56,26 @@ class StickyTopBudget(TopBudget):
 
             return fused(scores, self.stickiness)
         return sticky_bias(scores, self.stickiness)
+
+
+@dataclass
+class StickyCollisionRerank(CollisionRerank):
+    """``collision_rerank`` on a query pulled towards a fixed direction by ``pull`` times its norm
+    (benchmarks only)."""
+
+    pull: float = 0.0
+
+    def select(self, query, index, capacity, ops, take=None):
+        return super().select(pulled_query(query, self.pull), index, capacity, ops, take)
+
+
+def pulled_query(query: torch.Tensor, pull: float) -> torch.Tensor:
+    """``(..., D)`` query -> ``query + pull * |query| * u``, ``u`` a fixed unit direction made on the
+    query's device from ``unit_hash`` (no host copy, so a captured step can make it)."""
+    direction = unit_hash(query.shape[-1], query.device) - 0.5
+    direction = direction / direction.norm()
+    pulled = query.float() + pull * query.float().norm(dim=-1, keepdim=True) * direction
+    return pulled.to(query.dtype)
 
 
 def _scores_with_triton(ops: dispatch.Ops) -> bool:

@@ -19,6 +19,7 @@ hides the others' figures; the CLI prints such rows and leaves them out of its J
 from __future__ import annotations
 
 import traceback
+from dataclasses import fields
 from typing import Iterable, Iterator
 
 import torch
@@ -48,7 +49,8 @@ def _release(device: torch.device) -> None:
 
 def e2e(model, *, contexts: Iterable[int], batches: Iterable[int], cells: PresetCells, budget: int, steps: int,
         backend: str, full_kinds: Iterable[str], branch_kinds: list[str], rate: float,
-        unit_cache_rows: int | None = None, stickiness: Iterable[float] = (0.0,)) -> Iterator[dict]:
+        unit_cache_rows: int | None = None, stickiness: Iterable[float] = (0.0,),
+        pulls: Iterable[float] = (0.0,)) -> Iterator[dict]:
     """Decode ms per step of whole-model steps: full-graph (the baseline every ratio is against),
     ``budget-floor`` (full-graph at the budget's context: the best any policy can do on the
     stack), the other ``full_kinds``, then each preset at each placement and DecodeGraph branch
@@ -61,10 +63,11 @@ def e2e(model, *, contexts: Iterable[int], batches: Iterable[int], cells: Preset
     (``Policy.unit_cache_rows``). A policy row carries its ``miss_fraction``. ``stickiness``:
     louiskv's re-selecting rows run once per value, with unit scores biased by up to that much
     per unit (``overlap.StickyTopBudget``: selections overlap as a real model's do), labelled
-    ``~sN`` unless the only value is 0."""
+    ``~sN`` unless the only value is 0; ``pulls``: pariskv's rows the same way, with its selection's query
+    pulled by that many times its norm (``overlap.StickyCollisionRerank``), labelled ``~pN``."""
     from ..presets import BUILTIN_TRIGGER, EMBEDDED_ID, preset
     from .e2e import DoesNotFit, full_throughput, policy_throughput
-    from .overlap import StickyTopBudget
+    from .overlap import StickyCollisionRerank, StickyTopBudget
 
     device = next(model.parameters()).device
     emulate = device.type != "cuda"
@@ -90,6 +93,8 @@ def e2e(model, *, contexts: Iterable[int], batches: Iterable[int], cells: Preset
                         + [("score_gap_every4_challengers8_reuse",
                             {**BUILTIN_TRIGGER[EMBEDDED_ID], "margin": 1e9, "every": 4, "challengers": 8}, 0.0)]
                         + [("every_step" + tag, {"name": "every_step"}, bias) for tag, bias in tags])
+    pulls = list(pulls)
+    pariskv_rows = [(f"~p{pull:g}" if pulls != [0.0] else None, None, pull) for pull in pulls]
     full_kinds = list(full_kinds)
     for context in contexts:
         for batch in batches:
@@ -98,13 +103,17 @@ def e2e(model, *, contexts: Iterable[int], batches: Iterable[int], cells: Preset
             grid += [(kind, None, None, steps) for kind in full_kinds if kind != "full-graph"]
             for name, placements in cells:
                 for placement in placements:
-                    triggers = louiskv_triggers if name == "louiskv" else [(None, None, 0.0)]
+                    triggers = {"louiskv": louiskv_triggers, "pariskv": pariskv_rows}.get(name, [(None, None, 0.0)])
                     for tag, trigger, bias in triggers:
                         options = {"budget": budget, "placement": placement, "backend": backend,
                                    "unit_cache_rows": unit_cache_rows}
                         if trigger:
                             options["trigger"] = trigger
-                        if bias:
+                        if bias and name == "pariskv":
+                            chosen = preset(name, **options).selector
+                            options["selector"] = StickyCollisionRerank(**{f.name: getattr(chosen, f.name) for f in fields(chosen)},
+                                                                     pull=bias)
+                        elif bias:
                             options["selector"] = StickyTopBudget(stickiness=bias)
                         label = f"{name}/{placement}" + (f"/{tag}" if tag else "")
                         for kind in branch_kinds:

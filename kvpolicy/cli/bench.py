@@ -60,6 +60,10 @@ def add_parser(sub) -> None:
                        help="e2e: comma-separated per-unit score biases for louiskv's re-selecting rows (bench/overlap.py: "
                             "random weights select afresh, a bias makes successive selections overlap as a real model's do; "
                             "each row's miss column says how much); default 0")
+    bench.add_argument("--query-pull", default="0",
+                       help="e2e: comma-separated pulls for pariskv's rows: its selection's query moved towards a fixed "
+                            "direction by that many times its norm (bench/overlap.py), so selections overlap as a real "
+                            "model's do; default 0")
     bench.add_argument("--kmeans", action="store_true",
                        help="cluster with real K-means (default: random units of 16 tokens, same sizes and scatter)")
     bench.add_argument("--repeats", type=int, default=30)
@@ -169,6 +173,7 @@ def e2e(args, device, rows: BenchRows) -> bool:
     branch_kinds = [k for k in args.branches.split(",") if k]
     for kind in branch_kinds:
         graph_branch.resolve(kind, device, emulate=device.type != "cuda")  # a bad kind fails before the model loads
+    stickiness, pulls = floats(args.stickiness, "stickiness"), floats(args.query_pull, "query-pull")  # so do these
     model = bench_model(args, device)
     every = sweeps.louiskv_interval(args.rate)
     print(f"louiskv's trigger runs as interval({every}) = {100 / every:.1f}% re-selection (measured rate "
@@ -186,7 +191,7 @@ def e2e(args, device, rows: BenchRows) -> bool:
     print("miss: of the rows a policy's re-selections fetched after its first, the share read from the pool "
           "(neither the retrieved buffer nor the unit cache held them; random weights select afresh each time; "
           "a pool in GPU memory is read whole, 1.00); ~sN: louiskv's unit scores biased by up to N per unit "
-          "(--stickiness), so selections overlap more")
+          "(--stickiness), ~pN: pariskv's query pulled by N times its norm (--query-pull), so selections overlap more")
     print(f"{'kind':28s} {'B':>2s} {'context':>8s} {'ms/step':>8s} {'tokens/s':>9s} {'vs full-graph':>13s} "
           f"{'over floor':>10s} {'miss':>5s}")
     failed = False
@@ -194,7 +199,7 @@ def e2e(args, device, rows: BenchRows) -> bool:
                           batches=ints(args.batches, "batches"), cells=preset_placements(args), budget=args.budget,
                           steps=args.steps, backend=args.backend, full_kinds=full_kinds, branch_kinds=branch_kinds,
                           rate=args.rate, unit_cache_rows=args.unit_cache_rows,
-                          stickiness=floats(args.stickiness, "stickiness")):
+                          stickiness=stickiness, pulls=pulls):
         if "error" in row:
             if row.get("traceback"):
                 print(row["traceback"], end="", file=sys.stderr)

@@ -3,12 +3,14 @@
 import pytest
 import torch
 
-from kvpolicy.bench.overlap import StickyTopBudget, unit_hash
+from kvpolicy.bench.overlap import StickyCollisionRerank, StickyTopBudget, pulled_query, unit_hash
 from kvpolicy.bench.sweeps import louiskv_interval
 from kvpolicy.cli.common import floats
 from kvpolicy.errors import KVPolicyError
 from kvpolicy.kernels import dispatch
+from kvpolicy.selectors import CollisionRerank
 from kvpolicy.selectors.top_budget import TopBudget
+from kvpolicy.units import Analytic
 from kvpolicy.units.table import UnitTable
 
 B, HQ, H, D, U = 2, 4, 2, 16, 64
@@ -51,6 +53,39 @@ def test_a_large_bias_selects_the_same_units_for_unrelated_queries_and_a_small_o
     chosen = 16 * B * H  # 64 tokens in units of 4
     assert overlap(StickyTopBudget(stickiness=1e4)) == chosen
     assert overlap(StickyTopBudget(stickiness=0.0)) < chosen // 2
+
+
+def _analytic_index(tokens=2048):
+    keys = torch.randn(B, H, tokens, D, generator=torch.Generator().manual_seed(0))
+    return Analytic().build_index(keys, torch.ones(B, tokens, dtype=torch.bool), "reference", layer_idx=0)
+
+
+def _tokens(selector, index, seed, capacity=64) -> list[set]:
+    query = torch.randn(B, HQ, D, generator=torch.Generator().manual_seed(seed))
+    selection = selector.select(query, index, capacity, "reference")
+    return [set(selection.unit_ids[i, h].tolist()) - {-1} for i in range(B) for h in range(H)]
+
+
+def test_the_pull_keeps_the_query_dtype_and_moves_it_by_pull_times_its_norm():
+    query = torch.randn(B, HQ, D, dtype=torch.bfloat16)
+    pulled = pulled_query(query, 2.0)
+    assert pulled.dtype == torch.bfloat16 and pulled.shape == query.shape
+    moved = (pulled.float() - query.float()).norm(dim=-1)
+    torch.testing.assert_close(moved, 2.0 * query.float().norm(dim=-1), rtol=2e-2, atol=0)
+    assert torch.equal(pulled_query(query, 0.0), query)
+
+
+def test_no_pull_selects_as_collision_rerank_and_a_strong_one_keeps_the_tokens_of_unrelated_queries():
+    index = _analytic_index()
+    for seed in range(2):
+        assert _tokens(StickyCollisionRerank(pull=0.0), index, seed) == _tokens(CollisionRerank(), index, seed)
+
+    def overlap(selector):
+        a, b = _tokens(selector, index, 1), _tokens(selector, index, 2)
+        return sum(len(x & y) for x, y in zip(a, b)) / sum(len(x) for x in a)
+
+    assert overlap(StickyCollisionRerank(pull=100.0)) > 0.9
+    assert overlap(StickyCollisionRerank(pull=0.0)) < 0.5
 
 
 def test_the_interval_never_re_selects_less_often_than_the_rate():
@@ -108,3 +143,29 @@ class _Counted:
     def __getitem__(self, grid):
         self.launches.append(grid)
         return self.kernel[grid]
+
+
+def test_the_sweep_runs_a_pariskv_row_a_pull_with_the_presets_selection_pulled(monkeypatch):
+    import kvpolicy
+    from kvpolicy.bench import e2e, sweeps
+
+    from conftest import build_model
+
+    policies = {}
+
+    def record(model, policy, batch, context, steps, **options):
+        policies[len(policies)] = policy
+        return e2e.Throughput("policy", batch, context, steps, 1.0)
+
+    monkeypatch.setattr(e2e, "full_throughput", lambda model, kind, batch, context, steps, **options:
+                        e2e.Throughput(kind, batch, context, steps, 1.0))
+    monkeypatch.setattr(e2e, "policy_throughput", record)
+    rows = list(sweeps.e2e(build_model("llama"), contexts=[256], batches=[1], cells=[("pariskv", ["cpu"])], budget=128,
+                           steps=1, backend="reference", full_kinds=["full-graph"], branch_kinds=["auto"], rate=0.1,
+                           pulls=[0.0, 2.5]))
+    assert [row["kind"] for row in rows] == ["full-graph", "budget-floor", "pariskv/cpu/~p0", "pariskv/cpu/~p2.5"]
+    plain = kvpolicy.preset("pariskv", budget=128).selector
+    assert type(policies[0].selector) is type(plain)  # no pull: the preset's own selector
+    pulled = policies[1].selector
+    assert isinstance(pulled, StickyCollisionRerank) and pulled.pull == 2.5
+    assert {name: getattr(pulled, name) for name in vars(plain)} == vars(plain)

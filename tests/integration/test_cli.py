@@ -63,6 +63,7 @@ def test_presets_lists_presets_and_components():
          "the placement after '@' must be one of cpu, gpu, split"),
         (["bench", "e2e", "--backend", "reference", "--placements", "cpu,nvme"], "--placements takes cpu, gpu, split"),
         (["bench", "e2e", "--backend", "reference", "--presets", "louiskv,@cpu"], "names no preset"),
+        (["bench", "e2e", "--backend", "reference", "--query-pull", "1,x"], "--query-pull takes comma-separated numbers"),
     ],
 )
 def test_bad_input_exits_2_without_traceback(args, message, monkeypatch, capsys):
