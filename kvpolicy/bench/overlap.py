@@ -22,7 +22,7 @@ kernels run unchanged on the pulled query (two elementwise launches more a re-se
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -64,6 +64,11 @@ class StickyCollisionRerank(CollisionRerank):
     (benchmarks only)."""
 
     pull: float = 0.0
+
+    @classmethod
+    def pulling(cls, selector: CollisionRerank, pull: float) -> "StickyCollisionRerank":
+        """``selector`` (a preset's, with its options) on the pulled query."""
+        return cls(**{f.name: getattr(selector, f.name) for f in fields(selector)}, pull=pull)
 
     def select(self, query, index, capacity, ops, take=None):
         return super().select(pulled_query(query, self.pull), index, capacity, ops, take)

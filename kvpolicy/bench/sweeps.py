@@ -19,7 +19,6 @@ hides the others' figures; the CLI prints such rows and leaves them out of its J
 from __future__ import annotations
 
 import traceback
-from dataclasses import fields
 from typing import Iterable, Iterator
 
 import torch
@@ -110,9 +109,7 @@ def e2e(model, *, contexts: Iterable[int], batches: Iterable[int], cells: Preset
                         if trigger:
                             options["trigger"] = trigger
                         if bias and name == "pariskv":
-                            chosen = preset(name, **options).selector
-                            options["selector"] = StickyCollisionRerank(**{f.name: getattr(chosen, f.name) for f in fields(chosen)},
-                                                                     pull=bias)
+                            options["selector"] = StickyCollisionRerank.pulling(preset(name, **options).selector, bias)
                         elif bias:
                             options["selector"] = StickyTopBudget(stickiness=bias)
                         label = f"{name}/{placement}" + (f"/{tag}" if tag else "")
