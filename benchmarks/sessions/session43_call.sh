@@ -2,8 +2,8 @@
 # Session 43's GPU calls. Usage: bash benchmarks/sessions/session43_call.sh OUTDIR TAR MODE
 # Session 42 shipped a GPU pool's rows copied into the buffer at a re-selection for a policy that keeps its selection
 # (store.ATTEND_POOL_BY_SLOT = "every_step") and by-slot rows at 2 pipeline stages, measured at batch 8 only.
-# MODE check: the tests that run differently on a GPU (the Triton kernels, stores, graphs and placements, and
-# tests/gpu's dense anchor on GPU pools), then the floor cell at batches 1, 4 and 8;
+# MODE check: the tests of the changed path that run differently on a GPU (attention, fetch, the step's ops,
+# stores, graphs and placements, and tests/gpu's dense anchor on GPU pools), then the floor cell at batches 1, 4, 8;
 # long: louiskv at 1x128K (GPU pool) and 4x128K (GPU and pinned pools), issue 12's table;
 # every: an every-step policy end to end with its rows by slot at 2 stages (shipped) and 3 (before), then 1x/4x32K;
 # paris: pariskv on a pinned pool at 4x128K (issue 13: 0.54x at random weights' miss 0.90) with its selection's
@@ -11,9 +11,9 @@
 source "$(dirname "$0")/call_setup.sh" "$@"  # OUT, TAR, step, E2E, PROF
 case ${3:?} in
 check)
-  step gpu_tests 330 python3 -m pytest -q -rs -n 12 -p no:cacheprovider tests/gpu tests/kernels/triton \
-    tests/test_store.py tests/test_graph.py tests/test_graph_branch.py tests/test_placement.py tests/test_pinned.py \
-    tests/test_store_refresh.py tests/test_prefill_streams.py tests/test_policy_errors.py
+  step gpu_tests 270 python3 -m pytest -q -rs -n 12 -p no:cacheprovider tests/gpu tests/kernels/triton/test_attention.py \
+    tests/kernels/triton/test_fetch.py tests/kernels/triton/test_step.py tests/kernels/triton/test_admit.py \
+    tests/test_store.py tests/test_graph.py tests/test_graph_branch.py tests/test_placement.py tests/test_pinned.py
   step e2e_cell 240 ${E2E} --contexts 2304 --batches 1,4,8 --presets louiskv@gpu --json "$OUT/e2e_cell.json" ;;
 long)
   step e2e_128k1 200 ${E2E} --contexts 131072 --batches 1 --presets louiskv@gpu --json "$OUT/e2e_128k1.json"
