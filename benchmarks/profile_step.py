@@ -33,6 +33,8 @@ def main(argv=None) -> int:
     parser.add_argument("--stickiness", type=float, default=0.0,
                         help="bias unit scores by up to this many times their spread, per unit (bench e2e's "
                              "--stickiness): overlapping selections")
+    parser.add_argument("--query-pull", type=float, default=0.0,
+                        help="pariskv: pull its selection's query by this many times its norm (bench e2e's --query-pull)")
     parser.add_argument("--steps", type=int, default=5, help="replays profiled")
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--out", default=None, help="also write the table here")
@@ -56,6 +58,10 @@ def main(argv=None) -> int:
             from kvpolicy.bench.overlap import StickyTopBudget
 
             options["selector"] = StickyTopBudget(stickiness=args.stickiness)
+        if args.query_pull:
+            from kvpolicy.bench.overlap import StickyCollisionRerank
+
+            options["selector"] = StickyCollisionRerank.pulling(preset(args.preset, **options).selector, args.query_pull)
         r = policy_throughput(model, preset(args.preset, **options), args.batch, args.context, args.steps,
                               around=prof, branches=args.branches)
     events = prof.key_averages()

@@ -28,5 +28,13 @@ every)
 paris)
   step e2e_paris128k4 560 ${E2E} --contexts 131072 --batches 4 --presets pariskv@cpu --query-pull 0,1,2,4 \
     --json "$OUT/e2e_paris128k4.json" ;;
-*) echo "session43_call.sh: MODE must be check, long, every or paris, got '$3'" >&2; exit 2 ;;
+paris_profile)
+  # where pariskv's pinned step goes when few rows miss (p1: 22.76 ms at miss 0.04, 14.05 over the floor)
+  step profile_paris128k4_p4 200 python3 benchmarks/profile_step.py --preset pariskv --context 131072 --batch 4 \
+    --placement cpu --query-pull 4 --rows 40 ;;
+paris_profile0)
+  # the same at random weights' overlap (p1: 49.86 ms at miss 0.90): what of the refresh follows the misses
+  step profile_paris128k4_p0 200 python3 benchmarks/profile_step.py --preset pariskv --context 131072 --batch 4 \
+    --placement cpu --rows 40 ;;
+*) echo "session43_call.sh: MODE must be check, long, every, paris, paris_profile or paris_profile0, got '$3'" >&2; exit 2 ;;
 esac
