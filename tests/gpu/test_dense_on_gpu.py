@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import build_model, left_padded_batch
 import kvpolicy
+from conftest import build_model, left_padded_batch
 from every_preset import EVERY_PRESET, VARIANTS
 from integration.test_dense_equivalence import BUDGET, NEW_TOKENS, PROMPT, check_policy_ran, generate
 from reuse_check import checking_reuse
