@@ -9,8 +9,9 @@ def stats(self):
     steps = states[0].decode_steps
     rows.append([int(st.reselections.sum()) / steps for st in states])
     with open(sys.argv[1], "a") as f:
-        f.write(json.dumps(rows[-1]) + "\n")
+        # a row: each layer's re-selections per decode step; with "--steps" in argv, the step count beside them
+        f.write(json.dumps({"steps": steps, "per_layer": rows[-1]} if "--steps" in sys.argv else rows[-1]) + "\n")
     return s
 integ.PolicySession.stats = stats
 from kvpolicy.cli import main
-sys.exit(main(sys.argv[2:]))
+sys.exit(main([arg for arg in sys.argv[2:] if arg != "--steps"]))
