@@ -33,6 +33,7 @@ class Decoded:
     tokens: list[int]
     logits: list[torch.Tensor] = field(default_factory=list)  # per step (vocab,) float32, if kept
     reselect_share: float | None = None
+    decode_steps: int | None = None  # RunStats.decode_steps: the steps the share counts
     miss_fraction: float | None = None  # RunStats.miss_fraction (and its warm form)
     miss_fraction_warm: float | None = None
     recall_per_layer: dict[int, float] = field(default_factory=dict)
@@ -43,7 +44,7 @@ class Decoded:
 
 
 def _take_stats(result: Decoded, stats) -> None:
-    result.reselect_share = stats.reselect_share
+    result.reselect_share, result.decode_steps = stats.reselect_share, stats.decode_steps
     result.miss_fraction, result.miss_fraction_warm = stats.miss_fraction, stats.miss_fraction_warm
 
 

@@ -15,7 +15,11 @@ NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiqu
 
 def summarize(cells: Iterable[CellResult]) -> list[dict]:
     """One row per (model, preset, budget, length): mean score over all tasks and over needle tasks,
-    re-selection share and attention recall. Cells of two models are never averaged together."""
+    re-selection share and attention recall. Cells of two models are never averaged together.
+
+    ``reselect_share`` is the mean of the cells' shares; ``reselect_share_pairs`` counts every (layer, step)
+    pair of the group once, so a short answer weighs by its steps (None where a cell's steps were not
+    recorded). A short answer's share is at least one over its steps, the first step's selection."""
     groups: dict[tuple, list[CellResult]] = defaultdict(list)
     for cell in cells:
         groups[(cell.model or "", cell.preset, cell.budget, cell.length)].append(cell)
@@ -23,7 +27,11 @@ def summarize(cells: Iterable[CellResult]) -> list[dict]:
     for (model, name, budget, length), group in sorted(
             groups.items(), key=lambda kv: (kv[0][0], kv[0][3], kv[0][2] or 0, kv[0][1])):
         needles = [c.score for c in group if c.task in NEEDLE_TASKS]
-        shares = [c.reselect_share for c in group if c.reselect_share is not None]
+        counted = [c for c in group if c.reselect_share is not None]
+        shares = [c.reselect_share for c in counted]
+        pairs = None
+        if counted and all(c.decode_steps for c in counted):
+            pairs = sum(c.reselect_share * c.decode_steps for c in counted) / sum(c.decode_steps for c in counted)
         recalls = [c.recall for c in group if c.recall is not None]
         per_task: dict[str, list[float]] = defaultdict(list)
         for c in group:
@@ -37,6 +45,7 @@ def summarize(cells: Iterable[CellResult]) -> list[dict]:
             "score": mean(c.score for c in group),
             "needle_score": mean(needles) if needles else None,
             "reselect_share": mean(shares) if shares else None,
+            "reselect_share_pairs": pairs,
             "recall": mean(recalls) if recalls else None,
             "per_task": {task: mean(scores) for task, scores in sorted(per_task.items())},
         })
@@ -52,13 +61,14 @@ def _fmt(value, pct: bool = False) -> str:
 def table(rows: list[dict]) -> str:
     """A markdown table (it reads as plain text in a terminal too); a model column when rows hold two or more."""
     several = len({r.get("model") for r in rows}) > 1
-    lines = [("| model " if several else "") + "| length | budget | preset | score | needle score | re-selecting | recall | cells |",
-             ("|---" if several else "") + "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    lines = [("| model " if several else "") + "| length | budget | preset | score | needle score | re-selecting | over pairs | recall | cells |",
+             ("|---" if several else "") + "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
             (f"| {r.get('model') or '-'} " if several else "")
             + f"| {r['length']} | {r['budget'] or 'all'} | {r['preset']} | {_fmt(r['score'])} | "
-            f"{_fmt(r['needle_score'])} | {_fmt(r['reselect_share'], True)} | {_fmt(r['recall'], True)} | {r['cells']} |"
+            f"{_fmt(r['needle_score'])} | {_fmt(r['reselect_share'], True)} | "
+            f"{_fmt(r.get('reselect_share_pairs'), True)} | {_fmt(r['recall'], True)} | {r['cells']} |"
         )
     return "\n".join(lines)
 

@@ -50,6 +50,8 @@ class CellResult:
     # RunStats.miss_fraction and its warm form (absent from rows written before they were recorded)
     miss_fraction: float | None = None
     miss_fraction_warm: float | None = None
+    # the decode steps ``reselect_share`` counts (absent from rows written before it was recorded)
+    decode_steps: int | None = None
 
     @property
     def key(self) -> str:
@@ -316,6 +318,7 @@ def run_grid(
                     seconds=time.perf_counter() - started,
                     model=model_name, policy=json.loads(_canonical(policy_spec(policy))),
                     miss_fraction=decoded.miss_fraction, miss_fraction_warm=decoded.miss_fraction_warm,
+                    decode_steps=decoded.decode_steps,
                 )
                 assert cell.key == key
                 sink.write(json.dumps(asdict(cell)) + "\n")

@@ -88,6 +88,9 @@ def test_slice_scores_are_bounded(grid, smollm2):
     # louiskv at its calibrated tau against full attention: one multivalue cell may lose a value
     assert mean("louiskv", "score") >= full - 15.0, (mean("louiskv", "score"), full)
     assert 0.0 < mean("louiskv", "reselect_share") < 1.0  # it reused selections, and re-selected
+    # each cell's steps are recorded, and its share is at least its first step's selection
+    louiskv = [by_key[(t, s, "louiskv")] for t in TASKS for s in SEEDS]
+    assert all(c.decode_steps >= 1 and c.reselect_share >= 1 / c.decode_steps for c in louiskv)
 
 
 def test_slice_outputs_and_resume(grid, smollm2):
