@@ -36,5 +36,10 @@ paris_profile0)
   # the same at random weights' overlap (p1: 49.86 ms at miss 0.90): what of the refresh follows the misses
   step profile_paris128k4_p0 200 python3 benchmarks/profile_step.py --preset pariskv --context 131072 --batch 4 \
     --placement cpu --rows 40 ;;
-*) echo "session43_call.sh: MODE must be check, long, every, paris, paris_profile or paris_profile0, got '$3'" >&2; exit 2 ;;
+refresh)
+  # (not run in session 43) the refresh alone at 4x128K, single rows, with a share of rows already in the buffer:
+  # its time at resident 1 is the part that does not follow the misses (q1/q2: about 0.21 ms a layer)
+  step gather_refresh 200 python3 -m kvpolicy bench gather --gather-ops refresh --runs 1 --batches 4 --budget 2048 \
+    --resident 0,0.5,0.9,0.96,1 --json "$OUT/gather_refresh.json" ;;
+*) echo "session43_call.sh: MODE must be check, long, every, paris, paris_profile, paris_profile0 or refresh, got '$3'" >&2; exit 2 ;;
 esac

@@ -2,7 +2,9 @@
 
 Two ops: ``gather`` (``gather_rows_into``, one tensor) and ``refresh`` (``refresh_rows``, what a
 decode step's fetch runs: keys and values in one launch, then the copy back from its scratch;
-cold, so every row crosses from the pool)."""
+cold, so every row crosses from the pool, unless ``resident`` of each (sequence, head)'s rows are
+already in the buffer, as a re-selection that overlaps the last finds them: then only the rest
+cross, and the call's time at ``resident=1`` is what a refresh costs beside its bytes)."""
 
 from __future__ import annotations
 
@@ -28,8 +30,10 @@ class GatherBandwidth:
     rows: int  # rows per (sequence, head)
     run: int  # consecutive pool rows per run (1: random single rows; a unit-ordered pool reads runs)
     row_bytes: int
-    gather_gbps: float
+    gather_gbps: float  # every row's bytes (resident ones too) over the call's time
     copy_gbps: float  # contiguous pinned host -> device copy of the same byte count
+    call_ms: float = 0.0
+    resident: float = 0.0  # refresh: the share of rows found in the buffer (not read from the pool)
 
     @property
     def ratio(self) -> float:
@@ -51,6 +55,7 @@ def measure_gather(
     run: int = 1,
     op: str = "gather",
     replay: bool = False,
+    resident: float = 0.0,
 ) -> GatherBandwidth:
     """``op``'s bandwidth from a pool (pinned on a GPU) and a pinned copy's of as many bytes; each
     call timed as a CUDA-graph replay where ``replay`` (as a decode step runs it: timed eagerly, the
@@ -59,6 +64,9 @@ def measure_gather(
         raise ValueError(f"run must be a positive divisor of rows ({rows}), got {run}")
     if op not in OPS:
         raise ValueError(f"gather op {op!r}; accepted: {', '.join(OPS)}")
+    if not 0.0 <= resident <= 1.0 or (resident and op != "refresh"):
+        raise ValueError(f"resident must be a share in [0, 1], and only refresh reads resident rows; got {resident} "
+                         f"for {op}")
     pinned = device.type == "cuda"
     shape = (batch, heads, context, head_dim)
     parts = 2 if op == "refresh" else 1
@@ -74,7 +82,11 @@ def measure_gather(
         gather_ms = timer(lambda: gather_into(pools[0], slots, take, outs[0]), device, repeats)
     else:
         refresh = dispatch.get("refresh_rows", backend, device)
-        source = torch.full((batch, heads, rows), -1, dtype=torch.int32, device=device)  # nothing resident
+        # the first share of each (sequence, head)'s rows are found in the buffer, at shuffled rows; the rest miss
+        source = torch.full((batch, heads, rows), -1, dtype=torch.int32, device=device)
+        found = round(rows * resident)
+        if found:
+            source[:, :, :found] = torch.randperm(rows, device=device)[:found].to(torch.int32)
         scratches = [torch.empty_like(out) for out in outs]
         gather_ms = timer(lambda: refresh(pools, slots, take, source, outs, scratches), device, repeats)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
@@ -83,6 +95,7 @@ def measure_gather(
     return GatherBandwidth(
         op=op, backend=backend, pool="pinned cpu" if pinned else str(device), batch=batch, heads=heads, rows=rows, run=run,
         row_bytes=head_dim * outs[0].element_size(), gather_gbps=nbytes / gather_ms / 1e6, copy_gbps=nbytes / copy_ms / 1e6,
+        call_ms=gather_ms, resident=resident,
     )
 
 

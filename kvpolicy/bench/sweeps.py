@@ -173,21 +173,24 @@ def ttft(model, *, lengths: Iterable[int], batches: Iterable[int], cells: Preset
 
 
 def gather(device: torch.device, *, batches: Iterable[int], runs: Iterable[int], rows: int, backend: str,
-           repeats: int, ops: Iterable[str] = ("gather", "refresh"), replay: bool = False) -> Iterator[dict]:
+           repeats: int, ops: Iterable[str] = ("gather", "refresh"), replay: bool = False,
+           resident: Iterable[float] = (0.0,)) -> Iterator[dict]:
     """On a GPU first the pinned allocation's cost (a row ``{"pinned_allocation": ...}``), then the
     pool gather's bandwidth against a pinned copy, per batch, run length and op (of ``gather.OPS``),
-    each call timed as a graph replay where ``replay``."""
+    each call timed as a graph replay where ``replay``; ``refresh`` once per ``resident`` share (rows
+    already in the buffer)."""
     from .gather import measure_gather, measure_pinned_allocation
 
     if device.type == "cuda":
         yield {"pinned_allocation": measure_pinned_allocation(device).__dict__}
-    runs, ops = list(runs), list(ops)
+    runs, ops, resident = list(runs), list(ops), list(resident)
     for batch in batches:
         for run in runs:
             for op in ops:
-                r = measure_gather(device, backend=backend, batch=batch, rows=rows, repeats=repeats, run=run, op=op,
-                                   replay=replay)
-                yield {**r.__dict__, "ratio": r.ratio}
+                for share in resident if op == "refresh" else [0.0]:
+                    r = measure_gather(device, backend=backend, batch=batch, rows=rows, repeats=repeats, run=run,
+                                       op=op, replay=replay, resident=share)
+                    yield {**r.__dict__, "ratio": r.ratio}
 
 
 def layer(device: torch.device, *, contexts: Iterable[int], batches: Iterable[int], cells: PresetCells, budget: int,

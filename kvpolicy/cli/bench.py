@@ -44,6 +44,9 @@ def add_parser(sub) -> None:
     bench.add_argument("--gather-ops", default="gather,refresh",
                        help="gather: comma-separated ops timed (gather: gather_rows_into; refresh: refresh_rows, "
                             "keys and values, as a decode step's fetch)")
+    bench.add_argument("--resident", default="0",
+                       help="gather: comma-separated shares of refresh's rows already in the buffer (not read from the "
+                            "pool), as an overlapping re-selection finds them; default 0 (every row crosses)")
     bench.add_argument("--full-kinds", default="full-graph,full-sdpa-graph,full-eager",
                        help="e2e: which full-attention baselines run (full-graph always runs: ratios are against it)")
     bench.add_argument("--backend", default="triton", help="kernel backend: reference or triton")
@@ -287,12 +290,17 @@ def gather(args, device, rows: BenchRows) -> bool:
     if replay and args.backend == "reference":
         raise KVPolicyError("bench gather --backend reference on a GPU reads the pinned pool on the host, which a CUDA "
                           "graph cannot capture: pass --eager, or --backend triton or auto")
-    header = f"{'op':>7s} {'batch':>5s} {'rows/head':>9s} {'run':>4s} {'GB/s':>7s} {'copy GB/s':>9s} {'ratio':>6s}"
+    resident = floats(args.resident, "resident")
+    if any(not 0.0 <= share <= 1.0 for share in resident):
+        raise KVPolicyError(f"--resident takes shares in [0, 1], got {args.resident!r}")
+    header = (f"{'op':>7s} {'batch':>5s} {'rows/head':>9s} {'run':>4s} {'resident':>8s} {'ms':>7s} {'GB/s':>7s} "
+              f"{'copy GB/s':>9s} {'ratio':>6s}")
     print(f"each call timed {'as a CUDA-graph replay' if replay else 'eagerly (launched from Python)'}")
     if device.type != "cuda":
         print(header)
     for row in sweeps.gather(device, batches=ints(args.batches, "batches"), runs=ints(args.runs, "runs"),
-                             rows=args.budget, backend=args.backend, repeats=args.repeats, ops=ops, replay=replay):
+                             rows=args.budget, backend=args.backend, repeats=args.repeats, ops=ops, replay=replay,
+                             resident=resident):
         rows.append(row)
         if "pinned_allocation" in row:
             a = row["pinned_allocation"]
@@ -300,8 +308,8 @@ def gather(args, device, rows: BenchRows) -> bool:
                   f"free {a['again_ms']:.1f} ms, GPU->pinned copy {a['copy_ms']:.2f} ms", flush=True)
             print(header)
             continue
-        print(f"{row['op']:>7s} {row['batch']:5d} {row['rows']:9d} {row['run']:4d} {row['gather_gbps']:7.1f} {row['copy_gbps']:9.1f} "
-              f"{row['ratio']:6.2f}", flush=True)
+        print(f"{row['op']:>7s} {row['batch']:5d} {row['rows']:9d} {row['run']:4d} {row['resident']:8.2f} "
+              f"{row['call_ms']:7.3f} {row['gather_gbps']:7.1f} {row['copy_gbps']:9.1f} {row['ratio']:6.2f}", flush=True)
     return False
 
 
