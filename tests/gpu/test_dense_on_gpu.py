@@ -12,7 +12,7 @@ import torch
 import kvpolicy
 from conftest import build_model, left_padded_batch
 from every_preset import EVERY_PRESET, VARIANTS
-from integration.test_dense_equivalence import BUDGET, NEW_TOKENS, PROMPT, check_policy_ran, generate
+from integration.test_dense_equivalence import BUDGET, NEW_TOKENS, PROMPT, check_policy_ran, generate, make_policy
 from reuse_check import checking_reuse
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -34,8 +34,7 @@ def gpu_policy(name: str) -> kvpolicy.Policy:
     return kvpolicy.preset(name, budget=BUDGET, placement="gpu", backend="triton", **options)
 
 
-@pytest.mark.parametrize("preset_name", [name for name in EVERY_PRESET if not kvpolicy.preset(
-    VARIANTS.get(name, (name,))[0]).is_dense])
+@pytest.mark.parametrize("preset_name", [name for name in EVERY_PRESET if not make_policy(name).is_dense])
 def test_generate_on_a_gpu_pool_matches_dense(on_gpu, preset_name):
     model, ids, mask, plain = on_gpu
     policy = gpu_policy(preset_name)

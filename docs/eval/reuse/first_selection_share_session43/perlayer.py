@@ -8,10 +8,9 @@ def stats(self):
     states = self.cache.policy_layers()
     steps = states[0].decode_steps
     rows.append([int(st.reselections.sum()) / steps for st in states])
-    with open(sys.argv[1], "a") as f:
-        # a row: each layer's re-selections per decode step; with "--steps" in argv, the step count beside them
-        f.write(json.dumps({"steps": steps, "per_layer": rows[-1]} if "--steps" in sys.argv else rows[-1]) + "\n")
+    with open(sys.argv[1], "a") as f:  # a row a cell: its decode steps, each layer's re-selections per step
+        f.write(json.dumps({"steps": steps, "per_layer": rows[-1]}) + "\n")
     return s
 integ.PolicySession.stats = stats
 from kvpolicy.cli import main
-sys.exit(main([arg for arg in sys.argv[2:] if arg != "--steps"]))
+sys.exit(main(sys.argv[2:]))
