@@ -6,8 +6,9 @@ kernel (a captured graph reserved its steps' room up front, so it is a no-op the
 host counters. The run (``run_step``) is kernels on fixed buffers, through the ops bound at
 prefill (``dispatch.bind``), with no host reads of tensor values anywhere:
     1. the new token goes to the pool and the local ring; the ring pushes out its oldest token
-    2. trigger -> ``reselect`` (B,) bool, forced on the first step (``Trigger.decide_and_note``; an
-       always-reselecting trigger's is all True from the prefill on, and no launch writes it)
+    2. trigger -> ``reselect`` (B,) bool, forced on the first step unless the prefill selected from
+       the prompt's last query (``Trigger.decide_and_note``; an always-reselecting trigger's is all
+       True from the prefill on, and no launch writes it)
     3. the pushed-out token joins the retrieval index: a decode unit of the unit table (segments
        are cut where the trigger fired), or whatever index the prefill builder made (``analytic``)
     4. selector + budgeted fill -> selection; the store fetches it where ``reselect`` (captured
@@ -26,6 +27,7 @@ import torch
 from . import graph_branch
 from .kernels import dispatch
 from .placement import PoolPlacer
+from .errors import KVPolicyError
 from .plan import LayerPlan, SplitPlan
 from .store import TieredStore
 from .triggers.base import Decision
@@ -100,8 +102,9 @@ class PolicyLayerState:
         self.reselect: torch.Tensor | None = None  # (B,) bool
         self._reselections: torch.Tensor | None = None  # (B,) long, summed over decode steps
         self.decode_steps = 0
-        # (pool_rows_read, rows_fetched) after the first decode step, whose selection finds an
-        # empty buffer: a re-selection's miss fraction counts from there (device copies)
+        # (pool_rows_read, rows_fetched) after the first selection (the first decode step's, or the
+        # prompt's), which finds an empty buffer: a re-selection's miss fraction counts from there
+        # (device copies)
         self.first_fetch: tuple[torch.Tensor, torch.Tensor] | None = None
         self.units_ready: torch.cuda.Event | None = None  # set while the prompt's units build on a side stream
         #: called as ``observer(state, query)`` after selection, before attention (eval's recall)
@@ -111,11 +114,24 @@ class PolicyLayerState:
     def seq_length(self) -> int:
         return 0 if self.store is None else self.store.length
 
-    def prefill(self, keys: torch.Tensor, values: torch.Tensor, token_valid: torch.Tensor, num_q_heads: int) -> None:
-        """Lay out the prompt's KV and group its retrieval zone into units."""
+    def prefill(self, keys: torch.Tensor, values: torch.Tensor, token_valid: torch.Tensor, num_q_heads: int,
+                last_query: torch.Tensor | None = None) -> None:
+        """Lay out the prompt's KV and group its retrieval zone into units; with
+        ``first_selection="prompt"``, select from ``last_query`` (the prompt's last post-RoPE query,
+        ``(B, Hq, D)``), which such a policy needs."""
         policy = self.policy
         batch, heads, prompt, dim = keys.shape
         device = keys.device
+        selects_at_prompt = self._selects_at_prompt()
+        if selects_at_prompt:
+            want = (batch, num_q_heads, dim)
+            if last_query is None or tuple(last_query.shape) != want:
+                got = "none" if last_query is None else f"{tuple(last_query.shape)}"
+                raise KVPolicyError(
+                    f"layer {self.layer_idx}: first_selection='prompt' selects from the prompt's last query, so the "
+                    f"prefill needs last_query of shape {want} (batch, query heads, head dim); got {got}. Pass it, "
+                    "or use first_selection='first_step'"
+                )
         self.ops = dispatch.bind(policy.backend, device)
         selects = policy.selector is not None
         # with units, the zone's pool rows are written unit by unit once the units exist
@@ -150,21 +166,44 @@ class PolicyLayerState:
             # every decode token's slot is a boundary, as note_decision would write it step by step
             self.boundary[:, self.store.length:] = True
         self.trigger_state = policy.trigger.init_state(batch, num_q_heads, dim, device)
-        if self.units_ready is not None:
-            # the trigger reads the prompt's units (score_gap gathers the table's sizes at its open
-            # unit): attach on the side stream, after the units are written, not on this stream
-            # while they are still being built (a read of unwritten memory: an index out of bounds);
-            # the same stream as the build's, whatever SIDE_STREAM_PRIORITY says by now
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                policy.trigger.attach(self.trigger_state, self)
-            self.units_ready.record(side)
-        else:
-            policy.trigger.attach(self.trigger_state, self)
         self.has_selection = torch.zeros(batch, dtype=torch.bool, device=device)
         # this step's decision; an always-reselecting trigger's is all True, written once here
         self.reselect = torch.full((batch,), always, dtype=torch.bool, device=device)
         self._reselections = torch.zeros(batch, dtype=torch.long, device=device)
+        if self.units_ready is not None:
+            # the trigger reads the prompt's units (score_gap gathers the table's sizes at its open
+            # unit): attach (and select from the prompt) on the side stream, after the units are
+            # written, not on this stream while they are still being built (a read of unwritten
+            # memory: an index out of bounds); the same stream as the build's, whatever
+            # SIDE_STREAM_PRIORITY says by now
+            side.wait_stream(torch.cuda.current_stream(device))
+            if selects_at_prompt:
+                last_query.record_stream(side)
+            with torch.cuda.stream(side):
+                self._attach_trigger(last_query if selects_at_prompt else None)
+            self.units_ready.record(side)
+        else:
+            self._attach_trigger(last_query if selects_at_prompt else None)
+
+    def _selects_at_prompt(self) -> bool:
+        policy = self.policy
+        return policy.selector is not None and not policy.trigger.always_reselects \
+            and policy.first_selection == "prompt"
+
+    def _attach_trigger(self, prompt_query: torch.Tensor | None) -> None:
+        """Attach the trigger to the prompt's index; given ``prompt_query``, make the first
+        selection from it, so that no decode step is forced to select."""
+        trigger = self.policy.trigger
+        trigger.attach(self.trigger_state, self)
+        if prompt_query is None:
+            return
+        self.reselect.fill_(True)
+        self._reselect(prompt_query)
+        trigger.prompt_selected(self.trigger_state, prompt_query)
+        self.has_selection.fill_(True)
+        self.reselect.fill_(False)
+        # a re-selection's miss fraction counts from after the selection that found an empty buffer
+        self.first_fetch = (self.store.pool_rows_read.clone(), self.store.rows_fetched.clone())
 
     @property
     def reselections(self) -> torch.Tensor | None:
@@ -234,7 +273,7 @@ class PolicyLayerState:
             # that evicting resets ``kept`` to the new selection's fill
             if not always or policy.admit == "evict":
                 store.admit(evicted, reselect, ops, evict=policy.admit == "evict")
-            if self.decode_steps == 0:  # eager: a graph captures a later step
+            if self.first_fetch is None:  # eager: a graph captures a later step
                 self.first_fetch = (store.pool_rows_read.clone(), store.rows_fetched.clone())
         self.decode_steps += 1
         for observer in self.observers:

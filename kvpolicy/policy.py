@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
-from .choices import ADMITS, BACKENDS, PLACEMENTS
+from .choices import ADMITS, BACKENDS, FIRST_SELECTIONS, PLACEMENTS
 from .errors import ConfigError
 from .registry import base_class, lookup
 
@@ -78,6 +78,11 @@ class Policy:
     buffer while it has room; at a full buffer, "room" drops it, "evict" keeps it in place of the
     lowest-ranked selected row (so the prompt's last tokens, the question, stay attended without
     a re-selection; at most the selection's own rows are given up).
+    ``first_selection``: where a policy that keeps its selection makes its first one: "first_step"
+    at the first decode step, whatever the trigger says; "prompt" at the end of the prefill, from
+    the prompt's last query, so the trigger decides from the first decode step on (the prefill then
+    needs that query: ``PolicyLayerState.prefill``'s ``last_query``). A trigger that re-selects
+    every step ignores it.
     """
 
     trigger: Trigger | str | dict = "every_step"
@@ -92,6 +97,7 @@ class Policy:
     unit_cache_rows: int | None = None
     backend: str = "auto"
     admit: str = "room"
+    first_selection: str = "first_step"
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -134,6 +140,9 @@ class Policy:
             raise ConfigError(f"unknown kernel backend {self.backend!r}; accepted: {', '.join(BACKENDS)}")
         if self.admit not in ADMITS:
             raise ConfigError(f"unknown admit {self.admit!r}; accepted: {', '.join(ADMITS)}")
+        if self.first_selection not in FIRST_SELECTIONS:
+            raise ConfigError(f"unknown first_selection {self.first_selection!r}; accepted: "
+                              f"{', '.join(FIRST_SELECTIONS)}")
         if self.budget is None:
             return
         if not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget <= 0:

@@ -17,6 +17,10 @@ VARIANTS = {
     # query_cosine at the lowest tau selects once (the forced first step) and admits from then on
     "louiskv-keep": ("louiskv", {"trigger": {"name": "query_cosine", "tau": -1.0}}),
     "quest-interval": ("quest", {"trigger": {"name": "interval", "n": 8}}),
+    # the first selection made at the prefill from the prompt's last query: with the preset's trigger,
+    # and with one that then never re-selects
+    "louiskv-prompt": ("louiskv", {"first_selection": "prompt"}),
+    "louiskv-keep-prompt": ("louiskv", {"trigger": {"name": "query_cosine", "tau": -1.0}, "first_selection": "prompt"}),
     # a GPU unit cache (given a size, it applies on the CPU too): the fetch reads through it.
     # 1024 rows: at least the retrieved rows of the dense-equivalence budget (512 - 68)
     "louiskv-unit-cache": ("louiskv", {"trigger": {"name": "interval", "n": 4}, "unit_cache_rows": 1024}),

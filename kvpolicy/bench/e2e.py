@@ -134,10 +134,14 @@ def lay_random_context(model, cache: PolicyCache, batch: int, context: int, seed
     config = model.config
     generator = torch.Generator(device=device).manual_seed(seed)
     valid = torch.ones(batch, context, dtype=torch.bool, device=device)
+    # the prompt's last query, for a policy that selects from it (its own generator: the KV stays as it was)
+    queries = torch.Generator(device=device).manual_seed(seed + 1)
     for layer in cache.layers:
         keys, values = _random_kv(config, batch, context, device, model.dtype, generator)
         layer.is_initialized, layer.device = True, device
-        layer.state.prefill(keys, values, valid, config.num_attention_heads)
+        last_query = torch.randn(batch, config.num_attention_heads, keys.shape[-1], device=device, dtype=model.dtype,
+                                 generator=queries)
+        layer.state.prefill(keys, values, valid, config.num_attention_heads, last_query=last_query)
         del keys, values
         if one_layer_at_a_time and device.type == "cuda":
             layer.state.wait_for_units()

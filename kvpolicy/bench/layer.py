@@ -151,7 +151,7 @@ def time_layer(
 
     pool_device = torch.device("cpu") if policy.placement == "cpu" else device
     state = PolicyLayerState(policy, 0, pool_device)
-    state.prefill(keys, values, valid, shape.q_heads)
+    state.prefill(keys, values, valid, shape.q_heads, last_query=query)
     del keys, values
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -2,8 +2,9 @@
 
 A random-weight model of Qwen3-8B's shape (``qwen3_8b_config``; fewer layers with
 ``layers=``) prefills a random prompt; TTFT is the wall time until the first token is known on
-the host. For a policy it includes laying out the tiered store; the prompt's units build on a
-side stream and are needed only by the second token, so "units ready" is reported too.
+the host. For a policy it includes laying out the tiered store; the prompt's units (and a first
+selection from the prompt's last query, ``first_selection="prompt"``) build on a side stream and
+are needed only by the second token, so "units ready" is reported too.
 """
 
 from __future__ import annotations

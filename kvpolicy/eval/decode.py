@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..integrations.transformers import PolicyCache, cache_argument_name, last_logits_only
+from ..integrations.transformers import PolicyCache, cache_argument_name, last_logits_only, record_last_queries
 from ..policy import Policy
 
 
@@ -26,6 +26,9 @@ class Prefilled:
     # local layers) holds only its window's last tokens, as transformers' cache keeps them
     keys: list[torch.Tensor | None]
     values: list[torch.Tensor | None]
+    # per layer (1, Hq, D): the prompt's last post-RoPE query, which a policy that makes its first
+    # selection from the prompt (``first_selection="prompt"``) selects from
+    last_queries: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -50,15 +53,16 @@ def _take_stats(result: Decoded, stats) -> None:
 
 @torch.inference_mode()
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Prefilled:
-    """Dense prefill with transformers' own cache; keeps each layer's KV."""
+    """Dense prefill with transformers' own cache; keeps each layer's KV and last query."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **last_logits_only(model),
-                **{cache_argument_name(model): cache})
+    with record_last_queries(model) as last_queries:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **last_logits_only(model),
+                    **{cache_argument_name(model): cache})
     keys = [getattr(layer, "keys", None) for layer in cache.layers]
     values = [getattr(layer, "values", None) for layer in cache.layers]
-    return Prefilled(input_ids, attention_mask, out.logits[:, -1].float(), keys, values)
+    return Prefilled(input_ids, attention_mask, out.logits[:, -1].float(), keys, values, last_queries)
 
 
 class _RecallMeter:
@@ -135,7 +139,7 @@ def _cache_from_prefill(session, prefilled: Prefilled, num_q_heads: int):
         if isinstance(cache, PolicyCache) and idx in cache.served:
             layer.is_initialized = True
             layer.device = k.device
-            layer.state.prefill(k, v, valid.to(k.device), num_q_heads)
+            layer.state.prefill(k, v, valid.to(k.device), num_q_heads, last_query=prefilled.last_queries.get(idx))
         else:
             layer.update(k, v)
             if hasattr(layer, "cumulative_length"):

@@ -13,6 +13,7 @@ Works with transformers 5.17 (``past_key_values.update(k, v, idx, cache_kwargs)`
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from ..layer import PolicyLayerState
 from ..placement import PoolPlacer, check_limit
 
 ATTENTION_NAME = "kvpolicy"
+# SDPA that keeps each layer's last query: a shared dense prefill's (``record_last_queries``)
+LAST_QUERY_ATTENTION = "kvpolicy_last_query"
 
 # The cache whose ``update`` ran last on this thread; the attention function that follows
 # in the same layer finds its layer state here (transformers passes it no cache).
@@ -153,10 +156,42 @@ def kvpolicy_attention(module, query, key, value, attention_mask, dropout: float
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
         valid = _token_valid(attention_mask, key.shape[0], key.shape[2], key.device)
-        state.prefill(key, value, valid, num_q_heads=query.shape[1])
+        state.prefill(key, value, valid, num_q_heads=query.shape[1], last_query=query[:, :, -1])
         return out, weights
     out = state.decode(query[:, :, 0], key[:, :, 0], value[:, :, 0], scale)
     return out.unsqueeze(1), None  # (B, 1, Hq, D), as transformers' attention functions return
+
+
+def _set_attention(model, name: str) -> None:
+    # set on every sub-config so that composite models route their decoder through us
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = name
+
+
+def _last_query_recorder(module, query, key, value, attention_mask, **kwargs):
+    """SDPA that also keeps each layer's last query (``record_last_queries``)."""
+    _active.last_queries[module.layer_idx] = query[:, :, -1].clone()
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+@contextlib.contextmanager
+def record_last_queries(model):
+    """Inside the block the model attends with SDPA and the yielded dict fills with each layer's
+    last post-RoPE query, ``{layer_idx: (B, Hq, D)}``: what a policy with
+    ``first_selection="prompt"`` selects from when its prefill is a shared dense one."""
+    AttentionInterface.register(LAST_QUERY_ATTENTION, _last_query_recorder)
+    AttentionMaskInterface.register(LAST_QUERY_ATTENTION, sdpa_mask)
+    saved = model.config._attn_implementation
+    queries: dict[int, torch.Tensor] = {}
+    _active.last_queries = queries
+    _set_attention(model, LAST_QUERY_ATTENTION)
+    try:
+        yield queries
+    finally:
+        _set_attention(model, saved)
+        _active.last_queries = None
 
 
 def cache_argument_name(model) -> str:
@@ -174,7 +209,7 @@ def last_logits_only(model) -> dict:
 def _miss_fractions(states) -> dict[str, float | None]:
     """``miss_fraction`` and ``miss_fraction_warm`` of ``RunStats`` over the served layers (host
     reads, after the generation), from the store's exact counters and each layer's counters after
-    its first decode step (``PolicyLayerState.first_fetch``)."""
+    its first selection (``PolicyLayerState.first_fetch``)."""
     fetched = read = fetched_warm = read_warm = 0
     for s in states:
         fetched += int(s.store.rows_fetched.sum())
@@ -193,7 +228,9 @@ class RunStats:
     context_tokens: int
     decode_steps: int
     budget: int | None
-    reselect_share: float | None  # of (layer, sequence, step) triples that re-selected
+    # of (layer, sequence, decode step) triples that re-selected; a first selection made at the
+    # prefill (``first_selection="prompt"``) is no step's and not counted
+    reselect_share: float | None
     device_kv_bytes: int
     full_kv_bytes: int
     served_layers: int
@@ -354,11 +391,7 @@ class PolicySession:
             self._saved_attn = None
 
     def _set_attn(self, name: str) -> None:
-        # set on every sub-config so that composite models route their decoder through us
-        for module in self.model.modules():
-            config = getattr(module, "config", None)
-            if config is not None and hasattr(config, "_attn_implementation"):
-                config._attn_implementation = name
+        _set_attention(self.model, name)
 
     def stats(self) -> RunStats:
         """Figures of the last generation in this session."""

@@ -57,6 +57,12 @@ class Trigger:
         what is held reads it here instead of recomputing it. Device work only (it runs inside
         the captured step, in the re-selection's conditional node)."""
 
+    def prompt_selected(self, state: Any, query: torch.Tensor) -> None:
+        """Called once, after ``selected``, where the policy made its first selection at the end of
+        the prefill from the prompt's last query ``(batch, num_q_heads, head_dim)``
+        (``first_selection="prompt"``): a trigger that compares queries or counts steps from a
+        selection starts from this one."""
+
     def decide(self, query: torch.Tensor, state: Any) -> torch.Tensor:
         """``query``: ``(batch, num_q_heads, head_dim)``, this step's post-RoPE query."""
         raise NotImplementedError

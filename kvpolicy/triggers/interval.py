@@ -18,7 +18,8 @@ class IntervalState:
 @register("trigger", "interval")
 @dataclass
 class Interval(Trigger):
-    """Re-select every ``n`` decode steps (the first step always selects)."""
+    """Re-select every ``n`` decode steps (the first step always selects, unless the policy's
+    first selection was the prompt's: then steps ``n - 1``, ``2n - 1``, ...)."""
 
     n: int = 16
 
@@ -28,6 +29,10 @@ class Interval(Trigger):
 
     def init_state(self, batch, num_q_heads, head_dim, device) -> IntervalState:
         return IntervalState(steps=torch.zeros(batch, dtype=torch.long, device=device))
+
+    def prompt_selected(self, state: IntervalState, query: torch.Tensor) -> None:
+        """The prompt's selection counts as the one before the first step: the next is ``n`` later."""
+        state.steps.fill_(1)
 
     def decide(self, query: torch.Tensor, state: IntervalState) -> torch.Tensor:
         return reference_step.interval_fire(state.steps, self.n)

@@ -47,6 +47,11 @@ class QueryCosine(Trigger):
             has_previous=torch.zeros(batch, dtype=torch.bool, device=device),
         )
 
+    def prompt_selected(self, state: QueryCosineState, query: torch.Tensor) -> None:
+        """The prompt's last query is the first step's reference (previous and anchor alike)."""
+        state.previous.copy_(query.float())
+        state.has_previous.fill_(True)
+
     def decide(self, query: torch.Tensor, state: QueryCosineState) -> torch.Tensor:
         # the layer also forces a first selection; has_previous marks exactly that step
         return reference_step.query_cosine_fire(query, state.previous, state.has_previous, self.tau,
