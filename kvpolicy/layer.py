@@ -202,6 +202,10 @@ class PolicyLayerState:
         trigger.prompt_selected(self.trigger_state, prompt_query)
         self.has_selection.fill_(True)
         self.reselect.fill_(False)
+        # the selection is made where the first decode token's slot begins: a boundary there, as a
+        # selection forced at the first step would write, so a decode unit never joins the prompt's
+        # last tokens to the generated ones
+        self.boundary[:, self.store.length] = True
         # a re-selection's miss fraction counts from after the selection that found an empty buffer
         self.first_fetch = (self.store.pool_rows_read.clone(), self.store.rows_fetched.clone())
 

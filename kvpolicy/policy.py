@@ -268,6 +268,8 @@ class Policy:
         if self.admit != "room":
             # likewise: the specs (and eval cells) of policies at the old behaviour stay as they were
             spec["admit"] = self.admit
+        if self.first_selection != "first_step":
+            spec["first_selection"] = self.first_selection
         return spec
 
     def apply(self, model: Any):
@@ -306,6 +308,8 @@ class Policy:
                 f"selector={_short(self.selector)}",
                 *parts,
             ]
+            if not self.trigger.always_reselects:
+                parts.insert(4, f"first_selection={self.first_selection}")
         return f"{self.name}: " + ", ".join(parts)
 
 

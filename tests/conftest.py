@@ -188,6 +188,15 @@ def benchmark_script() -> Callable[[str], Any]:
     return load
 
 
+def prompt_query(batch: int, q_heads: int, dim: int, device: Any = "cpu", dtype: torch.dtype = torch.float32,
+                 seed: int = 0) -> torch.Tensor:
+    """A prompt's last query ``(batch, q_heads, dim)`` for a layer prefilled by hand: what a policy with
+    ``first_selection="prompt"`` (the louiskv preset's) selects from. Drawn from its own generator, so
+    a test's other draws stay as they were."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, q_heads, dim, generator=gen).to(device, dtype)
+
+
 @pytest.fixture
 def pools_as_on_a_gpu(monkeypatch):
     """Stores whose pool shares their attention device are set up as a GPU pool's are (``from_prefill``

@@ -15,12 +15,12 @@ VARIANTS = {
     "pariskv-flushing": ("pariskv", {"prefill_units": _FLUSHING, "decode_units": _FLUSHING}),
     # triggers that keep their selection, so reuse and admission are on the compared path:
     # query_cosine at the lowest tau selects once (the forced first step) and admits from then on
-    "louiskv-keep": ("louiskv", {"trigger": {"name": "query_cosine", "tau": -1.0}}),
+    "louiskv-keep": ("louiskv", {"trigger": {"name": "query_cosine", "tau": -1.0}, "first_selection": "first_step"}),
     "quest-interval": ("quest", {"trigger": {"name": "interval", "n": 8}}),
-    # the first selection made at the prefill from the prompt's last query: with the preset's trigger,
-    # and with one that then never re-selects
-    "louiskv-prompt": ("louiskv", {"first_selection": "prompt"}),
-    "louiskv-keep-prompt": ("louiskv", {"trigger": {"name": "query_cosine", "tau": -1.0}, "first_selection": "prompt"}),
+    # the louiskv preset's first selection is the prompt's: here the first step's instead, and the
+    # prompt's with a trigger that then never re-selects
+    "louiskv-first-step": ("louiskv", {"first_selection": "first_step"}),
+    "louiskv-keep-prompt": ("louiskv", {"trigger": {"name": "query_cosine", "tau": -1.0}}),
     # a GPU unit cache (given a size, it applies on the CPU too): the fetch reads through it.
     # 1024 rows: at least the retrieved rows of the dense-equivalence budget (512 - 68)
     "louiskv-unit-cache": ("louiskv", {"trigger": {"name": "interval", "n": 4}, "unit_cache_rows": 1024}),

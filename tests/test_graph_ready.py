@@ -19,6 +19,7 @@ import torch
 import kvpolicy
 from kvpolicy.layer import PolicyLayerState
 
+from conftest import prompt_query
 from every_preset import CACHED_PRESETS, RETRIEVAL_PRESETS
 from host_reads import HostReadError, no_host_reads
 
@@ -74,7 +75,7 @@ def _layer(name: str, seed: int, past_context: bool = False) -> tuple[PolicyLaye
     valid = torch.ones(B, PROMPT, dtype=torch.bool)
     valid[1, :7] = False  # left padding
     state = PolicyLayerState(policy, 0, torch.device("cpu"))
-    state.prefill(keys, values, valid, HQ)
+    state.prefill(keys, values, valid, HQ, last_query=prompt_query(B, HQ, D))
     steps = torch.randn(STEPS, 3, B, HQ, D, generator=gen)
     return state, steps
 

@@ -39,9 +39,11 @@ def _policy(name: str, budget: int = BUDGET, **options) -> kvpolicy.Policy:
 class Run:
     """A layer fed by the test, which keeps every key it wrote, by slot."""
 
-    def __init__(self, policy: kvpolicy.Policy, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor):
+    def __init__(self, policy: kvpolicy.Policy, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+                 last_query: torch.Tensor):
+        """``last_query (B, HQ, D)``: the prompt's last query, which the louiskv preset selects from."""
         self.state = PolicyLayerState(policy, 0, torch.device("cpu"))
-        self.state.prefill(keys, values, valid, HQ)
+        self.state.prefill(keys, values, valid, HQ, last_query=last_query)
         self.keys = list(keys.unbind(2))  # slot -> (B, H, D)
         self.valid = valid
         self.fired: list[list[bool]] = []  # per decode step, per sequence: re-selected
@@ -82,8 +84,12 @@ def _directions(gen: torch.Generator) -> torch.Tensor:
 
 def _queries(direction: torch.Tensor, gen: torch.Generator, length: float = 3.0, noise: float = 0.1) -> torch.Tensor:
     """``(B, Hq, D)``: every query head of a group along its KV head's direction, a little apart."""
-    q = direction.repeat_interleave(HQ // H, dim=1)
-    return length * q + noise * torch.randn(B, HQ, D, generator=gen)
+    return _along(direction, length) + noise * torch.randn(B, HQ, D, generator=gen)
+
+
+def _along(direction: torch.Tensor, length: float = 3.0) -> torch.Tensor:
+    """``(B, Hq, D)``: every query head of a group exactly along its KV head's direction (no draw)."""
+    return length * direction.repeat_interleave(HQ // H, dim=1)
 
 
 # --- a planted needle --------------------------------------------------------------------------
@@ -106,7 +112,7 @@ def _needle_run(name: str, seed: int = 0) -> tuple[Run, torch.Tensor, torch.Gene
     valid[1, :7] = False  # left padding
     # room for two of arkvale's 32-token pages: the needles' two pages (and the generated one's
     # neighbour) are all the budget must hold
-    return Run(_policy(name, budget=NEEDLE_BUDGET), keys, values, valid), direction, gen
+    return Run(_policy(name, budget=NEEDLE_BUDGET), keys, values, valid, _along(direction)), direction, gen
 
 
 def _needle_steps(run: Run, direction: torch.Tensor, gen: torch.Generator):
@@ -183,7 +189,7 @@ def test_recall_beats_streaming_by_a_margin(name):
         gen = torch.Generator().manual_seed(0)
         keys, centres = _topic_keys(gen)
         values = torch.randn(B, H, PROMPT, D, generator=gen)
-        run = Run(_policy(which), keys, values, torch.ones(B, PROMPT, dtype=torch.bool))
+        run = Run(_policy(which), keys, values, torch.ones(B, PROMPT, dtype=torch.bool), _along(centres[:, :, 3], 4.0))
         # the queries stay on topics 3 and 11 (far from the window), switching once
         total = 0.0
         for step in range(24):
@@ -240,7 +246,7 @@ def _decoded(name: str, steps: int, seed: int = 4, **options) -> Run:
     values = torch.randn(B, H, PROMPT, D, generator=gen)
     valid = torch.ones(B, PROMPT, dtype=torch.bool)
     valid[1, :7] = False
-    run = Run(_policy(name, **options), keys, values, valid)
+    run = Run(_policy(name, **options), keys, values, valid, _along(direction))
     for step in range(steps):
         # queries that turn now and then, so a query_cosine trigger cuts segments
         turn = direction if (step // 7) % 2 == 0 else -direction
@@ -313,7 +319,8 @@ def test_the_analytic_index_encodes_the_pool_rows_of_its_slots():
 @pytest.mark.parametrize("name, page", [("quest", 16), ("arkvale", 32), ("clusterkv", 16), ("louiskv", None)])
 def test_decode_units_are_cut_where_their_builder_says(name, page):
     """Pages: every ``size`` leaving tokens. Segments: at the first leaving token and at each token
-    produced by a step at which the trigger fired (LouisKV's semantic boundaries)."""
+    produced by a step at which the trigger fired (LouisKV's semantic boundaries), or, where the
+    prompt made the first selection, at the first generated token."""
     run = _decoded(name, STEPS)
     table = run.state.units
     first = PROMPT - LOCAL  # the first token to leave the ring (a prompt token of the window)
@@ -323,7 +330,8 @@ def test_decode_units_are_cut_where_their_builder_says(name, page):
             starts = list(range(first, left, page))
         else:
             fired = [PROMPT + step for step, seqs in enumerate(run.fired) if seqs[b] and PROMPT + step < left]
-            starts = sorted({first, *fired})
+            at_prompt = {PROMPT} if run.state.policy.first_selection == "prompt" else set()
+            starts = sorted({first, *fired} | at_prompt)
             assert len(starts) >= 3, "the test's queries turn every 7 steps: the trigger should fire"
         ends = starts[1:] + [left]
         for h in range(H):

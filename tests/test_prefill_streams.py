@@ -25,6 +25,8 @@ from kvpolicy import layer as layer_module
 from kvpolicy.layer import PolicyLayerState
 from kvpolicy.triggers.score_gap import ScoreGap
 
+from conftest import prompt_query
+
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 B, HQ, H, D, PROMPT = 1, 4, 1, 16, 300
@@ -87,7 +89,7 @@ def test_score_gap_attaches_after_the_side_stream_built_the_units(fake_streams: 
     gen = torch.Generator().manual_seed(0)
     state = PolicyLayerState(_louiskv_score_gap(), 1, torch.device("cpu"))
     state.prefill(torch.randn(B, H, PROMPT, D, generator=gen), torch.randn(B, H, PROMPT, D, generator=gen),
-                  torch.ones(B, PROMPT, dtype=torch.bool), HQ)
+                  torch.ones(B, PROMPT, dtype=torch.bool), HQ, last_query=prompt_query(B, HQ, D))
     log = fake_streams
     steps = [entry[0] for entry in log]
     assert steps.count("build") == 1 and steps.count("attach") == 1, log

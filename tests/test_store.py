@@ -6,6 +6,8 @@ import torch
 import kvpolicy
 from kvpolicy.integrations.transformers import cache_argument_name
 
+from conftest import prompt_query
+
 
 def _decode_and_observe(model, policy, prompt_len=150, steps=40, pad=5):
     torch.manual_seed(0)
@@ -73,7 +75,8 @@ def test_a_prompt_shorter_than_the_window_keeps_its_sink():
     valid = torch.ones(batch, prompt, dtype=torch.bool)
     valid[1, :3] = False  # left padding: sequence 1 has 3 prompt tokens, so one sink row stays empty
     state.prefill(torch.randn(batch, heads, prompt, dim, generator=gen),
-                  torch.randn(batch, heads, prompt, dim, generator=gen), valid, heads)
+                  torch.randn(batch, heads, prompt, dim, generator=gen), valid, heads,
+                  last_query=prompt_query(batch, heads, dim))
     for _ in range(40):
         state.decode(torch.randn(batch, heads, dim, generator=gen), torch.randn(batch, heads, dim, generator=gen),
                      torch.randn(batch, heads, dim, generator=gen), dim ** -0.5)
@@ -100,7 +103,8 @@ def test_a_budget_past_the_context_allocates_only_what_can_be_retrieved():
     policy = kvpolicy.preset("quest", budget=100_000, local=local, backend="reference")
     state = PolicyLayerState(policy, 0, torch.device("cpu"))
     state.prefill(torch.randn(batch, heads, prompt, dim, generator=gen),
-                  torch.randn(batch, heads, prompt, dim, generator=gen), torch.ones(batch, prompt, dtype=torch.bool), heads)
+                  torch.randn(batch, heads, prompt, dim, generator=gen), torch.ones(batch, prompt, dtype=torch.bool), heads,
+                  last_query=prompt_query(batch, heads, dim))
     store = state.store
     assert store.retrieval_limit == 100_000 - 4 - local
     assert store.retrieval_capacity == prompt - local - 4
@@ -124,7 +128,8 @@ def _short_prompt_layer(name, prompt, budget, pad, seed=0, **options):
     valid = torch.ones(batch, prompt, dtype=torch.bool)
     valid[1, :pad] = False  # left padding
     state.prefill(torch.randn(batch, heads, prompt, dim, generator=gen),
-                  torch.randn(batch, heads, prompt, dim, generator=gen), valid, heads)
+                  torch.randn(batch, heads, prompt, dim, generator=gen), valid, heads,
+                  last_query=prompt_query(batch, heads, dim))
     return state, gen, dim
 
 
@@ -202,6 +207,6 @@ def test_a_layer_tells_its_store_whether_its_policy_reselects_every_step(monkeyp
     gen = torch.Generator().manual_seed(2)
     state = PolicyLayerState(kvpolicy.preset(name, budget=40, local=8, backend="reference"), 0, torch.device("cpu"))
     state.prefill(torch.randn(1, 2, 96, 8, generator=gen), torch.randn(1, 2, 96, 8, generator=gen),
-                  torch.ones(1, 96, dtype=torch.bool), 2)
+                  torch.ones(1, 96, dtype=torch.bool), 2, last_query=prompt_query(1, 2, 8))
     assert seen == [every_step]
     assert not state.store.attend_pool  # asked, but a CPU store never attends by slot

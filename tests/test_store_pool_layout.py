@@ -5,6 +5,8 @@ import torch
 from kvpolicy.layer import PolicyLayerState
 from kvpolicy.presets import preset
 
+from conftest import prompt_query
+
 
 def _prefilled(name: str, batch=2, heads=2, prompt=600, dim=32):
     torch.manual_seed(0)
@@ -14,7 +16,8 @@ def _prefilled(name: str, batch=2, heads=2, prompt=600, dim=32):
     keys, values = torch.randn(batch, heads, prompt, dim), torch.randn(batch, heads, prompt, dim)
     valid = torch.ones(batch, prompt, dtype=torch.bool)
     valid[1, :37] = False  # left padding
-    state.prefill(keys, values, valid, num_q_heads=4 * heads)
+    state.prefill(keys, values, valid, num_q_heads=4 * heads,
+                  last_query=prompt_query(keys.shape[0], 4 * heads, keys.shape[-1], keys.device, keys.dtype))
     return state, keys, values
 
 

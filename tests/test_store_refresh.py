@@ -16,6 +16,8 @@ from kvpolicy.kernels import reference
 from kvpolicy.layer import PolicyLayerState
 from kvpolicy.store import TieredStore
 
+from conftest import prompt_query
+
 CUDA = torch.cuda.is_available()
 B, H, D, PROMPT, SINK, LOCAL, R = 2, 3, 16, 200, 2, 8, 12
 
@@ -302,7 +304,8 @@ def _decoded(name: str, steps: int, device: str = "cpu", **options) -> PolicyLay
     policy = kvpolicy.preset(name, budget=100, sink=4, local=16, **options)
     state = PolicyLayerState(policy, 0, torch.device(device))
     prompt = torch.randn(2, B, H, 300, D, generator=gen).to(device)
-    state.prefill(prompt[0], prompt[1], torch.ones(B, 300, dtype=torch.bool, device=device), hq)
+    state.prefill(prompt[0], prompt[1], torch.ones(B, 300, dtype=torch.bool, device=device), hq,
+                  last_query=prompt_query(B, hq, D, device, prompt[0].dtype))
     for _ in range(steps):
         q = torch.randn(B, hq, D, generator=gen).to(device)
         k, v = torch.randn(2, B, H, D, generator=gen).to(device)

@@ -52,11 +52,13 @@ def note_decision(
     slot: torch.Tensor, reselect: torch.Tensor,
 ) -> None:
     """The step's decision from the trigger's ``fire (B,)``: ``reselect = fire | ~has_selection``
-    (the first step always selects), written into ``reselect`` and ``boundary[:, slot]``; then
+    (the first step selects unless the prompt did), written into ``reselect`` and or-ed into
+    ``boundary[:, slot]`` (which a selection from the prompt marked at the first step's slot); then
     ``has_selection`` becomes True and ``reselections`` counts it."""
     decided = fire | ~has_selection
     reselect.copy_(decided)
-    boundary.index_copy_(1, slot.view(1), decided.view(-1, 1))
+    at = slot.view(1)
+    boundary.index_copy_(1, at, boundary.index_select(1, at) | decided.view(-1, 1))
     has_selection.fill_(True)
     reselections.add_(decided.long())
 

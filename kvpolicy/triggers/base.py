@@ -15,12 +15,14 @@ import torch
 
 class Decision(NamedTuple):
     """Where a layer's decode step writes its decision (``note_decision``'s outputs):
-    ``reselect = fire | ~has_selection`` (the first step always selects), also written to
-    ``boundary[:, slot]``; then ``has_selection`` is True and ``reselections`` counts it."""
+    ``reselect = fire | ~has_selection`` (the first step selects unless the prompt did), also or-ed
+    into ``boundary[:, slot]``; then ``has_selection`` is True and ``reselections`` counts it."""
 
     has_selection: torch.Tensor  # (B,) bool
     reselections: torch.Tensor  # (B,) long
-    boundary: torch.Tensor  # (B, capacity) bool: whether the trigger fired when the slot's token came
+    # (B, capacity) bool: whether the trigger fired when the slot's token came (or, at the first
+    # decode slot, the prompt selected)
+    boundary: torch.Tensor
     slot: torch.Tensor  # () long: this step's token's slot
     reselect: torch.Tensor  # (B,) bool: this step's decision
 

@@ -13,6 +13,8 @@ import kvpolicy
 from kvpolicy.errors import ConfigError
 from kvpolicy.triggers.query_cosine import QueryCosine
 
+from conftest import prompt_query
+
 
 def _unit(angle_degrees: float) -> torch.Tensor:
     """A (1, 1, 2) query at ``angle_degrees`` in the plane."""
@@ -89,7 +91,7 @@ def _prefilled(preset: str, **options):
     state = PolicyLayerState(kvpolicy.preset(preset, budget=96, sink=4, local=16, **options), 0, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     state.prefill(torch.randn(2, 2, 160, 16, generator=gen), torch.randn(2, 2, 160, 16, generator=gen),
-                  torch.ones(2, 160, dtype=torch.bool), 4)
+                  torch.ones(2, 160, dtype=torch.bool), 4, last_query=prompt_query(2, 4, 16))
     return state, gen
 
 
@@ -152,7 +154,8 @@ def test_an_always_reselecting_step_admits_with_no_launch_unless_it_evicts(prese
 def test_a_step_writes_its_decision_in_the_fewest_ops(preset, trigger, per_step, monkeypatch):
     """The bound decision ops a decode step calls: none for an always-reselecting trigger, one where
     a trigger's own op writes the decision, a fire op and ``note_decision`` otherwise."""
-    options = {} if trigger is None else {"trigger": trigger}
+    # the first step's selection forced: every decision path notes at least one re-selection
+    options = {} if trigger is None else {"trigger": trigger, "first_selection": "first_step"}
     state, gen = _prefilled(preset, **options)
     calls = []
     ops = copy.copy(state.ops)

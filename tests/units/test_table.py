@@ -16,6 +16,8 @@ import kvpolicy
 from kvpolicy.layer import PolicyLayerState
 from kvpolicy.units.table import TOKEN_BYTES, unit_bytes
 
+from conftest import prompt_query
+
 B, H, HQ, D, PROMPT, LOCAL = 1, 2, 4, 16, 200, 16
 
 
@@ -34,7 +36,7 @@ def _decode(name: str, steps: int, seed: int = 0) -> PolicyLayerState:
     policy = kvpolicy.preset(name, budget=128, local=LOCAL, backend="reference")
     state = PolicyLayerState(policy, 0, torch.device("cpu"))
     state.prefill(torch.randn(B, H, PROMPT, D, generator=gen), torch.randn(B, H, PROMPT, D, generator=gen),
-                  torch.ones(B, PROMPT, dtype=torch.bool), HQ)
+                  torch.ones(B, PROMPT, dtype=torch.bool), HQ, last_query=prompt_query(B, HQ, D))
     # one query direction with a little noise: query_cosine fires now and then, not on every step
     direction = torch.randn(B, HQ, D, generator=gen)
     for _ in range(steps):
@@ -105,7 +107,7 @@ def test_a_reserve_before_any_step_is_bounded_by_the_decode_builders_rule():
 
     gen = torch.Generator().manual_seed(0)
     keys, values = torch.randn(2, 2, PROMPT, 16, generator=gen), torch.randn(2, 2, PROMPT, 16, generator=gen)
-    run = Run(_policy("quest"), keys, values, torch.ones(2, PROMPT, dtype=torch.bool))
+    run = Run(_policy("quest"), keys, values, torch.ones(2, PROMPT, dtype=torch.bool), prompt_query(2, HQ, D))
     table = run.state.units
     run.state.plan.reserve(1600)
     assert table.start.shape[-1] <= table.num_prompt_units + 1600 // 16 + 16

@@ -110,7 +110,8 @@ def note_rows(fire, b, ok, has_ptr, count_ptr, boundary_ptr, slot_ptr, out_ptr, 
     decided = fire | (tl.load(has_ptr + b, mask=ok, other=0) == 0)
     flag = decided.to(tl.uint8)
     tl.store(out_ptr + b, flag, mask=ok)
-    tl.store(boundary_ptr + b * boundary_sb + tl.load(slot_ptr).to(tl.int64), flag, mask=ok)
+    at = boundary_ptr + b * boundary_sb + tl.load(slot_ptr).to(tl.int64)
+    tl.store(at, flag | tl.load(at, mask=ok, other=0), mask=ok)
     tl.store(has_ptr + b, flag | 1, mask=ok)
     tl.store(count_ptr + b, tl.load(count_ptr + b, mask=ok, other=0) + decided.to(tl.int64), mask=ok)
 
