@@ -178,3 +178,16 @@ def test_a_run_that_keeps_the_prompt_selection_reports_no_reselection(model_and_
         assert out.tolist() == dense.tolist()
     # 8 new tokens are 7 decode steps: the last one is never fed back
     assert shares == {"first_step": pytest.approx(1 / 7), "prompt": 0.0}
+
+
+def test_the_spec_and_the_description_name_it_where_it_applies():
+    prompt = kvpolicy.preset("louiskv")
+    first_step = kvpolicy.preset("louiskv", first_selection="first_step")
+    assert prompt.first_selection == "prompt"  # the preset's default
+    assert prompt.to_dict()["first_selection"] == "prompt"
+    # at the old behaviour the spec keeps its old keys (the eval's cell keys hash them)
+    assert "first_selection" not in first_step.to_dict()
+    for policy in (prompt, first_step):
+        assert kvpolicy.Policy.from_dict(policy.to_dict()) == policy
+    assert "first_selection=prompt" in prompt.describe()
+    assert "first_selection" not in kvpolicy.preset("quest").describe()  # it re-selects every step
