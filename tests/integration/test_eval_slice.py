@@ -7,7 +7,9 @@ louiskv must score near full attention. This slice measured (2026-12-07, session
 preset's score-gap trigger): recall streaming 0.798, quest 0.896, louiskv 0.958 (louiskv
 re-selecting in 11-25% of (layer, step) pairs); scores full 87.5, louiskv 81.2 (one multivalue
 value lost), quest 62.5, streaming 43.8. (On 2026-12-01, with the query-cosine trigger re-selecting
-in 81-83%: louiskv 0.971 and 87.5.) louiskv and quest add 8 of the 20 cells.
+in 81-83%: louiskv 0.971 and 87.5.) Since session 44 louiskv selects first from the prompt's last query:
+the same scores (81.2) at 8-15% re-selecting, recall 0.957 (2026-12-08, CPU). louiskv and quest add 8 of
+the 20 cells.
 """
 
 import importlib.util
