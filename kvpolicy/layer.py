@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import graph_branch
+from .errors import KVPolicyError
 from .kernels import dispatch
 from .placement import PoolPlacer
-from .errors import KVPolicyError
 from .plan import LayerPlan, SplitPlan
 from .store import TieredStore
 from .triggers.base import Decision
