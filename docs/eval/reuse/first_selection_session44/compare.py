@@ -3,7 +3,7 @@ preset's cells before (the first step's selection forced), answer by answer.
 
     python docs/eval/reuse/first_selection_session44/compare.py
 
-Reads each cell's new rows (``*/results.jsonl`` here: s4k, s8k, g8k, g16k) and the earlier runs of the
+Reads each cell's new rows (``*/results.jsonl`` here: s4k, s8k, g8k, g16k, g32k) and the earlier runs of the
 same samples listed in BEFORE; prints per cell the mean score and re-selection share (the mean of the
 samples', and over all (layer, step) pairs where the rows record their steps), and the samples whose
 answers differ.
@@ -25,13 +25,17 @@ BEFORE = {
     "g8k": [(REUSE.parent / "gemma3/session25_8k/results.jsonl", "louiskv"),
             (REUSE / "gemma3_8k_512_seeds23_session34/results.jsonl", "louiskv")],
     "g16k": [(REUSE.parent / "gemma3/session23_out4_cpu", "out4-each+0.5*")],
+    "g32k": [(REUSE.parent / "gemma3/session23_out4_cpu", "out4-each+0.5*")],
+    "g32k@2048": [(REUSE.parent / "gemma3/session23_out4_cpu", "out4-each+0.5*")],
 }
-LENGTHS = {"s4k": 4096, "s8k": 8192, "g8k": 8192, "g16k": 16384}
+# (prompt length, budget) of each cell; a cell's new rows are in the folders named by its part before "@"
+CELLS = {"s4k": (4096, 512), "s8k": (8192, 512), "g8k": (8192, 512), "g16k": (16384, 512),
+         "g32k": (32704, 512), "g32k@2048": (32704, 2048)}
 
 
-def rows(path: Path, preset: str, length: int) -> dict:
-    """``{(task, seed): row}`` of ``preset``'s budget-512 rows at ``length`` in a file or a folder's files
-    (``preset`` ending in "*": any label starting so)."""
+def rows(path: Path, preset: str, length: int, budget: int) -> dict:
+    """``{(task, seed): row}`` of ``preset``'s rows at ``length`` and ``budget`` in a file or a folder's
+    files (``preset`` ending in "*": any label starting so)."""
     files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
     found = {}
     for file in files:
@@ -39,7 +43,7 @@ def rows(path: Path, preset: str, length: int) -> dict:
             row = json.loads(line)
             label = str(row.get("preset", ""))
             named = label.startswith(preset[:-1]) if preset.endswith("*") else label == preset
-            if named and row.get("length") == length and row.get("budget") == 512:
+            if named and row.get("length") == length and row.get("budget") == budget:
                 found[(row["task"], row["seed"])] = row
     return found
 
@@ -53,13 +57,13 @@ def share_over_pairs(cells) -> float | None:
 def main() -> None:
     for cell, sources in BEFORE.items():
         new_rows = {}
-        for part in sorted(HERE.glob(f"{cell}[AB]/results.jsonl")):
-            new_rows.update(rows(part, "louiskv", LENGTHS[cell]))
+        for part in sorted(HERE.glob(f"{cell.split('@')[0]}[AB]/results.jsonl")):
+            new_rows.update(rows(part, "louiskv", *CELLS[cell]))
         if not new_rows:
             continue
         before = {}
         for path, preset in sources:
-            before.update(rows(path, preset, LENGTHS[cell]))
+            before.update(rows(path, preset, *CELLS[cell]))
         keys = sorted(new_rows)
         new = [new_rows[k] for k in keys]
         old = [before[k] for k in keys if k in before]
