@@ -77,6 +77,7 @@ def fake_streams(monkeypatch: pytest.MonkeyPatch) -> list:
     monkeypatch.setattr(PolicyLayerState, "_build_index_and_pool",
                         where("build", PolicyLayerState._build_index_and_pool))
     monkeypatch.setattr(ScoreGap, "attach", where("attach", ScoreGap.attach))
+    monkeypatch.setattr(PolicyLayerState, "_reselect", where("select", PolicyLayerState._reselect))
     return log
 
 
@@ -98,8 +99,11 @@ def test_score_gap_attaches_after_the_side_stream_built_the_units(fake_streams: 
     # the trigger reads the units on the stream that built them, after them...
     assert log[attach] == ("attach", "side"), f"score_gap attached on the {log[attach][1]} stream: {log}"
     assert attach > build
-    # ...and the event the first decode step waits for is recorded after it
-    assert log[-1] == ("ready", "side") and len(log) - 1 > attach, log
+    # ...and so does the first selection, from the prompt's last query (the louiskv preset's)...
+    assert steps.count("select") == 1 and log[steps.index("select")] == ("select", "side"), log
+    assert steps.index("select") > attach
+    # ...and the event the first decode step waits for is recorded after them
+    assert log[-1] == ("ready", "side") and len(log) - 1 > steps.index("select"), log
 
     # the decode then runs as on the CPU, its first step waiting for that event
     for _ in range(3):
