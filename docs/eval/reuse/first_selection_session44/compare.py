@@ -6,7 +6,7 @@ preset's cells before (the first step's selection forced), answer by answer.
 Reads each cell's new rows (``*/results.jsonl`` here: s4k, s8k, g8k, g16k, g32k) and the earlier runs of the
 same samples listed in BEFORE; prints per cell the mean score and re-selection share (the mean of the
 samples', and over all (layer, step) pairs where the rows record their steps), and the samples whose
-answers differ.
+answers differ; plots each cell's score against its share, before and now (frontier.png).
 """
 
 from __future__ import annotations
@@ -54,7 +54,41 @@ def share_over_pairs(cells) -> float | None:
     return sum(c["reselect_share"] * c["decode_steps"] for c in cells) / sum(c["decode_steps"] for c in cells)
 
 
+# every-step clusterkv's score on the same samples (EVAL.md's status table, "Where issue 14's needle targets
+# stand"): the target is louiskv within 2 points of it at no more than 25% re-selecting
+CLUSTERKV = {"s4k": 58.6, "s8k": 32.8, "g8k": 43.8, "g16k": 28.1, "g32k": 37.5}
+NAMES = {"s4k": "SmolLM2 4K", "s8k": "SmolLM2 8K", "g8k": "Gemma 3 8K", "g16k": "Gemma 3 16K", "g32k": "Gemma 3 32K"}
+
+
+def plot(points: dict, path: Path) -> None:
+    """Each cell's louiskv score against its re-selection share, before and now, beside clusterkv's score."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(points), figsize=(3.2 * len(points), 3.4), sharey=True)
+    for ax, (cell, (before, now)) in zip(list(getattr(axes, "flat", [axes])), points.items()):
+        ax.axvspan(0, 25, color="0.93", label="share target (<= 25%)")
+        ax.axhline(CLUSTERKV[cell], color="tab:green", ls="--", label="every-step clusterkv")
+        ax.axhspan(CLUSTERKV[cell] - 2, CLUSTERKV[cell] + 100, color="tab:green", alpha=0.08,
+                   label="score target (clusterkv - 2 or more)")
+        ax.annotate("", xy=now, xytext=before, arrowprops={"arrowstyle": "->", "color": "tab:blue"})
+        ax.plot(*before, "o", color="0.5", label="louiskv, first step forced")
+        ax.plot(*now, "o", color="tab:blue", label="louiskv, first from the prompt")
+        ax.set_title(NAMES[cell])
+        ax.set_xlim(0, 35)
+        ax.set_xlabel("re-selecting (layer, step) pairs, %")
+    first = list(getattr(axes, "flat", [axes]))[0]
+    first.set_ylabel("needle score")
+    first.set_ylim(0, 70)
+    first.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
+    points = {}
     for cell, sources in BEFORE.items():
         new_rows = {}
         for part in sorted(HERE.glob(f"{cell.split('@')[0]}[AB]/results.jsonl")):
@@ -73,12 +107,18 @@ def main() -> None:
             print(f"  {label:6}: score {statistics.mean(c['score'] for c in cells):.1f}, re-selecting "
                   f"{100 * statistics.mean(c['reselect_share'] for c in cells):.1f}%"
                   + ("" if pairs is None else f" ({100 * pairs:.1f}% over pairs)"))
+        if cell in CLUSTERKV and len(old) == len(new):
+            points[cell] = tuple((100 * statistics.mean(c["reselect_share"] for c in cells),
+                                  statistics.mean(c["score"] for c in cells)) for cells in (old, new))
         same = sum(new_rows[k]["prediction"] == before[k]["prediction"] for k in keys if k in before)
         print(f"  the same answer: {same} of {len(old)}")
         for k in keys:
             if k in before and new_rows[k]["prediction"] != before[k]["prediction"]:
                 print(f"    {k[0]} seed {k[1]}: {before[k]['score']:.0f} -> {new_rows[k]['score']:.0f}  "
                       f"{before[k]['prediction'][:48]!r} -> {new_rows[k]['prediction'][:48]!r}")
+    if points:
+        plot(points, HERE / "frontier.png")
+        print(f"wrote {HERE / 'frontier.png'}")
 
 
 if __name__ == "__main__":
