@@ -124,7 +124,7 @@ def _louiskv(model: Any = None, **options: Any) -> Policy:
     calibrated tau, 0.7 (LouisKV's for Qwen3-8B) without one. trigger="query_cosine" names the
     paper's trigger at the model's calibrated tau (0.95 for SmolLM2). The first selection is made
     from the prompt's last query at the end of the prefill (``LOUISKV_FIRST_SELECTION``;
-    ``first_selection="first_step"`` makes it at the first decode step, as the paper does)."""
+    ``first_selection="first_step"`` makes it at the first decode step, whatever the trigger says)."""
     model = _embedded_id(model)
     trigger = options.pop("trigger", None)
     if trigger is None:
