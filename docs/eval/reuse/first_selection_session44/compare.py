@@ -27,10 +27,13 @@ BEFORE = {
     "g16k": [(REUSE.parent / "gemma3/session23_out4_cpu", "out4-each+0.5*")],
     "g32k": [(REUSE.parent / "gemma3/session23_out4_cpu", "out4-each+0.5*")],
     "g32k@2048": [(REUSE.parent / "gemma3/session23_out4_cpu", "out4-each+0.5*")],
+    # the 4K samples with the first step forced at this session's commit (the rows above are sessions 34-35's)
+    "s4k@first_step": [(HERE / "s4kfsA/results.jsonl", "louiskv-first-step"),
+                       (HERE / "s4kfsB/results.jsonl", "louiskv-first-step")],
 }
 # (prompt length, budget) of each cell; a cell's new rows are in the folders named by its part before "@"
 CELLS = {"s4k": (4096, 512), "s8k": (8192, 512), "g8k": (8192, 512), "g16k": (16384, 512),
-         "g32k": (32704, 512), "g32k@2048": (32704, 2048)}
+         "g32k": (32704, 512), "g32k@2048": (32704, 2048), "s4k@first_step": (4096, 512)}
 
 
 def rows(path: Path, preset: str, length: int, budget: int) -> dict:
@@ -97,10 +100,14 @@ def main() -> None:
             continue
         before = {}
         for path, preset in sources:
-            before.update(rows(path, preset, *CELLS[cell]))
+            if path.exists():
+                before.update(rows(path, preset, *CELLS[cell]))
         keys = sorted(new_rows)
         new = [new_rows[k] for k in keys]
         old = [before[k] for k in keys if k in before]
+        if not old:
+            print(f"{cell}: no earlier rows of its samples")
+            continue
         print(f"{cell}: {len(new)} samples ({len(old)} with earlier rows)")
         for label, cells in (("before", old), ("now", new)):
             pairs = share_over_pairs(cells)
