@@ -19,7 +19,8 @@ def summarize(cells: Iterable[CellResult]) -> list[dict]:
 
     ``reselect_share`` is the mean of the cells' shares; ``reselect_share_pairs`` counts every (layer, step)
     pair of the group once, so a short answer weighs by its steps (None where a cell's steps were not
-    recorded). A short answer's share is at least one over its steps, the first step's selection."""
+    recorded). Where the first decode step is forced to select (``first_selection="first_step"``), a short
+    answer's share is at least one over its steps."""
     groups: dict[tuple, list[CellResult]] = defaultdict(list)
     for cell in cells:
         groups[(cell.model or "", cell.preset, cell.budget, cell.length)].append(cell)
